@@ -1,0 +1,100 @@
+"""ForwardBatch: the one context object a forward pass gets (ids, positions, lengths, KV slots)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from model_executor.layers.attention.base import AttentionBackend
+    from model_executor.memory_pool import KVCache, ReqToTokenPool
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()  # prefill of new tokens, possibly after a cached prefix
+    DECODE = auto()  # exactly one new token per request
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] int32, total KV length after this step
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot written by each new token
+    req_to_token_pool: ReqToTokenPool
+    kv_cache: KVCache
+    attn_backend: AttentionBackend
+    seq_lens_cpu: list[int]
+    # Extend only: new tokens per request and where each request's tokens start in input_ids.
+    extend_seq_lens: torch.Tensor | None = None  # [bs] int32
+    extend_start_loc: torch.Tensor | None = None  # [bs] int32
+    extend_seq_lens_cpu: list[int] | None = None
+    # Set by graph runners when the batch carries padding rows/tokens beyond the real ones.
+    num_real_tokens: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def extend_prefix_lens_cpu(self) -> list[int]:
+        assert self.extend_seq_lens_cpu is not None
+        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_seq_lens_cpu)]
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[int],
+        req_pool_indices: list[int],
+        seq_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        *,
+        extend_seq_lens: list[int] | None,
+        req_to_token_pool: ReqToTokenPool,
+        kv_cache: KVCache,
+        attn_backend: AttentionBackend,
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """Build the batch tensors from host lists (one host-to-device copy per field)."""
+        bs = len(seq_lens)
+        if mode.is_decode():
+            positions = [s - 1 for s in seq_lens]
+            ext, start = None, None
+        else:
+            assert extend_seq_lens is not None and len(extend_seq_lens) == bs
+            positions = [p for s, e in zip(seq_lens, extend_seq_lens) for p in range(s - e, s)]
+            starts, acc = [], 0
+            for e in extend_seq_lens:
+                starts.append(acc)
+                acc += e
+            ext = torch.tensor(extend_seq_lens, dtype=torch.int32, device=device)
+            start = torch.tensor(starts, dtype=torch.int32, device=device)
+        return cls(
+            mode=mode,
+            batch_size=bs,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            req_to_token_pool=req_to_token_pool,
+            kv_cache=kv_cache,
+            attn_backend=attn_backend,
+            seq_lens_cpu=list(seq_lens),
+            extend_seq_lens=ext,
+            extend_start_loc=start,
+            extend_seq_lens_cpu=list(extend_seq_lens) if extend_seq_lens is not None else None,
+        )

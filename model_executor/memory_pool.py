@@ -1,0 +1,118 @@
+"""Token-level paged KV memory (page size 1): request rows, per-layer K/V slot buffers, a slot allocator.
+
+Slot 0 is reserved: it is never handed out, and padded rows of graph batches write their K/V there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfSlotsError(RuntimeError):
+    """The KV pool cannot hand out the slots asked for."""
+
+
+class ReqToTokenPool:
+    """`req_to_token[row, pos]` is the KV slot of token `pos` of the request living in `row`.
+
+    Row 0 is reserved for padding rows of graph batches (all its entries point at slot 0).
+    """
+
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str):
+        self.size = max_requests
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_requests, 0, -1))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise OutOfSlotsError("no free request rows")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        assert 0 < row <= self.size and row not in self._free_rows, f"bad free of request row {row}"
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start : start + slots.numel()] = slots.to(self.req_to_token.device, torch.int32)
+
+
+class KVCache:
+    """Per-layer K and V buffers of shape [num_slots + 1, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.num_slots = num_slots
+        self.dtype = dtype
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][loc] = k.to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+
+class SlotAllocator:
+    """Free list of KV slots 1..num_slots (slot 0 is reserved), kept on the host.
+
+    `is_free` mirrors the free list so double frees and frees of slot 0 are caught cheaply.
+    """
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError("the KV pool needs at least one slot")
+        self.num_slots = num_slots
+        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
+        self._num_free = num_slots
+        self._is_free = torch.ones(num_slots + 1, dtype=torch.bool)
+        self._is_free[0] = False
+
+    def available_size(self) -> int:
+        return self._num_free
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > self._num_free:
+            raise OutOfSlotsError(f"asked for {n} KV slots but only {self._num_free} are free")
+        start = self._num_free - n
+        slots = self._free[start : self._num_free].clone()
+        self._num_free = start
+        self._is_free[slots] = False
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        slots = slots.to("cpu", torch.int64).flatten()
+        if slots.numel() == 0:
+            return
+        if not bool(self._is_free[slots].logical_not().all()) or bool((slots == 0).any()):
+            raise AssertionError("double free or free of the reserved slot 0")
+        if torch.unique(slots).numel() != slots.numel():
+            raise AssertionError("the same slot freed twice in one call")
+        self._is_free[slots] = True
+        self._free[self._num_free : self._num_free + slots.numel()] = slots
+        self._num_free += slots.numel()
+
+    def check_invariant(self, num_held: int) -> None:
+        """free + held (by requests and the prefix cache) must equal the pool size."""
+        if self._num_free + num_held != self.num_slots:
+            raise AssertionError(
+                f"KV slot leak: free {self._num_free} + held {num_held} != total {self.num_slots}"
+            )
+        assert int(self._is_free.sum()) == self._num_free

@@ -1,0 +1,108 @@
+"""ModelConfig: the model's shape and special tokens, read once from an HF folder's config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ModelConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: dict | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+    hf_config: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            name = ", ".join(archs) or cfg.get("model_type", "unknown")
+            raise ModelConfigError(
+                f"unsupported model architecture {name!r}; duet supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):  # transformers >= 5 layout
+            rope_theta = cfg["rope_parameters"].get("rope_theta")
+            if rope_scaling is None and cfg["rope_parameters"].get("rope_type", "default") != "default":
+                rope_scaling = cfg["rope_parameters"]
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias; Llama only when attention_bias says so.
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            rope_scaling=rope_scaling,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            hf_config=cfg,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
+        path = Path(model_path)
+        if not path.is_dir():
+            raise ModelConfigError(f"model path {str(path)!r} is not a folder")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelConfigError(f"model folder {str(path)!r} has no config.json")
+        cfg = json.loads(config_file.read_text())
+        # generation_config.json may list more EOS ids (Llama 3 instruct models do).
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+            if gen_eos is not None:
+                base = cfg.get("eos_token_id")
+                ids = set(base if isinstance(base, list) else ([] if base is None else [base]))
+                ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+                cfg = {**cfg, "eos_token_id": sorted(ids)}
+        return cls.from_dict(cfg)
+
+    @property
+    def context_len(self) -> int:
+        return self.max_position_embeddings
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h

@@ -1,0 +1,132 @@
+"""ModelRunner: owns the model, the KV pools, the attention backend, the sampler and the graph runners,
+and sends each batch down one path (decode graph / decode eager / extend graph / extend eager)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model_executor.forward_batch import ForwardBatch, ForwardMode
+from model_executor.layers.attention import create_attention_backend
+from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
+from model_executor.model_config import ModelConfig
+from model_executor.sampler import Sampler, SampleOutput, SamplingBatchInfo
+from model_executor.sampling_params import SamplingParams
+from model_executor.weight_loader import build_model, init_random_weights, load_model
+
+logger = logging.getLogger("duet.model_runner")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the model runner needs; derived once from ServerArgs (or built directly by tests/benchmarks)."""
+
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    attention_backend: str = "auto"  # auto: torch_native on CPU, triton (or flashinfer) on GPU
+    context_length: int | None = None
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None  # KV slots; None: from memory (GPU) or a CPU budget
+    mem_fraction_static: float = 0.85
+    random_weights: bool = False  # benchmarks / GPU tests: real shapes, random weights
+    seed: int = 0
+    # Graph runners (GPU only; ignored on CPU).
+    disable_cuda_graph: bool = False
+    cuda_graph_bs: tuple[int, ...] = ()  # resolved capture list; empty = no decode graphs
+    disable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_tokens: tuple[int, ...] = ()
+    enable_torch_compile: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return DTYPES[self.dtype]
+
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.context_len = config.context_length or self.model_config.context_len
+        t0 = time.perf_counter()
+        if config.random_weights:
+            self.model = init_random_weights(build_model(self.model_config, self.dtype, self.device), config.seed)
+        else:
+            self.model = load_model(Path(config.model_path), self.model_config, self.dtype, self.device)
+        logger.info("loaded %s (%s, %s) in %.1f s", config.model_path, self.dtype, self.device,
+                    time.perf_counter() - t0)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
+        num_slots = self._num_kv_slots()
+        cfg = self.model_config
+        self.kv_cache = KVCache(num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                self.dtype, self.device)
+        self.allocator = SlotAllocator(num_slots)
+        self.attn_backend = create_attention_backend(config.attention_backend, self)
+        self.sampler = Sampler()
+        self.path_counts: Counter[str] = Counter()
+        self.decode_graph_runner = None
+        self.extend_graph_runner = None
+
+    @property
+    def num_kv_slots(self) -> int:
+        return self.allocator.num_slots
+
+    def _num_kv_slots(self) -> int:
+        cfg = self.model_config
+        per_slot = KVCache.bytes_per_slot(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.mem_fraction_static - (total - free)
+            slots = int(budget // per_slot)
+            if self.config.max_total_tokens:
+                slots = min(slots, self.config.max_total_tokens)
+            if slots < 1:
+                raise RuntimeError("no GPU memory left for the KV cache; raise --mem-fraction-static")
+            return slots
+        return self.config.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+
+    # ---- batches ------------------------------------------------------------------------------
+    def build_batch(self, mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int],
+                    seq_lens: list[int], out_cache_loc: torch.Tensor,
+                    extend_seq_lens: list[int] | None = None) -> ForwardBatch:
+        return ForwardBatch.build(
+            mode, input_ids, req_pool_indices, seq_lens, out_cache_loc, extend_seq_lens=extend_seq_lens,
+            req_to_token_pool=self.req_to_token_pool, kv_cache=self.kv_cache, attn_backend=self.attn_backend,
+            device=self.device)
+
+    # ---- forward ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Runs the batch; returns float32 logits [bs, vocab] of each request's last token."""
+        if fb.mode.is_decode():
+            runner, graph_path, eager_path = self.decode_graph_runner, "decode_graph", "decode_eager"
+        else:
+            runner, graph_path, eager_path = self.extend_graph_runner, "extend_graph", "extend_eager"
+        if runner is not None and runner.can_run(fb):
+            self.path_counts[graph_path] += 1
+            return runner.replay(fb)
+        self.path_counts[eager_path] += 1
+        return self.forward_eager(fb)
+
+    def forward_eager(self, fb: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> SampleOutput:
+        info = SamplingBatchInfo.from_params(params, steps, self.device)
+        return self.sampler(logits, info)

@@ -1,0 +1,3 @@
+from model_executor.models.llama import MODEL_REGISTRY
+
+__all__ = ["MODEL_REGISTRY"]

@@ -1,0 +1,67 @@
+"""Per-request sampling parameters: one frozen dataclass, validated once where the request enters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 16
+
+
+class SamplingParamsError(ValueError):
+    """A user-supplied sampling parameter is invalid; `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    # None: no logprobs. N >= 0: logprob of the chosen token plus the top-N alternatives.
+    top_logprobs: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise SamplingParamsError naming the first bad field."""
+
+        def fail(param: str, message: str) -> None:
+            raise SamplingParamsError(param, message)
+
+        if self.max_new_tokens < 0:
+            fail("max_tokens", f"max_tokens must be >= 0, got {self.max_new_tokens}")
+        if not self.temperature >= 0.0:
+            fail("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            fail("top_k", f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_new_tokens < 0:
+            fail("min_tokens", f"min_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            fail("min_tokens", f"min_tokens ({self.min_new_tokens}) must be <= max_tokens ({self.max_new_tokens})")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            fail("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            fail("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(self.stop)}")
+        if any(not s for s in self.stop):
+            fail("stop", "stop sequences must be non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "stop_token_ids must be non-negative")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            fail("seed", "seed must fit in a signed 64-bit integer")

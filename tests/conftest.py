@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random HF models saved to disk, so our loader and HF read the same weights."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+TINY_LLAMA = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
+    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2,
+)
+TINY_QWEN2 = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=320, hidden_size=64,
+    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+    bos_token_id=1, eos_token_id=2,
+)
+TINY_LLAMA3 = dict(
+    TINY_LLAMA, rope_theta=500000.0, tie_word_embeddings=True,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=64),
+)
+
+
+def save_tiny_hf_model(path, cfg_dict: dict, seed: int = 0):
+    """Builds an HF model with random weights from cfg_dict and saves it (float32 safetensors)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg_cls = transformers.AutoConfig.for_model(cfg_dict["model_type"])
+    hf_cfg = type(cfg_cls).from_dict({k: v for k, v in cfg_dict.items() if k != "model_type"})
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    with torch.no_grad():  # HF's default init is tiny; widen it so logits differ meaningfully
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.1)
+            else:
+                p.uniform_(0.8, 1.2)
+            if "bias" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return path, save_tiny_hf_model(path, TINY_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    return path, save_tiny_hf_model(path, TINY_QWEN2, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama3")
+    return path, save_tiny_hf_model(path, TINY_LLAMA3, seed=2)
