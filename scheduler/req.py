@@ -1,0 +1,67 @@
+"""Req: one request's state inside the scheduler (tokens, KV held, prefix matched, finish reason)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from model_executor.sampling_params import SamplingParams
+from server.ipc import FinishReason, TokenLogprob
+
+
+class ReqStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # KV state: req_to_token[req_pool_idx, :kv_len] are this request's slots; the first
+    # len(prefix_slots) of them belong to the radix tree (locked through last_node).
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    prefix_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: object | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_retractions: int = 0
+    # Output not yet reported to the client.
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token that must have KV before the next token is sampled."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to prefill (0 for a request that is decoding)."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.top_logprobs is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))

@@ -1,0 +1,389 @@
+"""The continuous-batching scheduler: admits waiting requests into extend batches, runs decode steps for
+the running ones, and owns every request's KV slots (radix prefix cache, chunked prefill, retraction).
+
+Drivable in-process (tests call `add_request` / `step`); `scheduler_process.py` wraps it in the ZMQ loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from model_executor.forward_batch import ForwardMode
+from model_executor.model_runner import ModelRunner
+from model_executor.sampling_params import SamplingParams
+from scheduler.policy import order_waiting
+from scheduler.radix_cache import RadixCache
+from scheduler.req import Req, ReqStatus
+from server.ipc import FinishReason, TokenLogprob
+
+logger = logging.getLogger("duet.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None  # None: prompts are never split
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    # Share of each request's remaining output tokens kept free at admission; retraction covers the rest.
+    new_token_ratio: float = 0.3
+
+
+@dataclass
+class ReqOutput:
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, tokenizer=None):
+        self.runner = runner
+        self.config = config
+        self.tokenizer = tokenizer  # needed only for stop strings
+        self.allocator = runner.allocator
+        self.req_pool = runner.req_to_token_pool
+        self.tree = None if config.disable_radix_cache else RadixCache(self.allocator)
+        self.max_running = min(config.max_running_requests, self.req_pool.size)
+        self.eos_ids = set(runner.model_config.eos_token_ids)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None  # admitted, partly prefilled
+        self.reqs: dict[str, Req] = {}
+        self._outbox: dict[str, Req] = {}  # requests with something to report after this step
+        self._last_step_extend = False
+        self.num_finished = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_retractions = 0
+
+    # ---- requests in -----------------------------------------------------------------------------
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        req = Req(rid, list(input_ids), params)
+        self.reqs[rid] = req
+        error = self._admission_error(req)
+        if error is not None:
+            self._finish(req, FinishReason("error", message=error))
+        elif params.max_new_tokens == 0:
+            self._finish(req, FinishReason("length"))
+        else:
+            self.waiting.append(req)
+
+    def _admission_error(self, req: Req) -> str | None:
+        total = len(req.input_ids) + req.params.max_new_tokens
+        if not req.input_ids:
+            return "the prompt is empty"
+        if total > self.runner.context_len:
+            return (f"prompt ({len(req.input_ids)} tokens) + max_tokens ({req.params.max_new_tokens}) exceeds the "
+                    f"context length {self.runner.context_len}")
+        if total > self.allocator.num_slots:
+            return f"prompt + max_tokens ({total}) exceeds the KV cache size {self.allocator.num_slots}"
+        vocab = self.runner.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in req.input_ids):
+            return f"prompt token ids must be in [0, {vocab})"
+        return None
+
+    def abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.is_finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req is self.chunked_req:
+            self.chunked_req = None
+        elif req in self.running:
+            self.running.remove(req)
+        self._finish(req, FinishReason("abort", message="aborted"))
+
+    def flush_cache(self) -> bool:
+        return self.tree.flush() if self.tree is not None else True
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self._outbox)
+
+    @torch.inference_mode()
+    def step(self) -> list[ReqOutput]:
+        """One forward pass (an extend batch, else a decode batch); returns what each request produced."""
+        ran_extend = False
+        # Alternate with decode so running requests keep going while long prompts prefill in chunks.
+        if not (self._last_step_extend and self.running):
+            batch = self._schedule_extend()
+            if batch:
+                self._run_extend(*batch)
+                ran_extend = True
+        if not ran_extend and self.running:
+            self._run_decode()
+        self._last_step_extend = ran_extend
+        return self._collect_outputs()
+
+    # ---- extend ----------------------------------------------------------------------------------
+    def _schedule_extend(self) -> tuple[list[Req], list[int]] | None:
+        chunk = self.config.chunked_prefill_size or math.inf
+        budget = self.config.max_prefill_tokens
+        reqs, lens = [], []
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            n = int(min(req.num_uncomputed, chunk, max(budget, 1)))
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        reserved = sum(self._reserve(r) for r in self.running) + sum(self._reserve(r) for r in reqs)
+        self.waiting = order_waiting(self.waiting, self.config.schedule_policy, self.tree)
+        while self.waiting and budget > 0 and len(self.running) + len(reqs) < self.max_running:
+            if lens and lens[-1] < reqs[-1].num_uncomputed:
+                break  # one partly-prefilled request per batch, and it goes last
+            req = self.waiting[0]
+            prefix, node = self._match(req)
+            n_new = req.seq_len - len(prefix)
+            n = int(min(n_new, chunk, budget))
+            self._lock(node)
+            available = self.allocator.available_size() + self._evictable()
+            need = sum(lens) + n + reserved + self._reserve(req, extra=n_new - n)
+            if need > available and (reqs or self.running):
+                self._unlock(node)
+                break  # wait for running requests to free memory
+            if n + sum(lens) > available:
+                self._unlock(node)
+                break
+            self.waiting.pop(0)
+            self._admit(req, prefix, node)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+            reserved += self._reserve(req)
+        return (reqs, lens) if reqs else None
+
+    def _reserve(self, req: Req, extra: int = 0) -> int:
+        return math.ceil(req.remaining_new_tokens * self.config.new_token_ratio) + extra
+
+    def _match(self, req: Req):
+        if self.tree is None:
+            return torch.empty(0, dtype=torch.int64), None
+        return self.tree.match_prefix(req.fill_ids[:-1])  # keep >= 1 token to compute logits from
+
+    def _lock(self, node) -> None:
+        if node is not None:
+            self.tree.inc_lock_ref(node)
+
+    def _unlock(self, node) -> None:
+        if node is not None:
+            self.tree.dec_lock_ref(node)
+
+    def _evictable(self) -> int:
+        return self.tree.evictable_size() if self.tree is not None else 0
+
+    def _admit(self, req: Req, prefix: torch.Tensor, node) -> None:
+        req.req_pool_idx = self.req_pool.alloc()
+        req.prefix_slots, req.last_node = prefix, node
+        req.kv_len = len(prefix)
+        if len(prefix):
+            self.req_pool.write(req.req_pool_idx, 0, prefix)
+        if req.num_retractions == 0:
+            req.cached_tokens = len(prefix)
+            self.num_prompt_tokens += len(req.input_ids)
+            self.num_cached_tokens += len(prefix)
+        req.status = ReqStatus.RUNNING
+
+    def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
+        out_loc = self._alloc_slots(sum(lens))
+        input_ids, seq_lens, offset = [], [], 0
+        for req, n in zip(reqs, lens):
+            input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + n])
+            self.req_pool.write(req.req_pool_idx, req.kv_len, out_loc[offset : offset + n])
+            req.kv_len += n
+            seq_lens.append(req.kv_len)
+            offset += n
+        fb = self.runner.build_batch(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
+                                     out_loc, extend_seq_lens=lens)
+        logits = self.runner.forward(fb)
+        done = [i for i, r in enumerate(reqs) if r.num_uncomputed == 0]
+        for i, req in enumerate(reqs):
+            if req.num_uncomputed:
+                self.chunked_req = req
+        if done:
+            done_reqs = [reqs[i] for i in done]
+            self._sample_and_append(logits[done] if len(done) < len(reqs) else logits, done_reqs)
+            self.running.extend(r for r in done_reqs if not r.is_finished)
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def _run_decode(self) -> None:
+        self._make_room_for_decode()
+        reqs = self.running
+        if not reqs:
+            return
+        out_loc = self._alloc_slots(len(reqs))
+        rows = [r.req_pool_idx for r in reqs]
+        positions = [r.kv_len for r in reqs]
+        device = self.req_pool.req_to_token.device
+        self.req_pool.req_to_token[torch.tensor(rows, device=device), torch.tensor(positions, device=device)] = (
+            out_loc.to(device, torch.int32))
+        for r in reqs:
+            r.kv_len += 1
+        fb = self.runner.build_batch(ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], rows,
+                                     [p + 1 for p in positions], out_loc)
+        logits = self.runner.forward(fb)
+        self._sample_and_append(logits, reqs)
+        self.running = [r for r in self.running if not r.is_finished]
+
+    def _make_room_for_decode(self) -> None:
+        """Each running request needs one slot; evict cached prefixes, then retract the newest requests."""
+        need = len(self.running)
+        short = need - self.allocator.available_size()
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        while len(self.running) > self.allocator.available_size() and len(self.running) > 1:
+            self._retract(self.running.pop())
+            short = len(self.running) - self.allocator.available_size()
+            if short > 0 and self.tree is not None:
+                self.tree.evict(short)
+        if len(self.running) > self.allocator.available_size():
+            # One request alone cannot grow: admission guarantees prompt + max_tokens fits the pool, so
+            # this means other cached KV is locked; fail it rather than hang.
+            req = self.running.pop()
+            self._finish(req, FinishReason("error", message="out of KV cache memory"))
+
+    def _retract(self, req: Req) -> None:
+        logger.info("retracting request %s (%d tokens) to free KV memory", req.rid, req.kv_len)
+        self._release_kv(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.insert(0, req)
+
+    def _alloc_slots(self, n: int) -> torch.Tensor:
+        short = n - self.allocator.available_size()
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        return self.allocator.alloc(n)
+
+    # ---- sampling and stopping -------------------------------------------------------------------
+    def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        self._mask_early_stops(logits, reqs)
+        out = self.runner.sample(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs])
+        tokens = out.next_token_ids.tolist()
+        want = [r.wants_logprobs for r in reqs]
+        chosen = out.logprobs.tolist() if out.logprobs is not None and any(want) else None
+        top_ids = top_vals = None
+        if out.top_logprob_ids is not None and any(want):
+            top_ids, top_vals = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
+        now = time.monotonic()
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
+            if req.is_finished:  # aborted while the batch ran
+                continue
+            req.output_ids.append(token)
+            req.pending_ids.append(token)
+            req.first_token_time = req.first_token_time or now
+            if want[i] and chosen is not None:
+                k = req.params.top_logprobs or 0
+                top = list(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else []
+                req.pending_logprobs.append(TokenLogprob(token, chosen[i], top))
+            self._outbox[req.rid] = req
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+
+    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        """Before min_tokens is reached, EOS and stop tokens cannot be sampled."""
+        for i, req in enumerate(reqs):
+            if len(req.output_ids) < req.params.min_new_tokens:
+                banned = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids)
+                if banned:
+                    logits[i, sorted(banned)] = float("-inf")
+
+    def _check_stop(self, req: Req, token: int) -> FinishReason | None:
+        p = req.params
+        if len(req.output_ids) >= p.min_new_tokens:
+            if token in p.stop_token_ids:
+                return FinishReason("stop", matched=token)
+            if not p.ignore_eos and token in self.eos_ids:
+                return FinishReason("stop", matched=token)
+            if p.stop and self.tokenizer is not None:
+                # A stop string of L characters ends within the last L tokens (+ a few for merges).
+                longest = max(len(s) for s in p.stop)
+                tail = self.tokenizer.decode(req.output_ids[-(longest + 4):], skip_special_tokens=True)
+                for s in p.stop:
+                    if s in tail:
+                        return FinishReason("stop", matched=s)
+        if len(req.output_ids) >= p.max_new_tokens:
+            return FinishReason("length")
+        if req.seq_len >= self.runner.context_len:
+            return FinishReason("length")
+        return None
+
+    # ---- finishing -------------------------------------------------------------------------------
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        if req.req_pool_idx is not None:
+            self._release_kv(req)
+        req.status = ReqStatus.FINISHED
+        self._outbox[req.rid] = req
+        self.num_finished += 1
+
+    def _release_kv(self, req: Req) -> None:
+        """Give the request's KV to the prefix cache (or free it) and its request row back."""
+        slots = self.req_pool.req_to_token[req.req_pool_idx, : req.kv_len].to("cpu", torch.int64)
+        if self.tree is not None:
+            num_prefix = len(req.prefix_slots)
+            already = self.tree.insert(req.fill_ids[: req.kv_len], slots)
+            self.allocator.free(slots[num_prefix:already])  # duplicates of what the tree now holds
+            self._unlock(req.last_node)
+        else:
+            self.allocator.free(slots)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_len, req.last_node = None, 0, None
+        req.prefix_slots = torch.empty(0, dtype=torch.int64)
+
+    def _collect_outputs(self) -> list[ReqOutput]:
+        outputs = []
+        for req in self._outbox.values():
+            outputs.append(ReqOutput(
+                rid=req.rid, new_token_ids=req.pending_ids, finish_reason=req.finish_reason,
+                prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens,
+                logprobs=req.pending_logprobs if req.wants_logprobs else None))
+            req.pending_ids, req.pending_logprobs = [], []
+            if req.is_finished:
+                del self.reqs[req.rid]
+        self._outbox = {}
+        return outputs
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def num_held_slots(self) -> int:
+        """Slots held by requests (outside the tree) plus every slot in the tree."""
+        held = sum(r.kv_len - len(r.prefix_slots) for r in self._admitted())
+        return held + (self.tree.total_size() if self.tree is not None else 0)
+
+    def _admitted(self) -> list[Req]:
+        return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+
+    def check_invariant(self) -> None:
+        """free + held by requests + cached == total; cheap enough to run whenever the loop is idle."""
+        self.allocator.check_invariant(self.num_held_slots())
+
+    def stats(self) -> dict:
+        total = self.allocator.num_slots
+        free = self.allocator.available_size()
+        cached_only = self._evictable()
+        return {
+            "num_running": len(self._admitted()),
+            "num_waiting": len(self.waiting),
+            "kv_total": total,
+            "kv_free": free,
+            "kv_cached": cached_only,
+            "kv_used": total - free - cached_only,
+            "cache_hit_rate": self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0,
+            "num_finished": self.num_finished,
+            "num_retractions": self.num_retractions,
+            "path_counts": dict(self.runner.path_counts),
+        }

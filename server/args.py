@@ -1,0 +1,144 @@
+"""ServerArgs: every flag of the server, defined once; the CLI is generated from this dataclass.
+
+Validated once at start-up (`validate`), never mutated afterwards: resolved values (device, capture
+lists, the model folder) are computed into a new frozen copy by `resolve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ArgsError(ValueError):
+    """A flag has an invalid value; the message is one line naming the flag."""
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _f(None, "HF model folder; default: SmolLM2-135M-Instruct, fetched and converted on first use")
+    served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the folder name)")
+    host: str = _f("127.0.0.1", "HTTP bind address")
+    port: int = _f(30000, "HTTP port")
+    device: str = _f("auto", "cuda or cpu; auto picks cuda when available", choices=("auto", "cuda", "cpu"))
+    dtype: str = _f("auto", "weights/KV dtype; auto: float32 on CPU, bfloat16 on GPU", choices=DTYPES)
+    context_length: int | None = _f(None, "max tokens per request (prompt + output); default: the model's")
+    mem_fraction_static: float = _f(0.85, "GPU memory fraction for weights + KV cache")
+    max_total_tokens: int | None = _f(None, "KV cache size in tokens (default: from memory on GPU, 16384 on CPU)")
+    max_running_requests: int | None = _f(None, "max requests decoding at once (default: 256 on GPU, 64 on CPU)")
+    max_prefill_tokens: int = _f(16384, "token budget of one extend batch")
+    chunked_prefill_size: int | None = _f(None, "prompts longer than this are prefilled in chunks "
+                                                "(default: 8192 on GPU, 2048 on CPU; -1 disables)")
+    schedule_policy: str = _f("fcfs", "waiting-queue order: fcfs, or lpm (longest prefix match)",
+                              choices=SCHEDULE_POLICIES)
+    disable_radix_cache: bool = _f(False, "turn the radix prefix cache off")
+    attention_backend: str = _f("auto", "attention backend; auto: torch_native on CPU, flashinfer if installed "
+                                        "else triton on GPU", choices=ATTENTION_BACKENDS)
+    cuda_graph_max_bs: int | None = _f(None, "largest decode batch captured in a CUDA graph "
+                                             "(default from GPU memory)")
+    cuda_graph_bs: tuple[int, ...] | None = _f(None, "explicit decode capture list; sets --cuda-graph-max-bs "
+                                                     "to its largest entry", nargs="+")
+    disable_cuda_graph: bool = _f(False, "run decode batches eagerly (no CUDA graphs)")
+    piecewise_cuda_graph_max_tokens: int | None = _f(None, "largest extend token count captured "
+                                                           "(default: the chunked-prefill size)")
+    piecewise_cuda_graph_tokens: tuple[int, ...] | None = _f(None, "explicit extend token levels", nargs="+")
+    disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
+    enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up)")
+    tp_size: int = _f(1, "tensor-parallel size (only 1 is supported yet)")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on /v1 routes, /generate, /flush_cache")
+    log_level: str = _f("info", "log level", choices=LOG_LEVELS)
+    enable_metrics: bool = _f(False, "accepted for SGLang compatibility; /metrics is always served")
+    random_seed: int = _f(0, "seed for weights of --load-format dummy and for unseeded sampling")
+    load_format: str = _f("auto", "auto: safetensors from the folder; dummy: random weights of the "
+                                  "folder's shape (benchmarks)", choices=("auto", "dummy"))
+    max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body accepted (413 above)")
+
+    def validate(self) -> None:
+        """Raise ArgsError (one line, naming the flag) for an invalid value."""
+
+        def positive(name: str, value, allow_none: bool = True) -> None:
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or value < 1:
+                raise ArgsError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+
+        positive("port", self.port, allow_none=False)
+        if self.port > 65535:
+            raise ArgsError(f"--port must be at most 65535, got {self.port}")
+        for name in ("context_length", "max_total_tokens", "max_running_requests", "cuda_graph_max_bs",
+                     "piecewise_cuda_graph_max_tokens"):
+            positive(name, getattr(self, name))
+        positive("max_prefill_tokens", self.max_prefill_tokens, allow_none=False)
+        positive("max_request_bytes", self.max_request_bytes, allow_none=False)
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
+            positive("chunked_prefill_size", self.chunked_prefill_size)
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ArgsError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("cuda_graph_bs", "piecewise_cuda_graph_tokens"):
+            values = getattr(self, name)
+            if values is not None and (not values or any(v < 1 for v in values)):
+                raise ArgsError(f"--{name.replace('_', '-')} must list positive integers, got {list(values)}")
+        if self.tp_size != 1:
+            raise ArgsError(f"--tp-size {self.tp_size} is not supported yet; only 1")
+        if self.device == "cpu" and self.attention_backend in ("triton", "flashinfer"):
+            raise ArgsError(f"--attention-backend {self.attention_backend} needs a CUDA device; "
+                            "use torch_native on CPU")
+        if self.api_key is not None and not self.api_key:
+            raise ArgsError("--api-key must not be empty")
+
+    def replace(self, **changes) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def _arg_type(f: dataclasses.Field):
+    t = str(f.type)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(prog="launch_server", description="duet: an OpenAI-compatible LLM server")
+    for f in fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=help_text)
+            continue
+        kind = _arg_type(f)
+        parser.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: {f.default})", **meta)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    """Parse and validate; invalid values exit with a one-line error and code 2 (argparse's convention)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    values = vars(ns)
+    for name in ("cuda_graph_bs", "piecewise_cuda_graph_tokens"):
+        if values[name] is not None:
+            values[name] = tuple(values[name])
+    args = ServerArgs(**values)
+    try:
+        args.validate()
+    except ArgsError as e:
+        parser.error(str(e))
+    return args

@@ -1,0 +1,147 @@
+"""Messages between the HTTP process, the scheduler and the detokenizer, and the ZMQ socket helpers.
+
+One dataclass per intent; token and text outputs are batched per scheduler step. Sockets are `ipc://`
+paths inside a private 0700 folder, never TCP: whoever can write to the scheduler's socket runs the server.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from model_executor.sampling_params import SamplingParams
+
+# ---- HTTP process -> scheduler ----------------------------------------------------------------
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    # Decoded prompt text is not needed by the scheduler; stop strings are checked on output tokens.
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    rid: str  # the control request's id, echoed in the reply
+
+
+@dataclass
+class GetStatsReq:
+    rid: str
+
+
+# ---- scheduler -> detokenizer -> HTTP process -------------------------------------------------
+
+
+@dataclass
+class FinishReason:
+    kind: str  # "stop" | "length" | "abort" | "error"
+    matched: int | str | None = None  # the stop token id or stop string that ended the request
+    message: str | None = None  # for "error" and "abort"
+
+    @property
+    def openai_reason(self) -> str:
+        return {"stop": "stop", "length": "length"}.get(self.kind, "abort")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # best alternatives, descending
+
+
+@dataclass
+class BatchTokenOut:
+    """New output tokens of every request that advanced in one scheduler step."""
+
+    rids: list[str]
+    new_token_ids: list[list[int]]
+    finished: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    logprobs: list[list[TokenLogprob] | None]
+
+
+@dataclass
+class BatchStrOut:
+    """What the HTTP process streams: text deltas (stop strings already trimmed) plus token data."""
+
+    rids: list[str]
+    text_deltas: list[str]
+    new_token_ids: list[list[int]]
+    finished: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    logprobs: list[list[TokenLogprob] | None]
+
+
+# ---- scheduler -> HTTP process (control replies) ----------------------------------------------
+
+
+@dataclass
+class ControlReply:
+    rid: str
+    ok: bool
+    data: dict = field(default_factory=dict)
+
+
+# ---- sockets ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IpcPaths:
+    """The socket folder and the three endpoints; created private (0700) and removed at exit."""
+
+    folder: str
+
+    @classmethod
+    def create(cls) -> IpcPaths:
+        folder = tempfile.mkdtemp(prefix="duet-ipc-")  # mkdtemp makes it 0700 and owned by us
+        os.chmod(folder, 0o700)
+        return cls(folder)
+
+    def _endpoint(self, name: str) -> str:
+        return f"ipc://{Path(self.folder) / name}"
+
+    @property
+    def scheduler_input(self) -> str:
+        return self._endpoint("scheduler_in")
+
+    @property
+    def detokenizer_input(self) -> str:
+        return self._endpoint("detokenizer_in")
+
+    @property
+    def http_input(self) -> str:
+        return self._endpoint("http_in")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def bind_pull(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(endpoint)
+    return sock
+
+
+def connect_push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
