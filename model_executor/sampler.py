@@ -1,0 +1,231 @@
+"""Batched token sampling: temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+One `SamplingBatchInfo` is built per step from the batch's `SamplingParams`; `Sampler` turns a
+[bs, vocab] logits tensor into the next token of every row.
+
+Sampling uses the exponential race (equivalently the Gumbel-max trick): with E_i ~ Exp(1) i.i.d.,
+argmax_i p_i / E_i is distributed as p. It is computed in log space,
+argmax_i (log p_i - log E_i), where unnormalised filtered logits can stand in for log p_i because
+the normaliser is shared by the whole row and filtered tokens are -inf. The noise of a seeded row is
+drawn in vocabulary order from a generator seeded by (seed, step) alone, and every filter is a
+row-wise no-op for rows that do not use it, so a seeded request gets the same tokens whatever else
+shares its batch and wherever it sits in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model_executor.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32, and the
+# tempered distribution is indistinguishable from argmax anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15  # large odd constant
+
+
+def _splitmix64(x: int) -> int:
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def generator_seed(seed: int, step: int) -> int:
+    """Seed for the noise of output token `step` of a request with `seed`, in [0, 2**63).
+
+    Mixed with splitmix64 so all 64 bits matter (torch's CPU generator keeps only the low 32).
+    """
+    return _splitmix64(seed * _GOLDEN64 + step) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-step sampling tensors for a batch; build with `from_params`.
+
+    Rows that sample greedily (temperature ~0 or top_k == 1) hold 1.0 in `temperatures` (never
+    used) and are excluded from the `need_*` flags.
+    """
+
+    temperatures: torch.Tensor  # [bs, 1] float32
+    top_ps: torch.Tensor  # [bs] float32
+    top_ks: torch.Tensor  # [bs] int64; disabled (-1/0) -> vocab_size (or int32 max if unknown)
+    min_ps: torch.Tensor  # [bs] float32
+    is_greedy: torch.Tensor  # [bs] bool
+    is_all_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    seeds: list[int | None]  # per-row request seed
+    steps: list[int]  # per-row index of the token being sampled
+    max_top_logprobs: int  # max over rows of top_logprobs; -1 if no row wants logprobs
+    # Derived host-side bookkeeping (no device syncs needed in the sampler):
+    seeded_rows: tuple[int, ...] = ()  # non-greedy rows with a seed
+    row_generator_seeds: tuple[int, ...] = ()  # generator_seed(seed, step) for each seeded row
+    has_unseeded_random: bool = False  # some non-greedy row draws from the global RNG
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def return_logprob(self) -> bool:
+        return self.max_top_logprobs >= 0
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        steps: Sequence[int],
+        device: torch.device | str,
+        vocab_size: int | None = None,
+    ) -> SamplingBatchInfo:
+        if len(params) != len(steps):
+            raise ValueError(f"got {len(params)} params but {len(steps)} steps")
+        disabled_k = vocab_size if vocab_size is not None else torch.iinfo(torch.int32).max
+
+        temps: list[float] = []
+        top_ps: list[float] = []
+        top_ks: list[int] = []
+        min_ps: list[float] = []
+        greedy: list[bool] = []
+        need_top_p = need_top_k = need_min_p = False
+        seeded_rows: list[int] = []
+        row_seeds: list[int] = []
+        has_unseeded_random = False
+        max_top_logprobs = -1
+
+        for i, (p, step) in enumerate(zip(params, steps)):
+            g = p.is_greedy or p.temperature < GREEDY_TEMPERATURE_EPS
+            k = p.top_k if p.top_k > 0 else disabled_k
+            if vocab_size is not None:
+                k = min(k, vocab_size)
+            greedy.append(g)
+            temps.append(1.0 if g else float(p.temperature))
+            top_ps.append(float(p.top_p))
+            top_ks.append(k)
+            min_ps.append(float(p.min_p))
+            if not g:
+                need_top_p |= p.top_p < 1.0
+                need_top_k |= k < disabled_k
+                need_min_p |= p.min_p > 0.0
+                if p.seed is not None:
+                    seeded_rows.append(i)
+                    row_seeds.append(generator_seed(p.seed, step))
+                else:
+                    has_unseeded_random = True
+            if p.top_logprobs is not None:
+                max_top_logprobs = max(max_top_logprobs, p.top_logprobs)
+
+        return cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).view(-1, 1),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_all_greedy=all(greedy),
+            need_top_p=need_top_p,
+            need_top_k=need_top_k,
+            need_min_p=need_min_p,
+            seeds=[p.seed for p in params],
+            steps=list(steps),
+            max_top_logprobs=max_top_logprobs,
+            seeded_rows=tuple(seeded_rows),
+            row_generator_seeds=tuple(row_seeds),
+            has_unseeded_random=has_unseeded_random,
+        )
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # [bs] int64
+    # log_softmax of the raw (untempered, unfiltered) logits at the chosen token; None when no row
+    # asked for logprobs. Computed for every row when present: rows that did not ask ignore it.
+    logprobs: torch.Tensor | None = None  # [bs] float32
+    # The max_top_logprobs best tokens of every row under the same distribution, best first; None
+    # when max_top_logprobs < 1. Row i uses the first params[i].top_logprobs columns.
+    top_logprob_ids: torch.Tensor | None = None  # [bs, max_top_logprobs] int64
+    top_logprob_values: torch.Tensor | None = None  # [bs, max_top_logprobs] float32
+
+
+class Sampler:
+    """Stateless: `Sampler()(logits, info)` -> SampleOutput."""
+
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+        if logits.dim() != 2 or logits.shape[0] != info.batch_size:
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match batch {info.batch_size}")
+        logits = logits.float()
+
+        argmax_ids = torch.argmax(logits, dim=-1)
+        if info.is_all_greedy:
+            next_ids = argmax_ids
+        else:
+            sampled = self._sample(logits, info)
+            next_ids = torch.where(info.is_greedy, argmax_ids, sampled)
+
+        out = SampleOutput(next_token_ids=next_ids)
+        if info.return_logprob:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+            if info.max_top_logprobs > 0:
+                n = min(info.max_top_logprobs, logits.shape[1])
+                values, ids = torch.topk(logprobs, n, dim=-1, sorted=True)
+                out.top_logprob_values, out.top_logprob_ids = values, ids
+        return out
+
+    @staticmethod
+    def _filter(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Set tokens removed by top-k, then top-p, then min-p to -inf (row-wise no-ops when off)."""
+        vocab = scaled.shape[1]
+        if info.need_top_k or info.need_top_p:
+            sorted_logits, sorted_idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
+            positions = torch.arange(vocab, device=scaled.device).unsqueeze(0)
+            remove = positions >= info.top_ks.unsqueeze(1)  # keeps position 0 as top_k >= 1
+            if info.need_top_p:
+                sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+                probs = torch.softmax(sorted_logits, dim=-1)
+                mass_before = torch.cumsum(probs, dim=-1) - probs
+                top_p = info.top_ps.unsqueeze(1)
+                # Keep the smallest prefix whose mass reaches top_p; position 0 has mass_before 0
+                # < top_p. Rows with top_p == 1 are untouched (rounding could push mass_before to 1).
+                remove |= (mass_before >= top_p) & (top_p < 1.0)
+            mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
+            scaled = scaled.masked_fill(mask, float("-inf"))
+        if info.need_min_p:
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); invariant to renormalising
+            # after top-k/top-p, and min_p == 0 gives -inf (no-op). The max token always survives.
+            max_logit = scaled.max(dim=-1, keepdim=True).values
+            threshold = max_logit + torch.log(info.min_ps).unsqueeze(1)
+            scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+        return scaled
+
+    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        scaled = self._filter(logits / info.temperatures, info)
+        noise = self._exponential_noise(scaled, info)
+        # Exponential race in log space: argmax(log p - log E); -inf (filtered) never wins.
+        return torch.argmax(scaled - noise.log(), dim=-1)
+
+    @staticmethod
+    def _exponential_noise(like: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Exp(1) noise [bs, vocab]: global RNG for unseeded rows, (seed, step) streams for seeded."""
+        bs, vocab = like.shape
+        noise = torch.empty((bs, vocab), dtype=torch.float32, device=like.device)
+        if info.has_unseeded_random:
+            noise.exponential_()
+        else:
+            noise.fill_(1.0)  # only greedy / seeded rows: their values are unused or overwritten
+        if info.seeded_rows:
+            gen = torch.Generator(device=like.device)
+            for row, seed in zip(info.seeded_rows, info.row_generator_seeds):
+                gen.manual_seed(seed)
+                # Fresh [vocab] draw, independent of the row's position and the batch shape.
+                noise[row] = torch.empty(vocab, dtype=torch.float32, device=like.device).exponential_(
+                    generator=gen
+                )
+        # Exp(1) draws of exactly 0 would make log(E) = -inf; clamp to the smallest normal float.
+        return noise.clamp_(min=torch.finfo(torch.float32).tiny)

@@ -1,0 +1,185 @@
+"""The scheduler process: builds the model runner and the Scheduler, then loops over ZMQ messages.
+
+Receives TokenizedGenerateReq / AbortReq / FlushCacheReq / GetStatsReq from the HTTP process, sends one
+BatchTokenOut per step to the detokenizer and ControlReply messages straight back to the HTTP process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import zmq
+
+from model_executor.model_runner import ModelRunner, RunnerConfig
+from scheduler.scheduler import ReqOutput, Scheduler, SchedulerConfig
+from server.args import ServerArgs
+from server.ipc import (
+    AbortReq,
+    BatchTokenOut,
+    ControlReply,
+    FlushCacheReq,
+    GetStatsReq,
+    IpcPaths,
+    TokenizedGenerateReq,
+    bind_pull,
+    connect_push,
+)
+
+logger = logging.getLogger("duet.scheduler")
+
+IDLE_POLL_MS = 50
+
+
+def default_max_running_requests(args: ServerArgs) -> int:
+    return args.max_running_requests or (256 if args.device == "cuda" else 64)
+
+
+def default_chunked_prefill_size(args: ServerArgs) -> int | None:
+    if args.chunked_prefill_size == -1:
+        return None
+    return args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
+
+
+def runner_config(args: ServerArgs) -> RunnerConfig:
+    from runners.capture_lists import resolve_decode_capture_list, resolve_extend_token_levels
+
+    device = args.device
+    max_running = default_max_running_requests(args)
+    graphs = device == "cuda"
+    return RunnerConfig(
+        model_path=args.model_path,
+        device=device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        context_length=args.context_length,
+        max_running_requests=max_running,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        random_weights=args.load_format == "dummy",
+        seed=args.random_seed,
+        disable_cuda_graph=args.disable_cuda_graph or not graphs,
+        cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs else (),
+        disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
+        piecewise_cuda_graph_tokens=(resolve_extend_token_levels(args, default_chunked_prefill_size(args))
+                                     if graphs else ()),
+        enable_torch_compile=args.enable_torch_compile,
+    )
+
+
+def scheduler_config(args: ServerArgs) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_running_requests=default_max_running_requests(args),
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=default_chunked_prefill_size(args),
+        schedule_policy=args.schedule_policy,
+        disable_radix_cache=args.disable_radix_cache,
+    )
+
+
+def _exit_with_parent() -> None:
+    """Orphans must not survive: exit as soon as the launching process is gone."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
+    return BatchTokenOut(
+        rids=[o.rid for o in outputs],
+        new_token_ids=[o.new_token_ids for o in outputs],
+        finished=[o.finish_reason for o in outputs],
+        prompt_tokens=[o.prompt_tokens for o in outputs],
+        completion_tokens=[o.completion_tokens for o in outputs],
+        cached_tokens=[o.cached_tokens for o in outputs],
+        logprobs=[o.logprobs for o in outputs],
+    )
+
+
+def ready_info(args: ServerArgs, runner: ModelRunner) -> dict:
+    graph = runner.graph_info()
+    return {
+        "model_path": args.model_path,
+        "context_len": runner.context_len,
+        "num_kv_slots": runner.num_kv_slots,
+        "max_running_requests": runner.req_to_token_pool.size,
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "attention_backend": type(runner.attn_backend).__name__,
+        "vocab_size": runner.model_config.vocab_size,
+        "eos_token_ids": list(runner.model_config.eos_token_ids),
+        "scheduler_pid": os.getpid(),
+        **graph,
+    }
+
+
+def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
+    _exit_with_parent()
+    try:
+        from transformers import AutoTokenizer
+
+        runner = ModelRunner(runner_config(args))
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        scheduler = Scheduler(runner, scheduler_config(args), tokenizer=tokenizer)
+    except Exception as e:  # report start-up failures as one line to the launcher
+        logger.exception("scheduler start-up failed")
+        ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return
+    ctx = zmq.Context()
+    recv = bind_pull(ctx, ipc.scheduler_input)
+    to_detokenizer = connect_push(ctx, ipc.detokenizer_input)
+    to_http = connect_push(ctx, ipc.http_input)
+    ready_conn.send({"ok": True, "info": ready_info(args, runner)})
+    SchedulerLoop(scheduler, recv, to_detokenizer, to_http).run()
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, recv, to_detokenizer, to_http):
+        self.scheduler = scheduler
+        self.recv = recv
+        self.to_detokenizer = to_detokenizer
+        self.to_http = to_http
+
+    def run(self) -> None:
+        while True:
+            busy = self.scheduler.has_work()
+            # Block only when idle; while batches run, take whatever arrived since the last step.
+            if busy or self.recv.poll(IDLE_POLL_MS):
+                self._drain()
+            if self.scheduler.has_work():
+                outputs = self.scheduler.step()
+                if outputs:
+                    self.to_detokenizer.send_pyobj(_batch_out(outputs))
+            elif busy:
+                self.scheduler.check_invariant()  # just went idle: every slot must be accounted for
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                msg = self.recv.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self.scheduler.add_request(msg.rid, msg.input_ids, msg.params)
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            ok = self.scheduler.flush_cache()
+            self.to_http.send_pyobj(ControlReply(msg.rid, ok, {} if ok else {
+                "message": "cannot flush the cache while requests are running"}))
+        elif isinstance(msg, GetStatsReq):
+            self.to_http.send_pyobj(ControlReply(msg.rid, True, self.scheduler.stats()))
+        else:
+            logger.warning("ignoring unknown message %r", type(msg).__name__)
