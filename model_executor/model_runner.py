@@ -80,6 +80,19 @@ class ModelRunner:
         self.path_counts: Counter[str] = Counter()
         self.decode_graph_runner = None
         self.extend_graph_runner = None
+        if self.device.type == "cuda":
+            self.init_graph_runners()
+
+    def init_graph_runners(self) -> None:
+        """Capture decode graphs, then extend pieces; each is skipped when disabled or unsupported."""
+        cfg = self.config
+        if not cfg.disable_cuda_graph and cfg.cuda_graph_bs:
+            if self.attn_backend.supports_cuda_graph:
+                from runners.cuda_graph_runner import CudaGraphRunner
+
+                self.decode_graph_runner = CudaGraphRunner(self, list(cfg.cuda_graph_bs))
+            else:
+                logger.warning("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
 
     @property
     def num_kv_slots(self) -> int:

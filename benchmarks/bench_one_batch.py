@@ -1,0 +1,183 @@
+"""bench_one_batch: prefill + N decode steps at fixed batch sizes, eager vs CUDA graph in the same run,
+against the weight-read floor (weight bytes / device-to-device bandwidth measured in the same run).
+
+    python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from model_executor.configs import SHAPES, shape_path
+from model_executor.forward_batch import ForwardMode
+from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.capture_lists import get_batch_sizes_to_capture
+from runners.cuda_graph_runner import CudaGraphRunner
+from runners.graph_seam import default_capturer
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_one_batch", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="llama-3.2-1b", choices=SHAPES, help="a model shape, random weights")
+    src.add_argument("--model-path", help="an HF folder with real weights")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=32, help="decode steps timed per mode")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--capture-default-list", action="store_true",
+                   help="also capture the default decode list (max_bs 256) and report its time and memory")
+    p.add_argument("--json", dest="json_out", help="write the results here")
+    return p.parse_args(argv)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (DESIGN.md §8's figure)."""
+    if device.type != "cuda":
+        nbytes, iters = 64 << 20, 5
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * iters / (time.perf_counter() - t0)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def prepare(runner: ModelRunner, bs: int, input_len: int, steps: int, seed: int = 0):
+    """Prefill bs random prompts; return the decode batches of the next `steps` tokens (slots pre-allocated)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = runner.model_config.vocab_size
+    rows = [runner.req_to_token_pool.alloc() for _ in range(bs)]
+    loc = runner.allocator.alloc(bs * (input_len + steps))
+    for i, row in enumerate(rows):
+        runner.req_to_token_pool.write(row, 0, loc[i * (input_len + steps) : (i + 1) * (input_len + steps)])
+    ids = torch.randint(0, vocab, (bs * input_len,), generator=g).tolist()
+    prefill_loc = torch.cat([loc[i * (input_len + steps) : i * (input_len + steps) + input_len] for i in range(bs)])
+    fb = runner.build_batch(ForwardMode.EXTEND, ids, rows, [input_len] * bs, prefill_loc,
+                            extend_seq_lens=[input_len] * bs)
+    sync(runner.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        runner.forward_eager(fb)
+    sync(runner.device)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    batches = []
+    for t in range(steps):
+        step_loc = torch.stack([loc[i * (input_len + steps) + input_len + t] for i in range(bs)])
+        tokens = torch.randint(0, vocab, (bs,), generator=g).tolist()
+        batches.append(runner.build_batch(ForwardMode.DECODE, tokens, rows, [input_len + t + 1] * bs, step_loc))
+    return batches, prefill_ms, (rows, loc)
+
+
+def time_steps(fn, batches, device) -> float:
+    """Median ms per decode step over the batches (after one warm-up pass)."""
+    with torch.inference_mode():
+        for fb in batches[:3]:
+            fn(fb)
+        sync(device)
+        times = []
+        for fb in batches:
+            t0 = time.perf_counter()
+            fn(fb)
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    model_path = args.model_path or str(shape_path(args.model))
+    max_bs = max(args.batch_size)
+    steps = args.output_len
+    cfg = RunnerConfig(model_path=model_path, device=args.device, dtype=args.dtype,
+                       attention_backend=args.attention_backend, max_running_requests=max(max_bs, 256),
+                       max_total_tokens=max_bs * (args.input_len + steps) + 16,
+                       context_length=args.input_len + steps + 16, random_weights=args.model_path is None,
+                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True)
+    runner = ModelRunner(cfg)
+    bandwidth = measure_copy_bandwidth(device)
+    wbytes = weight_bytes(runner.model)
+    floor_ms = wbytes / bandwidth * 1e3
+    graph_runner = CudaGraphRunner(runner, sorted(set(args.batch_size)), capturer=default_capturer(device))
+    default_capture = None
+    if args.capture_default_list and device.type == "cuda":
+        sizes = get_batch_sizes_to_capture(256)
+        full = CudaGraphRunner(runner, sizes, capturer=default_capturer(device))
+        default_capture = {"sizes": len(sizes), "seconds": round(full.capture_seconds, 2),
+                           "gib": round(full.capture_bytes / 2**30, 3)}
+        del full
+    results = []
+    for bs in args.batch_size:
+        batches, prefill_ms, (rows, loc) = prepare(runner, bs, args.input_len, steps)
+        with torch.inference_mode():
+            eager_logits = runner.forward_eager(batches[0]).clone()
+            graph_logits = graph_runner.replay(batches[0]).clone()
+        max_diff = (eager_logits - graph_logits).abs().max().item()
+        same_tokens = bool(torch.equal(eager_logits.argmax(-1), graph_logits.argmax(-1)))
+        eager_ms = time_steps(runner.forward_eager, batches, device)
+        graph_ms = time_steps(graph_runner.replay, batches, device)
+        results.append({"batch_size": bs, "prefill_ms": round(prefill_ms, 3), "eager_ms": round(eager_ms, 4),
+                        "graph_ms": round(graph_ms, 4), "speedup": round(eager_ms / graph_ms, 3),
+                        "floor_ms": round(floor_ms, 4), "graph_over_floor": round(graph_ms / floor_ms, 3),
+                        "graph_vs_eager_max_abs_diff": max_diff, "greedy_tokens_equal": same_tokens})
+        runner.allocator.free(loc)
+        for row in rows:
+            runner.req_to_token_pool.free(row)
+    report = {
+        "benchmark": "bench_one_batch", "model": args.model_path or args.model, "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(runner.dtype).replace("torch.", ""), "attention_backend": type(runner.attn_backend).__name__,
+        "input_len": args.input_len, "decode_steps": steps, "weight_bytes": wbytes,
+        "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "capture_seconds": round(graph_runner.capture_seconds, 2),
+        "capture_gib": round(graph_runner.capture_bytes / 2**30, 3), "default_list_capture": default_capture,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+        "results": results,
+    }
+    print(f"model {report['model']} on {report['gpu']} ({report['dtype']}, {report['attention_backend']}), "
+          f"input {args.input_len}, {steps} decode steps; weights {wbytes / 1e9:.3f} GB, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms")
+    print(f"{'bs':>5} {'eager ms':>10} {'graph ms':>10} {'speedup':>8} {'floor ms':>9} {'graph/floor':>12} "
+          f"{'max|diff|':>10} {'tokens=':>7}")
+    for r in results:
+        print(f"{r['batch_size']:>5} {r['eager_ms']:>10.3f} {r['graph_ms']:>10.3f} {r['speedup']:>8.2f} "
+              f"{r['floor_ms']:>9.3f} {r['graph_over_floor']:>12.2f} {r['graph_vs_eager_max_abs_diff']:>10.2e} "
+              f"{str(r['greedy_tokens_equal']):>7}")
+    if default_capture:
+        print(f"default decode list: {default_capture['sizes']} graphs captured in {default_capture['seconds']} s, "
+              f"{default_capture['gib']} GiB")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""triton: our Triton kernels over the token-level pool; graph-capturable decode (lengths and slots are read
+from device buffers, the split-KV workspace is allocated once at the largest batch)."""
+
+from __future__ import annotations
+
+import torch
+
+from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.attention.base import AttentionBackend
+from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.layers.attention.triton_ops import (
+    alloc_decode_workspace,
+    decode_attention_fwd,
+    extend_attention_fwd,
+    get_num_kv_splits,
+)
+
+
+class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, runner):
+        cfg = runner.model_config
+        self.num_kv_splits = get_num_kv_splits(runner.context_len)
+        self.attn_logits, self.attn_lse = alloc_decode_workspace(
+            runner.req_to_token_pool.size, cfg.num_attention_heads, cfg.head_dim, self.num_kv_splits, runner.device)
+
+    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
+        o = torch.empty_like(q)
+        decode_attention_fwd(q, k_buf, v_buf, o, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                             fb.seq_lens, self.attn_logits, self.attn_lse, self.num_kv_splits, layer.scaling)
+        return o
+
+    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
+        o = torch.empty_like(q)
+        extend_attention_fwd(q, o, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                             fb.seq_lens, fb.extend_seq_lens, fb.extend_start_loc, max(fb.extend_seq_lens_cpu),
+                             layer.scaling)
+        return o

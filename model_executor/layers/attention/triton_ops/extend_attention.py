@@ -1,0 +1,193 @@
+"""Causal attention for extend (prefill) batches over the token-level KV pool (page size 1).
+
+The new tokens of all requests are concatenated in `q` / `o`. Their K/V are already in the pool, so every
+key and value (prefix and new) is gathered from `k_buffer` / `v_buffer` through `req_to_token`.
+
+Grid `(bs, num_heads, cdiv(max_extend_len, BLOCK_M))`: a program takes BLOCK_M new tokens of one request
+and one head and runs a flash-attention loop (online softmax, fp32 accumulation) over the KV blocks:
+first the positions every row of the tile sees (no causal mask), then the tile's own diagonal band with
+the causal mask. Blocks past the tile's last position are never visited.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+class ExtendConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def get_extend_config(head_dim: int, device: torch.device | None = None) -> ExtendConfig:
+    """Tile sizes for `extend_attention_fwd` (Hopper/Ampere-class GPUs; the interpreter ignores warps)."""
+    if head_dim <= 64:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=1)
+    if head_dim <= 128:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=1)
+    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=1)
+
+
+@triton.jit
+def _attend_block_range(
+    acc, e_sum, e_max, q, q_pos,
+    K_Buffer, V_Buffer, req_to_token_row, kv_head_off_k, kv_head_off_v,
+    stride_kbs, stride_vbs,
+    kv_start, kv_end, qk_scale,
+    offs_d, mask_d,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IN_PRECISION: tl.constexpr,
+):
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < kv_end
+        slots = tl.load(req_to_token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        # K gathered transposed: [BLOCK_D, BLOCK_N]
+        k = tl.load(K_Buffer + kv_head_off_k + slots[None, :] * stride_kbs + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        qk = tl.dot(q, k, input_precision=IN_PRECISION) * qk_scale  # log2 domain
+        if CAUSAL:
+            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        else:
+            visible = mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+        re_scale = tl.exp2(e_max - n_e_max)
+        p = tl.exp2(qk - n_e_max[:, None])
+        v = tl.load(V_Buffer + kv_head_off_v + slots[:, None] * stride_vbs + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IN_PRECISION)
+        e_sum = e_sum * re_scale + tl.sum(p, 1)
+        e_max = n_e_max
+    return acc, e_sum, e_max
+
+
+@triton.jit
+def _extend_kernel(
+    Q, O, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Extend_seq_lens, Extend_start_loc,
+    qk_scale,
+    stride_qbs, stride_qh,
+    stride_obs, stride_oh,
+    stride_kbs, stride_kh,
+    stride_vbs, stride_vh,
+    stride_req_b,
+    KV_GROUP_NUM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IN_PRECISION: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    block_m = tl.program_id(2)
+
+    extend_len = tl.load(Extend_seq_lens + cur_batch).to(tl.int32)
+    if block_m * BLOCK_M >= extend_len:
+        return
+    seq_len = tl.load(Seq_lens + cur_batch).to(tl.int32)
+    prefix_len = seq_len - extend_len
+    start_loc = tl.load(Extend_start_loc + cur_batch).to(tl.int64)
+    req_row = tl.load(Req_pool_indices + cur_batch).to(tl.int64)
+    kv_head = cur_head // KV_GROUP_NUM
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < extend_len
+    offs_d = tl.arange(0, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:  # all-true splat: keeps the loads vectorised
+        mask_d = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + (start_loc + offs_m[:, None]) * stride_qbs + cur_head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q_pos = prefix_len + offs_m
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    e_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    req_to_token_row = Req_to_token + req_row * stride_req_b
+    kv_head_off_k = kv_head.to(tl.int64) * stride_kh
+    kv_head_off_v = kv_head.to(tl.int64) * stride_vh
+
+    # Positions before the tile's first query: visible to every row.
+    shared_end = prefix_len + block_m * BLOCK_M
+    acc, e_sum, e_max = _attend_block_range(
+        acc, e_sum, e_max, q, q_pos, K_Buffer, V_Buffer, req_to_token_row, kv_head_off_k, kv_head_off_v,
+        stride_kbs, stride_vbs, 0, shared_end, qk_scale, offs_d, mask_d,
+        BLOCK_N=BLOCK_N, CAUSAL=False, IN_PRECISION=IN_PRECISION)
+    # The tile's own band, up to its last real query position: causal mask.
+    band_end = prefix_len + tl.minimum((block_m + 1) * BLOCK_M, extend_len)
+    acc, e_sum, e_max = _attend_block_range(
+        acc, e_sum, e_max, q, q_pos, K_Buffer, V_Buffer, req_to_token_row, kv_head_off_k, kv_head_off_v,
+        stride_kbs, stride_vbs, shared_end, band_end, qk_scale, offs_d, mask_d,
+        BLOCK_N=BLOCK_N, CAUSAL=True, IN_PRECISION=IN_PRECISION)
+
+    out = acc / e_sum[:, None]
+    tl.store(O + (start_loc + offs_m[:, None]) * stride_obs + cur_head * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def extend_attention_fwd(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+    config: ExtendConfig | None = None,
+) -> None:
+    """Causal extend attention; writes `o` in place.
+
+    q, o: [num_tokens, num_heads, head_dim] (last dim contiguous), the new tokens of all requests;
+    request b owns rows extend_start_loc[b] .. extend_start_loc[b] + extend_seq_lens[b].
+    k_buffer, v_buffer: [num_slots + 1, num_kv_heads, head_dim]; req_to_token: int32 [rows, max_ctx];
+    req_pool_indices, seq_lens (total length, prefix + new), extend_seq_lens, extend_start_loc: [bs] on the
+    device (int32 or int64). New token i of request b sits at position prefix_len + i, where
+    prefix_len = seq_lens[b] - extend_seq_lens[b], and attends to positions 0 .. prefix_len + i.
+    max_extend_len: host int >= every extend_seq_lens[b] (sizes the grid).
+    config: tile override (default `get_extend_config(head_dim)`).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    bs = seq_lens.shape[0]
+    num_kv_heads = k_buffer.shape[1]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert k_buffer.shape[2] == head_dim and v_buffer.shape[2] == head_dim and o.shape == q.shape
+    assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
+    assert req_to_token.stride(-1) == 1
+    if bs == 0 or num_tokens == 0 or max_extend_len <= 0:
+        return
+    cfg = config or get_extend_config(head_dim, q.device)
+    in_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
+    _extend_kernel[grid](
+        q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        o.stride(0), o.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        KV_GROUP_NUM=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        IN_PRECISION=in_precision,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,131 @@
+"""CudaGraphRunner: decode batches replayed from full CUDA graphs captured at fixed batch sizes.
+
+Static GraphInputBuffers are allocated once at the largest size; graphs are captured largest first into
+one shared pool; a replay bisects to the smallest captured size >= bs, copies the real rows in, pads the
+rest (padding rows write KV slot 0 and have the backend's fill sequence length) and returns views of the
+real rows of a static logits buffer. Sampling runs after the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from model_executor.forward_batch import ForwardBatch, ForwardMode
+from runners.capture_lists import pick_size
+from runners.graph_seam import GraphCapturer, default_capturer, frozen_gc
+
+logger = logging.getLogger("duet.cuda_graph_runner")
+
+WARMUP_RUNS = 2
+
+
+@dataclass
+class GraphInputBuffers:
+    input_ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor  # [max_bs] int64
+    req_pool_indices: torch.Tensor  # [max_bs] int64
+    seq_lens: torch.Tensor  # [max_bs] int32
+    out_cache_loc: torch.Tensor  # [max_bs] int64
+    logits: torch.Tensor  # [max_bs, vocab] float32, outside the graph pool
+    seq_len_fill: int
+
+    @classmethod
+    def allocate(cls, max_bs: int, vocab_size: int, seq_len_fill: int, device) -> GraphInputBuffers:
+        def zeros(dtype):
+            return torch.zeros(max_bs, dtype=dtype, device=device)
+
+        return cls(input_ids=zeros(torch.int64), positions=zeros(torch.int64), req_pool_indices=zeros(torch.int64),
+                   seq_lens=torch.full((max_bs,), seq_len_fill, dtype=torch.int32, device=device),
+                   out_cache_loc=zeros(torch.int64),
+                   logits=torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device),
+                   seq_len_fill=seq_len_fill)
+
+    def load(self, fb: ForwardBatch, padded_bs: int) -> None:
+        """Copy the real rows in and reset rows bs..padded_bs to padding (token 0, slot 0, row 0)."""
+        bs = fb.batch_size
+        self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:bs].copy_(fb.positions, non_blocking=True)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
+        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
+        if padded_bs > bs:
+            for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc):
+                buf[bs:padded_bs].zero_()
+            self.seq_lens[bs:padded_bs].fill_(self.seq_len_fill)
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner, batch_sizes: list[int], capturer: GraphCapturer | None = None):
+        self.model_runner = model_runner
+        self.model = model_runner.model
+        self.backend = model_runner.attn_backend
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_bs = self.batch_sizes[-1]
+        self.capturer = capturer or default_capturer(model_runner.device)
+        self.buffers = GraphInputBuffers.allocate(self.max_bs, model_runner.model_config.vocab_size,
+                                                  self.backend.get_cuda_graph_seq_len_fill_value(),
+                                                  model_runner.device)
+        self.backend.init_cuda_graph_state(self.max_bs)
+        self.static_batches = {bs: self._static_batch(bs) for bs in self.batch_sizes}
+        self.graphs: dict[int, object] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        self.capture()
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        b = self.buffers
+        mr = self.model_runner
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=b.input_ids[:bs], positions=b.positions[:bs],
+            req_pool_indices=b.req_pool_indices[:bs], seq_lens=b.seq_lens[:bs], out_cache_loc=b.out_cache_loc[:bs],
+            req_to_token_pool=mr.req_to_token_pool, kv_cache=mr.kv_cache, attn_backend=self.backend,
+            seq_lens_cpu=[b.seq_len_fill] * bs)
+
+    def _forward(self, fb: ForwardBatch) -> None:
+        logits = self.model(fb.input_ids, fb.positions, fb)
+        self.buffers.logits[: fb.batch_size].copy_(logits)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        before = self.capturer.memory_in_use()
+        start = time.perf_counter()
+        bar = tqdm(list(reversed(self.batch_sizes)), desc="capturing decode graphs", unit="graph",
+                   disable=self.model_runner.device.type != "cuda")
+        with frozen_gc():
+            for bs in bar:  # largest first: smaller graphs reuse its pool memory
+                fb = self.static_batches[bs]
+                self.buffers.load(fb, bs)  # all rows padding: safe to run
+                self.backend.init_forward_metadata_capture_cuda_graph(fb)
+                for _ in range(WARMUP_RUNS):
+                    self._forward(fb)
+                self.capturer.synchronize()
+                self.graphs[bs] = self.capturer.capture(lambda fb=fb: self._forward(fb))
+                used = (self.capturer.memory_in_use() - before) / 2**30
+                bar.set_postfix_str(f"bs={bs} mem={used:.2f} GiB")
+        self.capturer.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = self.capturer.memory_in_use() - before
+        logger.info("captured %d decode graphs in %.1f s, %.2f GiB", len(self.graphs), self.capture_seconds,
+                    self.capture_bytes / 2**30)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.mode.is_decode() and fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        bs = fb.batch_size
+        padded = pick_size(self.batch_sizes, bs)
+        static = self.static_batches[padded]
+        self.buffers.load(fb, padded)
+        static.seq_lens_cpu = fb.seq_lens_cpu + [self.buffers.seq_len_fill] * (padded - bs)
+        self.backend.init_forward_metadata_replay_cuda_graph(static)
+        self.graphs[padded].replay()
+        return self.buffers.logits[:bs]
+
+    def info(self) -> dict:
+        return {"cuda_graph_bs": list(self.batch_sizes), "decode_capture_seconds": round(self.capture_seconds, 2),
+                "decode_capture_gib": round(self.capture_bytes / 2**30, 3)}

@@ -1,0 +1,302 @@
+"""Triton attention kernels on a CUDA device: bf16 accuracy against an fp32 reference, CUDA-graph replay of
+decode, and (printed, not asserted) timings with a small tile sweep for tuning.
+
+Run: pytest -m gpu tests/gpu/test_triton_ops_gpu.py -s   (-s shows the timing lines)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Skip before importing triton: on a CPU machine, importing triton here in compiled mode would stop
+    # tests/test_triton_ops.py from switching on the interpreter in the same process.
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import triton
+
+from model_executor.layers.attention.triton_ops import (
+    ExtendConfig,
+    alloc_decode_workspace,
+    decode_attention_fwd,
+    extend_attention_fwd,
+    get_num_kv_splits,
+)
+from model_executor.layers.attention.triton_ops import decode_attention as decode_mod
+from model_executor.layers.attention.triton_ops import extend_attention as extend_mod
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+HEAD_CONFIGS = [(32, 8, 128), (9, 3, 64)]  # (num_heads, num_kv_heads, head_dim): Llama-3 8B/1B, SmolLM2
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def ref_attention(q, k_buffer, v_buffer, slots, q_positions, sm_scale):
+    """fp32 reference. q: [n, H, D]; slots: [L] KV slots of positions 0..L-1; q_positions: [n]."""
+    group = q.shape[1] // k_buffer.shape[1]
+    k = k_buffer[slots.long()].float().repeat_interleave(group, dim=1)
+    v = v_buffer[slots.long()].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * sm_scale
+    visible = torch.arange(slots.numel(), device=q.device)[None, :] <= q_positions[:, None]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+class Pool:
+    """KV pool with scattered slots: request row r (1-based) holds lens[r-1] positions; row 0 -> slot 0."""
+
+    def __init__(self, lens, num_kv_heads, head_dim, dtype=torch.bfloat16, seed=0):
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        num_slots = sum(lens) + 64
+        max_ctx = max(lens) + 16
+        self.k = torch.randn(num_slots + 1, num_kv_heads, head_dim, device=DEV, generator=gen).to(dtype)
+        self.v = torch.randn(num_slots + 1, num_kv_heads, head_dim, device=DEV, generator=gen).to(dtype)
+        self.req_to_token = torch.zeros(len(lens) + 1, max_ctx, dtype=torch.int32, device=DEV)
+        perm = torch.randperm(num_slots, device=DEV, generator=gen).to(torch.int32) + 1
+        used = 0
+        for row, n in enumerate(lens, start=1):
+            self.req_to_token[row, :n] = perm[used : used + n]
+            used += n
+        self.lens = list(lens)
+
+
+def decode_ref(pool, q, rows, seq_lens, sm_scale):
+    outs = []
+    for b, (row, n) in enumerate(zip(rows, seq_lens)):
+        slots = pool.req_to_token[row, :n]
+        outs.append(ref_attention(q[b : b + 1], pool.k, pool.v, slots, torch.tensor([n - 1], device=DEV), sm_scale))
+    return torch.cat(outs)
+
+
+def extend_args(prefix_lens, extend_lens):
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    start_loc = [0]
+    for e in extend_lens[:-1]:
+        start_loc.append(start_loc[-1] + e)
+    rows = list(range(1, len(seq_lens) + 1))
+    def as_t(x, dt):
+        return torch.tensor(x, dtype=dt, device=DEV)
+
+    return (as_t(rows, torch.int64), as_t(seq_lens, torch.int32), as_t(extend_lens, torch.int32),
+            as_t(start_loc, torch.int32), max(extend_lens))
+
+
+def extend_ref(pool, q, prefix_lens, extend_lens, sm_scale):
+    outs, start = [], 0
+    for row, (p, e) in enumerate(zip(prefix_lens, extend_lens), start=1):
+        slots = pool.req_to_token[row, : p + e]
+        outs.append(ref_attention(q[start : start + e], pool.k, pool.v, slots,
+                                  torch.arange(p, p + e, device=DEV), sm_scale))
+        start += e
+    return torch.cat(outs)
+
+
+def cuda_time_ms(fn, iters=20):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+# ---------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("heads", HEAD_CONFIGS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize("context", ["short", "long"])
+def test_decode_bf16(heads, context):
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(1)
+    if context == "short":
+        lens = [1, 2, 17, 64, 65, 200, 256] + torch.randint(1, 257, (9,), generator=gen).tolist()
+    else:
+        lens = [4096, 1, 4095, 3000, 1025, 33, 2048, 4000]
+    pool = Pool(lens, num_kv_heads, head_dim)
+    rows = list(range(1, len(lens) + 1))
+    bs = len(lens)
+    splits = get_num_kv_splits(max(lens))
+    q = torch.randn(bs, num_heads, head_dim, device=DEV).to(torch.bfloat16)
+    o = torch.empty_like(q)
+    logits, lse = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, torch.tensor(rows, device=DEV),
+                         torch.tensor(lens, dtype=torch.int32, device=DEV), logits, lse, splits, sm_scale)
+    ref = decode_ref(pool, q, rows, lens, sm_scale)
+    assert torch.isfinite(o).all()
+    assert rel_err(o, ref) < 1e-2
+    for b in range(bs):
+        assert rel_err(o[b], ref[b]) < 1e-2, f"row {b} (len {lens[b]})"
+
+
+def test_decode_cuda_graph_replay_matches_eager():
+    num_heads, num_kv_heads, head_dim = 32, 8, 128
+    max_bs = 16
+    gen = torch.Generator().manual_seed(2)
+    lens = torch.randint(1, 4097, (max_bs,), generator=gen).tolist()
+    lens[0] = 4096
+    pool = Pool(lens, num_kv_heads, head_dim)
+    splits = get_num_kv_splits(4096)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+
+    # static buffers, as a graph runner keeps them; padding rows: seq_len 1, request row 0 (slot 0)
+    q = torch.zeros(max_bs, num_heads, head_dim, dtype=torch.bfloat16, device=DEV)
+    o = torch.zeros_like(q)
+    req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=DEV)
+    seq_lens = torch.ones(max_bs, dtype=torch.int32, device=DEV)
+    logits, lse = alloc_decode_workspace(max_bs, num_heads, head_dim, splits, DEV)
+
+    def step():
+        decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, req_pool_indices, seq_lens, logits, lse,
+                             splits, sm_scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for trial, bs in enumerate([max_bs, 5, 11, 1]):
+        rows = torch.randperm(max_bs, generator=gen)[:bs] + 1
+        req_pool_indices.zero_()
+        seq_lens.fill_(1)
+        req_pool_indices[:bs] = rows.to(DEV)
+        seq_lens[:bs] = torch.tensor([lens[r - 1] for r in rows.tolist()], dtype=torch.int32, device=DEV)
+        q.copy_(torch.randn(max_bs, num_heads, head_dim, device=DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        graph_out = o.clone()
+        assert torch.isfinite(graph_out).all(), f"trial {trial}"
+
+        eager_o = torch.empty_like(o)
+        eager_logits, eager_lse = alloc_decode_workspace(max_bs, num_heads, head_dim, splits, DEV)
+        decode_attention_fwd(q, pool.k, pool.v, eager_o, pool.req_to_token, req_pool_indices, seq_lens,
+                             eager_logits, eager_lse, splits, sm_scale)
+        assert torch.equal(graph_out, eager_o), f"trial {trial}"
+
+        ref = decode_ref(pool, q[:bs], rows.tolist(), seq_lens[:bs].tolist(), sm_scale)
+        assert rel_err(graph_out[:bs], ref) < 1e-2
+
+
+# ---------------------------------------------------------------- extend
+
+
+@pytest.mark.parametrize("heads", HEAD_CONFIGS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens",
+    [
+        ([0], [2048]),  # one prompt, no prefix
+        ([0, 1000, 0, 3000, 77, 5], [1024, 512, 300, 199, 12, 1]),  # 2048 new tokens, mixed prefixes
+        ([4000, 0], [100, 17]),
+    ],
+    ids=["single2048", "mixed2048", "longprefix"],
+)
+def test_extend_bf16(heads, prefix_lens, extend_lens):
+    num_heads, num_kv_heads, head_dim = heads
+    pool = Pool([p + e for p, e in zip(prefix_lens, extend_lens)], num_kv_heads, head_dim, seed=3)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, device=DEV).to(torch.bfloat16)
+    o = torch.empty_like(q)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    rows, seq_lens, ext_lens, start_loc, max_ext = extend_args(prefix_lens, extend_lens)
+    extend_attention_fwd(q, o, pool.k, pool.v, pool.req_to_token, rows, seq_lens, ext_lens, start_loc, max_ext,
+                         sm_scale)
+    ref = extend_ref(pool, q, prefix_lens, extend_lens, sm_scale)
+    assert torch.isfinite(o).all()
+    assert rel_err(o, ref) < 1e-2
+    start = 0
+    for p, e in zip(prefix_lens, extend_lens):
+        assert rel_err(o[start : start + e], ref[start : start + e]) < 1e-2, f"request prefix {p} extend {e}"
+        start += e
+
+
+# ---------------------------------------------------------------- timings (printed, for tuning)
+
+
+def _time_decode(bs, ctx, heads, monkeypatch, lines):
+    num_heads, num_kv_heads, head_dim = heads
+    pool = Pool([ctx] * bs, num_kv_heads, head_dim, seed=4)
+    splits = get_num_kv_splits(ctx)
+    q = torch.randn(bs, num_heads, head_dim, device=DEV).to(torch.bfloat16)
+    o = torch.empty_like(q)
+    logits, lse = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
+    rows = torch.arange(1, bs + 1, device=DEV)
+    lens = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
+
+    def run():
+        decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, rows, lens, logits, lse, splits,
+                             1.0 / math.sqrt(head_dim))
+
+    ms = cuda_time_ms(run)
+    kv_bytes = 2 * bs * ctx * num_kv_heads * head_dim * 2
+    lines.append(f"decode {num_heads}q/{num_kv_heads}kv/{head_dim}d bs={bs:<4} ctx={ctx:<5} splits={splits:<2} "
+                 f"{ms * 1e3:8.1f} us  {kv_bytes / ms / 1e9:6.2f} TB/s of KV read")
+    if (bs, ctx) == (32, 4096):  # tile sweep
+        for block_n, warps, stages in [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (16, 4, 2)]:
+            monkeypatch.setattr(decode_mod, "BLOCK_N", block_n)
+            monkeypatch.setattr(decode_mod, "STAGE1_NUM_WARPS", warps)
+            monkeypatch.setattr(decode_mod, "STAGE1_NUM_STAGES", stages)
+            ms = cuda_time_ms(run)
+            lines.append(f"  sweep BLOCK_N={block_n} warps={warps} stages={stages}: {ms * 1e3:8.1f} us")
+        monkeypatch.undo()
+
+
+def _time_extend(n_tok, heads, configs, lines):
+    num_heads, num_kv_heads, head_dim = heads
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    pool = Pool([n_tok], num_kv_heads, head_dim, seed=5)
+    q = torch.randn(n_tok, num_heads, head_dim, device=DEV).to(torch.bfloat16)
+    o = torch.empty_like(q)
+    args = extend_args([0], [n_tok])
+    flops = 4 * n_tok * n_tok / 2 * num_heads * head_dim
+    for cfg in configs:
+        def run(cfg=cfg):
+            extend_attention_fwd(q, o, pool.k, pool.v, pool.req_to_token, *args, sm_scale, config=cfg)
+
+        name = f"default {extend_mod.get_extend_config(head_dim)}" if cfg is None else str(cfg)
+        try:
+            ms = cuda_time_ms(run)
+        except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:  # a tile that does not fit
+            lines.append(f"extend {name}: failed: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        lines.append(f"extend {num_heads}q/{num_kv_heads}kv/{head_dim}d tokens={n_tok:<5} {name}: "
+                     f"{ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s")
+    slots = pool.req_to_token[1, :n_tok].long()
+    qs = q.transpose(0, 1).unsqueeze(0)
+    ks = pool.k[slots].transpose(0, 1).unsqueeze(0)
+    vs = pool.v[slots].transpose(0, 1).unsqueeze(0)
+    ms = cuda_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+        qs, ks, vs, is_causal=True, enable_gqa=True))
+    lines.append(f"extend tokens={n_tok:<5} torch SDPA (contiguous K/V, no gather): {ms * 1e3:8.1f} us")
+
+
+def test_report_timings(monkeypatch):
+    """Prints decode/extend timings and small tile sweeps (run with -s); asserts nothing about speed."""
+    lines = []
+    for heads in HEAD_CONFIGS:
+        for bs, ctx in [(1, 1024), (1, 4096), (32, 1024), (32, 4096), (128, 2048)]:
+            _time_decode(bs, ctx, heads, monkeypatch, lines)
+    sweep = [None] + [ExtendConfig(*c) for c in [(128, 64, 8, 1), (128, 64, 8, 2), (128, 128, 8, 1),
+                                                 (64, 64, 4, 2), (128, 32, 4, 2), (64, 128, 8, 2),
+                                                 (128, 64, 4, 1), (64, 64, 4, 1)]]
+    for heads in HEAD_CONFIGS:
+        for n_tok in [128, 512]:
+            _time_extend(n_tok, heads, [None], lines)
+        _time_extend(2048, heads, sweep, lines)
+    print("\n" + "\n".join(lines))

@@ -1,0 +1,290 @@
+"""Triton attention kernels (decode split-KV, extend) against a torch reference.
+
+Without CUDA the kernels run in Triton's CPU interpreter. Triton fixes interpreted-vs-compiled for its own
+library functions (tl.max, tl.cdiv, ...) when `triton` is first imported, from TRITON_INTERPRET, so this
+module sets TRITON_INTERPRET=1 before it imports triton (only when there is no CUDA device: on a GPU
+machine it must stay unset, or every Triton kernel of the test process would be interpreted; there these
+tests run compiled on the GPU instead). If some earlier-collected module already imported triton in
+compiled mode on a CPU machine, the interpreter cannot be switched on in this process any more: then one
+test re-runs this module in a fresh interpreter process and the in-process tests skip.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+_TRITON_WAS_IMPORTED = "triton" in sys.modules
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+
+def _triton_interpreting() -> bool:
+    return type(triton.language.cdiv).__name__ == "InterpretedFunction"
+
+
+DEVICE = "cuda" if _HAS_CUDA else "cpu"
+# CPU, but triton came up compiled before this module: run the module in a subprocess instead.
+_RERUN_IN_SUBPROCESS = not _HAS_CUDA and not _triton_interpreting()
+in_process = pytest.mark.skipif(
+    _RERUN_IN_SUBPROCESS, reason="triton was imported before TRITON_INTERPRET=1 could be set; see test_in_subprocess"
+)
+
+if not _RERUN_IN_SUBPROCESS:
+    from model_executor.layers.attention.triton_ops import decode_attention as decode_mod
+    from model_executor.layers.attention.triton_ops import extend_attention as extend_mod
+
+
+@pytest.mark.skipif(not _RERUN_IN_SUBPROCESS, reason="triton runs in the right mode in this process")
+def test_in_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pathlib.Path(__file__).resolve())],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- reference and fixtures
+
+
+def ref_attention(q, k_buffer, v_buffer, slots, q_positions, sm_scale):
+    """q: [n, H, D]; slots: [L] KV slots of positions 0..L-1; q_positions: [n]. Returns fp32 [n, H, D]."""
+    num_heads, num_kv_heads = q.shape[1], k_buffer.shape[1]
+    group = num_heads // num_kv_heads
+    k = k_buffer[slots.long()].float().repeat_interleave(group, dim=1)  # [L, H, D]
+    v = v_buffer[slots.long()].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * sm_scale
+    visible = torch.arange(slots.numel(), device=q.device)[None, :] <= q_positions.to(q.device)[:, None]
+    scores = scores.masked_fill(~visible[None], float("-inf"))  # visible: [n, L]
+    return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
+
+
+def make_pool(num_slots, num_kv_heads, head_dim, dtype, gen, device=DEVICE):
+    k = torch.randn(num_slots + 1, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(num_slots + 1, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    return k, v
+
+
+def make_req_to_token(seq_lens, rows, num_slots, max_ctx, gen, device=DEVICE):
+    """Scattered, distinct slots (1..num_slots) per request; row 0 stays all zeros (the padding row)."""
+    req_to_token = torch.zeros(max(rows) + 2, max_ctx, dtype=torch.int32)
+    perm = torch.randperm(num_slots, generator=gen) + 1
+    used = 0
+    for row, n in zip(rows, seq_lens):
+        if row == 0:
+            continue
+        req_to_token[row, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    assert used <= num_slots
+    return req_to_token.to(device)
+
+
+# ---------------------------------------------------------------- decode
+
+
+def run_decode(mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits, sm_scale,
+               seq_dtype=torch.int32):
+    bs, num_heads, head_dim = q.shape
+    attn_logits, attn_lse = mod.alloc_decode_workspace(bs + 2, num_heads, head_dim, num_kv_splits, q.device)
+    attn_logits.fill_(float("nan"))  # stale workspace must not leak into the result
+    attn_lse.fill_(float("nan"))
+    o = torch.full_like(q, float("nan"))
+    mod.decode_attention_fwd(
+        q, k_buf, v_buf, o, req_to_token,
+        torch.tensor(rows, dtype=torch.int64, device=q.device),
+        torch.tensor(seq_lens, dtype=seq_dtype, device=q.device),
+        attn_logits, attn_lse, num_kv_splits, sm_scale,
+    )
+    return o
+
+
+def ref_decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, sm_scale):
+    outs = []
+    for b, (row, n) in enumerate(zip(rows, seq_lens)):
+        slots = req_to_token[row, :n]
+        outs.append(ref_attention(q[b : b + 1], k_buf, v_buf, slots, torch.tensor([n - 1], device=q.device), sm_scale))
+    return torch.cat(outs)
+
+
+@in_process
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,num_kv_splits,seq_dtype",
+    [
+        (4, 2, 64, 4, torch.int32),   # GQA, one head block per kv head
+        (20, 1, 64, 3, torch.int64),  # group 20 > BLOCK_H: two head blocks, the second partly masked
+        (2, 2, 128, 8, torch.int32),  # MHA, head_dim 128
+        (3, 1, 80, 2, torch.int32),   # head_dim not a power of two
+    ],
+)
+def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, num_kv_splits, seq_dtype):
+    gen = torch.Generator().manual_seed(0)
+    num_slots, max_ctx = 1024, 512
+    # 1: a single key; 37 and 300: several chunks (rounded up to BLOCK_N), some splits left empty
+    seq_lens = [1, 37, 300]
+    rows = [3, 1, 5]
+    req_to_token = make_req_to_token(seq_lens, rows, num_slots, max_ctx, gen)
+    k_buf, v_buf = make_pool(num_slots, num_kv_heads, head_dim, torch.float32, gen)
+    # q as a strided view (like a slice of a fused qkv output)
+    qkv = torch.randn(len(seq_lens), num_heads * head_dim * 2, generator=gen)
+    qkv = qkv.to(DEVICE)
+    q = qkv[:, : num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)
+    assert not q.is_contiguous()
+    sm_scale = 1.0 / math.sqrt(head_dim)
+
+    o = run_decode(decode_mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits, sm_scale, seq_dtype)
+    ref = ref_decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, sm_scale)
+    torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+
+
+@in_process
+def test_decode_padding_rows_are_finite():
+    """Graph padding rows: seq_len 1, request row 0, which maps position 0 to the reserved slot 0."""
+    gen = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads, head_dim, num_slots = 4, 2, 64, 256
+    seq_lens = [45, 1, 1]
+    rows = [2, 0, 0]
+    req_to_token = make_req_to_token(seq_lens, rows, num_slots, 128, gen)
+    k_buf, v_buf = make_pool(num_slots, num_kv_heads, head_dim, torch.float32, gen)
+    q = torch.randn(3, num_heads, head_dim, generator=gen).to(DEVICE)
+    o = run_decode(decode_mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, 8, 0.125)
+    assert torch.isfinite(o).all()
+    # a single key: the output is that key's value (slot 0), repeated over the query group
+    torch.testing.assert_close(o[1], v_buf[0].repeat_interleave(2, dim=0), atol=1e-5, rtol=1e-5)
+    ref = ref_decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, 0.125)
+    torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+
+
+@in_process
+def test_decode_split_counts_agree():
+    """The result does not depend on the split count (up to rounding)."""
+    gen = torch.Generator().manual_seed(2)
+    seq_lens, rows = [150, 97, 64], [1, 2, 3]
+    req_to_token = make_req_to_token(seq_lens, rows, 600, 256, gen)
+    k_buf, v_buf = make_pool(600, 2, 64, torch.float32, gen)
+    q = torch.randn(3, 4, 64, generator=gen).to(DEVICE)
+    outs = [run_decode(decode_mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, s, 0.125) for s in (1, 2, 16)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
+
+
+@in_process
+def test_decode_half_precision():
+    gen = torch.Generator().manual_seed(3)
+    seq_lens, rows = [70, 1, 33], [1, 0, 2]
+    req_to_token = make_req_to_token(seq_lens, rows, 300, 128, gen)
+    k_buf, v_buf = make_pool(300, 2, 64, torch.float16, gen)
+    q = torch.randn(3, 4, 64, generator=gen).to(DEVICE, torch.float16)
+    o = run_decode(decode_mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, 4, 0.125)
+    ref = ref_decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, 0.125)
+    assert o.dtype == torch.float16
+    torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@in_process
+def test_get_num_kv_splits():
+    f = decode_mod.get_num_kv_splits
+    assert f(1) == 1 and f(256) == 1 and f(257) == 2 and f(1024) == 4 and f(4096) == 16 and f(131072) == 16
+    assert f(4096, max_splits=8) == 8
+
+
+# ---------------------------------------------------------------- extend
+
+
+def run_extend(mod, q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, sm_scale, config=None,
+               max_extend_len=None):
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    start_loc = [0]
+    for e in extend_lens[:-1]:
+        start_loc.append(start_loc[-1] + e)
+    o = torch.full_like(q, float("nan"))
+    mod.extend_attention_fwd(
+        q, o, k_buf, v_buf, req_to_token,
+        torch.tensor(rows, dtype=torch.int64, device=q.device),
+        torch.tensor(seq_lens, dtype=torch.int64, device=q.device),
+        torch.tensor(extend_lens, dtype=torch.int32, device=q.device),
+        torch.tensor(start_loc, dtype=torch.int32, device=q.device),
+        max_extend_len if max_extend_len is not None else max(extend_lens),
+        sm_scale,
+        config=config,
+    )
+    return o
+
+
+def ref_extend(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, sm_scale):
+    outs, start = [], 0
+    for row, p, e in zip(rows, prefix_lens, extend_lens):
+        slots = req_to_token[row, : p + e]
+        outs.append(ref_attention(q[start : start + e], k_buf, v_buf, slots, torch.arange(p, p + e, device=q.device), sm_scale))
+        start += e
+    return torch.cat(outs)
+
+
+def _extend_case(num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = [4, 2, 7, 1][: len(prefix_lens)]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_slots = sum(seq_lens) + 50
+    req_to_token = make_req_to_token(seq_lens, rows, num_slots, max(seq_lens) + 8, gen)
+    k_buf, v_buf = make_pool(num_slots, num_kv_heads, head_dim, dtype, gen)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    return q, k_buf, v_buf, req_to_token, rows
+
+
+@in_process
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,config",
+    [
+        (4, 2, 64, None),  # default tiles (BLOCK_M 128, BLOCK_N 64)
+        (4, 2, 64, (16, 16, 4, 1)),  # small tiles: many KV blocks, unaligned prefix/band boundaries
+        (3, 3, 128, (32, 16, 4, 1)),
+        (6, 2, 80, (16, 32, 4, 1)),
+    ],
+)
+def test_extend_matches_reference(num_heads, num_kv_heads, head_dim, config):
+    prefix_lens = [0, 17, 70, 5]
+    # default tiles: 150 new tokens span two BLOCK_M tiles; small tiles get there with fewer tokens
+    extend_lens = [5, 40, 150 if config is None else 60, 1]
+    q, k_buf, v_buf, req_to_token, rows = _extend_case(
+        num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, torch.float32, seed=10)
+    cfg = extend_mod.ExtendConfig(*config) if config else None
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    o = run_extend(extend_mod, q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, sm_scale, cfg)
+    ref = ref_extend(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, sm_scale)
+    torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+
+
+@in_process
+def test_extend_grid_larger_than_needed_and_fp16():
+    """max_extend_len above the real maximum only adds programs that exit; fp16 in/out."""
+    prefix_lens, extend_lens = [9, 0], [20, 33]
+    q, k_buf, v_buf, req_to_token, rows = _extend_case(4, 1, 64, prefix_lens, extend_lens, torch.float16, seed=11)
+    cfg = extend_mod.ExtendConfig(16, 16, 4, 1)
+    o = run_extend(extend_mod, q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, 0.125, cfg,
+                   max_extend_len=100)
+    ref = ref_extend(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, 0.125)
+    assert o.dtype == torch.float16 and torch.isfinite(o).all()
+    torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@in_process
+def test_extend_last_token_matches_decode():
+    """Extend's last new token and a decode step over the same KV give the same output."""
+    prefix_lens, extend_lens = [30, 0], [12, 50]
+    q, k_buf, v_buf, req_to_token, rows = _extend_case(4, 2, 64, prefix_lens, extend_lens, torch.float32, seed=12)
+    o_ext = run_extend(extend_mod, q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, 0.125,
+                       extend_mod.ExtendConfig(16, 16, 4, 1))
+    last = [extend_lens[0] - 1, sum(extend_lens) - 1]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    o_dec = run_decode(decode_mod, q[last].contiguous(), k_buf, v_buf, req_to_token, rows, seq_lens, 4, 0.125)
+    torch.testing.assert_close(o_dec, o_ext[last], atol=1e-5, rtol=1e-5)
