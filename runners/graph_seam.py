@@ -43,6 +43,9 @@ class CudaGraphCapturer:
         return graph
 
     def memory_in_use(self) -> int:
+        # torch.cuda.graph() empties the allocator cache on entry; empty it here too so the numbers
+        # before and after a capture both count only memory that is really held.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
 
