@@ -1,0 +1,102 @@
+"""flashinfer: BatchDecode/BatchPrefill wrappers over the token-level pool (page size 1).
+
+KV indices come from req_to_token; each page holds one token, so every last-page length is 1. Decode
+graphs get one CUDA-graph wrapper per captured batch size over fixed index buffers, planned outside the
+graph before each replay (planning reads lengths on the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.attention.base import AttentionBackend
+from model_executor.layers.attention.radix_attention import RadixAttention
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, runner):
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        cfg = runner.model_config
+        self.num_qo_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.dtype = runner.dtype
+        self.device = runner.device
+        self.num_slots = runner.num_kv_slots if hasattr(runner, "allocator") else None
+        self.req_to_token = runner.req_to_token_pool.req_to_token
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=runner.device)
+        # Tensor-core decode kernels pay off once several query heads share a KV head (SGLang's rule).
+        self.decode_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.graph_wrappers: dict[int, object] = {}
+        self._decode = self.decode_wrapper
+
+    # ---- metadata --------------------------------------------------------------------------------
+    def _kv_indices(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = fb.batch_size
+        indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
+        indptr[1:] = torch.cumsum(fb.seq_lens, 0)
+        max_len = max(fb.seq_lens_cpu)
+        rows = self.req_to_token[fb.req_pool_indices, :max_len]
+        mask = torch.arange(max_len, device=self.device)[None, :] < fb.seq_lens[:, None]
+        return indptr, rows[mask]
+
+    def _plan_decode(self, wrapper, fb: ForwardBatch) -> None:
+        indptr, indices = self._kv_indices(fb)
+        last = torch.ones(fb.batch_size, dtype=torch.int32, device=self.device)
+        wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
+                     q_data_type=self.dtype, kv_data_type=self.dtype)
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.mode.is_decode():
+            self._decode = self.decode_wrapper
+            self._plan_decode(self._decode, fb)
+            return
+        indptr, indices = self._kv_indices(fb)
+        qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int32, device=self.device)
+        qo_indptr[1:] = torch.cumsum(fb.extend_seq_lens, 0)
+        last = torch.ones(fb.batch_size, dtype=torch.int32, device=self.device)
+        self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_qo_heads, self.num_kv_heads,
+                                  self.head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
+
+    # ---- attention -------------------------------------------------------------------------------
+    def _paged(self, fb: ForwardBatch, layer: RadixAttention):
+        k, v = fb.kv_cache.get_kv(layer.layer_id)
+        return k.unsqueeze(1), v.unsqueeze(1)  # [slots, page_size=1, Hk, D]
+
+    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        return self._decode.run(q, self._paged(fb, layer))
+
+    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        return self.prefill_wrapper.run(q, self._paged(fb, layer))
+
+    # ---- graph hooks -----------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        max_indices = self.req_to_token.shape[0] * self.req_to_token.shape[1] if self.num_slots is None \
+            else self.num_slots + max_bs + 1
+        self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self.graph_indices = torch.zeros(max_indices, dtype=torch.int32, device=self.device)
+        self.graph_last_page = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
+        bs = fb.batch_size
+        wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.graph_indices,
+            paged_kv_last_page_len_buffer=self.graph_last_page[:bs])
+        self.graph_wrappers[bs] = wrapper
+        self._decode = wrapper
+        self._plan_decode(wrapper, fb)
+
+    def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
+        self._decode = self.graph_wrappers[fb.batch_size]
+        self._plan_decode(self._decode, fb)
