@@ -245,7 +245,8 @@ def _extend_case(num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, dt
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,config",
     [
-        (4, 2, 64, None),  # default tiles (BLOCK_M 128, BLOCK_N 64)
+        (4, 2, 64, (128, 64, 4, 1)),  # the bf16 serving tiles
+        (4, 2, 64, None),  # the float32 default
         (4, 2, 64, (16, 16, 4, 1)),  # small tiles: many KV blocks, unaligned prefix/band boundaries
         (3, 3, 128, (32, 16, 4, 1)),
         (6, 2, 80, (16, 32, 4, 1)),
@@ -253,8 +254,8 @@ def _extend_case(num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, dt
 )
 def test_extend_matches_reference(num_heads, num_kv_heads, head_dim, config):
     prefix_lens = [0, 17, 70, 5]
-    # default tiles: 150 new tokens span two BLOCK_M tiles; small tiles get there with fewer tokens
-    extend_lens = [5, 40, 150 if config is None else 60, 1]
+    # 150 new tokens span two 128-row tiles; smaller tiles get there with fewer tokens
+    extend_lens = [5, 40, 150 if config and config[0] == 128 else 60, 1]
     q, k_buf, v_buf, req_to_token, rows = _extend_case(
         num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, torch.float32, seed=10)
     cfg = extend_mod.ExtendConfig(*config) if config else None

@@ -209,7 +209,7 @@ def decode_attention_fwd(
     group = num_heads // num_kv_heads
     head_blocks = triton.cdiv(group, BLOCK_H)
     block_d = triton.next_power_of_2(head_dim)
-    in_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    in_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy
 
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse,
