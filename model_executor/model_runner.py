@@ -93,6 +93,11 @@ class ModelRunner:
                 self.decode_graph_runner = CudaGraphRunner(self, list(cfg.cuda_graph_bs))
             else:
                 logger.warning("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
+        if not cfg.disable_piecewise_cuda_graph and cfg.piecewise_cuda_graph_tokens:
+            # Attention runs eagerly between the pieces, so every backend works here.
+            from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+
+            self.extend_graph_runner = PiecewiseCudaGraphRunner(self, list(cfg.piecewise_cuda_graph_tokens))
 
     @property
     def num_kv_slots(self) -> int:
@@ -141,10 +146,13 @@ class ModelRunner:
 
     def graph_info(self) -> dict:
         """What was captured, for the start-up line and /server_info."""
-        info = {"cuda_graph_bs": [], "piecewise_cuda_graph_tokens": [], "capture_seconds": 0.0, "capture_gib": 0.0}
+        info = {"cuda_graph_bs": [], "piecewise_cuda_graph_tokens": []}
         for runner in (self.decode_graph_runner, self.extend_graph_runner):
             if runner is not None:
                 info.update(runner.info())
+        info["capture_seconds"] = round(info.get("decode_capture_seconds", 0.0)
+                                        + info.get("extend_capture_seconds", 0.0), 2)
+        info["capture_gib"] = round(info.get("decode_capture_gib", 0.0) + info.get("extend_capture_gib", 0.0), 3)
         return info
 
     @torch.inference_mode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 
 GiB = 1024**3
+DEFAULT_MAX_EXTEND_TOKENS = 2048
 
 
 def default_cuda_graph_max_bs(gpu_memory_bytes: int) -> int:
@@ -72,5 +73,7 @@ def resolve_decode_capture_list(args, max_running_requests: int) -> tuple[int, .
 def resolve_extend_token_levels(args, chunked_prefill_size: int | None) -> tuple[int, ...]:
     if args.disable_piecewise_cuda_graph:
         return ()
-    max_tokens = args.piecewise_cuda_graph_max_tokens or chunked_prefill_size or 8192
+    # Default: up to the chunk size, capped at 2048 tokens: above that an extend is compute-bound and a
+    # graph saves little, while each level costs start-up time and memory.
+    max_tokens = args.piecewise_cuda_graph_max_tokens or min(chunked_prefill_size or 8192, DEFAULT_MAX_EXTEND_TOKENS)
     return tuple(get_token_levels(max_tokens, args.piecewise_cuda_graph_tokens))

@@ -50,7 +50,7 @@ class ServerArgs:
                                                      "to its largest entry", nargs="+")
     disable_cuda_graph: bool = _f(False, "run decode batches eagerly (no CUDA graphs)")
     piecewise_cuda_graph_max_tokens: int | None = _f(None, "largest extend token count captured "
-                                                           "(default: the chunked-prefill size)")
+                                                           "(default: the chunked-prefill size, at most 2048)")
     piecewise_cuda_graph_tokens: tuple[int, ...] | None = _f(None, "explicit extend token levels", nargs="+")
     disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
     enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up)")

@@ -1,4 +1,9 @@
-"""RadixAttention: the model's attention layer; it holds the layer's shape and calls the backend."""
+"""RadixAttention: the model's attention layer; it holds the layer's shape and calls the backend.
+
+While a piecewise extend pass runs (runners/forward_context.py), it calls the `duet::attention` op instead,
+which torch.compile sees as opaque and the piecewise runner splits the traced graph at; the op runs the
+same backend call on the real tokens. Otherwise: the plain backend call.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import torch
 from torch import nn
 
 from model_executor.forward_batch import ForwardBatch
+from runners import forward_context
+from runners.attention_op import unified_attention
 
 
 class RadixAttention(nn.Module):
@@ -18,4 +25,6 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if forward_context.is_active():
+            return unified_attention(q, k, v, self.layer_id)
         return fb.attn_backend.forward(q, k, v, self, fb)

@@ -1,0 +1,269 @@
+"""PiecewiseCudaGraphRunner: extend (prefill) batches replayed from per-piece CUDA graphs at token levels.
+
+The backbone (embedding -> layers -> final norm) is traced once by torch.compile with the token dimension
+dynamic, and split at the `duet::attention` op (runners/fx_split.py) into num_layers + 1 pieces. Every
+piece is captured at every token level, largest level first, into one shared pool on one stream; between
+pieces, attention runs eagerly on the real (unpadded) batch, which it reads from the forward context
+(runners/forward_context.py). A replay rounds the token count up to a level (bisect), copies ids and
+positions into static buffers and zeroes the padding (token 0, position 0), runs pieces and attention,
+slices the hidden states back to the real tokens, and runs the logits head eagerly on each request's
+last token. Above the largest level, or for requests that need prompt logprobs, the batch runs eagerly.
+
+Memory: a captured piece's outputs are kept only as weak references (tensors that alias the pool memory
+without owning it). Once a level's capture is done nothing holds its blocks, so the next (smaller) level
+is captured into the same blocks and the pool stays about the size of the largest level's working set
+(the probe in DESIGN.md §8 kept every level's outputs alive: 4.0 GiB for 42 levels).
+
+Why the DESIGN §8 probe lost to eager at 2048 tokens (hypothesis; it was not profiled): at 2048 tokens the
+1B step is GPU-bound, so any extra GPU work or GPU idle shows. The likely culprits are (1) the logits
+head inside the graph over all 2048 tokens (2048 x 2048 x 128256 MACs, ~1 TFLOP and a 1 GiB float32
+logits tensor, against eager's head over one row per request), and (2) a host sync in the eager attention
+between pieces (a `.item()`/`.tolist()` on device lengths), which drains the GPU once per layer and adds
+a CPU launch gap per layer; per-piece copies of outputs into static buffers would add a little more.
+Here: the head runs eagerly on last tokens only; attention metadata comes from host lists prepared before
+the pieces (no sync inside the replay with the triton backend); piece outputs are not copied (weak refs;
+attention writes into the `out` tensor the previous piece allocated, one T x Hq*D copy per layer); only
+the padded tail [n, level) of the inputs is zeroed; and the trace happens once (marked-dynamic views of the
+same static buffers; a second trace after capture is an error rather than a silent re-capture).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from tqdm import tqdm
+
+from model_executor.forward_batch import ForwardBatch, ForwardMode
+from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.layers.logits import compute_logits
+from runners.capture_lists import pick_size
+from runners.forward_context import forward_context
+from runners.fx_split import PiecewiseBackend
+from runners.graph_seam import GraphCapturer, default_capturer, frozen_gc
+
+logger = logging.getLogger("duet.piecewise_cuda_graph_runner")
+
+WARMUP_RUNS = 2
+MIN_LEVEL = 2  # dynamo specializes sizes 0 and 1: a level of 1 would force a second trace
+
+
+def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's memory that does not keep it allocated (the allocator may hand the block out again)."""
+    storage = t.untyped_storage()
+    weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty((), dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.size(), t.stride())
+
+
+def _weak_if_cuda(x):
+    return weak_ref_tensor(x) if isinstance(x, torch.Tensor) and x.is_cuda else x
+
+
+def _addresses(args) -> list:
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+@dataclass
+class ExtendInputBuffers:
+    input_ids: torch.Tensor  # [max_tokens] int64
+    positions: torch.Tensor  # [max_tokens] int64
+
+    @classmethod
+    def allocate(cls, max_tokens: int, device) -> ExtendInputBuffers:
+        return cls(input_ids=torch.zeros(max_tokens, dtype=torch.int64, device=device),
+                   positions=torch.zeros(max_tokens, dtype=torch.int64, device=device))
+
+    def load(self, fb: ForwardBatch, level: int) -> None:
+        """Copy the real tokens in; tokens n..level are padding (id 0, position 0)."""
+        n = fb.num_tokens
+        self.input_ids[:n].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:n].copy_(fb.positions, non_blocking=True)
+        if level > n:
+            self.input_ids[n:level].zero_()
+            self.positions[n:level].zero_()
+
+
+class Phase(Enum):
+    EAGER = auto()  # trace and warm-up runs: pieces run as compiled, nothing recorded
+    CAPTURE = auto()  # each piece is captured at `level`
+    REPLAY = auto()  # each piece replays its graph of `level`
+
+
+@dataclass
+class PieceState:
+    """What every piece wrapper of one runner does on its next call (set by the runner around a pass)."""
+
+    phase: Phase = Phase.EAGER
+    level: int = 0
+
+
+@dataclass
+class _Entry:
+    graph: object = None
+    output: object = None  # weak references on CUDA (the pool owns the memory)
+    addresses: list | None = None  # data pointers of the inputs the graph was captured reading
+
+
+class CapturedPiece(nn.Module):
+    """One piece of the backbone at every level: runs eagerly, captures, or replays by the shared state."""
+
+    def __init__(self, index: int, fn, state: PieceState, capturer: GraphCapturer, check_addresses: bool):
+        super().__init__()
+        self.index = index
+        self.fn = fn
+        self.state = state
+        self.capturer = capturer
+        self.check_addresses = check_addresses
+        self.entries: dict[int, _Entry] = {}
+
+    def forward(self, *args):
+        state = self.state
+        if state.phase is Phase.REPLAY:
+            entry = self.entries[state.level]
+            if self.check_addresses and _addresses(args) != entry.addresses:
+                raise RuntimeError(f"piece {self.index} replayed at level {state.level} with inputs at other "
+                                   "addresses than captured")
+            entry.graph.replay()
+            return entry.output
+        if state.phase is Phase.EAGER:
+            return self.fn(*args)
+        return self._capture(args, state.level)
+
+    def _capture(self, args, level: int):
+        entry = _Entry(addresses=_addresses(args))
+
+        def run():
+            out = self.fn(*args)
+            if entry.output is None:
+                entry.output = out
+            else:  # the CPU stand-in re-runs on replay: write where a real graph would (its captured outputs)
+                for dst, src in zip(pytree.tree_leaves(entry.output), pytree.tree_leaves(out)):
+                    if isinstance(dst, torch.Tensor):
+                        dst.copy_(src)
+
+        entry.graph = self.capturer.capture(run)
+        strong = entry.output
+        entry.output = pytree.tree_map(_weak_if_cuda, strong)
+        self.entries[level] = entry
+        return strong  # alive only until the next pieces of this level have read it
+
+
+class PiecewiseCudaGraphRunner:
+    def __init__(self, model_runner, token_levels: list[int], capturer: GraphCapturer | None = None,
+                 check_addresses: bool | None = None):
+        self.model_runner = model_runner
+        self.model = model_runner.model
+        self.attn_backend = model_runner.attn_backend
+        self.device = model_runner.device
+        self.levels = sorted({max(MIN_LEVEL, t) for t in token_levels})
+        self.max_tokens = self.levels[-1]
+        self.capturer = capturer or default_capturer(self.device)
+        self.check_addresses = self.device.type != "cuda" if check_addresses is None else check_addresses
+        self.attention_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
+        self.state = PieceState()
+        self.pieces: list[CapturedPiece] = []
+        compiler = "inductor" if model_runner.config.enable_torch_compile else "eager"
+        self.backend = PiecewiseBackend(self._wrap_piece, piece_compiler=compiler)
+        # dynamic=False: only the marked token dimension is symbolic. With automatic dynamic, a float that
+        # differs from an earlier compile of the same code (another model's RMSNorm eps) became a graph
+        # input tensor read with .item(): a new address every call and a host sync.
+        self.compiled = torch.compile(self._backbone_fn(), backend=self.backend, fullgraph=True, dynamic=False)
+        self.capture_seconds = 0.0
+        self.compile_seconds = 0.0
+        self.capture_bytes = 0
+        self._memory_before = self.capturer.memory_in_use()
+        self.buffers = ExtendInputBuffers.allocate(self.max_tokens, self.device)
+        self.capture()
+
+    def _backbone_fn(self):
+        backbone = self.model.model
+
+        def run_backbone(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            # No ForwardBatch in the traced graph: attention takes it from the forward context.
+            return backbone(input_ids, positions, None)
+
+        return run_backbone
+
+    def _wrap_piece(self, index: int, name: str, fn) -> CapturedPiece:
+        if self.pieces and index == 0:
+            raise RuntimeError("the piecewise backbone was traced again after capture (a recompile); "
+                               "run with TORCH_LOGS=recompiles to see the failing guard")
+        piece = CapturedPiece(index, fn, self.state, self.capturer, self.check_addresses)
+        self.pieces.append(piece)
+        return piece
+
+    def _capture_batch(self) -> ForwardBatch:
+        """Attention's batch during warm-up and capture: one token in the padding row, writing slot 0."""
+        return self.model_runner.build_batch(ForwardMode.EXTEND, [0], [0], [1], torch.zeros(1, dtype=torch.int64),
+                                             extend_seq_lens=[1])
+
+    def _run_backbone(self, fb: ForwardBatch, level: int, phase: Phase) -> torch.Tensor:
+        input_ids = self.buffers.input_ids[:level]
+        positions = self.buffers.positions[:level]
+        # Same buffers, token dimension dynamic: one trace serves every level (no duck-sizing recompiles).
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        self.state.phase, self.state.level = phase, level
+        try:
+            with forward_context(fb, self.attention_layers):
+                return self.compiled(input_ids, positions)
+        finally:
+            self.state.phase = Phase.EAGER
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        fb = self._capture_batch()
+        self.attn_backend.init_forward_metadata(fb)
+        bar = tqdm(list(reversed(self.levels)), desc="capturing extend pieces", unit="level",
+                   disable=self.device.type != "cuda")
+        with frozen_gc():
+            for level in bar:  # largest first: smaller levels reuse its pool memory
+                self.buffers.input_ids[:level].zero_()
+                self.buffers.positions[:level].zero_()
+                for _ in range(WARMUP_RUNS):
+                    t0 = time.perf_counter()
+                    self._run_backbone(fb, level, Phase.EAGER)
+                    if self.backend.num_traces == 1 and not self.compile_seconds:
+                        self.capturer.synchronize()
+                        self.compile_seconds = time.perf_counter() - t0  # trace + split (+ inductor) + one run
+                self.capturer.synchronize()
+                self._run_backbone(fb, level, Phase.CAPTURE)
+                used = (self.capturer.memory_in_use() - self._memory_before) / 2**30
+                bar.set_postfix_str(f"tokens={level} mem={used:.2f} GiB")
+        self.capturer.synchronize()
+        self.capture_seconds = time.perf_counter() - start - self.compile_seconds
+        self.capture_bytes = self.capturer.memory_in_use() - self._memory_before
+        logger.info("captured %d extend levels in %.1f s (compile %.1f s), %.2f GiB", len(self.levels),
+                    self.capture_seconds, self.compile_seconds, self.capture_bytes / 2**30)
+
+    @property
+    def num_traces(self) -> int:
+        return self.backend.num_traces
+
+    def needs_prompt_logprobs(self, fb: ForwardBatch) -> bool:
+        """Prompt logprobs need the head over every token: eager. (Not built yet: never.)"""
+        return False
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.mode.is_extend() and fb.num_tokens <= self.max_tokens and not self.needs_prompt_logprobs(fb)
+
+    @torch.inference_mode()
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        n = fb.num_tokens
+        level = pick_size(self.levels, n)
+        self.buffers.load(fb, level)
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self._run_backbone(fb, level, Phase.REPLAY)
+        return compute_logits(self.model.lm_head, hidden[:n], fb)
+
+    def info(self) -> dict:
+        return {"piecewise_cuda_graph_tokens": list(self.levels),
+                "extend_capture_seconds": round(self.capture_seconds, 2),
+                "extend_compile_seconds": round(self.compile_seconds, 2),
+                "extend_capture_gib": round(self.capture_bytes / 2**30, 3)}
