@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from model_executor.layers import triton_ops
+
 
 class OutOfSlotsError(RuntimeError):
     """The KV pool cannot hand out the slots asked for."""
@@ -63,6 +65,10 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, Hk, D] rows written at slots loc [T] (int64)."""
+        if k.is_cuda:  # one Triton kernel for both buffers
+            triton_ops.store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, k, v)
+            return
         self.k_buffers[layer_id][loc] = k.to(self.dtype)
         self.v_buffers[layer_id][loc] = v.to(self.dtype)
 

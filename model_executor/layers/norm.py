@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_executor.layers import triton_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -14,6 +16,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x) or, with a residual, (norm(x + residual), x + residual)."""
+        if x.is_cuda:  # one fused Triton kernel
+            return triton_ops.rmsnorm(x, self.weight, self.eps, residual)
+        return self.forward_native(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The plain PyTorch path (CPU; the reference of the fused kernel)."""
         if residual is not None:
             x = x + residual
             residual = x

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from model_executor.layers import triton_ops
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
@@ -38,11 +40,21 @@ class RotaryEmbedding(nn.Module):
                 raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        # [max_position, head_dim]: cos and sin halves side by side, kept in float32.
+        # [max_position, head_dim]: cos and sin halves side by side; built in float32, then cast with the
+        # model (like HF, which casts cos/sin to the activation dtype).
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies in the input dtype."""
+        """q: [T, Hq, D], k: [T, Hk, D]; returns (q, k) rotated, in the input dtype.
+
+        On CUDA, one fused Triton kernel rotates q and k in place and returns them; on CPU, rotated copies.
+        """
+        if q.is_cuda:
+            return triton_ops.apply_rotary(positions, q, k, self.cos_sin_cache)
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """The plain PyTorch path (CPU; the reference of the fused kernel): rotated copies of q and k."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

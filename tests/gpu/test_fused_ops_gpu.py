@@ -1,0 +1,299 @@
+"""The fused Triton ops on a CUDA device, in bfloat16 at serving shapes: against the plain PyTorch path (the
+layers' forward_native), one kernel per layer call, CUDA-graph capture and replay, and (printed, not
+asserted) per-call times inside a graph, fused vs PyTorch.
+
+Run: pytest -m gpu tests/gpu/test_fused_ops_gpu.py -s   (-s shows the timing lines)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Skip before importing triton: on a CPU machine, importing triton here in compiled mode would stop
+    # tests/test_fused_ops.py from switching on the interpreter in the same process.
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from model_executor.layers.activation import SiluAndMul
+from model_executor.layers.norm import RMSNorm
+from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.memory_pool import KVCache
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+# (hidden, intermediate, num_heads, num_kv_heads, head_dim): Llama-3.2-1B, Llama-3.1-8B, SmolLM2-135M
+SHAPES = {"1b": (2048, 8192, 32, 8, 64), "8b": (4096, 14336, 32, 8, 128), "135m": (576, 1536, 9, 3, 64)}
+TOKENS = [1, 7, 300]
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}
+# a rounding step of bfloat16 apart at most (float32 rounding order, exp): a tolerance of a few ulps
+LOOSE = {"atol": 2e-2, "rtol": 2e-2}
+
+
+def randn(*shape, gen, dtype=BF16, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
+
+
+def make_norm(hidden, gen):
+    norm = RMSNorm(hidden, 1e-5).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=gen, device=DEV) * 0.4 + 0.8)
+    return norm.to(BF16)
+
+
+def make_rope(head_dim):
+    # the model casts every floating buffer to the serving dtype (build_model's model.to(dtype)): so do we
+    return RotaryEmbedding(head_dim, 131072, 500000.0, LLAMA3_SCALING).to(DEV, BF16)
+
+
+def make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen):
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, gen=gen)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+def mismatch_fraction(a, b):
+    return (a != b).float().mean().item()
+
+
+# ---------------------------------------------------------------- accuracy against the PyTorch path
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_rmsnorm_bf16(shape, num_tokens):
+    hidden = SHAPES[shape][0]
+    gen = torch.Generator(device=DEV).manual_seed(num_tokens)
+    norm = make_norm(hidden, gen)
+    x, residual = randn(num_tokens, hidden, gen=gen, scale=3.0), randn(num_tokens, hidden, gen=gen)
+    out = norm(x)  # the layer takes the fused path on CUDA
+    ref = norm.forward_native(x)
+    assert out.dtype == BF16
+    torch.testing.assert_close(out, ref, **LOOSE)
+    assert mismatch_fraction(out, ref) < 0.02  # nearly all bit-identical: only float32 rounding order differs
+
+    out, res_out = norm(x, residual)
+    ref_out, ref_res = norm.forward_native(x, residual)
+    assert torch.equal(res_out, ref_res)  # x + residual rounds to bfloat16 exactly as PyTorch's add
+    torch.testing.assert_close(out, ref_out, **LOOSE)
+    assert mismatch_fraction(out, ref_out) < 0.02
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_rotary_bf16(shape, num_tokens):
+    _, _, num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    gen = torch.Generator(device=DEV).manual_seed(num_tokens)
+    rope = make_rope(head_dim)
+    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    positions = torch.randint(0, 131072, (num_tokens,), generator=gen, device=DEV)
+    ref_q, ref_k = rope.forward_native(positions, q, k)
+    v_before = v.clone()
+    out_q, out_k = rope(positions, q, k)  # fused, in place
+    assert out_q is q and out_k is k
+    torch.testing.assert_close(q, ref_q, **LOOSE)
+    torch.testing.assert_close(k, ref_k, **LOOSE)
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_silu_and_mul_bf16(shape, num_tokens):
+    inter = SHAPES[shape][1]
+    gen = torch.Generator(device=DEV).manual_seed(num_tokens)
+    x = randn(num_tokens, 2 * inter, gen=gen, scale=3.0)
+    out = SiluAndMul()(x)
+    ref = SiluAndMul().forward_native(x)
+    assert out.shape == (num_tokens, inter) and out.dtype == BF16
+    torch.testing.assert_close(out, ref, **LOOSE)
+    assert mismatch_fraction(out, ref) < 0.02
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_store_kv_bf16(shape, num_tokens):
+    _, _, num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    gen = torch.Generator(device=DEV).manual_seed(num_tokens)
+    pool = KVCache(4096, 2, num_kv_heads, head_dim, BF16, DEV)
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.normal_(generator=gen)
+    k_ref, v_ref = pool.k_buffers[1].clone(), pool.v_buffers[1].clone()
+    loc = torch.randperm(4096, generator=gen, device=DEV)[:num_tokens] + 1  # scattered, distinct, int64
+    _, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)  # row-strided views
+    k_ref[loc], v_ref[loc] = k, v
+    pool.set_kv(1, loc, k, v)  # fused on CUDA
+    assert torch.equal(pool.k_buffers[1], k_ref) and torch.equal(pool.v_buffers[1], v_ref)
+    # float32 rows into bfloat16 buffers: cast like .to(), round to nearest even
+    k32, v32 = k.float() * 1.001, v.float() * 0.999
+    k_ref[loc], v_ref[loc] = k32.to(BF16), v32.to(BF16)
+    pool.set_kv(1, loc, k32, v32)
+    assert torch.equal(pool.k_buffers[1], k_ref) and torch.equal(pool.v_buffers[1], v_ref)
+
+
+def test_opcheck_cuda():
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    x, res, w = randn(5, 576, gen=gen), randn(5, 576, gen=gen), randn(576, gen=gen)
+    q, k, _ = make_qkv(5, 9, 3, 64, gen)
+    rope = make_rope(64)
+    positions = torch.arange(5, device=DEV)
+    k_buf = torch.zeros(16, 3, 64, device=DEV, dtype=BF16)
+    v_buf = torch.zeros(16, 3, 64, device=DEV, dtype=BF16)
+    utils = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.duet.rmsnorm.default, (x, w, 1e-5), test_utils=utils)
+    torch.library.opcheck(torch.ops.duet.fused_add_rmsnorm.default, (x, res, w, 1e-5), test_utils=utils)
+    torch.library.opcheck(torch.ops.duet.apply_rotary.default, (positions, q, k, rope.cos_sin_cache),
+                          test_utils=utils)
+    torch.library.opcheck(torch.ops.duet.silu_and_mul.default, (randn(5, 3072, gen=gen),), test_utils=utils)
+    torch.library.opcheck(torch.ops.duet.store_kv.default, (k_buf, v_buf, positions + 1, k, k.clone()),
+                          test_utils=utils)
+
+
+# ---------------------------------------------------------------- one kernel each
+
+
+def _kernels_launched(fn) -> list[str]:
+    fn()  # compile outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_one_kernel_per_layer_call():
+    hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES["1b"]
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    norm, rope, act = make_norm(hidden, gen), make_rope(head_dim), SiluAndMul()
+    pool = KVCache(64, 1, num_kv_heads, head_dim, BF16, DEV)
+    x, residual = randn(4, hidden, gen=gen), randn(4, hidden, gen=gen)
+    q, k, v = make_qkv(4, num_heads, num_kv_heads, head_dim, gen)
+    positions, loc = torch.arange(4, device=DEV), torch.arange(4, device=DEV) + 1
+    gate_up = randn(4, 2 * inter, gen=gen)
+    calls = {
+        "rmsnorm": lambda: norm(x),
+        "fused_add_rmsnorm": lambda: norm(x, residual),
+        "rotary": lambda: rope(positions, q, k),
+        "silu_and_mul": lambda: act(gate_up),
+        "set_kv": lambda: pool.set_kv(0, loc, k, v),
+    }
+    if not _kernels_launched(lambda: x.add(1)):
+        pytest.skip("the profiler sees no CUDA kernels here (no CUPTI?)")
+    for name, fn in calls.items():
+        kernels = _kernels_launched(fn)
+        assert len(kernels) == 1, (name, kernels)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+def _capture(fn):
+    """Warm up (Triton compiles) on a side stream, then capture fn in a graph; returns (graph, outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
+@pytest.mark.parametrize("shape", ["1b", "8b"])
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_cuda_graph_replay(shape, num_tokens):
+    hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    norm, rope, act = make_norm(hidden, gen), make_rope(head_dim), SiluAndMul()
+    pool = KVCache(1024, 1, num_kv_heads, head_dim, BF16, DEV)
+    # static inputs
+    x, residual = randn(num_tokens, hidden, gen=gen), randn(num_tokens, hidden, gen=gen)
+    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    positions = torch.zeros(num_tokens, dtype=torch.int64, device=DEV)
+    loc = torch.zeros(num_tokens, dtype=torch.int64, device=DEV)
+    gate_up = randn(num_tokens, 2 * inter, gen=gen)
+
+    def step():
+        out_plain = norm(x)
+        out, res_out = norm(x, residual)
+        rope(positions, q, k)
+        pool.set_kv(0, loc, k, v)
+        return out_plain, out, res_out, act(gate_up)
+
+    graph, (g_plain, g_out, g_res, g_act) = _capture(step)
+    for replay in range(3):
+        new = {"x": randn(num_tokens, hidden, gen=gen), "residual": randn(num_tokens, hidden, gen=gen),
+                   "gate_up": randn(num_tokens, 2 * inter, gen=gen)}
+        q_new, k_new, v_new = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
+        q_new, k_new, v_new = q_new.clone(), k_new.clone(), v_new.clone()
+        pos_new = torch.randint(0, 131072, (num_tokens,), generator=gen, device=DEV)
+        loc_new = torch.randperm(1024, generator=gen, device=DEV)[:num_tokens] + 1
+        for static, value in ((x, new["x"]), (residual, new["residual"]), (gate_up, new["gate_up"]),
+                              (q, q_new), (k, k_new), (v, v_new), (positions, pos_new), (loc, loc_new)):
+            static.copy_(value)
+        kv_before = pool.k_buffers[0].clone()
+        graph.replay()
+        torch.cuda.synchronize()
+
+        torch.testing.assert_close(g_plain, norm.forward_native(new["x"]), **LOOSE)
+        ref_out, ref_res = norm.forward_native(new["x"], new["residual"])
+        torch.testing.assert_close(g_out, ref_out, **LOOSE)
+        assert torch.equal(g_res, ref_res)
+        torch.testing.assert_close(g_act, act.forward_native(new["gate_up"]), **LOOSE)
+        ref_q, ref_k = rope.forward_native(pos_new, q_new, k_new)
+        torch.testing.assert_close(q, ref_q, **LOOSE)
+        torch.testing.assert_close(k, ref_k, **LOOSE)
+        kv_before[loc_new] = k  # the rotated k, written at the new slots
+        assert torch.equal(pool.k_buffers[0], kv_before), replay
+        assert torch.equal(pool.v_buffers[0][loc_new], v)
+
+
+# ---------------------------------------------------------------- timings (printed)
+
+
+def _graph_us_per_call(fn, calls=32, replays=50) -> float:
+    graph, _ = _capture(lambda: [fn() for _ in range(calls)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+
+def _timing_pairs(shape, num_tokens, gen):
+    """{name: (fused call, PyTorch call)} on fresh inputs of one shape."""
+    hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    norm, rope, act = make_norm(hidden, gen), make_rope(head_dim), SiluAndMul()
+    pool = KVCache(1024, 1, num_kv_heads, head_dim, BF16, DEV)
+    x, residual = randn(num_tokens, hidden, gen=gen), randn(num_tokens, hidden, gen=gen)
+    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    positions, loc = torch.arange(num_tokens, device=DEV), torch.arange(num_tokens, device=DEV) + 1
+    gate_up = randn(num_tokens, 2 * inter, gen=gen)
+
+    def native_set_kv():
+        pool.k_buffers[0][loc] = k.to(BF16)
+        pool.v_buffers[0][loc] = v.to(BF16)
+
+    return {
+        "add+rmsnorm": (lambda: norm(x, residual), lambda: norm.forward_native(x, residual)),
+        "rotary": (lambda: rope(positions, q, k), lambda: rope.forward_native(positions, q, k)),
+        "silu_and_mul": (lambda: act(gate_up), lambda: act.forward_native(gate_up)),
+        "set_kv": (lambda: pool.set_kv(0, loc, k, v), native_set_kv),
+    }
+
+
+@pytest.mark.parametrize("shape", ["1b", "8b"])
+def test_report_timings(shape):
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    print()
+    for num_tokens in (1, 64):
+        for name, (fused, native) in _timing_pairs(shape, num_tokens, gen).items():
+            print(f"{shape} T={num_tokens:3d} {name:13s} fused {_graph_us_per_call(fused):6.2f} us   "
+                  f"pytorch {_graph_us_per_call(native):6.2f} us  (per call, inside a CUDA graph)")
