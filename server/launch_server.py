@@ -1,0 +1,301 @@
+"""launch_server: the CLI entry point; owns the three processes' lives.
+
+Start-up: parse and resolve the flags (device, default model), bind the HTTP port (so a busy port fails
+before the model loads), create the private IPC folder, spawn the scheduler and the detokenizer, wait for
+both to report ready on a pipe, then serve the FastAPI app with uvicorn in this process.
+
+Shut-down: SIGTERM/SIGINT stop uvicorn gracefully; then the children are terminated (then killed), the
+IPC folder is removed, and the exit code is 0. If a child dies while serving, the tokenizer manager fails
+the in-flight requests and turns /health to 503; the server stops about a second later and exits 1.
+Children watch this process and exit if it dies, so no orphans remain even after a SIGKILL.
+
+Test hook (not a user option): ``DUET_SCHEDULER_ENTRYPOINT=module:function`` replaces the scheduler
+process's entry point, e.g. ``tests.fake_scheduler:run_fake_scheduler_process``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from server.args import ArgsError, ServerArgs, parse_args
+from server.ipc import IpcPaths
+
+logger = logging.getLogger("duet.launch_server")
+
+SCHEDULER_ENTRYPOINT_ENV = "DUET_SCHEDULER_ENTRYPOINT"  # tests only
+DEFAULT_SCHEDULER_ENTRYPOINT = "scheduler.scheduler_process:run_scheduler_process"
+DETOKENIZER_ENTRYPOINT = "server.detokenizer:run_detokenizer_process"
+FATAL_GRACE_S = 1.0  # after the engine died: time for clients to receive their errors before exiting
+CHILD_STOP_TIMEOUT_S = 5.0
+
+
+class LaunchError(RuntimeError):
+    """Start-up failed; the message is one line for the user."""
+
+
+class _Interrupted(BaseException):
+    """SIGTERM/SIGINT outside uvicorn's own handling (start-up, or re-raised by uvicorn after it stopped)."""
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
+
+
+# ---- children -----------------------------------------------------------------------------------
+
+
+def _exit_with_parent(parent_pid: int, cleanup_dir: str | None) -> None:
+    """Die with the launcher: a thread polls the parent pid; on Linux the kernel also kills the child at
+    once (PR_SET_PDEATHSIG) unless the child has a folder to remove first (the detokenizer removes the IPC
+    folder that a SIGKILLed launcher could not)."""
+    if cleanup_dir is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def poll() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                if cleanup_dir is not None:
+                    shutil.rmtree(cleanup_dir, ignore_errors=True)
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=poll, name="duet-parent-watch", daemon=True).start()
+
+
+def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: str | None, *entry_args) -> None:
+    """Runs in a spawned child: guard against orphaning, then call `module:function(*entry_args)`.
+
+    The last entry argument is the ready pipe; a crash before the child reported is sent on it as one
+    line, so the launcher can show the reason instead of only an exit code.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the launcher stops us
+    _exit_with_parent(parent_pid, cleanup_dir)
+    configure_logging(log_level)
+    ready_conn = entry_args[-1]
+    try:
+        module, _, func = entrypoint.partition(":")
+        target = getattr(importlib.import_module(module), func)
+        target(*entry_args)
+    except BaseException as e:
+        try:
+            ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
+        except (OSError, ValueError):
+            pass  # already reported ready and closed the pipe: the liveness watch reports the death
+        raise
+
+
+def _start_child(ctx, name: str, entrypoint: str, log_level: str, entry_args: tuple,
+                 cleanup_dir: str | None = None):
+    recv_conn, send_conn = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_main, name=f"duet-{name}",
+                       args=(entrypoint, log_level, os.getpid(), cleanup_dir, *entry_args, send_conn))
+    proc.start()
+    send_conn.close()  # the child holds the only write end, so its death reads as EOF
+    return proc, recv_conn
+
+
+def _wait_ready(children: dict) -> dict[str, dict]:
+    """Wait for {"ok": True, "info": ...} from each (proc, conn); LaunchError on failure or early death."""
+    infos: dict[str, dict] = {}
+    while len(infos) < len(children):
+        for name, (proc, conn) in children.items():
+            if name in infos:
+                continue
+            if conn.poll(0.1):
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    proc.join(2.0)
+                    raise LaunchError(f"the {name} process exited during start-up "
+                                      f"(exit code {proc.exitcode})") from None
+                if not msg.get("ok"):
+                    raise LaunchError(f"the {name} failed to start: {msg.get('error') or 'no reason given'}")
+                infos[name] = msg.get("info") or {}
+            elif not proc.is_alive():
+                raise LaunchError(f"the {name} process exited during start-up (exit code {proc.exitcode})")
+    return infos
+
+
+def _stop_children(procs: dict) -> None:
+    for proc in procs.values():
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
+    for name, proc in procs.items():
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            logger.warning("the %s process did not stop within %.0f s; killing it", name, CHILD_STOP_TIMEOUT_S)
+            proc.kill()
+            proc.join(2.0)
+
+
+# ---- start-up -------------------------------------------------------------------------------------
+
+
+def resolve_args(args: ServerArgs) -> ServerArgs:
+    """Fill in the device and the model folder; LaunchError for a missing or unusable model."""
+    changes = {}
+    if args.device == "auto":
+        import torch
+
+        changes["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.model_path is None:
+        from model_executor.default_model import DefaultModelError, ensure_default_model
+
+        try:
+            changes["model_path"] = str(ensure_default_model())
+        except DefaultModelError as e:
+            raise LaunchError(str(e)) from None
+    elif not Path(args.model_path).is_dir():
+        raise LaunchError(f"--model-path {args.model_path} is not a folder (an HF model folder is needed)")
+    resolved = args.replace(**changes)
+    try:
+        resolved.validate()
+    except ArgsError as e:
+        raise LaunchError(str(e)) from None
+    return resolved
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _fmt_sizes(sizes) -> str:
+    if not sizes:
+        return "off"
+    sizes = list(sizes)
+    if len(sizes) <= 8:
+        return "[" + ",".join(map(str, sizes)) + "]"
+    return f"[{sizes[0]},{sizes[1]},{sizes[2]},...,{sizes[-1]}] ({len(sizes)} sizes)"
+
+
+def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    parts = [f"model={served_model_name}", f"dtype={info.get('dtype')}", f"device={info.get('device', args.device)}",
+             f"context={info.get('context_len')}", f"kv_slots={info.get('num_kv_slots')}",
+             f"max_running={info.get('max_running_requests')}", f"attention={info.get('attention_backend')}"]
+    if str(info.get("device", args.device)).startswith("cuda"):
+        parts.append(f"decode_graph_bs={_fmt_sizes(info.get('cuda_graph_bs'))}")
+        parts.append(f"extend_graph_tokens={_fmt_sizes(info.get('piecewise_cuda_graph_tokens'))}")
+        parts.append(f"capture={float(info.get('capture_seconds') or 0):.1f}s/"
+                     f"{float(info.get('capture_gib') or 0):.2f}GiB")
+    return "duet ready: " + " ".join(parts) + f" url=http://{host}:{args.port}"
+
+
+def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, sock: socket.socket) -> int:
+    import asyncio
+
+    import uvicorn
+
+    from server.http_server import AppState, create_app, served_name
+    from server.metrics import ServerMetrics
+    from server.tokenizer_manager import TokenizerManager
+
+    exit_code = 0
+    server: uvicorn.Server | None = None
+
+    def on_fatal(message: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        asyncio.get_running_loop().call_later(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True))
+
+    tm = TokenizerManager(tokenizer, ipc, info, ServerMetrics(), processes=procs, on_fatal=on_fatal)
+    name = served_name(args)
+    state = AppState(args=args, info=info, tokenizer_manager=tm, served_model_name=name,
+                     pids={"http": os.getpid(), **{k: p.pid for k, p in procs.items()}})
+    line = summary_line(args, info, name)
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                print(line, flush=True)
+
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=args.log_level == "debug",
+                            timeout_graceful_shutdown=5, lifespan="on")
+    server = _Server(config)
+    try:
+        server.run(sockets=[sock])
+    except _Interrupted:
+        pass  # uvicorn re-raises the signal it handled, after its graceful shutdown
+    return exit_code
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+
+    def interrupted(signum, frame):
+        raise _Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
+    procs: dict = {}
+    ipc = None
+    sock = None
+    try:
+        args = resolve_args(args)
+        sock = bind_http_socket(args.host, args.port)
+        ipc = IpcPaths.create()
+        ctx = multiprocessing.get_context("spawn")
+        entry = os.environ.get(SCHEDULER_ENTRYPOINT_ENV) or DEFAULT_SCHEDULER_ENTRYPOINT
+        children = {
+            "scheduler": _start_child(ctx, "scheduler", entry, args.log_level, (args, ipc)),
+            "detokenizer": _start_child(ctx, "detokenizer", DETOKENIZER_ENTRYPOINT, args.log_level,
+                                        (args.model_path, ipc), cleanup_dir=ipc.folder),
+        }
+        procs = {name: proc for name, (proc, _) in children.items()}
+        from server.detokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model_path)  # while the children load
+        info = _wait_ready(children)["scheduler"]
+        for _, conn in children.values():
+            conn.close()
+        return _serve(args, ipc, info, tokenizer, procs, sock)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except _Interrupted:
+        logger.info("interrupted during start-up")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the clean-up below finish
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _stop_children(procs)
+        if ipc is not None:
+            ipc.remove()
+        if sock is not None:
+            sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()

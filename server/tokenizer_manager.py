@@ -1,0 +1,453 @@
+"""TokenizerManager: the HTTP process's side of the engine.
+
+It owns the tokenizer (chat template, prompt encoding, token strings for logprobs), the prompt-length
+checks, and the life of every scheduler request issued by the HTTP routes: sending it, routing the
+detokenizer's text deltas back to the waiting coroutine, trimming stop strings, aborting on client
+disconnect, and failing everything when the scheduler or detokenizer process dies.
+
+Stop strings: the scheduler ends a request when a stop string appears in its output, but the text the
+client sees is built here, from the detokenizer's deltas. Each request keeps its accumulated text; a
+stop string found in it ends the request (cut before the string; the scheduler is told to abort if it
+has not finished yet), and while streaming the last (longest stop - 1) characters are held back so that
+no prefix of a stop string is ever sent. The non-streaming response is the concatenation of the same
+chunks, so streamed and non-streamed text are equal by construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from model_executor.sampling_params import SamplingParams
+from server.ipc import (
+    AbortReq,
+    BatchStrOut,
+    ControlReply,
+    FinishReason,
+    IpcPaths,
+    TokenizedGenerateReq,
+    TokenLogprob,
+    bind_pull,
+    connect_push,
+)
+from server.metrics import ServerMetrics
+from server.protocol import ApiError
+
+logger = logging.getLogger("duet.tokenizer_manager")
+
+LIVENESS_POLL_S = 0.5
+CONTROL_TIMEOUT_S = 10.0
+
+
+@dataclass
+class GenRequest:
+    """One scheduler request: a prompt and its sampling parameters (one per choice)."""
+
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class GenChunk:
+    """What a route receives per step and request: the text to send now plus token data."""
+
+    index: int  # position of the request in the list given to generate()
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class _Fragment:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+_FATAL = object()  # queued to every request when the engine died
+_ZERO_TOKENS = object()  # queued for max_tokens == 0: finished without asking the scheduler
+
+
+@dataclass
+class _ReqState:
+    rid: str
+    index: int
+    params: SamplingParams
+    queue: asyncio.Queue
+    prompt_tokens: int
+    created: float
+    text: str = ""
+    sent: int = 0  # characters of text already handed out
+    search_from: int = 0  # where the next stop-string search starts
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    done: bool = False
+    max_stop_len: int = field(init=False)
+
+    def __post_init__(self):
+        self.max_stop_len = max((len(s) for s in self.params.stop), default=0)
+
+
+def _find_first_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    best = None
+    for s in stops:
+        pos = text.find(s, start)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: byte-level BPE token characters -> raw bytes."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer, ipc: IpcPaths, info: dict, metrics: ServerMetrics,
+                 processes: dict | None = None, on_fatal: Callable[[str], None] | None = None):
+        self.tokenizer = tokenizer
+        self.ipc = ipc
+        self.info = info
+        self.metrics = metrics
+        self.processes = processes or {}  # name -> multiprocessing Process, watched for liveness
+        self.on_fatal = on_fatal
+        self.context_len = int(info["context_len"])
+        self.num_kv_slots = int(info["num_kv_slots"])
+        self.vocab_size = int(info.get("vocab_size") or len(tokenizer))
+        self.healthy = True
+        self.fatal_error: str | None = None
+        self._reqs: dict[str, _ReqState] = {}
+        self._controls: dict[str, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._ctx: zmq.asyncio.Context | None = None
+        self._next_id = 0
+        try:
+            self._byte_level = type(tokenizer.backend_tokenizer.decoder).__name__ == "ByteLevel"
+        except AttributeError:
+            self._byte_level = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._pull = bind_pull(self._ctx, self.ipc.http_input)
+        self._push = connect_push(self._ctx, self.ipc.scheduler_input)
+        self._tasks = [asyncio.create_task(self._read_loop(), name="duet-read-outputs"),
+                       asyncio.create_task(self._watch_loop(), name="duet-liveness")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down anyway
+                await t
+        self._tasks = []
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._reqs)
+
+    def check_alive(self) -> None:
+        if not self.healthy:
+            raise ApiError(503, self.fatal_error or "the server is shutting down")
+
+    # ---- tokenization and validation ------------------------------------------------------------
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completions prompt: encoded with the tokenizer's special tokens (BOS where it adds one)."""
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Render the chat template as text, then encode it without adding special tokens again: the
+        template already writes BOS where the model wants one (vLLM and SGLang do the same)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:
+            raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is out of range [0, {self.vocab_size})", param)
+
+    @property
+    def max_total_len(self) -> int:
+        """The most tokens (prompt + output) one request may need."""
+        return min(self.context_len, self.num_kv_slots)
+
+    def default_max_tokens(self, prompt_len: int, prompt_param: str) -> int:
+        """Chat's default: run to the context limit."""
+        self.check_prompt_len(prompt_len, prompt_param)
+        return self.max_total_len - prompt_len
+
+    def check_prompt_len(self, prompt_len: int, prompt_param: str) -> None:
+        if prompt_len == 0:
+            raise ApiError(400, f"the {prompt_param} is empty", prompt_param)
+        if prompt_len >= self.max_total_len:
+            raise ApiError(400, f"{self._limit_text()} However, your {prompt_param} has {prompt_len} tokens, "
+                                "which leaves no room for the completion. Please shorten it.", prompt_param)
+
+    def check_length(self, prompt_len: int, max_new_tokens: int, prompt_param: str, max_param: str) -> None:
+        self.check_prompt_len(prompt_len, prompt_param)
+        total = prompt_len + max_new_tokens
+        if total > self.max_total_len:
+            raise ApiError(400, f"{self._limit_text()} However, you requested {total} tokens ({prompt_len} in "
+                                f"the {prompt_param}, {max_new_tokens} for the completion). Please reduce the "
+                                f"length of the {prompt_param} or {max_param}.", max_param)
+
+    def _limit_text(self) -> str:
+        if self.context_len <= self.num_kv_slots:
+            return f"This model's maximum context length is {self.context_len} tokens."
+        return f"This server's KV cache holds {self.num_kv_slots} tokens, the most one request can use."
+
+    # ---- token strings (logprobs) ---------------------------------------------------------------
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one manager per process, lives as long
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_level:
+                dec = _byte_level_decoder()
+                if all(c in dec for c in piece):
+                    return bytes(dec[c] for c in piece)
+            m = _BYTE_TOKEN.fullmatch(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019
+    def token_str(self, token_id: int) -> str:
+        """A token's text for logprob listings; `bytes:\\xNN...` when it is not whole UTF-8 (OpenAI's way)."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            raw = self.token_bytes(token_id)
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def new_rid(self, prefix: str) -> str:
+        self._next_id += 1
+        return f"{prefix}{self._next_id}"
+
+    async def generate(self, reqs: list[GenRequest], rid: str) -> AsyncIterator[GenChunk]:
+        """Run the requests (the choices of one HTTP request) and yield their chunks as they arrive.
+
+        Exactly one chunk per request carries `finish`. Leaving the iteration early (client disconnect,
+        error, cancellation) aborts the requests still running. A dead engine raises ApiError(503).
+        """
+        self.check_alive()
+        queue: asyncio.Queue = asyncio.Queue()
+        now = time.monotonic()
+        states = [_ReqState(rid=f"{rid}-{i}", index=i, params=r.params, queue=queue,
+                            prompt_tokens=len(r.input_ids), created=now) for i, r in enumerate(reqs)]
+        outcome = "abort"
+        try:
+            for st, r in zip(states, reqs):
+                if r.params.max_new_tokens == 0:
+                    queue.put_nowait((st, _ZERO_TOKENS))
+                    continue
+                self._reqs[st.rid] = st
+                await self._push.send_pyobj(TokenizedGenerateReq(rid=st.rid, input_ids=r.input_ids,
+                                                                 params=r.params))
+            remaining = len(states)
+            while remaining:
+                st, item = await queue.get()
+                if st.done:
+                    continue
+                chunk = self._apply(st, item)
+                if chunk is None:
+                    continue
+                if chunk.finish is not None:
+                    remaining -= 1
+                    self._finish(st, chunk.finish)
+                yield chunk
+        except ApiError:
+            outcome = "error"
+            raise
+        finally:
+            for st in states:
+                if not st.done:
+                    st.done = True
+                    if self._reqs.pop(st.rid, None) is not None and self.healthy:
+                        self._send_nowait(AbortReq(rid=st.rid))
+                    self._observe(st, outcome)
+
+    def _apply(self, st: _ReqState, item) -> GenChunk | None:
+        if item is _FATAL:
+            raise ApiError(503, self.fatal_error or "the engine stopped")
+        if item is _ZERO_TOKENS:
+            return GenChunk(st.index, "", [], None, FinishReason("length"), st.prompt_tokens, 0, 0)
+        frag: _Fragment = item
+        now = time.monotonic()
+        if frag.token_ids:
+            if st.first_token_at is None:
+                st.first_token_at = now
+                self.metrics.ttft.observe(now - st.created)
+            elif st.last_token_at is not None:
+                self.metrics.itl.observe((now - st.last_token_at) / len(frag.token_ids))
+            st.last_token_at = now
+        st.prompt_tokens = frag.prompt_tokens or st.prompt_tokens
+        st.completion_tokens = frag.completion_tokens
+        st.cached_tokens = frag.cached_tokens
+        finish = frag.finish
+        if finish is not None and finish.kind == "error":
+            raise ApiError(500, f"generation failed: {finish.message or 'internal error'}",
+                           type="InternalServerError")
+        st.text += frag.text
+        stops = st.params.stop
+        if stops:
+            found = None
+            if st.completion_tokens >= st.params.min_new_tokens:
+                found = _find_first_stop(st.text, stops, st.search_from)
+            if found is None and finish is not None and finish.kind == "stop" and isinstance(finish.matched, str):
+                pos = st.text.rfind(finish.matched)  # the scheduler's match ends the text: the last one
+                found = (pos, finish.matched) if pos >= 0 else None
+            if found is not None:
+                pos, matched = found
+                st.text = st.text[:max(pos, st.sent)]
+                if finish is None or finish.kind != "stop":
+                    if finish is None and self._reqs.pop(st.rid, None) is not None and self.healthy:
+                        self._send_nowait(AbortReq(rid=st.rid))  # we saw it first; stop the scheduler
+                    finish = FinishReason("stop", matched=matched)
+            else:
+                st.search_from = max(0, len(st.text) - st.max_stop_len + 1)
+        if finish is not None or not stops:
+            end = len(st.text)
+        else:
+            end = max(st.sent, len(st.text) - (st.max_stop_len - 1))
+        text = st.text[st.sent:end]
+        st.sent = end
+        if not text and not frag.token_ids and finish is None:
+            return None
+        return GenChunk(st.index, text, frag.token_ids, frag.logprobs, finish, st.prompt_tokens,
+                        st.completion_tokens, st.cached_tokens)
+
+    def _finish(self, st: _ReqState, finish: FinishReason) -> None:
+        st.done = True
+        self._reqs.pop(st.rid, None)
+        self._observe(st, finish.kind)
+
+    def _observe(self, st: _ReqState, outcome: str) -> None:
+        ttft = None if st.first_token_at is None else st.first_token_at - st.created
+        self.metrics.observe_finished(outcome, st.prompt_tokens, st.completion_tokens,
+                                      time.monotonic() - st.created, ttft)
+
+    def _send_nowait(self, obj) -> None:
+        """Send without awaiting (usable in finally blocks of cancelled tasks); pyzmq completes the send
+        at once unless the peer's queue is full, and then from the event loop."""
+        try:
+            self._push.send_pyobj(obj)
+        except Exception:
+            logger.debug("could not send %s", type(obj).__name__, exc_info=True)
+
+    async def control(self, req_cls, timeout: float = CONTROL_TIMEOUT_S) -> ControlReply:
+        """Send a FlushCacheReq/GetStatsReq and wait for the scheduler's ControlReply."""
+        self.check_alive()
+        rid = self.new_rid("ctl-")
+        fut = asyncio.get_running_loop().create_future()
+        self._controls[rid] = fut
+        try:
+            await self._push.send_pyobj(req_cls(rid=rid))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"the scheduler did not answer {req_cls.__name__} within {timeout:g} s") from None
+        finally:
+            self._controls.pop(rid, None)
+
+    # ---- background tasks ---------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = await self._pull.recv_pyobj()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("cannot read a message from the engine")
+                continue
+            if isinstance(msg, BatchStrOut):
+                self._dispatch(msg)
+            elif isinstance(msg, ControlReply):
+                fut = self._controls.get(msg.rid)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            else:
+                logger.warning("ignoring unexpected message %s", type(msg).__name__)
+
+    def _dispatch(self, out: BatchStrOut) -> None:
+        for i, rid in enumerate(out.rids):
+            st = self._reqs.get(rid)
+            if st is None:  # aborted or already finished here
+                continue
+            st.queue.put_nowait((st, _Fragment(
+                text=out.text_deltas[i], token_ids=out.new_token_ids[i],
+                logprobs=out.logprobs[i] if out.logprobs else None, finish=out.finished[i],
+                prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
+                cached_tokens=out.cached_tokens[i])))
+
+    async def _watch_loop(self) -> None:
+        while self.healthy:
+            await asyncio.sleep(LIVENESS_POLL_S)
+            for name, proc in self.processes.items():
+                if not proc.is_alive():
+                    self.fail_all(f"the {name} process died (exit code {proc.exitcode}); "
+                                  "the server is shutting down")
+                    return
+
+    def fail_all(self, message: str) -> None:
+        """The engine is gone: fail every in-flight request and control call, turn /health to 503."""
+        if not self.healthy:
+            return
+        logger.error("%s", message)
+        self.healthy = False
+        self.fatal_error = message
+        self.metrics.set_scheduler_stats(None, scheduler_up=False)
+        for st in list(self._reqs.values()):
+            st.queue.put_nowait((st, _FATAL))
+        self._reqs.clear()
+        for fut in self._controls.values():
+            if not fut.done():
+                fut.set_exception(ApiError(503, message))
+        if self.on_fatal is not None:
+            self.on_fatal(message)

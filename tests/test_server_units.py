@@ -1,0 +1,176 @@
+"""Server pieces without processes: incremental detokenization and stop-string trimming / hold-back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from model_executor.sampling_params import SamplingParams
+from server.detokenizer import IncrementalDetokenizer, load_tokenizer
+from server.ipc import AbortReq, BatchTokenOut, FinishReason
+from server.metrics import ServerMetrics
+from server.protocol import ApiError
+from server.tokenizer_manager import TokenizerManager, _Fragment, _ReqState
+from tests.fake_scheduler import server_model_dir
+
+TEXTS = [
+    "Hello world, this is a plain sentence.",
+    " naïve café 😀 日本語 ✓ Ω≈ç — “quotes” and emoji 🎉🎉 mixed with ASCII",
+    "  leading spaces and\nnew lines\n\n\tand tabs",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(str(server_model_dir()))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenization_matches_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.step("r", [t], None) for t in ids[:-1]]
+    deltas.append(detok.step("r", [ids[-1]], FinishReason("length")))
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in d for d in deltas), "an incomplete UTF-8 character was emitted"
+    assert "r" not in detok.states, "finished requests must be forgotten"
+
+
+def test_detokenizer_skips_special_tokens_and_stop_token_text(tokenizer):
+    ids = tokenizer.encode(" alpha beta gamma", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    detok = IncrementalDetokenizer(tokenizer)
+    out = "".join(detok.step("a", [t], None) for t in ids) + detok.step("a", [eos], FinishReason("stop", eos))
+    assert out == " alpha beta gamma"
+    # A non-special stop token id: its text is left out, like vLLM.
+    out = "".join(detok.step("b", [t], None) for t in ids[:-1])
+    out += detok.step("b", [ids[-1]], FinishReason("stop", matched=ids[-1]))
+    assert out == tokenizer.decode(ids[:-1])
+
+
+def test_detokenizer_batches_keep_requests_apart(tokenizer):
+    a = tokenizer.encode(" one two three", add_special_tokens=False)
+    b = tokenizer.encode(" 日本語 😀", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    texts = {"a": "", "b": ""}
+    for i in range(max(len(a), len(b))):
+        rids, ids, fin = [], [], []
+        for rid, seq in (("a", a), ("b", b)):
+            if i < len(seq):
+                rids.append(rid)
+                ids.append([seq[i]])
+                fin.append(FinishReason("length") if i == len(seq) - 1 else None)
+        n = len(rids)
+        out = detok.process(BatchTokenOut(rids, ids, fin, [1] * n, [i + 1] * n, [0] * n, [None] * n))
+        assert out.rids == rids and out.new_token_ids == ids and out.finished == fin
+        for rid, d in zip(out.rids, out.text_deltas):
+            texts[rid] += d
+    assert texts == {"a": tokenizer.decode(a), "b": tokenizer.decode(b)}
+    assert detok.states == {}
+
+
+# ---- stop strings in the tokenizer manager --------------------------------------------------------
+
+
+class _Push:
+    def __init__(self):
+        self.sent = []
+
+    def send_pyobj(self, obj):
+        self.sent.append(obj)
+
+
+class _Tok:
+    def __len__(self):
+        return 100
+
+
+def _manager() -> TokenizerManager:
+    tm = TokenizerManager(_Tok(), ipc=None, info={"context_len": 64, "num_kv_slots": 1000, "vocab_size": 100},
+                          metrics=ServerMetrics())
+    tm._push = _Push()
+    return tm
+
+
+def _run(tm, deltas, stop, finish_last=None, min_tokens=0):
+    params = SamplingParams(max_new_tokens=100, stop=tuple(stop), min_new_tokens=min_tokens)
+    st = _ReqState(rid="r-0", index=0, params=params, queue=asyncio.Queue(), prompt_tokens=3, created=0.0)
+    tm._reqs[st.rid] = st
+    chunks = []
+    for i, d in enumerate(deltas):
+        fin = finish_last if i == len(deltas) - 1 else None
+        c = tm._apply(st, _Fragment(d, [i], None, fin, 3, i + 1, 0))
+        if c is not None:
+            chunks.append(c)
+        if c is not None and c.finish is not None:
+            break
+    return chunks
+
+
+@pytest.mark.parametrize("deltas", [["ab", "cS", "TO", "Pxyz"], ["abcSTOPxyz"], list("abcSTOPxyz")])
+def test_stop_string_split_across_deltas_is_never_emitted(deltas):
+    tm = _manager()
+    chunks = _run(tm, deltas, ["STOP"])
+    assert "".join(c.text for c in chunks) == "abc"
+    for c in chunks:
+        assert not any(p in c.text for p in ("S", "ST", "STO")), c.text
+    assert chunks[-1].finish.kind == "stop" and chunks[-1].finish.matched == "STOP"
+    assert sum(c.finish is not None for c in chunks) == 1
+    # The scheduler had not finished: the manager tells it to stop.
+    assert [type(m) for m in tm._push.sent] == [AbortReq]
+
+
+def test_scheduler_finish_on_stop_string_cuts_at_first_occurrence():
+    tm = _manager()
+    chunks = _run(tm, ["hello ", "wor", "ld end"], ["world", "end"], FinishReason("stop", matched="world"))
+    assert "".join(c.text for c in chunks) == "hello "
+    assert chunks[-1].finish.matched == "world"
+    assert tm._push.sent == []  # the scheduler finished by itself
+
+
+def test_hold_back_is_released_at_finish_without_stop():
+    tm = _manager()
+    chunks = _run(tm, ["abc", "de", "f"], ["xyzw"], FinishReason("length"))
+    texts = [c.text for c in chunks]
+    assert "".join(texts) == "abcdef"
+    assert texts[-1] != ""  # the held-back tail arrives with the finish
+    assert chunks[-1].finish.kind == "length"
+
+
+def test_stop_strings_ignored_before_min_tokens():
+    tm = _manager()
+    chunks = _run(tm, ["ST", "OP", "a", "STOP", "b"], ["STOP"], min_tokens=3)
+    assert "".join(c.text for c in chunks) == "STOPa"
+
+
+def test_engine_death_raises_503():
+    tm = _manager()
+    params = SamplingParams(max_new_tokens=5)
+
+    async def go():
+        tm._push = _Async()
+        agen = tm.generate([_gen(params)], "x")
+        task = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(0.01)
+        tm.fail_all("the scheduler process died (exit code -9)")
+        with pytest.raises(ApiError) as e:
+            await task
+        assert e.value.status == 503 and "scheduler" in e.value.message
+        assert not tm.healthy
+
+    asyncio.run(go())
+
+
+class _Async(_Push):
+    def send_pyobj(self, obj):
+        super().send_pyobj(obj)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+
+def _gen(params):
+    from server.tokenizer_manager import GenRequest
+
+    return GenRequest([1, 2, 3], params)
