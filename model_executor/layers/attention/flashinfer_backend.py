@@ -81,6 +81,9 @@ class FlashInferAttnBackend(AttentionBackend):
 
     # ---- graph hooks -----------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
+        # Graph wrappers get a workspace of their own: captured kernels keep pointers into it, so eager
+        # wrappers must never write there between replays.
+        self.graph_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         max_indices = self.req_to_token.shape[0] * self.req_to_token.shape[1] if self.num_slots is None \
             else self.num_slots + max_bs + 1
         self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
@@ -90,7 +93,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
         bs = fb.batch_size
         wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+            self.graph_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.graph_indices,
             paged_kv_last_page_len_buffer=self.graph_last_page[:bs])
         self.graph_wrappers[bs] = wrapper

@@ -1,0 +1,76 @@
+"""Profile one decode graph replay and one piecewise extend replay; print where the time goes.
+
+    python -m benchmarks.profile_step --model llama-3.2-1b --decode-bs 1 --extend-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.bench_one_batch import prepare
+from model_executor.configs import SHAPES, shape_path
+from model_executor.forward_batch import ForwardMode
+from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.cuda_graph_runner import CudaGraphRunner
+from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+
+
+def summarize(prof, title: str, n: int = 12) -> None:
+    events = prof.key_averages()
+    cuda = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:n]
+    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+    total_gpu = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"== {title}: GPU kernel time {total_gpu:.3f} ms per {PROFILE_ITERS} iters")
+    print("  top GPU:", "; ".join(f"{e.key[:50]} {e.device_time_total / 1e3:.3f}ms x{e.count}" for e in cuda))
+    print("  top self CPU:", "; ".join(f"{e.key[:40]} {e.self_cpu_time_total / 1e3:.3f}ms x{e.count}" for e in cpu))
+
+
+PROFILE_ITERS = 10
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_step")
+    p.add_argument("--model", default="llama-3.2-1b", choices=SHAPES)
+    p.add_argument("--decode-bs", type=int, default=1)
+    p.add_argument("--extend-tokens", type=int, default=128)
+    p.add_argument("--attention-backend", default="triton")
+    args = p.parse_args(argv)
+    cfg = RunnerConfig(model_path=str(shape_path(args.model)), device="cuda", attention_backend=args.attention_backend,
+                       max_running_requests=64, max_total_tokens=64 * 1024, context_length=4096, random_weights=True,
+                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True)
+    runner = ModelRunner(cfg)
+    decode = CudaGraphRunner(runner, [args.decode_bs])
+    batches, _, _ = prepare(runner, args.decode_bs, 512, 4)
+    with torch.inference_mode():
+        for _ in range(3):
+            decode.replay(batches[0])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILE_ITERS):
+                decode.replay(batches[0])
+            torch.cuda.synchronize()
+    summarize(prof, f"decode graph bs={args.decode_bs}")
+    extend = PiecewiseCudaGraphRunner(runner, [args.extend_tokens])
+    n = args.extend_tokens
+    row = runner.req_to_token_pool.alloc()
+    loc = runner.allocator.alloc(n)
+    runner.req_to_token_pool.write(row, 0, loc)
+    fb = runner.build_batch(ForwardMode.EXTEND, list(range(100, 100 + n)), [row], [n], loc, extend_seq_lens=[n])
+    with torch.inference_mode():
+        for _ in range(3):
+            extend.replay(fb)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILE_ITERS):
+                extend.replay(fb)
+            torch.cuda.synchronize()
+    summarize(prof, f"piecewise extend {n} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
