@@ -30,11 +30,15 @@ def _decode_batch(runner, bs, seed):
     return make_decode_batch(runner, bs, seed)
 
 
+@pytest.fixture(scope="module")
+def graph_runner(runner):
+    return CudaGraphRunner(runner, SIZES)
+
+
 @pytest.mark.parametrize("bs", SIZES + [3, 5, 13, 31])
-def test_graph_replay_equals_eager(runner, bs):
+def test_graph_replay_equals_eager(runner, graph_runner, bs):
     from tests.test_cuda_graph_runner import release
 
-    graph_runner = runner.__dict__.setdefault("_test_graphs", CudaGraphRunner(runner, SIZES))
     fb, rows, loc = _decode_batch(runner, bs, seed=100 + bs)
     with torch.inference_mode():
         eager = runner.forward_eager(fb).clone()

@@ -31,6 +31,14 @@ def _reference(runner, fb) -> torch.Tensor:
     return runner.model(native_fb.input_ids, native_fb.positions, native_fb).clone()
 
 
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16 through every layer: compare whole rows by relative error, and the greedy tokens."""
+    rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"\nmax row relative error {rel:.4f}, greedy agreement {agree:.2f}")
+    assert rel < 3e-2 and agree >= 2 / 3
+
+
 def test_extend_and_decode_match_torch_native(runner):
     from tests.test_cuda_graph_runner import make_decode_batch, release
 
@@ -52,8 +60,7 @@ def test_extend_and_decode_match_torch_native(runner):
     with torch.inference_mode():
         ours = runner.forward_eager(fb).clone()
         ref = _reference(runner, fb)
-    torch.testing.assert_close(ours, ref, rtol=3e-2, atol=3e-2)
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 2 / 3
+    assert_logits_close(ours, ref)
     for row, loc in zip(rows, locs):
         runner.allocator.free(loc)
         runner.req_to_token_pool.free(row)
@@ -61,15 +68,19 @@ def test_extend_and_decode_match_torch_native(runner):
     with torch.inference_mode():
         ours = runner.forward_eager(fb).clone()
         ref = _reference(runner, fb)
-    torch.testing.assert_close(ours, ref, rtol=3e-2, atol=3e-2)
+    assert_logits_close(ours, ref)
     release(runner, rows, fb)
 
 
+@pytest.fixture(scope="module")
+def graphs(runner):
+    return CudaGraphRunner(runner, [1, 2, 4, 8, 16])
+
+
 @pytest.mark.parametrize("bs", [1, 3, 8, 13, 16])
-def test_decode_graph_replay_equals_eager(runner, bs):
+def test_decode_graph_replay_equals_eager(runner, graphs, bs):
     from tests.test_cuda_graph_runner import make_decode_batch, release
 
-    graphs = runner.__dict__.setdefault("_fi_graphs", CudaGraphRunner(runner, [1, 2, 4, 8, 16]))
     fb, rows, _ = make_decode_batch(runner, bs, seed=50 + bs)
     with torch.inference_mode():
         eager = runner.forward_eager(fb).clone()

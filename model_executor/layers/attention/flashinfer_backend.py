@@ -81,8 +81,11 @@ class FlashInferAttnBackend(AttentionBackend):
 
     # ---- graph hooks -----------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        # Graph wrappers get a workspace of their own: captured kernels keep pointers into it, so eager
-        # wrappers must never write there between replays.
+        # Captured kernels keep pointers into these buffers and into each size's wrapper: one decode graph
+        # runner per backend, allocated once. Graph wrappers get a workspace of their own, so eager
+        # wrappers never write there between replays.
+        if self.graph_wrappers:
+            raise RuntimeError("flashinfer decode graphs were already captured on this backend")
         self.graph_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         max_indices = self.req_to_token.shape[0] * self.req_to_token.shape[1] if self.num_slots is None \
             else self.num_slots + max_bs + 1
