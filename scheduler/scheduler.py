@@ -6,6 +6,7 @@ Drivable in-process (tests call `add_request` / `step`); `scheduler_process.py` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -69,6 +70,10 @@ class Scheduler:
 
     # ---- requests in -----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        if params.top_k > self.runner.model_config.vocab_size:
+            # Keeping the best k > vocab tokens keeps them all (top-k off); a k beyond int64 would also
+            # overflow the sampler's tensor and take the whole scheduler down.
+            params = dataclasses.replace(params, top_k=-1)
         req = Req(rid, list(input_ids), params)
         self.reqs[rid] = req
         error = self._admission_error(req)
@@ -91,6 +96,10 @@ class Scheduler:
         vocab = self.runner.model_config.vocab_size
         if any(not 0 <= t < vocab for t in req.input_ids):
             return f"prompt token ids must be in [0, {vocab})"
+        if any(not 0 <= t < vocab for t in req.params.stop_token_ids):
+            # Checked here too (the HTTP process rejects them first): an id beyond the vocabulary would
+            # index past the logits row in _mask_early_stops and take the whole scheduler down.
+            return f"stop_token_ids must be in [0, {vocab})"
         return None
 
     def abort(self, rid: str) -> None:
@@ -129,6 +138,8 @@ class Scheduler:
 
     # ---- extend ----------------------------------------------------------------------------------
     def _schedule_extend(self) -> tuple[list[Req], list[int]] | None:
+        if not self.waiting and self.chunked_req is None:
+            return None  # the common decode-only step: skip the admission bookkeeping
         chunk = self.config.chunked_prefill_size or math.inf
         budget = self.config.max_prefill_tokens
         reqs, lens = [], []
@@ -383,6 +394,8 @@ class Scheduler:
             "kv_cached": cached_only,
             "kv_used": total - free - cached_only,
             "cache_hit_rate": self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0,
+            "req_rows_total": self.req_pool.size,
+            "req_rows_free": self.req_pool.available_size(),
             "num_finished": self.num_finished,
             "num_retractions": self.num_retractions,
             "path_counts": dict(self.runner.path_counts),

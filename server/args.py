@@ -42,8 +42,8 @@ class ServerArgs:
     schedule_policy: str = _f("fcfs", "waiting-queue order: fcfs, or lpm (longest prefix match)",
                               choices=SCHEDULE_POLICIES)
     disable_radix_cache: bool = _f(False, "turn the radix prefix cache off")
-    attention_backend: str = _f("auto", "attention backend; auto: torch_native on CPU, flashinfer if installed "
-                                        "else triton on GPU", choices=ATTENTION_BACKENDS)
+    attention_backend: str = _f("auto", "attention backend; auto: torch_native on CPU, triton on GPU "
+                                        "(faster than flashinfer in our measurements)", choices=ATTENTION_BACKENDS)
     cuda_graph_max_bs: int | None = _f(None, "largest decode batch captured in a CUDA graph "
                                              "(default from GPU memory)")
     cuda_graph_bs: tuple[int, ...] | None = _f(None, "explicit decode capture list; sets --cuda-graph-max-bs "

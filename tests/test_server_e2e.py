@@ -1,0 +1,69 @@
+"""The real server end to end on the default model (real scheduler, detokenizer, official openai client)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import openai
+import pytest
+
+from tests.fake_scheduler import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = ServerProcess("--max-total-tokens", "8192", model_dir=model_dir, fake=False).wait_healthy(timeout=180)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_chat_answers_paris(client):
+    r = client.chat.completions.create(model=model_name(client), temperature=0, max_tokens=24,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 10
+
+
+def test_stream_equals_non_stream_and_prefix_cache(client):
+    kw = dict(model=model_name(client), prompt="The three primary colors are", max_tokens=20, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # The same prompt again is served from the radix cache.
+    again = client.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].text == full.choices[0].text
+
+
+def test_concurrent_requests_and_slots_return(server, client):
+    name = model_name(client)
+
+    def one(i: int) -> int:
+        r = client.completions.create(model=name, prompt=f"Count to {i}:", max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        return r.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(one, range(32))) == [8] * 32
+    stats = httpx.get(f"{server.url}/server_info", timeout=10).json()["stats"]
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
+
+
+def test_bad_request_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_name(client), prompt="x", max_tokens=-1)
+    assert e.value.body["param"] == "max_tokens" or "max_tokens" in str(e.value)
