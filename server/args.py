@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field, fields
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
@@ -93,6 +94,9 @@ class ServerArgs:
         if self.device == "cpu" and self.attention_backend in ("triton", "flashinfer"):
             raise ArgsError(f"--attention-backend {self.attention_backend} needs a CUDA device; "
                             "use torch_native on CPU")
+        if self.attention_backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+            raise ArgsError("--attention-backend flashinfer: flashinfer is not installed; "
+                            "install it with `pip install 'duet[flashinfer]'` (needs a CUDA GPU)")
         if self.api_key is not None and not self.api_key:
             raise ArgsError("--api-key must not be empty")
 

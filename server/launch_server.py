@@ -39,6 +39,10 @@ FATAL_GRACE_S = 1.0  # after the engine died: time for clients to receive their 
 CHILD_STOP_TIMEOUT_S = 5.0
 
 
+class UsageError(ValueError):
+    """A flag that is invalid once the device is known: exit code 2, like argparse's errors."""
+
+
 class LaunchError(RuntimeError):
     """Start-up failed; the message is one line for the user."""
 
@@ -169,7 +173,7 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
     try:
         resolved.validate()
     except ArgsError as e:
-        raise LaunchError(str(e)) from None
+        raise UsageError(str(e)) from None
     return resolved
 
 
@@ -277,6 +281,9 @@ def run(argv: list[str] | None = None) -> int:
         for _, conn in children.values():
             conn.close()
         return _serve(args, ipc, info, tokenizer, procs, sock)
+    except UsageError as e:
+        print(f"launch_server: error: {e}", file=sys.stderr, flush=True)
+        return 2
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -1,0 +1,43 @@
+"""launch_server's CLI: invalid values and unusable backends are one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from server.args import ArgsError, ServerArgs, parse_args
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.launch_server", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("argv", [["--port", "-5"], ["--dtype", "fp8"], ["--mem-fraction-static", "1.5"],
+                                  ["--cuda-graph-bs", "0", "4"], ["--tp-size", "2"], ["--max-running-requests", "0"]])
+def test_invalid_values_exit_2_with_one_line(argv):
+    proc = run_cli(*argv)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch_server: error:"), proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_gpu_backend_on_cpu_is_refused(backend):
+    proc = run_cli("--device", "cpu", "--attention-backend", backend, "--model-path", ".")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "needs a CUDA device" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed here")
+def test_flashinfer_not_installed_says_what_to_install():
+    with pytest.raises(ArgsError, match=r"pip install 'duet\[flashinfer\]'"):
+        ServerArgs(device="cuda", attention_backend="flashinfer").validate()
+
+
+def test_explicit_capture_list_parses():
+    args = parse_args(["--cuda-graph-bs", "1", "2", "8", "--piecewise-cuda-graph-tokens", "16", "64"])
+    assert args.cuda_graph_bs == (1, 2, 8) and args.piecewise_cuda_graph_tokens == (16, 64)
