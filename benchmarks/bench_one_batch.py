@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     for r in results:
         print(f"{r['batch_size']:>5} {r['eager_ms']:>10.3f} {r['graph_ms']:>10.3f} {r['speedup']:>8.2f} "
               f"{r['floor_ms']:>9.3f} {r['graph_over_floor']:>12.2f} {r['graph_vs_eager_max_abs_diff']:>10.2e} "
-              f"{str(r['greedy_tokens_equal']):>7}")
+              f"{r['greedy_tokens_equal']!s:>7}")
     if default_capture:
         print(f"default decode list: {default_capture['sizes']} graphs captured in {default_capture['seconds']} s, "
               f"{default_capture['gib']} GiB")

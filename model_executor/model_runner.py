@@ -15,7 +15,7 @@ from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.layers.attention import create_attention_backend
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
-from model_executor.sampler import Sampler, SampleOutput, SamplingBatchInfo
+from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from model_executor.sampling_params import SamplingParams
 from model_executor.weight_loader import build_model, init_random_weights, load_model
 

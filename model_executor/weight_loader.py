@@ -22,7 +22,7 @@ class WeightLoadError(RuntimeError):
 def _iter_safetensors(files: list[Path], device: str):
     for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
         with safe_open(str(file), framework="pt", device=device) as f:
-            for name in f.keys():
+            for name in f.keys():  # safe_open handles are not mappings
                 yield name, f.get_tensor(name)
 
 

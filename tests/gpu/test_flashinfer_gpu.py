@@ -10,11 +10,11 @@ import torch
 pytestmark = pytest.mark.gpu
 flashinfer = pytest.importorskip("flashinfer")
 
-from model_executor.configs import shape_path  # noqa: E402
-from model_executor.forward_batch import ForwardMode  # noqa: E402
-from model_executor.layers.attention.torch_native import TorchNativeBackend  # noqa: E402
-from model_executor.model_runner import ModelRunner, RunnerConfig  # noqa: E402
-from runners.cuda_graph_runner import CudaGraphRunner  # noqa: E402
+from model_executor.configs import shape_path
+from model_executor.forward_batch import ForwardMode
+from model_executor.layers.attention.torch_native import TorchNativeBackend
+from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.cuda_graph_runner import CudaGraphRunner
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "llama-3.2-1b"])
