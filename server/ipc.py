@@ -78,7 +78,7 @@ class BatchTokenOut:
 
 @dataclass
 class BatchStrOut:
-    """What the HTTP process streams: text deltas (stop strings already trimmed) plus token data."""
+    """Incremental text deltas plus token data; the HTTP side trims stop strings (it knows each request's)."""
 
     rids: list[str]
     text_deltas: list[str]
