@@ -19,12 +19,15 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    """HF greedy decoding that, like ignore_eos, keeps going past EOS (generate's min_new_tokens would
-    instead forbid EOS, a different sequence)."""
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+def hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """HF greedy decoding of all prompts in one left-padded batch that, like ignore_eos, keeps going past
+    EOS (generate's min_new_tokens would instead forbid EOS, a different sequence)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
                       pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return out[:, width:].tolist()
 
 
 def test_greedy_tokens_equal_hf_generate(model_dir):
@@ -47,8 +50,8 @@ def test_greedy_tokens_equal_hf_generate(model_dir):
     while sched.has_work():
         for o in sched.step():
             ours[o.rid].extend(o.new_token_ids)
-    for i, ids in enumerate(encoded):
-        ref = hf_greedy(hf, ids, 32)
+    refs = hf_greedy(hf, encoded, 32)
+    for i, ref in enumerate(refs):
         assert ours[str(i)] == ref, (i, tok.decode(ours[str(i)]), tok.decode(ref))
 
 
