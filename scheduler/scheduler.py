@@ -396,6 +396,7 @@ class Scheduler:
             "cache_hit_rate": self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0,
             "req_rows_total": self.req_pool.size,
             "req_rows_free": self.req_pool.available_size(),
+            "num_tracked_reqs": len(self.reqs),  # waiting, running or with output not yet reported
             "num_finished": self.num_finished,
             "num_retractions": self.num_retractions,
             "path_counts": dict(self.runner.path_counts),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import importlib.util
 from dataclasses import dataclass, field, fields
 
@@ -15,6 +16,9 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+API_KEY_ENV = "DUET_API_KEY"
 
 
 class ArgsError(ValueError):
@@ -56,7 +60,8 @@ class ServerArgs:
     disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
     enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up)")
     tp_size: int = _f(1, "tensor-parallel size (only 1 is supported yet)")
-    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on /v1 routes, /generate, /flush_cache")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
+                                   "DUET_API_KEY in the environment sets it too, out of sight of ps")
     log_level: str = _f("info", "log level", choices=LOG_LEVELS)
     enable_metrics: bool = _f(False, "accepted for SGLang compatibility; /metrics is always served")
     random_seed: int = _f(0, "seed for weights of --load-format dummy and for unseeded sampling")
@@ -137,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     parser = build_parser()
     ns = parser.parse_args(argv)
     values = vars(ns)
+    if values["api_key"] is None:  # a key on the command line is visible to every local user (ps, /proc)
+        values["api_key"] = os.environ.get(API_KEY_ENV) or None
     for name in ("cuda_graph_bs", "piecewise_cuda_graph_tokens"):
         if values[name] is not None:
             values[name] = tuple(values[name])

@@ -36,6 +36,7 @@ from server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     GenerateRequest,
     ModelCard,
     ModelList,
@@ -283,7 +284,11 @@ def create_app(state: AppState) -> FastAPI:
         finally:
             await tm.stop()
 
-    app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan)
+    # Every route may answer 4xx/5xx with the OpenAI error body. Declaring the ranges also keeps FastAPI from
+    # documenting its 422, which this server never sends (validation errors are 400).
+    error_responses = {"4XX": {"model": ErrorResponse, "description": "A client error (OpenAI error body)"},
+                       "5XX": {"model": ErrorResponse, "description": "The engine failed or stopped"}}
+    app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan, responses=error_responses)
     app.state.duet = state
     app.add_middleware(_GuardMiddleware, api_key=args.api_key, max_bytes=args.max_request_bytes)
 
@@ -336,8 +341,8 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not tm.healthy:
-            return _json_error(503, tm.fatal_error or "unhealthy")
+        if not tm.healthy or not tm.accepting:
+            return _json_error(503, tm.fatal_error or "the server is shutting down")
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -426,13 +431,13 @@ def create_app(state: AppState) -> FastAPI:
             raise ApiError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
         prompt = req.prompt
         if isinstance(prompt, str):
-            prompts = [(tm.encode_prompt(prompt), prompt)]
+            prompts = [((await tm.encode_prompts_async([prompt]))[0], prompt)]
         elif not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
         elif isinstance(prompt[0], int):
             prompts = [(list(prompt), None)]
         elif isinstance(prompt[0], str):
-            prompts = [(tm.encode_prompt(p), p) for p in prompt]
+            prompts = list(zip(await tm.encode_prompts_async(prompt), prompt))
         else:
             prompts = [(list(p), None) for p in prompt]
         _check_n(req.n, len(prompts))
@@ -441,6 +446,7 @@ def create_app(state: AppState) -> FastAPI:
                                top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
                                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                                min_tokens=req.min_tokens, top_logprobs=req.logprobs)
+        tm.check_token_ids(params.stop_token_ids, "stop_token_ids")
         for ids, _ in prompts:
             tm.check_token_ids(ids, "prompt")
             tm.check_length(len(ids), max_tokens, "prompt", "max_tokens")
@@ -533,7 +539,7 @@ def create_app(state: AppState) -> FastAPI:
                     parts.append(part.text)
                 content = "\n".join(parts)
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        input_ids = tm.encode_chat(messages)
+        input_ids = await tm.encode_chat_async(messages)
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         elif req.max_tokens is not None:
@@ -546,6 +552,7 @@ def create_app(state: AppState) -> FastAPI:
                                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                                min_tokens=req.min_tokens, top_logprobs=num_top,
                                param_names={"max_tokens": max_param})
+        tm.check_token_ids(params.stop_token_ids, "stop_token_ids")
         tm.check_length(len(input_ids), max_tokens, "messages", max_param)
         tm.check_alive()
         n = req.n
@@ -611,7 +618,7 @@ def create_app(state: AppState) -> FastAPI:
         if (req.text is None) == (req.input_ids is None):
             raise ApiError(400, "give exactly one of text and input_ids", "text")
         if req.text is not None:
-            ids, param = tm.encode_prompt(req.text), "text"
+            ids, param = (await tm.encode_prompts_async([req.text]))[0], "text"
         else:
             ids, param = list(req.input_ids), "input_ids"
             tm.check_token_ids(ids, param)
@@ -625,6 +632,7 @@ def create_app(state: AppState) -> FastAPI:
                                top_logprobs=req.top_logprobs_num if req.return_logprob else None,
                                param_names={"max_tokens": "sampling_params.max_new_tokens",
                                             "min_tokens": "sampling_params.min_new_tokens"})
+        tm.check_token_ids(params.stop_token_ids, "sampling_params.stop_token_ids")
         tm.check_length(len(ids), sp.max_new_tokens, param, "sampling_params.max_new_tokens")
         tm.check_alive()
         rid = f"gen-{uuid.uuid4().hex}"

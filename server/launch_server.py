@@ -4,8 +4,10 @@ Start-up: parse and resolve the flags (device, default model), bind the HTTP por
 before the model loads), create the private IPC folder, spawn the scheduler and the detokenizer, wait for
 both to report ready on a pipe, then serve the FastAPI app with uvicorn in this process.
 
-Shut-down: SIGTERM/SIGINT stop uvicorn gracefully; then the children are terminated (then killed), the
-IPC folder is removed, and the exit code is 0. If a child dies while serving, the tokenizer manager fails
+Shut-down: SIGTERM/SIGINT stop uvicorn gracefully: new requests get a 503 at once, in-flight ones have
+DRAIN_S to finish and are then failed with a 503 (an SSE error event for streams), so no client is cut off
+mid-answer; then the children are terminated (then killed), the IPC folder is removed, and the exit code
+is 0. If a child dies while serving, the tokenizer manager fails
 the in-flight requests and turns /health to 503; the server stops about a second later and exits 1.
 Children watch this process and exit if it dies, so no orphans remain even after a SIGKILL.
 
@@ -37,6 +39,7 @@ DEFAULT_SCHEDULER_ENTRYPOINT = "scheduler.scheduler_process:run_scheduler_proces
 DETOKENIZER_ENTRYPOINT = "server.detokenizer:run_detokenizer_process"
 FATAL_GRACE_S = 1.0  # after the engine died: time for clients to receive their errors before exiting
 CHILD_STOP_TIMEOUT_S = 5.0
+DRAIN_S = 3.0  # on SIGTERM: time in-flight requests get to finish (uvicorn's own limit, 5 s, cuts them off)
 
 
 class UsageError(ValueError):
@@ -239,6 +242,16 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
             await super().startup(sockets=sockets)
             if self.started and not self.should_exit:
                 print(line, flush=True)
+
+        async def shutdown(self, sockets=None) -> None:
+            # Without this, uvicorn cancels what is still running after its graceful timeout: a bare
+            # "500 Internal Server Error" for plain requests, a stream cut off without an error or [DONE].
+            tm.accepting = False
+            deadline = time.monotonic() + DRAIN_S
+            while tm.num_inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            tm.fail_all("the server is shutting down", fatal=False)
+            await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=args.log_level == "debug",
                             timeout_graceful_shutdown=5, lifespan="on")

@@ -38,6 +38,20 @@ def error_body(status: int, message: str, param: str | None = None, type: str | 
                       "param": param, "code": status}}
 
 
+def _has_lone_surrogate(value) -> bool:
+    """JSON may escape a lone surrogate ("\\ud800"), which Python decodes into a str that cannot be encoded
+    as UTF-8: the tokenizer and the response encoder would fail on it (a 500). Strings in lists count too."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -46,6 +60,10 @@ class _Request(BaseModel):
     def _null_means_default(cls, data):
         # Clients often send `"n": null`, `"stream": null`...: treat an explicit null as "not given".
         if isinstance(data, dict):
+            for k, v in data.items():
+                if k in cls.model_fields and _has_lone_surrogate(v):  # unknown fields stay ignored
+                    raise ValueError(f"{k}: the string is not valid Unicode (it contains a lone surrogate "
+                                     "escape such as \\ud800)")
             return {k: v for k, v in data.items() if v is not None}
         return data
 
@@ -131,6 +149,19 @@ class GenerateRequest(_Request):
 
 
 # ---- responses --------------------------------------------------------------------------------
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(_Response):
+    """The body of every 4xx/5xx answer (OpenAI's shape); documented in the OpenAPI spec for each route."""
+
+    error: ErrorInfo
 
 
 class PromptTokensDetails(_Response):

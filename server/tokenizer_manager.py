@@ -46,6 +46,9 @@ logger = logging.getLogger("duet.tokenizer_manager")
 
 LIVENESS_POLL_S = 0.5
 CONTROL_TIMEOUT_S = 10.0
+# Texts longer than this are tokenized in a worker thread: the Rust tokenizer releases the GIL, so a
+# megabytes-long prompt (seconds of work) no longer stalls every other stream on the event loop.
+THREAD_TOKENIZE_CHARS = 32 * 1024
 
 
 @dataclass
@@ -147,6 +150,7 @@ class TokenizerManager:
         self.vocab_size = int(info.get("vocab_size") or len(tokenizer))
         self.healthy = True
         self.fatal_error: str | None = None
+        self.accepting = True  # False once the server is stopping (SIGTERM): new requests get a 503
         self._reqs: dict[str, _ReqState] = {}
         self._controls: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
@@ -184,6 +188,8 @@ class TokenizerManager:
     def check_alive(self) -> None:
         if not self.healthy:
             raise ApiError(503, self.fatal_error or "the server is shutting down")
+        if not self.accepting:
+            raise ApiError(503, "the server is shutting down")
 
     # ---- tokenization and validation ------------------------------------------------------------
 
@@ -201,6 +207,17 @@ class TokenizerManager:
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def encode_prompts_async(self, texts: list[str]) -> list[list[int]]:
+        """encode_prompt for each text; off the event loop when they are long (see THREAD_TOKENIZE_CHARS)."""
+        if sum(len(t) for t in texts) < THREAD_TOKENIZE_CHARS:
+            return [self.encode_prompt(t) for t in texts]
+        return await asyncio.to_thread(lambda: [self.encode_prompt(t) for t in texts])
+
+    async def encode_chat_async(self, messages: list[dict]) -> list[int]:
+        if sum(len(m["content"]) for m in messages) < THREAD_TOKENIZE_CHARS:
+            return self.encode_chat(messages)
+        return await asyncio.to_thread(self.encode_chat, messages)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -435,19 +452,23 @@ class TokenizerManager:
                                   "the server is shutting down")
                     return
 
-    def fail_all(self, message: str) -> None:
-        """The engine is gone: fail every in-flight request and control call, turn /health to 503."""
+    def fail_all(self, message: str, fatal: bool = True) -> None:
+        """Fail every in-flight request and control call with a 503 and turn /health to 503.
+
+        fatal: the engine is gone (the server then exits 1); not fatal: the server is stopping (SIGTERM)
+        and these requests did not finish within the drain time."""
         if not self.healthy:
             return
-        logger.error("%s", message)
+        (logger.error if fatal else logger.info)("%s", message)
         self.healthy = False
         self.fatal_error = message
-        self.metrics.set_scheduler_stats(None, scheduler_up=False)
+        if fatal:
+            self.metrics.set_scheduler_stats(None, scheduler_up=False)
         for st in list(self._reqs.values()):
             st.queue.put_nowait((st, _FATAL))
         self._reqs.clear()
         for fut in self._controls.values():
             if not fut.done():
                 fut.set_exception(ApiError(503, message))
-        if self.on_fatal is not None:
+        if fatal and self.on_fatal is not None:
             self.on_fatal(message)
