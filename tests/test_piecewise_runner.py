@@ -8,6 +8,7 @@ import torch
 
 from model_executor.forward_batch import ForwardMode
 from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.attention_op import attention_impl
 from runners.capture_lists import get_token_levels
 from runners.forward_context import forward_context, is_active
 from runners.fx_split import is_attention_node
@@ -97,6 +98,7 @@ def test_split_gives_num_layers_plus_one_pieces(model, request):
     for name in split.attention_names:
         nodes = getattr(split.module, name).graph.nodes
         assert sum(is_attention_node(n) for n in nodes) == 1
+        assert sum(n.target is attention_impl for n in nodes) == 1  # no dispatcher round trip at replay
     for piece in pw.pieces:
         assert not any(is_attention_node(n) for n in piece.fn.graph.nodes)
     # Pieces and attention alternate, starting and ending with a piece.

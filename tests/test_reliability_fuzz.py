@@ -25,11 +25,11 @@ import httpx
 import pytest
 
 from tests.fake_scheduler import ServerProcess
-from tests.reliability_wip.reliability_utils import LONG, server_info, size, wait_idle
+from tests.reliability_utils import LONG, server_info, size, wait_idle
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402  (hypothesis comes with schemathesis)
-from schemathesis import GenerationMode  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
 
 CONTEXT = 40
 ERROR_KEYS = {"message", "type", "param", "code"}

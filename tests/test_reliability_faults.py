@@ -26,7 +26,7 @@ import pytest
 
 from server.launch_server import DRAIN_S
 from tests.fake_scheduler import ServerProcess, pid_alive
-from tests.reliability_wip.reliability_utils import process_tree, server_info, size, tree_sockets, wait_until
+from tests.reliability_utils import process_tree, server_info, size, tree_sockets, wait_until
 
 N_CLIENTS = size(12, 48)
 MAX_TOKENS = 400  # long enough to still be running when the fault hits (~0.1 s per step at this batch)

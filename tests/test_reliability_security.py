@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.fake_scheduler import ServerProcess, pid_alive
-from tests.reliability_wip.reliability_utils import process_tree, tree_sockets, wait_until
+from tests.reliability_utils import process_tree, tree_sockets, wait_until
 
 KEY = "sk-reliability-" + "7f3a9c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
