@@ -41,6 +41,7 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor | None = None  # [bs] int32
     extend_start_loc: torch.Tensor | None = None  # [bs] int32
     extend_seq_lens_cpu: list[int] | None = None
+    max_extend_len: int = 0  # extend only: max(extend_seq_lens_cpu), computed once (it sizes kernel grids)
     # Set by graph runners when the batch carries padding rows/tokens beyond the real ones.
     num_real_tokens: int | None = None
 
@@ -97,4 +98,5 @@ class ForwardBatch:
             extend_seq_lens=ext,
             extend_start_loc=start,
             extend_seq_lens_cpu=list(extend_seq_lens) if extend_seq_lens is not None else None,
+            max_extend_len=max(extend_seq_lens, default=0) if extend_seq_lens is not None else 0,
         )

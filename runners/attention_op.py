@@ -5,6 +5,9 @@ sees an opaque call whose output lives at an address the surrounding graph piece
 allocates `out`, attention fills it eagerly, the piece after reads it. Lengths, KV slots and the backend
 come from the forward context (the real, unpadded batch); the op attends and writes K/V for the real
 tokens only and zeroes the padded rows of `out`, so padding never reaches the KV pool and stays finite.
+
+The op exists for tracing. At replay the split graph calls `attention_impl` directly (runners/fx_split.py):
+the dispatcher round trip of a Python custom op is pure host time, paid once per layer per extend batch.
 """
 
 from __future__ import annotations
@@ -14,16 +17,18 @@ import torch
 from runners.forward_context import get_forward_context
 
 
-@torch.library.custom_op("duet::attention", mutates_args=("out",))
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_id: int) -> None:
+def attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_id: int) -> None:
     ctx = get_forward_context()
     fb = ctx.forward_batch
     n = fb.num_tokens
-    result = fb.attn_backend.forward(q[:n], k[:n], v[:n], ctx.attention_layers[layer_id], fb)
-    # One small copy per layer (T x Hq*D); the backends allocate their own output.
-    out[:n].copy_(result)
-    if out.shape[0] > n:
+    if out.shape[0] > n:  # a padded level: real rows only; padded rows of `out` are zeroed
         out[n:].zero_()
+        q, k, v, out = q[:n], k[:n], v[:n], out[:n]
+    # The backend writes straight into the buffer the next piece reads (rows are contiguous, so out[:n] is too).
+    fb.attn_backend.forward(q, k, v, ctx.attention_layers[layer_id], fb, out=out)
+
+
+attention = torch.library.custom_op("duet::attention", attention_impl, mutates_args=("out",))
 
 
 @attention.register_fake

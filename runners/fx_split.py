@@ -5,7 +5,8 @@ graph is cut with `torch.fx.passes.split_module` so that every `duet::attention`
 its own; what lies between two attention calls (and before the first, after the last) is a piece:
 num_layers + 1 pieces for a decoder. The split module calls the partitions in their original order;
 each piece is replaced by whatever `wrap_piece` returns (the runner's capture/replay wrapper), attention
-partitions stay as they are and run the op eagerly.
+partitions run eagerly and call the op's implementation directly, skipping the dispatcher (host time that
+every layer of every extend batch would pay, for nothing: nothing traces them any more).
 
 Piece compilers: "eager" (the piece runs as its FX GraphModule; no inductor needed) or "inductor"
 (each piece compiled by inductor for the symbolic token count, from the fake inputs dynamo traced with).
@@ -22,13 +23,21 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from runners.attention_op import ATTENTION_OPS
+from runners.attention_op import ATTENTION_OPS, attention_impl
 
 logger = logging.getLogger("duet.fx_split")
 
 
 def is_attention_node(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in ATTENTION_OPS
+    return node.op == "call_function" and (node.target in ATTENTION_OPS or node.target is attention_impl)
+
+
+def call_attention_directly(attention: fx.GraphModule) -> None:
+    """Retarget the partition's op call to the plain Python implementation (same arguments, same effect)."""
+    for node in attention.graph.nodes:
+        if is_attention_node(node):
+            node.target = attention_impl
+    attention.recompile()
 
 
 @dataclass
@@ -108,6 +117,8 @@ class PiecewiseBackend:
             elif self.piece_compiler != "eager":
                 raise ValueError(f"unknown piece compiler {self.piece_compiler!r}")
             setattr(split.module, name, self.wrap_piece(index, name, piece))
+        for name in split.attention_names:
+            call_attention_directly(getattr(split.module, name))
         self.split = split
         self.compile_seconds += time.perf_counter() - start
         logger.info("split the backbone into %d pieces around %d attention calls (%s pieces)",

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import importlib.util
+import os
 from dataclasses import dataclass, field, fields
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")

@@ -20,26 +20,30 @@ class AttentionBackend(ABC):
         """Prepare per-batch metadata for an eager forward (default: nothing to prepare)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
-                fb: ForwardBatch) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hk*D]. Writes the new K/V into the pool, then attends; returns [T, Hq*D]."""
+                fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hk*D]. Writes the new K/V into the pool, then attends into `out` [T, Hq*D]
+        (allocated when not given; the piecewise runner passes the buffer its next piece reads) and returns it."""
         num_tokens = q.shape[0]
+        if out is None:
+            out = torch.empty_like(q)
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        o = out.view(num_tokens, layer.num_heads, layer.head_dim)
         if fb.mode.is_decode():
-            out = self.forward_decode(q, layer, fb)
+            self.forward_decode(q, layer, fb, o)
         else:
-            out = self.forward_extend(q, layer, fb)
-        return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
+            self.forward_extend(q, layer, fb, o)
+        return out
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        """q: [bs, Hq, D]; all K/V (the new token's included) are in the pool. Returns [bs, Hq, D]."""
+    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+        """q, out: [bs, Hq, D]; all K/V (the new token's included) are in the pool. Writes `out`."""
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        """q: [T, Hq, D] for the new tokens; causal over prefix + new tokens, read from the pool."""
+    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+        """q, out: [T, Hq, D] for the new tokens; causal over prefix + new tokens, read from the pool."""
 
     # ---- graph hooks (decode CUDA graphs) -------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:

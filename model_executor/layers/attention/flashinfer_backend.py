@@ -73,11 +73,11 @@ class FlashInferAttnBackend(AttentionBackend):
         k, v = fb.kv_cache.get_kv(layer.layer_id)
         return k.unsqueeze(1), v.unsqueeze(1)  # [slots, page_size=1, Hk, D]
 
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self._decode.run(q, self._paged(fb, layer))
+    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+        self._decode.run(q, self._paged(fb, layer), out=out)
 
-    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self.prefill_wrapper.run(q, self._paged(fb, layer))
+    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+        self.prefill_wrapper.run(q, self._paged(fb, layer), out=out)
 
     # ---- graph hooks -----------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -26,20 +26,18 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class TorchNativeBackend(AttentionBackend):
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
         max_len = max(fb.seq_lens_cpu)
         slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()  # [bs, L]
         positions = torch.arange(max_len, device=q.device)
         mask = (positions[None, :] < fb.seq_lens[:, None])[:, None, :]  # [bs, 1, L]
-        out = masked_attention(q[:, None], k_buf[slots], v_buf[slots], mask, layer.scaling)
-        return out[:, 0]
+        out.copy_(masked_attention(q[:, None], k_buf[slots], v_buf[slots], mask, layer.scaling)[:, 0])
 
-    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
         req_to_token = fb.req_to_token_pool.req_to_token
         rows = fb.req_pool_indices.tolist()
-        out = torch.empty_like(q)
         start = 0
         for row, seq_len, ext_len in zip(rows, fb.seq_lens_cpu, fb.extend_seq_lens_cpu):
             prefix = seq_len - ext_len
@@ -51,4 +49,3 @@ class TorchNativeBackend(AttentionBackend):
             out[start : start + ext_len] = masked_attention(qi, k_buf[slots][None], v_buf[slots][None], mask,
                                                             layer.scaling)[0]
             start += ext_len
-        return out

@@ -25,17 +25,12 @@ class TritonAttnBackend(AttentionBackend):
         self.attn_logits, self.attn_lse = alloc_decode_workspace(
             runner.req_to_token_pool.size, cfg.num_attention_heads, cfg.head_dim, self.num_kv_splits, runner.device)
 
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
-        o = torch.empty_like(q)
-        decode_attention_fwd(q, k_buf, v_buf, o, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+        decode_attention_fwd(q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
                              fb.seq_lens, self.attn_logits, self.attn_lse, self.num_kv_splits, layer.scaling)
-        return o
 
-    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
-        o = torch.empty_like(q)
-        extend_attention_fwd(q, o, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                             fb.seq_lens, fb.extend_seq_lens, fb.extend_start_loc, max(fb.extend_seq_lens_cpu),
-                             layer.scaling)
-        return o
+        extend_attention_fwd(q, out, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                             fb.seq_lens, fb.extend_seq_lens, fb.extend_start_loc, fb.max_extend_len, layer.scaling)
