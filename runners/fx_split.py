@@ -104,10 +104,14 @@ class PiecewiseBackend:
     num_traces: int = 0
     compile_seconds: float = 0.0
     split: SplitGraph | None = field(default=None, repr=False)
+    last_args: tuple | None = field(default=None, repr=False)  # what dynamo last called the split module with
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         start = time.perf_counter()
         self.num_traces += 1
+        (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+        if len(output.args[0]) != 1:  # the runner's direct replay returns the graph's only output
+            raise ValueError(f"the piecewise backbone must return one tensor, its graph returns {output.args[0]}")
         split = split_at_attention(gm)
         fake_inputs = piece_fake_inputs(split.module, example_inputs) if self.piece_compiler == "inductor" else {}
         for index, name in enumerate(split.piece_names):
@@ -123,4 +127,9 @@ class PiecewiseBackend:
         self.compile_seconds += time.perf_counter() - start
         logger.info("split the backbone into %d pieces around %d attention calls (%s pieces)",
                     len(split.piece_names), len(split.attention_names), self.piece_compiler)
-        return split.module
+
+        def run_split(*args):
+            self.last_args = args  # the runner keeps them per level to replay without dynamo's frame
+            return split.module(*args)
+
+        return run_split

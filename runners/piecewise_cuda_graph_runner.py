@@ -14,17 +14,22 @@ without owning it). Once a level's capture is done nothing holds its blocks, so 
 is captured into the same blocks and the pool stays about the size of the largest level's working set
 (the probe in DESIGN.md §8 kept every level's outputs alive: 4.0 GiB for 42 levels).
 
-Why the DESIGN §8 probe lost to eager at 2048 tokens (hypothesis; it was not profiled): at 2048 tokens the
-1B step is GPU-bound, so any extra GPU work or GPU idle shows. The likely culprits are (1) the logits
-head inside the graph over all 2048 tokens (2048 x 2048 x 128256 MACs, ~1 TFLOP and a 1 GiB float32
-logits tensor, against eager's head over one row per request), and (2) a host sync in the eager attention
-between pieces (a `.item()`/`.tolist()` on device lengths), which drains the GPU once per layer and adds
-a CPU launch gap per layer; per-piece copies of outputs into static buffers would add a little more.
-Here: the head runs eagerly on last tokens only; attention metadata comes from host lists prepared before
-the pieces (no sync inside the replay with the triton backend); piece outputs are not copied (weak refs;
-attention writes into the `out` tensor the previous piece allocated, one T x Hq*D copy per layer); only
-the padded tail [n, level) of the inputs is zeroed; and the trace happens once (marked-dynamic views of the
-same static buffers; a second trace after capture is an error rather than a silent re-capture).
+Host time is what a small extend pays for (measured on the H200 host, Llama-3.2-1B shape, 128 tokens;
+GPU time per layer ~68 us). Per layer, between two piece replays, attention costs: the custom op's
+dispatcher round trip 24 us (replays call the implementation directly, see runners/fx_split.py), a Triton
+launch ~20 us each (the extend kernel also stores the new K/V: one launch instead of two), small tensor
+ops ~6 us each (the backend writes into the `out` buffer the next piece reads: no copy). Per batch:
+dynamo's frame (guards and bytecode, ~100 us before the first kernel; replays call the split module
+directly with the arguments recorded at capture). With these the attention host time per layer (~50 us)
+stays under the GPU time of a piece, so the GPU no longer idles between layers.
+
+Why the DESIGN §8 probe lost to eager at 2048 tokens: at 2048 tokens the step is GPU-bound, so any extra
+GPU work or GPU idle shows. This runner avoids the likely culprits: the logits head runs eagerly on the
+last token of each request (not over all 2048 inside the graph: ~1 TFLOP and a 1 GiB float32 tensor),
+attention reads host lists prepared before the pieces (no host sync per layer), piece outputs are not
+copied (weak refs; attention writes into the `out` tensor the previous piece allocated), only the padded
+tail [n, level) is zeroed, and the trace happens once. That still measured 0.99x of eager at 2048
+tokens; with the KV store fused into the extend kernel and dynamo's frame skipped, 1.02x.
 """
 
 from __future__ import annotations
@@ -178,6 +183,7 @@ class PiecewiseCudaGraphRunner:
         self.capture_bytes = 0
         self._memory_before = self.capturer.memory_in_use()
         self.buffers = ExtendInputBuffers.allocate(self.max_tokens, self.device)
+        self.level_args: dict[int, tuple] = {}  # per level: the split module's arguments at capture
         self.capture()
 
     def _backbone_fn(self):
@@ -234,6 +240,7 @@ class PiecewiseCudaGraphRunner:
                         self.compile_seconds = time.perf_counter() - t0  # trace + split (+ inductor) + one run
                 self.capturer.synchronize()
                 self._run_backbone(fb, level, Phase.CAPTURE)
+                self.level_args[level] = self.backend.last_args
                 used = (self.capturer.memory_in_use() - self._memory_before) / 2**30
                 bar.set_postfix_str(f"tokens={level} mem={used:.2f} GiB")
         self.capturer.synchronize()
@@ -259,8 +266,21 @@ class PiecewiseCudaGraphRunner:
         level = pick_size(self.levels, n)
         self.buffers.load(fb, level)
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self._run_backbone(fb, level, Phase.REPLAY)
+        hidden = self._replay_backbone(fb, level)
         return compute_logits(self.model.lm_head, hidden[:n], fb)
+
+    def _replay_backbone(self, fb: ForwardBatch, level: int) -> torch.Tensor:
+        """The split module called directly with the arguments dynamo gave it when `level` was captured: the
+        same static input buffers and parameters, and replayed pieces read nothing else. This skips
+        dynamo's frame (guards and the bytecode around the graph, about 100 us of host time per batch on
+        the H200 host, all of it before the first kernel); the guards still checked the trace and capture."""
+        self.state.phase, self.state.level = Phase.REPLAY, level
+        try:
+            with forward_context(fb, self.attention_layers):
+                (hidden,) = self.backend.split.module(*self.level_args[level])
+                return hidden
+        finally:
+            self.state.phase = Phase.EAGER
 
     def info(self) -> dict:
         return {"piecewise_cuda_graph_tokens": list(self.levels),

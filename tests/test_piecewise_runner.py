@@ -147,6 +147,21 @@ def test_replay_equals_eager(model, case, request):
     release(runner, rows, fb)
 
 
+def test_replay_bypasses_dynamo(llama, monkeypatch):
+    """Replays call the split module with the arguments recorded at capture, never torch.compile's frame."""
+    runner, pw = llama
+    fb, rows = make_extend_batch(runner, [6, 3], [0, 4], seed=21)
+    expected = runner.forward_eager(fb).clone()
+
+    def no_dynamo(*args):
+        raise AssertionError("replay went through the compiled (dynamo) entry")
+
+    monkeypatch.setattr(pw, "compiled", no_dynamo)
+    torch.testing.assert_close(pw.replay(fb), expected, rtol=1e-5, atol=1e-5)
+    assert sorted(pw.level_args) == pw.levels
+    release(runner, rows, fb)
+
+
 def test_padding_is_zeroed_and_real_tokens_copied(llama):
     runner, pw = llama
     fb, rows = make_extend_batch(runner, [3, 2], [0, 0], seed=3)

@@ -203,13 +203,21 @@ def test_get_num_kv_splits():
 
 def run_extend(mod, q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, sm_scale, config=None,
                max_extend_len=None):
+    """The new tokens' K/V are taken out of the pool (their slots are poisoned with NaN) and passed as k / v,
+    strided like the model's fused QKV output; the kernel must store them back and never read the NaNs."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     start_loc = [0]
     for e in extend_lens[:-1]:
         start_loc.append(start_loc[-1] + e)
+    loc = torch.cat([req_to_token[r, p : p + e] for r, p, e in zip(rows, prefix_lens, extend_lens)]).long()
+    num_kv_heads = k_buf.shape[1]
+    kv = torch.cat([k_buf[loc], v_buf[loc]], dim=1)  # [T, 2 * Hk, D]: k and v are row-strided views
+    k_new, v_new = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    k_buf[loc] = float("nan")
+    v_buf[loc] = float("nan")
     o = torch.full_like(q, float("nan"))
     mod.extend_attention_fwd(
-        q, o, k_buf, v_buf, req_to_token,
+        q, k_new, v_new, o, k_buf, v_buf, loc, req_to_token,
         torch.tensor(rows, dtype=torch.int64, device=q.device),
         torch.tensor(seq_lens, dtype=torch.int64, device=q.device),
         torch.tensor(extend_lens, dtype=torch.int32, device=q.device),
@@ -218,6 +226,7 @@ def run_extend(mod, q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_len
         sm_scale,
         config=config,
     )
+    assert torch.equal(k_buf[loc], k_new) and torch.equal(v_buf[loc], v_new), "new K/V not stored at their slots"
     return o
 
 

@@ -91,6 +91,15 @@ def extend_args(prefix_lens, extend_lens):
             as_t(start_loc, torch.int32), max(extend_lens))
 
 
+def new_kv(pool, prefix_lens, extend_lens):
+    """The new tokens' slots and their K/V as row-strided views (like the model's fused QKV output)."""
+    loc = torch.cat([pool.req_to_token[row, p : p + e]
+                     for row, (p, e) in enumerate(zip(prefix_lens, extend_lens), start=1)]).long()
+    kv = torch.cat([pool.k[loc], pool.v[loc]], dim=1)
+    num_kv_heads = pool.k.shape[1]
+    return loc, kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+
+
 def extend_ref(pool, q, prefix_lens, extend_lens, sm_scale):
     outs, start = [], 0
     for row, (p, e) in enumerate(zip(prefix_lens, extend_lens), start=1):
@@ -215,9 +224,13 @@ def test_extend_bf16(heads, prefix_lens, extend_lens):
     o = torch.empty_like(q)
     sm_scale = 1.0 / math.sqrt(head_dim)
     rows, seq_lens, ext_lens, start_loc, max_ext = extend_args(prefix_lens, extend_lens)
-    extend_attention_fwd(q, o, pool.k, pool.v, pool.req_to_token, rows, seq_lens, ext_lens, start_loc, max_ext,
-                         sm_scale)
     ref = extend_ref(pool, q, prefix_lens, extend_lens, sm_scale)
+    loc, k, v = new_kv(pool, prefix_lens, extend_lens)
+    pool.k[loc] = float("nan")  # the kernel stores the new K/V and must never read these slots
+    pool.v[loc] = float("nan")
+    extend_attention_fwd(q, k, v, o, pool.k, pool.v, loc, pool.req_to_token, rows, seq_lens, ext_lens, start_loc,
+                         max_ext, sm_scale)
+    assert torch.equal(pool.k[loc], k) and torch.equal(pool.v[loc], v)
     assert torch.isfinite(o).all()
     assert rel_err(o, ref) < 1e-2
     start = 0
@@ -264,10 +277,11 @@ def _time_extend(n_tok, heads, configs, lines):
     q = torch.randn(n_tok, num_heads, head_dim, device=DEV).to(torch.bfloat16)
     o = torch.empty_like(q)
     args = extend_args([0], [n_tok])
+    loc, k, v = new_kv(pool, [0], [n_tok])
     flops = 4 * n_tok * n_tok / 2 * num_heads * head_dim
     for cfg in configs:
         def run(cfg=cfg):
-            extend_attention_fwd(q, o, pool.k, pool.v, pool.req_to_token, *args, sm_scale, config=cfg)
+            extend_attention_fwd(q, k, v, o, pool.k, pool.v, loc, pool.req_to_token, *args, sm_scale, config=cfg)
 
         name = f"default {extend_mod.get_extend_config(head_dim)}" if cfg is None else str(cfg)
         try:

@@ -21,7 +21,7 @@ class AttentionBackend(ABC):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                 fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hk*D]. Writes the new K/V into the pool, then attends into `out` [T, Hq*D]
+        """q: [T, Hq*D], k/v: [T, Hk*D]. Stores the new K/V in the pool and attends into `out` [T, Hq*D]
         (allocated when not given; the piecewise runner passes the buffer its next piece reads) and returns it."""
         num_tokens = q.shape[0]
         if out is None:
@@ -29,12 +29,12 @@ class AttentionBackend(ABC):
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
-        fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         o = out.view(num_tokens, layer.num_heads, layer.head_dim)
         if fb.mode.is_decode():
+            fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
             self.forward_decode(q, layer, fb, o)
         else:
-            self.forward_extend(q, layer, fb, o)
+            self.forward_extend(q, k, v, layer, fb, o)
         return out
 
     @abstractmethod
@@ -42,8 +42,10 @@ class AttentionBackend(ABC):
         """q, out: [bs, Hq, D]; all K/V (the new token's included) are in the pool. Writes `out`."""
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
-        """q, out: [T, Hq, D] for the new tokens; causal over prefix + new tokens, read from the pool."""
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       fb: ForwardBatch, out: torch.Tensor) -> None:
+        """q, out: [T, Hq, D], k, v: [T, Hk, D] for the new tokens. Stores k, v at fb.out_cache_loc and
+        attends causally over the cached prefix + the new tokens. Writes `out`."""
 
     # ---- graph hooks (decode CUDA graphs) -------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -76,7 +76,9 @@ class FlashInferAttnBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
         self._decode.run(q, self._paged(fb, layer), out=out)
 
-    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       fb: ForwardBatch, out: torch.Tensor) -> None:
+        fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         self.prefill_wrapper.run(q, self._paged(fb, layer), out=out)
 
     # ---- graph hooks -----------------------------------------------------------------------------

@@ -34,7 +34,9 @@ class TorchNativeBackend(AttentionBackend):
         mask = (positions[None, :] < fb.seq_lens[:, None])[:, None, :]  # [bs, 1, L]
         out.copy_(masked_attention(q[:, None], k_buf[slots], v_buf[slots], mask, layer.scaling)[:, 0])
 
-    def forward_extend(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       fb: ForwardBatch, out: torch.Tensor) -> None:
+        fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
         req_to_token = fb.req_to_token_pool.req_to_token
         rows = fb.req_pool_indices.tolist()

@@ -1,12 +1,15 @@
 """Causal attention for extend (prefill) batches over the token-level KV pool (page size 1).
 
-The new tokens of all requests are concatenated in `q` / `o`. Their K/V are already in the pool, so every
-key and value (prefix and new) is gathered from `k_buffer` / `v_buffer` through `req_to_token`.
+The new tokens of all requests are concatenated in `q` / `k` / `v` / `o`. The cached prefix is gathered
+from `k_buffer` / `v_buffer` through `req_to_token`; the new tokens' keys and values are read from `k` /
+`v` directly, and the same kernel stores them in the pool at `out_cache_loc` (one launch per layer instead
+of a store kernel and an attention kernel: on the host, a Triton launch costs about 20 us on the H200).
 
 Grid `(bs, num_heads, cdiv(max_extend_len, BLOCK_M))`: a program takes BLOCK_M new tokens of one request
 and one head and runs a flash-attention loop (online softmax, fp32 accumulation) over the KV blocks:
-first the positions every row of the tile sees (no causal mask), then the tile's own diagonal band with
-the causal mask. Blocks past the tile's last position are never visited.
+first the positions every row of the tile sees (the prefix, then earlier new tokens; no causal mask),
+then the tile's own diagonal band with the causal mask. Blocks past the tile's last position are never
+visited.
 """
 
 from __future__ import annotations
@@ -50,22 +53,26 @@ def get_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> Ext
 @triton.jit
 def _attend_block_range(
     acc, e_sum, e_max, q, q_pos,
-    K_Buffer, V_Buffer, req_to_token_row, kv_head_off_k, kv_head_off_v,
-    stride_kbs, stride_vbs,
+    K, V, stride_k, stride_v, slot_table, row_base,
     kv_start, kv_end, qk_scale,
     offs_d, mask_d,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    FROM_POOL: tl.constexpr,
     IN_PRECISION: tl.constexpr,
 ):
+    """Online softmax over key positions kv_start..kv_end. K / V point at the KV head's first element;
+    FROM_POOL: position p is row slot_table[p] (the pool); otherwise row row_base + p (the new tokens)."""
     for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
-        slots = tl.load(req_to_token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        # K gathered transposed: [BLOCK_D, BLOCK_N]
-        k = tl.load(K_Buffer + kv_head_off_k + slots[None, :] * stride_kbs + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        qk = tl.dot(q, k, input_precision=IN_PRECISION) * qk_scale  # log2 domain
+        if FROM_POOL:
+            rows = tl.load(slot_table + offs_n, mask=mask_n, other=0).to(tl.int64)
+        else:
+            rows = row_base + offs_n.to(tl.int64)
+        # K transposed: [BLOCK_D, BLOCK_N]
+        k = tl.load(K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION) * qk_scale  # log2 domain
         if CAUSAL:
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         else:
@@ -74,9 +81,8 @@ def _attend_block_range(
         n_e_max = tl.maximum(tl.max(qk, 1), e_max)
         re_scale = tl.exp2(e_max - n_e_max)
         p = tl.exp2(qk - n_e_max[:, None])
-        v = tl.load(V_Buffer + kv_head_off_v + slots[:, None] * stride_vbs + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IN_PRECISION)
+        v = tl.load(V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * re_scale[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION)
         e_sum = e_sum * re_scale + tl.sum(p, 1)
         e_max = n_e_max
     return acc, e_sum, e_max
@@ -84,9 +90,12 @@ def _attend_block_range(
 
 @triton.jit
 def _extend_kernel(
-    Q, O, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Extend_seq_lens, Extend_start_loc,
+    Q, K_New, V_New, O, K_Buffer, V_Buffer, Out_cache_loc,
+    Req_to_token, Req_pool_indices, Seq_lens, Extend_seq_lens, Extend_start_loc,
     qk_scale,
     stride_qbs, stride_qh,
+    stride_knbs, stride_knh,
+    stride_vnbs, stride_vnh,
     stride_obs, stride_oh,
     stride_kbs, stride_kh,
     stride_vbs, stride_vh,
@@ -109,7 +118,7 @@ def _extend_kernel(
     prefix_len = seq_len - extend_len
     start_loc = tl.load(Extend_start_loc + cur_batch).to(tl.int64)
     req_row = tl.load(Req_pool_indices + cur_batch).to(tl.int64)
-    kv_head = cur_head // KV_GROUP_NUM
+    kv_head = (cur_head // KV_GROUP_NUM).to(tl.int64)
 
     offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < extend_len
@@ -118,40 +127,64 @@ def _extend_kernel(
         mask_d = tl.full([BLOCK_D], 1, tl.int1)
     else:
         mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + (start_loc + offs_m[:, None]) * stride_qbs + cur_head * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    mask_md = mask_m[:, None] & mask_d[None, :]
+    new_rows = start_loc + offs_m
+    k_new = K_New + kv_head * stride_knh
+    v_new = V_New + kv_head * stride_vnh
+    k_pool = K_Buffer + kv_head * stride_kh
+    v_pool = V_Buffer + kv_head * stride_vh
+
+    # The tile's new K/V into the pool (the first query head of each KV group does it). Nothing in this
+    # kernel reads new tokens from the pool, so the stores race with no load.
+    if cur_head % KV_GROUP_NUM == 0:
+        slots = tl.load(Out_cache_loc + new_rows, mask=mask_m, other=0).to(tl.int64)
+        kn = tl.load(k_new + new_rows[:, None] * stride_knbs + offs_d[None, :], mask=mask_md)
+        tl.store(k_pool + slots[:, None] * stride_kbs + offs_d[None, :], kn.to(K_Buffer.dtype.element_ty),
+                 mask=mask_md)
+        vn = tl.load(v_new + new_rows[:, None] * stride_vnbs + offs_d[None, :], mask=mask_md)
+        tl.store(v_pool + slots[:, None] * stride_vbs + offs_d[None, :], vn.to(V_Buffer.dtype.element_ty),
+                 mask=mask_md)
+
+    q = tl.load(Q + new_rows[:, None] * stride_qbs + cur_head * stride_qh + offs_d[None, :], mask=mask_md, other=0.0)
     q_pos = prefix_len + offs_m
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     e_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    req_to_token_row = Req_to_token + req_row * stride_req_b
-    kv_head_off_k = kv_head.to(tl.int64) * stride_kh
-    kv_head_off_v = kv_head.to(tl.int64) * stride_vh
+    slot_table = Req_to_token + req_row * stride_req_b
+    new_row_base = start_loc - prefix_len  # position p >= prefix_len is new row new_row_base + p
 
-    # Positions before the tile's first query: visible to every row.
+    # 1. The cached prefix, from the pool: visible to every row.
+    acc, e_sum, e_max = _attend_block_range(
+        acc, e_sum, e_max, q, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
+        0, prefix_len, qk_scale, offs_d, mask_d,
+        BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION)
+    # 2. New tokens before the tile's first query: visible to every row.
     shared_end = prefix_len + block_m * BLOCK_M
     acc, e_sum, e_max = _attend_block_range(
-        acc, e_sum, e_max, q, q_pos, K_Buffer, V_Buffer, req_to_token_row, kv_head_off_k, kv_head_off_v,
-        stride_kbs, stride_vbs, 0, shared_end, qk_scale, offs_d, mask_d,
-        BLOCK_N=BLOCK_N, CAUSAL=False, IN_PRECISION=IN_PRECISION)
-    # The tile's own band, up to its last real query position: causal mask.
+        acc, e_sum, e_max, q, q_pos, k_new, v_new, stride_knbs, stride_vnbs, slot_table, new_row_base,
+        prefix_len, shared_end, qk_scale, offs_d, mask_d,
+        BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=False, IN_PRECISION=IN_PRECISION)
+    # 3. The tile's own band, up to its last real query position: causal mask.
     band_end = prefix_len + tl.minimum((block_m + 1) * BLOCK_M, extend_len)
     acc, e_sum, e_max = _attend_block_range(
-        acc, e_sum, e_max, q, q_pos, K_Buffer, V_Buffer, req_to_token_row, kv_head_off_k, kv_head_off_v,
-        stride_kbs, stride_vbs, shared_end, band_end, qk_scale, offs_d, mask_d,
-        BLOCK_N=BLOCK_N, CAUSAL=True, IN_PRECISION=IN_PRECISION)
+        acc, e_sum, e_max, q, q_pos, k_new, v_new, stride_knbs, stride_vnbs, slot_table, new_row_base,
+        shared_end, band_end, qk_scale, offs_d, mask_d,
+        BLOCK_N=BLOCK_N, CAUSAL=True, FROM_POOL=False, IN_PRECISION=IN_PRECISION)
 
     out = acc / e_sum[:, None]
-    tl.store(O + (start_loc + offs_m[:, None]) * stride_obs + cur_head * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(O + new_rows[:, None] * stride_obs + cur_head * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mask_md)
 
 
 def extend_attention_fwd(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     o: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
+    out_cache_loc: torch.Tensor,
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -161,14 +194,17 @@ def extend_attention_fwd(
     sm_scale: float,
     config: ExtendConfig | None = None,
 ) -> None:
-    """Causal extend attention; writes `o` in place.
+    """Stores the new tokens' K/V in the pool and runs causal extend attention, in one kernel; writes `o`.
 
-    q, o: [num_tokens, num_heads, head_dim] (last dim contiguous), the new tokens of all requests;
-    request b owns rows extend_start_loc[b] .. extend_start_loc[b] + extend_seq_lens[b].
-    k_buffer, v_buffer: [num_slots + 1, num_kv_heads, head_dim]; req_to_token: int32 [rows, max_ctx];
-    req_pool_indices, seq_lens (total length, prefix + new), extend_seq_lens, extend_start_loc: [bs] on the
-    device (int32 or int64). New token i of request b sits at position prefix_len + i, where
-    prefix_len = seq_lens[b] - extend_seq_lens[b], and attends to positions 0 .. prefix_len + i.
+    q, o: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (unit stride in the
+    last dim; any row / head strides), the new tokens of all requests; request b owns rows
+    extend_start_loc[b] .. extend_start_loc[b] + extend_seq_lens[b]. out_cache_loc: [num_tokens] the slot
+    each new token's K/V is stored at. k_buffer, v_buffer: [num_slots + 1, num_kv_heads, head_dim];
+    req_to_token: int32 [rows, max_ctx]; req_pool_indices, seq_lens (total length, prefix + new),
+    extend_seq_lens, extend_start_loc: [bs] on the device (int32 or int64). New token i of request b sits
+    at position prefix_len + i, where prefix_len = seq_lens[b] - extend_seq_lens[b], and attends to
+    positions 0 .. prefix_len + i: the prefix read from the pool through req_to_token, the new tokens
+    straight from k / v (so the kernel never reads a slot it is writing).
     max_extend_len: host int >= every extend_seq_lens[b] (sizes the grid).
     config: tile override (default `get_extend_config(head_dim)`).
     """
@@ -176,19 +212,21 @@ def extend_attention_fwd(
     bs = seq_lens.shape[0]
     num_kv_heads = k_buffer.shape[1]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert k_buffer.shape[2] == head_dim and v_buffer.shape[2] == head_dim and o.shape == q.shape
-    assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
-    assert req_to_token.stride(-1) == 1
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and o.shape == q.shape
+    assert k_buffer.shape[2] == head_dim and v_buffer.shape[2] == head_dim
+    assert all(t.stride(-1) == 1 for t in (q, k, v, o, k_buffer, v_buffer, req_to_token))
     if bs == 0 or num_tokens == 0 or max_extend_len <= 0:
         return
     cfg = config or get_extend_config(head_dim, q.dtype)
-    in_precision = _dot_precision(q.dtype)
 
     grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
-        q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
+        q, k, v, o, k_buffer, v_buffer, out_cache_loc,
+        req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
         sm_scale * _LOG2E,
         q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -198,7 +236,7 @@ def extend_attention_fwd(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        IN_PRECISION=in_precision,
+        IN_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
