@@ -10,6 +10,7 @@ host time, the GPU was the limit). Needs a CUDA device (the Triton backend and t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -25,7 +26,7 @@ from model_executor.layers.logits import compute_logits
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from runners.attention_op import attention_impl
 from runners.forward_context import forward_context
-from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+from runners.piecewise_cuda_graph_runner import Phase, PiecewiseCudaGraphRunner
 
 
 def host_and_wall_us(fn, iters: int, warmup: int = 10) -> tuple[float, float]:
@@ -74,34 +75,25 @@ def main(argv=None) -> int:
     piece = pw.pieces[1].entries[pw.levels[-1]].graph
     level = pw.levels[-1]
 
-    def op_via_dispatcher():
-        torch.ops.duet.attention(q, k, v, out, 0)
-
-    def op_direct():
-        attention_impl(q, k, v, out, 0)
-
+    many, few = args.iters, max(10, args.iters // 4)
+    components = [  # (name, fn, iterations, needs the forward context: the op reads the batch from it)
+        ("eager forward", lambda: runner.forward_eager(fb), few, False),
+        ("piecewise replay (all of it)", lambda: pw.replay(fb), many, False),
+        ("  inputs into static buffers", lambda: pw.buffers.load(fb, level), many, False),
+        ("  pieces + attention (split module)", lambda: pw._run_backbone(fb, level, Phase.REPLAY), many, False),
+        ("  one piece: graph.replay()", piece.replay, many, False),
+        ("  logits head on the last token", lambda: compute_logits(pw.model.lm_head, hidden, fb), many, False),
+        ("attention op through the dispatcher", lambda: torch.ops.duet.attention(q, k, v, out, 0), many, True),
+        ("attention op implementation, direct", lambda: attention_impl(q, k, v, out, 0), many, True),
+        ("  backend.forward (KV store + attention)",
+         lambda: runner.attn_backend.forward(q, k, v, layer, fb, out=out), many, False),
+        ("empty Triton kernel, 20 arguments", lambda: _empty_kernel[(1,)](*tensors, *ints, BLOCK=16), many, False),
+    ]
     rows = []
     with torch.inference_mode():
-        components = [
-            ("eager forward", lambda: runner.forward_eager(fb)),
-            ("piecewise replay (all of it)", lambda: pw.replay(fb)),
-            ("  inputs into static buffers", lambda: pw.buffers.load(fb, level)),
-            ("  pieces + attention (split module)", lambda: pw._replay_backbone(fb, level)),
-            ("  one piece: graph.replay()", piece.replay),
-            ("  logits head on the last token", lambda: compute_logits(pw.model.lm_head, hidden, fb)),
-            ("attention op through the dispatcher", None),
-            ("attention op implementation, direct", None),
-            ("  backend.forward (KV store + attention)", lambda: runner.attn_backend.forward(q, k, v, layer, fb,
-                                                                                           out=out)),
-            ("empty Triton kernel, 20 arguments", lambda: _empty_kernel[(1,)](*tensors, *ints, BLOCK=16)),
-        ]
-        for name, fn in components:
-            if fn is None:
-                with forward_context(fb, pw.attention_layers):
-                    fn = op_via_dispatcher if "dispatcher" in name else op_direct
-                    host, wall = host_and_wall_us(fn, args.iters)
-            else:
-                host, wall = host_and_wall_us(fn, args.iters if "eager" not in name else max(10, args.iters // 4))
+        for name, fn, iters, needs_context in components:
+            with forward_context(fb, pw.attention_layers) if needs_context else contextlib.nullcontext():
+                host, wall = host_and_wall_us(fn, iters)
             rows.append({"component": name.strip(), "host_us": round(host, 1), "wall_us": round(wall, 1)})
             print(f"{name:<45} host {host:9.1f} us   wall {wall:9.1f} us", flush=True)
     report = {"benchmark": "profile_extend_host", "model": args.model, "tokens": n, "iters": args.iters,

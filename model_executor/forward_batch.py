@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,13 +42,17 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor | None = None  # [bs] int32
     extend_start_loc: torch.Tensor | None = None  # [bs] int32
     extend_seq_lens_cpu: list[int] | None = None
-    max_extend_len: int = 0  # extend only: max(extend_seq_lens_cpu), computed once (it sizes kernel grids)
     # Set by graph runners when the batch carries padding rows/tokens beyond the real ones.
     num_real_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    @cached_property
+    def max_extend_len(self) -> int:
+        """Extend only: the longest request's new tokens (sizes kernel grids; computed once per batch)."""
+        return max(self.extend_seq_lens_cpu or (), default=0)
 
     @property
     def extend_prefix_lens_cpu(self) -> list[int]:
@@ -98,5 +103,4 @@ class ForwardBatch:
             extend_seq_lens=ext,
             extend_start_loc=start,
             extend_seq_lens_cpu=list(extend_seq_lens) if extend_seq_lens is not None else None,
-            max_extend_len=max(extend_seq_lens, default=0) if extend_seq_lens is not None else 0,
         )

@@ -209,14 +209,22 @@ class PiecewiseCudaGraphRunner:
                                              extend_seq_lens=[1])
 
     def _run_backbone(self, fb: ForwardBatch, level: int, phase: Phase) -> torch.Tensor:
-        input_ids = self.buffers.input_ids[:level]
-        positions = self.buffers.positions[:level]
-        # Same buffers, token dimension dynamic: one trace serves every level (no duck-sizing recompiles).
-        torch._dynamo.mark_dynamic(input_ids, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
+        """Trace / warm-up / capture go through torch.compile. A replay calls the split module directly with
+        the arguments dynamo gave it when `level` was captured: the same static input buffers and parameters,
+        and replayed pieces read nothing else. That skips dynamo's frame (guards and the bytecode around the
+        graph, about 100 us of host time per batch on the H200 host, all of it before the first kernel);
+        the guards still checked the trace and capture."""
         self.state.phase, self.state.level = phase, level
         try:
             with forward_context(fb, self.attention_layers):
+                if phase is Phase.REPLAY:
+                    (hidden,) = self.backend.split.module(*self.level_args[level])
+                    return hidden
+                input_ids = self.buffers.input_ids[:level]
+                positions = self.buffers.positions[:level]
+                # Same buffers, token dimension dynamic: one trace serves every level (no duck-sizing recompiles).
+                torch._dynamo.mark_dynamic(input_ids, 0)
+                torch._dynamo.mark_dynamic(positions, 0)
                 return self.compiled(input_ids, positions)
         finally:
             self.state.phase = Phase.EAGER
@@ -266,21 +274,8 @@ class PiecewiseCudaGraphRunner:
         level = pick_size(self.levels, n)
         self.buffers.load(fb, level)
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self._replay_backbone(fb, level)
+        hidden = self._run_backbone(fb, level, Phase.REPLAY)
         return compute_logits(self.model.lm_head, hidden[:n], fb)
-
-    def _replay_backbone(self, fb: ForwardBatch, level: int) -> torch.Tensor:
-        """The split module called directly with the arguments dynamo gave it when `level` was captured: the
-        same static input buffers and parameters, and replayed pieces read nothing else. This skips
-        dynamo's frame (guards and the bytecode around the graph, about 100 us of host time per batch on
-        the H200 host, all of it before the first kernel); the guards still checked the trace and capture."""
-        self.state.phase, self.state.level = Phase.REPLAY, level
-        try:
-            with forward_context(fb, self.attention_layers):
-                (hidden,) = self.backend.split.module(*self.level_args[level])
-                return hidden
-        finally:
-            self.state.phase = Phase.EAGER
 
     def info(self) -> dict:
         return {"piecewise_cuda_graph_tokens": list(self.levels),
