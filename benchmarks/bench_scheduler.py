@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.model_runner import ModelRunner, RunnerConfig
 from model_executor.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 

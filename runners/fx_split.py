@@ -23,7 +23,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from runners.attention_op import ATTENTION_OPS, attention_impl
+from model_executor.layers.attention.attention_op import ATTENTION_OPS, attention_impl
 
 logger = logging.getLogger("duet.fx_split")
 

@@ -4,7 +4,7 @@ The backbone (embedding -> layers -> final norm) is traced once by torch.compile
 dynamic, and split at the `duet::attention` op (runners/fx_split.py) into num_layers + 1 pieces. Every
 piece is captured at every token level, largest level first, into one shared pool on one stream; between
 pieces, attention runs eagerly on the real (unpadded) batch, which it reads from the forward context
-(runners/forward_context.py). A replay rounds the token count up to a level (bisect), copies ids and
+(model_executor/layers/attention/forward_context.py). A replay rounds the token count up to a level (bisect), copies ids and
 positions into static buffers and zeroes the padding (token 0, position 0), runs pieces and attention,
 slices the hidden states back to the real tokens, and runs the logits head eagerly on each request's
 last token. Above the largest level, or for requests that need prompt logprobs, the batch runs eagerly.
@@ -48,7 +48,7 @@ from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.layers.attention.radix_attention import RadixAttention
 from model_executor.layers.logits import compute_logits
 from runners.capture_lists import pick_size
-from runners.forward_context import forward_context
+from model_executor.layers.attention.forward_context import forward_context
 from runners.fx_split import PiecewiseBackend
 from runners.graph_seam import GraphCapturer, default_capturer, frozen_gc
 

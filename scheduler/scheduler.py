@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from model_executor.forward_batch import ForwardMode
-from model_executor.model_runner import ModelRunner
+from runners.model_runner import ModelRunner
 from model_executor.sampling_params import SamplingParams
 from scheduler.policy import order_waiting
 from scheduler.radix_cache import RadixCache

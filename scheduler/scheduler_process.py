@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import ReqOutput, Scheduler, SchedulerConfig
 from server.args import ServerArgs
 from server.ipc import (

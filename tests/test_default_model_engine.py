@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from model_executor.generate import generate
-from model_executor.model_runner import ModelRunner, RunnerConfig
+from server.generate import generate
+from runners.model_runner import ModelRunner, RunnerConfig
 from model_executor.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -62,7 +62,7 @@ def test_generate_answers_paris(model_dir):
 
 
 def test_generate_cli_rejects_bad_temperature(model_dir):
-    proc = subprocess.run([sys.executable, "-m", "model_executor.generate", "--prompt", "x", "--temperature", "-1",
+    proc = subprocess.run([sys.executable, "-m", "server.generate", "--prompt", "x", "--temperature", "-1",
                            "--model-path", str(model_dir)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "temperature" in proc.stderr and "Traceback" not in proc.stderr

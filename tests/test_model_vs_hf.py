@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model_executor.forward_batch import ForwardMode
-from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.model_runner import ModelRunner, RunnerConfig
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

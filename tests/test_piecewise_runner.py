@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from model_executor.forward_batch import ForwardMode
-from model_executor.model_runner import ModelRunner, RunnerConfig
-from runners.attention_op import attention_impl
+from runners.model_runner import ModelRunner, RunnerConfig
+from model_executor.layers.attention.attention_op import attention_impl
 from runners.capture_lists import get_token_levels
-from runners.forward_context import forward_context, is_active
+from model_executor.layers.attention.forward_context import forward_context, is_active
 from runners.fx_split import is_attention_node
 from runners.graph_seam import StandInCapturer
 from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner, weak_ref_tensor

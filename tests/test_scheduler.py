@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.model_runner import ModelRunner, RunnerConfig
 from model_executor.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model_executor.configs import shape_path
-from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.model_runner import ModelRunner, RunnerConfig
 from runners.capture_lists import get_batch_sizes_to_capture
 from runners.cuda_graph_runner import CudaGraphRunner
 from runners.graph_seam import CudaGraphCapturer

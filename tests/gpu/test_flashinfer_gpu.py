@@ -13,7 +13,7 @@ flashinfer = pytest.importorskip("flashinfer")
 from model_executor.configs import shape_path
 from model_executor.forward_batch import ForwardMode
 from model_executor.layers.attention.torch_native import TorchNativeBackend
-from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.model_runner import ModelRunner, RunnerConfig
 from runners.cuda_graph_runner import CudaGraphRunner
 
 

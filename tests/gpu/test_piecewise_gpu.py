@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model_executor.configs import shape_path
-from model_executor.model_runner import ModelRunner, RunnerConfig
+from runners.model_runner import ModelRunner, RunnerConfig
 from runners.capture_lists import get_token_levels
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,6 @@
 """RadixAttention: the model's attention layer; it holds the layer's shape and calls the backend.
 
-While a piecewise extend pass runs (runners/forward_context.py), it calls the `duet::attention` op instead,
+While a piecewise extend pass runs (model_executor/layers/attention/forward_context.py), it calls the `duet::attention` op instead,
 which torch.compile sees as opaque and the piecewise runner splits the traced graph at; the op runs the
 same backend call on the real tokens. Otherwise: the plain backend call.
 """
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from model_executor.forward_batch import ForwardBatch
-from runners import forward_context
-from runners.attention_op import unified_attention
+from model_executor.layers.attention import forward_context
+from model_executor.layers.attention.attention_op import unified_attention
 
 
 class RadixAttention(nn.Module):

@@ -1,6 +1,6 @@
 """Offline generation CLI: check a model without the server.
 
-    python -m model_executor.generate --chat --prompt "What is the capital of France?"
+    python -m server.generate --chat --prompt "What is the capital of France?"
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from model_executor.sampling_params import SamplingParams, SamplingParamsError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m model_executor.generate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m server.generate", description=__doc__.splitlines()[0])
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -32,7 +32,7 @@ def generate(model_path: str, prompt: str, params: SamplingParams, *, chat: bool
     import torch  # noqa: F401  (heavy imports after argument parsing)
     from transformers import AutoTokenizer
 
-    from model_executor.model_runner import ModelRunner, RunnerConfig
+    from runners.model_runner import ModelRunner, RunnerConfig
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

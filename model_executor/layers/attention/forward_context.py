@@ -3,7 +3,7 @@
 Everywhere else the ForwardBatch is passed explicitly. The piecewise extend runner cannot do that: its
 backbone is traced once by torch.compile and split at the attention op, and a ForwardBatch (host lists,
 pools, the backend) cannot be an argument of a registered op. So while a piecewise pass runs, the batch
-sits here, and the `duet::attention` op (runners/attention_op.py) reads it.
+sits here, and the `duet::attention` op (model_executor/layers/attention/attention_op.py) reads it.
 
 Set only through `forward_context(...)`, which restores the previous value on exit; nothing else writes
 `_current`. RadixAttention asks `is_active()` to pick the op path; outside a piecewise pass the context

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runners.forward_context import get_forward_context
+from model_executor.layers.attention.forward_context import get_forward_context
 
 
 def attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_id: int) -> None:
