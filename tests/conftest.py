@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Skips allowed without failing the run: GPU tests (on a machine without CUDA). Any other skip means a broken
+# install or a test that stopped testing, so the session fails and names it.
+_unexpected_skips: list[str] = []
+
+
+def _skip_allowed(item) -> bool:
+    return "gpu" in item.keywords
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not _skip_allowed(item) and not hasattr(report, "wasxfail"):
+        _unexpected_skips.append(f"{item.nodeid}: {report.longrepr[2] if isinstance(report.longrepr, tuple) else ''}")
+
+
+def pytest_collectreport(report):
+    # A module-level skip (importorskip, allow_module_level); tests/gpu/ modules may skip (flashinfer is optional).
+    if report.skipped and Path(str(report.fspath)).parent.name != "gpu":
+        _unexpected_skips.append(f"{report.nodeid}: {report.longrepr}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _unexpected_skips and exitstatus in (0, 5):  # 5: nothing ran but the skips
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unexpected_skips:
+        terminalreporter.section("skips not on the allowlist (tests/conftest.py: GPU tests only)")
+        for line in _unexpected_skips:
+            terminalreporter.line(line)
 
 
 TINY_LLAMA = dict(

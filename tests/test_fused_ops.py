@@ -20,7 +20,7 @@ _HAS_CUDA = torch.cuda.is_available()
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-triton = pytest.importorskip("triton")
+import triton  # (the dev extra installs it; TRITON_INTERPRET must be set first)
 
 from model_executor.layers import triton_ops
 from model_executor.layers.activation import SiluAndMul

@@ -25,7 +25,7 @@ _TRITON_WAS_IMPORTED = "triton" in sys.modules
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-triton = pytest.importorskip("triton")
+import triton  # (the dev extra installs it; TRITON_INTERPRET must be set first)
 
 
 def _triton_interpreting() -> bool:
