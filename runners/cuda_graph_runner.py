@@ -104,7 +104,9 @@ class CudaGraphRunner:
                 for _ in range(WARMUP_RUNS):
                     self._forward(fb)
                 self.capturer.synchronize()
-                self.graphs[bs] = self.capturer.capture(lambda fb=fb: self._forward(fb))
+                # The forward reads the static batch and the backend: what a graph bakes in of them.
+                self.graphs[bs] = self.capturer.capture(lambda fb=fb: self._forward(fb),
+                                                        host_state=(fb, self.backend))
                 used = (self.capturer.memory_in_use() - before) / 2**30
                 bar.set_postfix_str(f"bs={bs} mem={used:.2f} GiB")
         self.capturer.synchronize()

@@ -1,15 +1,18 @@
 """The graph mechanism behind a small interface: real CUDA graphs on GPU, a stand-in on CPU.
 
 A capturer turns a callable that reads static input buffers and writes static output buffers into a
-graph with `replay()`. The CPU stand-in re-runs the callable on replay, so capture order, bisect,
-padding and slicing are tested in CI without a GPU.
+graph with `replay()`. The CPU stand-in re-runs the callable on replay, but the way a graph would run it:
+the host-side state of the objects named at capture is put back to what it was at capture (a graph bakes
+Python values in and reads tensors at the addresses it captured), so capture order, bisect, padding,
+slicing and what a graph may read on the host are tested in CI without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -20,7 +23,8 @@ class Graph(Protocol):
 
 
 class GraphCapturer(Protocol):
-    def capture(self, fn: Callable[[], None]) -> Graph: ...
+    def capture(self, fn: Callable[[], None], host_state: Sequence[object] = ()) -> Graph:
+        """Capture fn. host_state: the objects whose attributes fn reads (the static batch, the backend)."""
 
     def memory_in_use(self) -> int: ...
 
@@ -36,7 +40,8 @@ class CudaGraphCapturer:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=device)
 
-    def capture(self, fn: Callable[[], None]) -> Graph:
+    def capture(self, fn: Callable[[], None], host_state: Sequence[object] = ()) -> Graph:
+        # A real graph freezes host state by itself: host_state is for the stand-in.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             fn()
@@ -53,23 +58,40 @@ class CudaGraphCapturer:
         torch.cuda.synchronize(self.device)
 
 
+def _bake(attrs: dict) -> dict:
+    """Attributes as a graph captured over them sees them: containers copied (their values are baked in),
+    everything else by reference (a tensor stays the same storage, so its contents stay live)."""
+    return {k: copy.copy(v) if isinstance(v, (list, dict, set)) else v for k, v in attrs.items()}
+
+
 class _StandInGraph:
-    def __init__(self, fn: Callable[[], None]):
+    def __init__(self, fn: Callable[[], None], host_state: Sequence[object]):
         self._fn = fn
+        self._frozen = [(obj, _bake(vars(obj))) for obj in host_state]
 
     def replay(self) -> None:
-        self._fn()
+        """Runs fn with every host_state object's attributes as they were at capture, then puts the live
+        ones back: a runner that updates a Python value (a host list, a rebound tensor) instead of the
+        contents of a captured tensor replays stale inputs here, as it would on a GPU."""
+        live = [(obj, dict(vars(obj))) for obj, _ in self._frozen]
+        try:
+            for obj, frozen in self._frozen:
+                vars(obj).update(_bake(frozen))  # a fresh copy: edits during one replay do not carry over
+            self._fn()
+        finally:
+            for obj, attrs in live:
+                vars(obj).clear()
+                vars(obj).update(attrs)
 
 
 class StandInCapturer:
-    """CPU stand-in: 'capture' runs the callable once (as capture would record it); replay re-runs it."""
+    """CPU stand-in: 'capture' runs the callable once (as capture would record it) and snapshots the
+    host-side state of host_state; replay re-runs the callable over that snapshot."""
 
-    def __init__(self):
-        self.captured_order: list = []
-
-    def capture(self, fn: Callable[[], None]) -> Graph:
+    def capture(self, fn: Callable[[], None], host_state: Sequence[object] = ()) -> Graph:
+        graph = _StandInGraph(fn, host_state)
         fn()
-        return _StandInGraph(fn)
+        return graph
 
     def memory_in_use(self) -> int:
         return 0
