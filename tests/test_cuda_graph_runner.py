@@ -4,26 +4,15 @@ equal to eager with the triton backend (what a real graph runs).
 The stand-in replays with the host-side state of the static batch and the backend frozen at capture, as a
 CUDA graph would. The torch_native backend reads host lists at run time, so it is not graph-safe and is
 used here only where values are not compared. The triton backend reads lengths and slots from device
-buffers: without CUDA its kernels run in Triton's CPU interpreter, which must be switched on before triton
-is first imported (as in tests/test_triton_ops.py); if an earlier-collected module already imported triton
-compiled, one test re-runs the triton tests of this module in a fresh process and the in-process ones skip.
+buffers: without CUDA its kernels run in Triton's CPU interpreter (tests/triton_mode.py).
 """
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
-import torch
-
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-import triton
+import torch
+import triton_mode
+from triton_mode import DEVICE, in_process
 
 from model_executor.forward_batch import ForwardMode
 from model_executor.layers.attention.triton_backend import TritonAttnBackend
@@ -202,29 +191,11 @@ def test_padding_rows_point_at_slot_zero(runner, decode_batch):
 # ---------------------------------------------------------------- replay equals eager (triton backend)
 
 
-def _triton_interpreting() -> bool:
-    return type(triton.language.cdiv).__name__ == "InterpretedFunction"
 
-
-DEVICE = "cuda" if _HAS_CUDA else "cpu"
-# CPU, but triton came up compiled before this module: run the triton tests in a subprocess instead.
-_RERUN_IN_SUBPROCESS = not _HAS_CUDA and not _triton_interpreting()
-in_process = pytest.mark.skipif(
-    _RERUN_IN_SUBPROCESS, reason="triton was imported before TRITON_INTERPRET=1 could be set; see test_in_subprocess"
-)
 TRITON_SIZES = [1, 2, 4]  # few sizes, short prompts: the interpreter is slow
 
 
-@pytest.mark.skipif(not _RERUN_IN_SUBPROCESS, reason="triton runs in the right mode in this process")
-def test_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton",
-         str(pathlib.Path(__file__).resolve())],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+test_in_subprocess = triton_mode.subprocess_test(__file__, "-k", "triton")
 
 
 @pytest.fixture(scope="module")

@@ -1,61 +1,30 @@
 """The fused Triton ops (model_executor/layers/triton_ops) against the plain PyTorch layer code.
 
-Without CUDA the kernels run in Triton's CPU interpreter on CPU tensors. As in tests/test_triton_ops.py,
-TRITON_INTERPRET=1 is set before triton is imported (only when there is no CUDA device); if an earlier
-module already imported triton in compiled mode, one test re-runs this module in a fresh process and the
-in-process tests skip. On a CUDA machine the same tests run compiled on the GPU.
+Without CUDA the kernels run in Triton's CPU interpreter on CPU tensors (tests/triton_mode.py); on a CUDA
+machine the same tests run compiled on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
-
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # (the dev extra installs it; TRITON_INTERPRET must be set first)
+import triton_mode
+from triton_mode import DEVICE, HAS_CUDA, in_process
 
 from model_executor.layers import triton_ops
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 
-
-def _triton_interpreting() -> bool:
-    return type(triton.language.cdiv).__name__ == "InterpretedFunction"
-
-
-DEVICE = "cuda" if _HAS_CUDA else "cpu"
-_RERUN_IN_SUBPROCESS = not _HAS_CUDA and not _triton_interpreting()
-in_process = pytest.mark.skipif(
-    _RERUN_IN_SUBPROCESS,
-    reason="triton was imported before TRITON_INTERPRET=1 could be set; see test_in_subprocess",
-)
 # float32: the kernels differ from PyTorch only in float32 rounding order; bfloat16: a rounding step apart
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 DTYPES = [torch.float32, torch.bfloat16]
 # Where the reference rounds a float32 value to bfloat16 once, a compiled kernel agrees bit for bit (both
 # round to nearest even); Triton's interpreter truncates instead, so on CPU allow one bfloat16 ulp.
-ONE_ROUNDING = {"atol": 0, "rtol": 0} if _HAS_CUDA else {"atol": 1e-6, "rtol": 2**-7}
+ONE_ROUNDING = {"atol": 0, "rtol": 0} if HAS_CUDA else {"atol": 1e-6, "rtol": 2**-7}
 
 
-@pytest.mark.skipif(not _RERUN_IN_SUBPROCESS, reason="triton runs in the right mode in this process")
-def test_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(pathlib.Path(__file__).resolve())],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+test_in_subprocess = triton_mode.subprocess_test(__file__)
 
 
 def randn(*shape, gen, dtype=torch.float32, scale=1.0):

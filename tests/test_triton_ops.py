@@ -1,58 +1,24 @@
 """Triton attention kernels (decode split-KV, extend) against a torch reference.
 
-Without CUDA the kernels run in Triton's CPU interpreter. Triton fixes interpreted-vs-compiled for its own
-library functions (tl.max, tl.cdiv, ...) when `triton` is first imported, from TRITON_INTERPRET, so this
-module sets TRITON_INTERPRET=1 before it imports triton (only when there is no CUDA device: on a GPU
-machine it must stay unset, or every Triton kernel of the test process would be interpreted; there these
-tests run compiled on the GPU instead). If some earlier-collected module already imported triton in
-compiled mode on a CPU machine, the interpreter cannot be switched on in this process any more: then one
-test re-runs this module in a fresh interpreter process and the in-process tests skip.
+Without CUDA the kernels run in Triton's CPU interpreter (tests/triton_mode.py sets it up before triton is
+imported; on a GPU machine they run compiled).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
+import triton_mode
+from triton_mode import DEVICE, in_process
 
-_HAS_CUDA = torch.cuda.is_available()
-_TRITON_WAS_IMPORTED = "triton" in sys.modules
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # (the dev extra installs it; TRITON_INTERPRET must be set first)
-
-
-def _triton_interpreting() -> bool:
-    return type(triton.language.cdiv).__name__ == "InterpretedFunction"
-
-
-DEVICE = "cuda" if _HAS_CUDA else "cpu"
-# CPU, but triton came up compiled before this module: run the module in a subprocess instead.
-_RERUN_IN_SUBPROCESS = not _HAS_CUDA and not _triton_interpreting()
-in_process = pytest.mark.skipif(
-    _RERUN_IN_SUBPROCESS, reason="triton was imported before TRITON_INTERPRET=1 could be set; see test_in_subprocess"
-)
-
-if not _RERUN_IN_SUBPROCESS:
+if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers.attention.triton_ops import decode_attention as decode_mod
     from model_executor.layers.attention.triton_ops import extend_attention as extend_mod
 
 
-@pytest.mark.skipif(not _RERUN_IN_SUBPROCESS, reason="triton runs in the right mode in this process")
-def test_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pathlib.Path(__file__).resolve())],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+test_in_subprocess = triton_mode.subprocess_test(__file__)
 
 
 # ---------------------------------------------------------------- reference and fixtures
