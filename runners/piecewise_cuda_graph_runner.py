@@ -12,24 +12,17 @@ last token. Above the largest level, or for requests that need prompt logprobs, 
 Memory: a captured piece's outputs are kept only as weak references (tensors that alias the pool memory
 without owning it). Once a level's capture is done nothing holds its blocks, so the next (smaller) level
 is captured into the same blocks and the pool stays about the size of the largest level's working set
-(the probe in DESIGN.md §8 kept every level's outputs alive: 4.0 GiB for 42 levels).
+(keeping every level's outputs alive multiplies it; DESIGN.md §8).
 
-Host time is what a small extend pays for (measured on the H200 host, Llama-3.2-1B shape, 128 tokens;
-GPU time per layer ~68 us). Per layer, between two piece replays, attention costs: the custom op's
-dispatcher round trip 24 us (replays call the implementation directly, see runners/fx_split.py), a Triton
-launch ~20 us each (the extend kernel also stores the new K/V: one launch instead of two), small tensor
-ops ~6 us each (the backend writes into the `out` buffer the next piece reads: no copy). Per batch:
-dynamo's frame (guards and bytecode, ~100 us before the first kernel; replays call the split module
-directly with the arguments recorded at capture). With these the attention host time per layer (~50 us)
-stays under the GPU time of a piece, so the GPU no longer idles between layers.
-
-Why the DESIGN §8 probe lost to eager at 2048 tokens: at 2048 tokens the step is GPU-bound, so any extra
-GPU work or GPU idle shows. This runner avoids the likely culprits: the logits head runs eagerly on the
-last token of each request (not over all 2048 inside the graph: ~1 TFLOP and a 1 GiB float32 tensor),
-attention reads host lists prepared before the pieces (no host sync per layer), piece outputs are not
-copied (weak refs; attention writes into the `out` tensor the previous piece allocated), only the padded
-tail [n, level) is zeroed, and the trace happens once. That still measured 0.99x of eager at 2048
-tokens; with the KV store fused into the extend kernel and dynamo's frame skipped, 1.02x.
+Host time is what a small extend pays for, so the attention between two pieces is kept cheap: replays
+call the op's implementation directly (no dispatcher round trip, runners/fx_split.py), the extend kernel
+also stores the new K/V (one launch instead of two), the backend writes into the `out` buffer the next
+piece reads (no copy), and replays call the split module directly with the arguments recorded at capture
+(no dynamo frame). Large extends are GPU-bound, so nothing extra runs on the GPU either: the logits head
+runs eagerly on the last token of each request (not over every token inside the graph), attention reads
+host lists prepared before the pieces (no host sync per layer), piece outputs are not copied, only the
+padded tail [n, level) is zeroed, and the trace happens once. What each of these measured is in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -212,8 +205,7 @@ class PiecewiseCudaGraphRunner:
         """Trace / warm-up / capture go through torch.compile. A replay calls the split module directly with
         the arguments dynamo gave it when `level` was captured: the same static input buffers and parameters,
         and replayed pieces read nothing else. That skips dynamo's frame (guards and the bytecode around the
-        graph, about 100 us of host time per batch on the H200 host, all of it before the first kernel);
-        the guards still checked the trace and capture."""
+        graph, host time paid before the first kernel); the guards still checked the trace and capture."""
         self.state.phase, self.state.level = phase, level
         try:
             with forward_context(fb, self.attention_layers):

@@ -22,7 +22,7 @@ Triton compiles outside it). Triton is imported on the first call, not when this
 
 The wrappers below go through the registered op only while something traces (dynamo / torch.export, or
 any dispatch mode such as FakeTensorMode or make_fx); in plain eager they call the implementation
-directly, skipping the custom-op dispatch (~15-25 us of host time a call, which matters to eager
+directly, skipping the custom-op dispatch (host time on every call, which matters to eager
 prefill with a few ops per layer, not to CUDA-graph replays).
 """
 

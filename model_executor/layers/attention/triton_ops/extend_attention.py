@@ -3,7 +3,7 @@
 The new tokens of all requests are concatenated in `q` / `k` / `v` / `o`. The cached prefix is gathered
 from `k_buffer` / `v_buffer` through `req_to_token`; the new tokens' keys and values are read from `k` /
 `v` directly, and the same kernel stores them in the pool at `out_cache_loc` (one launch per layer instead
-of a store kernel and an attention kernel: on the host, a Triton launch costs about 20 us on the H200).
+of a store kernel and an attention kernel: each Triton launch costs host time).
 
 Grid `(bs, num_heads, cdiv(max_extend_len, BLOCK_M))`: a program takes BLOCK_M new tokens of one request
 and one head and runs a flash-attention loop (online softmax, fp32 accumulation) over the KV blocks:
