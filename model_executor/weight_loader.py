@@ -122,7 +122,7 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         for i, file in enumerate(files, 1):
             bar.set_postfix_str(f"shard {i}/{len(files)}")
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # safe_open handles are not mappings
+                for name in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
                     tensor = f.get_tensor(name)
                     yield name, tensor
                     bar.update(tensor.nbytes)
