@@ -10,9 +10,7 @@ computed after that materialization.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from model_executor.checkpoint_files import checkpoint_files, read_header
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import CheckpointMismatchError, ModelConfig, WeightLoadError
 from model_executor.models import MODEL_REGISTRY
@@ -28,43 +27,9 @@ logger = logging.getLogger("duet.weight_loader")
 
 __all__ = ["CheckpointMismatchError", "WeightLoadError", "build_model", "check_checkpoint", "load_model"]
 
-INDEX_FILE = "model.safetensors.index.json"
 PROGRESS_MIN_BYTES = 256 * 1024**2  # no progress bar for small checkpoints (tests, the default model)
 # safetensors header dtype names; only shapes matter for the header check, so anything else reads as float32.
 _HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def checkpoint_files(path: str | Path) -> list[Path]:
-    """The shards to read. With an index file, every shard it lists must be there (a partial download)."""
-    path = Path(path)
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
-            raise WeightLoadError(f"{index} is not a valid safetensors index ({e})") from None
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise WeightLoadError(f"model folder {str(path)!r} lacks weight shard {missing[0]} "
-                                  f"({len(missing)} of {len(shards)} listed in {INDEX_FILE} are missing)")
-        return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        hint = " (it has PyTorch *.bin weights; duet reads only safetensors)" if any(path.glob("*.bin")) else ""
-        raise WeightLoadError(f"model folder {str(path)!r} has no *.safetensors weights{hint}")
-    return files
-
-
-def read_header(file: Path) -> dict[str, dict]:
-    """A shard's tensor table (name -> dtype, shape, offsets) without reading any tensor data."""
-    try:
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError, MemoryError, OverflowError):
-        raise WeightLoadError(f"{file} is not a readable safetensors file") from None
-    header.pop("__metadata__", None)
-    return header
 
 
 def _model_class(cfg: ModelConfig):

@@ -99,18 +99,31 @@ def check_tokenizer_folder(folder: Path, flag: str) -> None:
 
 
 def check_model_folder(folder: Path, *, context_length: int | None = None, check_weights: bool = True):
-    """config.json, architecture, context length and checkpoint tensors; returns the ModelConfig."""
-    from model_executor.model_config import ModelConfig, ModelConfigError
-    from model_executor.weight_loader import WeightLoadError, check_checkpoint
+    """config.json, architecture and context length, then the weight files; returns the ModelConfig.
+
+    Torch is imported only for the last check (tensor names and shapes), so the common mistakes are
+    reported in a fraction of a second."""
+    from model_executor.checkpoint_files import checkpoint_files
+    from model_executor.model_config import ModelConfig, ModelConfigError, WeightLoadError
 
     try:
         cfg = ModelConfig.from_pretrained(folder)
         cfg.check_context_length(context_length)
         if check_weights:
-            check_checkpoint(folder, cfg)
+            checkpoint_files(folder)
     except (ModelConfigError, WeightLoadError) as e:
         raise ModelSourceError(str(e)) from None
     return cfg
+
+
+def check_checkpoint_tensors(folder: Path, cfg) -> None:
+    from model_executor.model_config import WeightLoadError
+    from model_executor.weight_loader import check_checkpoint
+
+    try:
+        check_checkpoint(folder, cfg)
+    except WeightLoadError as e:
+        raise ModelSourceError(str(e)) from None
 
 
 def resolve_model_source(args) -> dict:
@@ -124,8 +137,11 @@ def resolve_model_source(args) -> dict:
                                       download_dir=args.download_dir)
         tokenizer_flag = "--tokenizer-path"
     # Order: what a user fixes first. An empty folder reports its missing config.json.
-    check_model_folder(model, context_length=args.context_length, check_weights=args.load_format != "dummy")
+    check_weights = args.load_format != "dummy"
+    cfg = check_model_folder(model, context_length=args.context_length, check_weights=check_weights)
     check_tokenizer_folder(tokenizer, tokenizer_flag)
+    if check_weights:
+        check_checkpoint_tensors(model, cfg)
     changes = {"model_path": str(model), "tokenizer_path": str(tokenizer)}
     if from_hub and args.served_model_name is None:
         changes["served_model_name"] = args.model_path  # not the snapshot folder's commit hash
