@@ -64,6 +64,9 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.context_len = self.model_config.check_context_length(config.context_length)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
         if config.random_weights:
             model = build_model(self.model_config, self.dtype, self.device, max_positions=self.context_len)
@@ -71,8 +74,10 @@ class ModelRunner:
         else:
             self.model = load_model(Path(config.model_path), self.model_config, self.dtype, self.device,
                                     max_positions=self.context_len)
-        logger.info("loaded %s (%s, %s) in %.1f s", config.model_path, self.dtype, self.device,
-                    time.perf_counter() - t0)
+        self.load_seconds = time.perf_counter() - t0
+        # Peak device memory while loading (the weights plus what streaming needed on top of them).
+        self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device) if cuda else 0
+        logger.info("loaded %s (%s, %s) in %.1f s", config.model_path, self.dtype, self.device, self.load_seconds)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
         # The backend's workspaces do not depend on the KV size: allocated first, they count as in use.
         self.attn_backend = create_attention_backend(config.attention_backend, self)
@@ -200,7 +205,8 @@ class ModelRunner:
         info["capture_gib"] = round(info.get("decode_capture_gib", 0.0) + info.get("extend_capture_gib", 0.0), 3)
         split = getattr(self, "memory_split", None)
         if split is not None:
-            info["memory"] = split.as_dict()
+            info["memory"] = {**split.as_dict(), "load_seconds": round(self.load_seconds, 2),
+                              "load_peak_gib": round(self.load_peak_bytes / 2**30, 3)}
         return info
 
     @torch.inference_mode()
