@@ -88,7 +88,7 @@ def resolve_folder(name: str, *, flag: str, revision: str | None, download_dir: 
     if path.exists():
         raise ModelSourceError(f"{flag} {name} is a file; an HF model folder or a hub id (org/name) is needed")
     if not is_hub_id(name):
-        raise ModelSourceError(f"{flag} {name}: no such folder (and not a hub id of the form org/name)")
+        raise ModelSourceError(f"{flag} {name} is not a folder (no such path, and not a hub id org/name)")
     return download_from_hub(name, revision=revision, download_dir=download_dir, flag=flag), True
 
 

@@ -68,7 +68,7 @@ def test_a_folder_wins_over_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "org" / "tiny").mkdir(parents=True)
     assert resolve_folder("org/tiny", flag="--model-path", revision=None, download_dir=None) == (
         Path("org/tiny"), False)
-    with pytest.raises(ModelSourceError, match="no such folder"):
+    with pytest.raises(ModelSourceError, match="is not a folder"):
         resolve_folder("./nope", flag="--model-path", revision=None, download_dir=None)
 
 
