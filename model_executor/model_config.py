@@ -13,6 +13,14 @@ class ModelConfigError(ValueError):
     pass
 
 
+class WeightLoadError(RuntimeError):
+    """The weight files are missing, unreadable or do not fit; the message is one line for the user."""
+
+
+class CheckpointMismatchError(WeightLoadError):
+    """The checkpoint's tensors do not match the model built from config.json (names the first one)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -40,6 +48,10 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             name = ", ".join(archs) or cfg.get("model_type", "unknown")
+            if cfg.get("auto_map"):
+                raise ModelConfigError(
+                    f"model architecture {name!r} needs remote code (auto_map in config.json); duet runs only "
+                    f"its own model code, for {', '.join(SUPPORTED_ARCHITECTURES)}")
             raise ModelConfigError(
                 f"unsupported model architecture {name!r}; duet supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
@@ -84,7 +96,10 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ModelConfigError(f"model folder {str(path)!r} has no config.json")
-        cfg = json.loads(config_file.read_text())
+        try:
+            cfg = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelConfigError(f"{config_file} is not valid JSON ({e})") from None
         # generation_config.json may list more EOS ids (Llama 3 instruct models do).
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
@@ -94,11 +109,34 @@ class ModelConfig:
                 ids = set(base if isinstance(base, list) else ([] if base is None else [base]))
                 ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
                 cfg = {**cfg, "eos_token_id": sorted(ids)}
-        return cls.from_dict(cfg)
+        try:
+            return cls.from_dict(cfg)
+        except KeyError as e:
+            raise ModelConfigError(f"{config_file} has no {e.args[0]!r}, which the model needs") from None
 
     @property
     def context_len(self) -> int:
         return self.max_position_embeddings
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context the positions support: max_position_embeddings, or with RoPE scaling the
+        original length times the scaling factor when that is larger."""
+        limit = self.max_position_embeddings
+        if self.rope_scaling is not None:
+            original = self.rope_scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+            limit = max(limit, int(original * float(self.rope_scaling.get("factor", 1.0))))
+        return limit
+
+    def check_context_length(self, context_length: int | None) -> int:
+        """The context length to serve: the flag's value when the positions support it, else the model's."""
+        if context_length is None:
+            return self.context_len
+        if context_length > self.max_context_len:
+            why = "with its RoPE scaling" if self.rope_scaling is not None else "and config.json has no RoPE scaling"
+            raise ModelConfigError(f"--context-length {context_length} is above the model's "
+                                   f"{self.max_context_len} positions ({why}); use at most {self.max_context_len}")
+        return context_length
 
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size

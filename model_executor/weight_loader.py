@@ -1,59 +1,150 @@
-"""Builds a model from a config and loads its weights from `*.safetensors` (or random, for benchmarks)."""
+"""Builds a model from a config and loads its weights from `*.safetensors` (or random, for benchmarks).
+
+The model is built on the meta device (no memory at all), cast to the target dtype there, and only then
+given real storage on its device, so nothing is ever created in float32 and then cast. Checkpoint tensors
+stream in one at a time from memory-mapped shards; a dtype conversion happens on the host, so the device
+never holds more than the weights themselves. Buffers that are not in the checkpoint (the RoPE table) are
+computed after that materialization.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from model_executor.model_config import ModelConfig
+from model_executor.checkpoint_files import checkpoint_files, read_header
+from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.model_config import CheckpointMismatchError, ModelConfig, WeightLoadError
 from model_executor.models import MODEL_REGISTRY
 
 logger = logging.getLogger("duet.weight_loader")
 
+__all__ = ["CheckpointMismatchError", "WeightLoadError", "build_model", "check_checkpoint", "load_model"]
 
-class WeightLoadError(RuntimeError):
-    pass
-
-
-def _iter_safetensors(files: list[Path], device: str):
-    for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
-        with safe_open(str(file), framework="pt", device=device) as f:
-            for name in f.keys():  # safe_open handles are not mappings
-                yield name, f.get_tensor(name)
+PROGRESS_MIN_BYTES = 256 * 1024**2  # no progress bar for small checkpoints (tests, the default model)
+# safetensors header dtype names; only shapes matter for the header check, so anything else reads as float32.
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
-    cls = MODEL_REGISTRY[cfg.architecture]
-    with torch.device(device):
-        model = cls(cfg)
-    return model.to(dtype=dtype).eval()
+def _model_class(cfg: ModelConfig):
+    return MODEL_REGISTRY[cfg.architecture]
 
 
-def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
-    path = Path(model_path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"no *.safetensors files in {str(path)!r}")
-    model = build_model(cfg, dtype, device)
-    loaded = model.load_weights(_iter_safetensors(files, "cpu"))
-    missing = model.expected_weight_names() - loaded
+def build_meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model with shapes and dtypes only (meta tensors): costs no memory."""
+    with torch.device("meta"):
+        model = _model_class(cfg)(cfg)
+    return model.to(dtype=dtype)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                max_positions: int | None = None) -> torch.nn.Module:
+    """The model on `device` in `dtype`, parameters uninitialized (load or init them next).
+
+    max_positions: a longer RoPE table than the config's (a --context-length that RoPE scaling allows).
+    """
+    if max_positions is not None and max_positions > cfg.max_position_embeddings:
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max_positions)
+    model = build_meta_model(cfg, dtype)
+    _materialize(model, torch.device(device))
+    for module in model.modules():  # modules() yields the shared table once
+        if isinstance(module, RotaryEmbedding):
+            module.init_cache()
+    return model.eval()
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialized storage on `device`, same shape and dtype.
+
+    Unlike `Module.to_empty`, this keeps each parameter's attributes (the layers' `weight_loader`) and
+    its sharing (tied embeddings stay one tensor)."""
+    new: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in new:
+                fresh = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                           requires_grad=p.requires_grad)
+                fresh.__dict__.update(p.__dict__)
+                new[id(p)] = fresh
+            module._parameters[name] = new[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+              disable=total < PROGRESS_MIN_BYTES) as bar:
+        for i, file in enumerate(files, 1):
+            bar.set_postfix_str(f"shard {i}/{len(files)}")
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                    tensor = f.get_tensor(name)
+                    yield name, tensor
+                    bar.update(tensor.nbytes)
+
+
+def _check_complete(model: torch.nn.Module, loaded: set[str], path: Path) -> None:
+    missing = sorted(model.expected_weight_names() - loaded)
     if missing:
-        shown = ", ".join(sorted(missing)[:5])
-        raise WeightLoadError(f"{len(missing)} weights missing from {str(path)!r}, e.g. {shown}")
+        raise CheckpointMismatchError(
+            f"checkpoint in {str(path)!r} has no tensor {model.checkpoint_name(missing[0])!r} "
+            f"({len(missing)} missing tensors)")
+
+
+def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
+    """Match the shards' tensor names and shapes against the model built from cfg, reading only the
+    headers: a mismatch is found in milliseconds, before anything is loaded.
+
+    Raises WeightLoadError (files) or CheckpointMismatchError (the first mismatching tensor)."""
+    path = Path(path)
+    files = checkpoint_files(path)
+    model = build_meta_model(cfg)
+
+    def meta_tensors():
+        for file in files:
+            for name, info in read_header(file).items():
+                dtype = _HEADER_DTYPES.get(info.get("dtype"), torch.float32)
+                yield name, torch.empty(info.get("shape", ()), dtype=dtype, device="meta")
+
+    _check_complete(model, model.load_weights(meta_tensors()), path)
+
+
+def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+               max_positions: int | None = None) -> torch.nn.Module:
+    path = Path(model_path)
+    files = checkpoint_files(path)
+    model = build_model(cfg, dtype, device, max_positions)
+    with torch.no_grad():
+        loaded = model.load_weights(_iter_safetensors(files))
+    _check_complete(model, loaded, path)
     return model
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers (a tied weight counts once)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
-    """Random weights with sane scales (norms at 1), for benchmarks and GPU tests of real shapes."""
+    """Random weights with sane scales (norms at 1), for benchmarks and GPU tests of real shapes.
+
+    Drawn in place in the parameter's dtype: no float32 copy of a large tensor ever exists."""
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             else:
                 gen = torch.Generator(device=p.device).manual_seed(seed + i)
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std)
+                p.normal_(0.0, std, generator=gen)
     return model

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,7 +17,8 @@ from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from model_executor.sampling_params import SamplingParams
-from model_executor.weight_loader import build_model, init_random_weights, load_model
+from model_executor.weight_loader import build_model, init_random_weights, load_model, weight_bytes
+from runners.memory_plan import MemorySplit, estimate_graph_reserve, plan_kv_cache
 
 logger = logging.getLogger("duet.model_runner")
 
@@ -36,6 +37,7 @@ class RunnerConfig:
     max_running_requests: int = 64
     max_total_tokens: int | None = None  # KV slots; None: from memory (GPU) or a CPU budget
     mem_fraction_static: float = 0.85
+    max_prefill_tokens: int = 16384  # the largest eager extend: its activation peak is profiled (GPU)
     random_weights: bool = False  # benchmarks / GPU tests: real shapes, random weights
     seed: int = 0
     # Graph runners (GPU only; ignored on CPU).
@@ -61,27 +63,39 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.model_config = ModelConfig.from_pretrained(config.model_path)
-        self.context_len = config.context_length or self.model_config.context_len
+        self.context_len = self.model_config.check_context_length(config.context_length)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
         if config.random_weights:
-            self.model = init_random_weights(build_model(self.model_config, self.dtype, self.device), config.seed)
+            model = build_model(self.model_config, self.dtype, self.device, max_positions=self.context_len)
+            self.model = init_random_weights(model, config.seed)
         else:
-            self.model = load_model(Path(config.model_path), self.model_config, self.dtype, self.device)
-        logger.info("loaded %s (%s, %s) in %.1f s", config.model_path, self.dtype, self.device,
-                    time.perf_counter() - t0)
+            self.model = load_model(Path(config.model_path), self.model_config, self.dtype, self.device,
+                                    max_positions=self.context_len)
+        self.load_seconds = time.perf_counter() - t0
+        # Peak device memory while loading (the weights plus what streaming needed on top of them).
+        self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device) if cuda else 0
+        logger.info("loaded %s (%s, %s) in %.1f s", config.model_path, self.dtype, self.device, self.load_seconds)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
-        num_slots = self._num_kv_slots()
+        # The backend's workspaces do not depend on the KV size: allocated first, they count as in use.
+        self.attn_backend = create_attention_backend(config.attention_backend, self)
+        self.sampler = Sampler()
+        self.memory_split = self._plan_memory()
+        num_slots = self.memory_split.num_slots
         cfg = self.model_config
         self.kv_cache = KVCache(num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                 self.dtype, self.device)
         self.allocator = SlotAllocator(num_slots)
-        self.attn_backend = create_attention_backend(config.attention_backend, self)
-        self.sampler = Sampler()
         self.path_counts: Counter[str] = Counter()
         self.decode_graph_runner = None
         self.extend_graph_runner = None
         if self.device.type == "cuda":
             self.init_graph_runners()
+            self.memory_split = replace(self.memory_split,
+                                        graphs_measured=int(self.graph_info()["capture_gib"] * 2**30))
+        logger.info(self.memory_split.line())
 
     def init_graph_runners(self) -> None:
         """Capture decode graphs, then extend pieces; each is skipped when disabled or unsupported."""
@@ -103,19 +117,55 @@ class ModelRunner:
     def num_kv_slots(self) -> int:
         return self.allocator.num_slots
 
-    def _num_kv_slots(self) -> int:
+    def _plan_memory(self) -> MemorySplit:
         cfg = self.model_config
         per_slot = KVCache.bytes_per_slot(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.mem_fraction_static - (total - free)
-            slots = int(budget // per_slot)
-            if self.config.max_total_tokens:
-                slots = min(slots, self.config.max_total_tokens)
-            if slots < 1:
-                raise RuntimeError("no GPU memory left for the KV cache; raise --mem-fraction-static")
-            return slots
-        return self.config.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+        weights = weight_bytes(self.model)
+        if self.device.type != "cuda":
+            slots = self.config.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+            return MemorySplit(device=str(self.device), weights=weights, kv=slots * per_slot, num_slots=slots)
+        torch.cuda.empty_cache()  # blocks cached during loading are free memory for the KV cache
+        tokens, activations = self._profile_activations()
+        free, total = torch.cuda.mem_get_info(self.device)
+        graphs = estimate_graph_reserve(
+            activation_bytes_per_token=activations / max(tokens, 1),
+            decode_max_bs=0 if self.config.disable_cuda_graph else max(self.config.cuda_graph_bs, default=0),
+            vocab_size=cfg.vocab_size,
+            extend_max_tokens=(0 if self.config.disable_piecewise_cuda_graph
+                               else max(self.config.piecewise_cuda_graph_tokens, default=0)),
+            backend_bytes=self.attn_backend.cuda_graph_state_bytes(max(self.config.cuda_graph_bs, default=0))
+            if hasattr(self.attn_backend, "cuda_graph_state_bytes") else 0)
+        return plan_kv_cache(total=total, free=free, weights=weights, activations=activations, graphs=graphs,
+                             fraction=self.config.mem_fraction_static, bytes_per_slot=per_slot,
+                             max_total_tokens=self.config.max_total_tokens, device=str(self.device))
+
+    @torch.inference_mode()
+    def _profile_activations(self) -> tuple[int, int]:
+        """Run the largest eager extend (--max-prefill-tokens tokens over as many requests as may run, so
+        the logits and the sampler are at their largest too); returns (tokens, peak bytes above what was
+        allocated before). Every token writes KV slot 0 of a one-slot cache: with no cached prefix the
+        attention reads the new K/V from its inputs, so the memory it uses is that of a real batch."""
+        n = min(self.config.max_prefill_tokens, self.req_to_token_pool.size * self.context_len)
+        bs = min(self.req_to_token_pool.size, n)
+        lens = [n // bs + (1 if i < n % bs else 0) for i in range(bs)]
+        cfg = self.model_config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        kv = KVCache(1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        fb = ForwardBatch.build(
+            ForwardMode.EXTEND, [0] * n, list(range(1, bs + 1)), lens, torch.zeros(n, dtype=torch.int64),
+            extend_seq_lens=lens, req_to_token_pool=self.req_to_token_pool, kv_cache=kv,
+            attn_backend=self.attn_backend, device=self.device)
+        logits = self.forward_eager(fb)
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)] * bs
+        self.sample(logits, params, [0] * bs)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del kv, fb, logits
+        torch.cuda.empty_cache()
+        logger.info("profiled an extend of %d tokens in %d requests: activation peak %.2f GiB", n, bs, peak / 2**30)
+        return n, peak
 
     # ---- batches ------------------------------------------------------------------------------
     def build_batch(self, mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int],
@@ -153,6 +203,10 @@ class ModelRunner:
         info["capture_seconds"] = round(info.get("decode_capture_seconds", 0.0)
                                         + info.get("extend_capture_seconds", 0.0), 2)
         info["capture_gib"] = round(info.get("decode_capture_gib", 0.0) + info.get("extend_capture_gib", 0.0), 3)
+        split = getattr(self, "memory_split", None)
+        if split is not None:
+            info["memory"] = {**split.as_dict(), "load_seconds": round(self.load_seconds, 2),
+                              "load_peak_gib": round(self.load_peak_bytes / 2**30, 3)}
         return info
 
     @torch.inference_mode()

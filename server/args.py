@@ -32,13 +32,23 @@ def _f(default, help: str, **kw):
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = _f(None, "HF model folder; default: SmolLM2-135M-Instruct, fetched and converted on first use")
-    served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the folder name)")
+    served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the hub id or the "
+                                              "folder name)")
+    # Where the model comes from (server/model_source.py resolves and checks these before start-up).
+    tokenizer_path: str | None = _f(None, "tokenizer folder or hub id (default: the model's)")
+    revision: str | None = _f(None, "hub revision (branch, tag or commit) of a --model-path hub id")
+    download_dir: str | None = _f(None, "hub cache folder for downloads (default: HF_HUB_CACHE, HF_HOME/hub)")
+    trust_remote_code: bool = _f(False, "accepted for compatibility; models that need remote code are refused "
+                                        "(duet runs only its own model code)")
+    sampling_defaults: str = _f("model", "defaults for sampling values a request leaves unset: model "
+                                         "(generation_config.json) or openai", choices=("model", "openai"))
     host: str = _f("127.0.0.1", "HTTP bind address")
     port: int = _f(30000, "HTTP port")
     device: str = _f("auto", "cuda or cpu; auto picks cuda when available", choices=("auto", "cuda", "cpu"))
     dtype: str = _f("auto", "weights/KV dtype; auto: float32 on CPU, bfloat16 on GPU", choices=DTYPES)
     context_length: int | None = _f(None, "max tokens per request (prompt + output); default: the model's")
-    mem_fraction_static: float = _f(0.85, "GPU memory fraction for weights + KV cache")
+    mem_fraction_static: float = _f(0.85, "GPU memory fraction for everything: weights, KV cache, and the "
+                                          "graph and activation reserves")
     max_total_tokens: int | None = _f(None, "KV cache size in tokens (default: from memory on GPU, 16384 on CPU)")
     max_running_requests: int | None = _f(None, "max requests decoding at once (default: 256 on GPU, 64 on CPU)")
     max_prefill_tokens: int = _f(16384, "token budget of one extend batch")

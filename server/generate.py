@@ -17,7 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--model-path", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model-path", default=None, help="HF model folder or hub id org/name "
+                                                      "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="hub revision of a --model-path hub id")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
@@ -75,6 +77,20 @@ def main(argv: list[str] | None = None) -> int:
         except DefaultModelError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+    from server.model_source import (
+        ModelSourceError,
+        check_checkpoint_tensors,
+        check_model_folder,
+        resolve_folder,
+    )
+
+    try:  # the server's start-up checks: a one-line error instead of a traceback from deep inside loading
+        folder, _ = resolve_folder(model_path, flag="--model-path", revision=args.revision, download_dir=None)
+        check_checkpoint_tensors(folder, check_model_folder(folder))
+    except ModelSourceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    model_path = str(folder)
     device = args.device
     if device == "auto":
         import torch

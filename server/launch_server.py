@@ -27,7 +27,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 from server.args import ArgsError, ServerArgs, parse_args
 from server.ipc import IpcPaths
@@ -170,8 +169,12 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
             changes["model_path"] = str(ensure_default_model())
         except DefaultModelError as e:
             raise LaunchError(str(e)) from None
-    elif not Path(args.model_path).is_dir():
-        raise LaunchError(f"--model-path {args.model_path} is not a folder (an HF model folder is needed)")
+    from server.model_source import ModelSourceError, resolve_model_source
+
+    try:  # a local, checked folder (hub ids are downloaded or taken from the cache) before any child starts
+        changes.update(resolve_model_source(args.replace(**changes)))
+    except ModelSourceError as e:
+        raise LaunchError(str(e)) from None
     resolved = args.replace(**changes)
     try:
         resolved.validate()

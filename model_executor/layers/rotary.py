@@ -26,23 +26,42 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """One instance serves every layer of a model (the table depends only on the config), so the model
+    keeps a single cos/sin table instead of one per layer."""
+
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        self.max_position = max_position
+        self.base = base
+        self.rope_scaling = rope_scaling
+        # Under a meta-device build this computes nothing; init_cache() fills the real table once the model
+        # has been materialized on its device.
+        self.register_buffer("cos_sin_cache", self._compute_cache(None), persistent=False)
+
+    def _compute_cache(self, device) -> torch.Tensor:
+        hd = self.head_dim
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind == "llama3":
-                inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+                inv_freq = _llama3_inv_freq(inv_freq, self.rope_scaling)
             elif kind == "linear":
-                inv_freq = inv_freq / rope_scaling["factor"]
+                inv_freq = inv_freq / self.rope_scaling["factor"]
             else:
                 raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
-        t = torch.arange(max_position, dtype=torch.float64)
+        t = torch.arange(self.max_position, dtype=torch.float64, device=device)
         freqs = torch.outer(t, inv_freq)
         # [max_position, head_dim]: cos and sin halves side by side; built in float32, then cast with the
         # model (like HF, which casts cos/sin to the activation dtype).
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+    @torch.no_grad()
+    def init_cache(self) -> None:
+        """Recompute the table on the buffer's device, in float32 then cast to the buffer's dtype: the same
+        values an eager float32 build followed by `.to(dtype)` gives."""
+        buf = self.cos_sin_cache
+        self.cos_sin_cache = self._compute_cache(buf.device).to(buf.dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]; returns (q, k) rotated, in the input dtype.

@@ -20,7 +20,7 @@ from model_executor.layers.linear import (
 from model_executor.layers.logits import compute_logits
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
-from model_executor.model_config import ModelConfig
+from model_executor.model_config import CheckpointMismatchError, ModelConfig
 
 
 class LlamaMLP(nn.Module):
@@ -35,13 +35,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         hd = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads,
                                           bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(hd, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, hd**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -53,9 +53,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -75,7 +75,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -102,7 +105,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head; called again after a meta-device build is materialized
+        (`to_empty` gives every parameter its own storage)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -110,12 +118,15 @@ class LlamaForCausalLM(nn.Module):
         return compute_logits(self.lm_head, self.model(input_ids, positions, fb), fb)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the fused parameters; returns the names of parameters loaded."""
+        """Copy HF-named tensors into the fused parameters; returns the names of parameters loaded.
+
+        CheckpointMismatchError names the first tensor that is not a parameter here or has the wrong shape.
+        """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
-                continue
+                continue  # old HF checkpoints saved the RoPE frequencies; ours are computed
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             for hf_frag, our_frag, shard_id in self.stacked_params:
@@ -126,9 +137,15 @@ class LlamaForCausalLM(nn.Module):
                 target, shard_id = name, None
             param = params.get(target)
             if param is None:
-                continue  # tensors the model does not use (e.g. extra buffers)
+                raise CheckpointMismatchError(
+                    f"checkpoint tensor {name!r} is not a parameter of {self.config.architecture} with this "
+                    f"config.json (unexpected tensor)")
             loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard_id)
+            try:
+                loader(param, tensor.to(param.dtype), shard_id)
+            except ValueError as e:  # the layers' checked copy: shapes differ
+                raise CheckpointMismatchError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit "
+                                              f"the config.json shape ({e})") from None
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")
         return loaded
 
@@ -142,6 +159,14 @@ class LlamaForCausalLM(nn.Module):
             else:
                 names.add(name)
         return names
+
+    def checkpoint_name(self, name: str) -> str:
+        """The HF tensor name behind one of expected_weight_names' names (for error messages)."""
+        target, _, shard = name.partition("#")
+        for hf_frag, our_frag, shard_id in self.stacked_params:
+            if our_frag in target and str(shard_id) == shard:
+                return target.replace(our_frag, hf_frag)
+        return target
 
 
 # Mistral and Qwen2 share the Llama block; Qwen2's q/k/v bias comes from ModelConfig.attention_bias.

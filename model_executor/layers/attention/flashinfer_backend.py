@@ -29,7 +29,6 @@ class FlashInferAttnBackend(AttentionBackend):
         self.head_dim = cfg.head_dim
         self.dtype = runner.dtype
         self.device = runner.device
-        self.num_slots = runner.num_kv_slots if hasattr(runner, "allocator") else None
         self.req_to_token = runner.req_to_token_pool.req_to_token
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=runner.device)
         # Tensor-core decode kernels pay off once several query heads share a KV head (SGLang's rule).
@@ -82,6 +81,15 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill_wrapper.run(q, self._paged(fb, layer), out=out)
 
     # ---- graph hooks -----------------------------------------------------------------------------
+    def _max_graph_indices(self, max_bs: int) -> int:
+        # The summed sequence lengths of a batch are bounded by max_bs x context, not by the pool size:
+        # requests sharing a radix-cached prefix each list its slots again (SGLang sizes it the same way).
+        return max_bs * self.req_to_token.shape[1]
+
+    def cuda_graph_state_bytes(self, max_bs: int) -> int:
+        """What init_cuda_graph_state will allocate, for the model runner's graph reserve."""
+        return WORKSPACE_BYTES + 4 * (self._max_graph_indices(max_bs) + 2 * max_bs + 1) if max_bs else 0
+
     def init_cuda_graph_state(self, max_bs: int) -> None:
         # Captured kernels keep pointers into these buffers and into each size's wrapper: one decode graph
         # runner per backend, allocated once. Graph wrappers get a workspace of their own, so eager
@@ -89,8 +97,7 @@ class FlashInferAttnBackend(AttentionBackend):
         if self.graph_wrappers:
             raise RuntimeError("flashinfer decode graphs were already captured on this backend")
         self.graph_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        max_indices = self.req_to_token.shape[0] * self.req_to_token.shape[1] if self.num_slots is None \
-            else self.num_slots + max_bs + 1
+        max_indices = self._max_graph_indices(max_bs)
         self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self.graph_indices = torch.zeros(max_indices, dtype=torch.int32, device=self.device)
         self.graph_last_page = torch.ones(max_bs, dtype=torch.int32, device=self.device)
