@@ -65,8 +65,10 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.context_len = self.model_config.check_context_length(config.context_length)
         cuda = self.device.type == "cuda"
+        base = 0
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)  # what others in this process hold already
         t0 = time.perf_counter()
         if config.random_weights:
             model = build_model(self.model_config, self.dtype, self.device, max_positions=self.context_len)
@@ -76,7 +78,7 @@ class ModelRunner:
                                     max_positions=self.context_len)
         self.load_seconds = time.perf_counter() - t0
         # Peak device memory while loading (the weights plus what streaming needed on top of them).
-        self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device) if cuda else 0
+        self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base if cuda else 0
         logger.info("loaded %s (%s, %s) in %.1f s", config.model_path, self.dtype, self.device, self.load_seconds)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
         # The backend's workspaces do not depend on the KV size: allocated first, they count as in use.
