@@ -94,15 +94,26 @@ def test_sigterm_drains_short_requests_and_fails_long_ones_after_the_window():
         assert short.ended_at is None, "the short request ended before the signal: the test proves nothing"
         sent_at = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 503, 10, "/health to say 503")
-        late = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
-        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"], late.text
+
+        def late_request():  # once the server stops accepting: the 503 a new request gets, or None if gone
+            try:
+                if httpx.get(f"{srv.url}/health", timeout=5).status_code == 200:
+                    return None
+                return httpx.post(f"{srv.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+            except httpx.ConnectError:
+                return "connection refused"
+
+        seen = []
+        wait_until(lambda: seen.append(late_request()) or seen[-1] is not None, 10, "the server to stop accepting")
+        late = seen[-1]
         assert srv.proc.wait(30) == 0, srv.output()
         for s in (short, long):
             s.join(10)
         assert short.outcome == "completed", short.outcome
         assert long.outcome == "error: the server is shutting down", long.outcome
         assert long.ended_at - sent_at >= DRAIN_S, "the long request was failed before the drain window ended"
+        assert not isinstance(late, str) and late.status_code == 503, late
+        assert "shutting down" in late.json()["error"]["message"], late.text
     finally:
         srv.stop()
 
