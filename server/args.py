@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=help_text)
+            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
             continue
         kind = _arg_type(f)
         if f.default is not None and "default" not in help_text:  # else the help text names its default
