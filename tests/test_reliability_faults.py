@@ -172,7 +172,7 @@ def test_sigterm_under_load(model_dir):
     try:
         # Short streams that fit in the drain time: each has its first token before the signal and must
         # then complete normally. The long requests (MAX_TOKENS at ~0.1 s a step) cannot finish in DRAIN_S.
-        short = [Client(srv.url, 100 + 5 * i, max_tokens=8) for i in range(3)]  # i % 5 == 0: completion streams
+        short = [Client(srv.url, 100 + 5 * i, max_tokens=3) for i in range(3)]  # i % 5 == 0: completion streams
         for c in short:
             c.start()
         for c in short:
