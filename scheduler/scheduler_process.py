@@ -2,6 +2,7 @@
 
 Receives TokenizedGenerateReq / AbortReq / FlushCacheReq / GetStatsReq from the HTTP process, sends one
 BatchTokenOut per step to the detokenizer and ControlReply messages straight back to the HTTP process.
+While requests run it logs a status line every --status-interval seconds (StatusLine).
 """
 
 from __future__ import annotations
