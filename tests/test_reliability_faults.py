@@ -180,8 +180,16 @@ def test_sigterm_under_load(model_dir):
         assert any(c.ended_at is None for c in short), "every short request ended before the signal"
         sent_at = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=10).status_code == 503, 10, "/health to say 503")
-        late = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+
+        def late_request():  # once the server stops accepting: the 503 a new request gets, or "gone"
+            try:
+                if httpx.get(f"{srv.url}/health", timeout=10).status_code == 200:
+                    return None
+                return httpx.post(f"{srv.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+            except httpx.ConnectError:
+                return "gone"
+
+        late = wait_until(late_request, 10, "the server to stop accepting")
         code = srv.proc.wait(EXIT_WITHIN_S + 10)
         exited_after = time.monotonic() - sent_at
         for c in clients + short:
@@ -190,7 +198,6 @@ def test_sigterm_under_load(model_dir):
                           c.detail[:80]) for c in clients + short}
         print(f"\nRELIABILITY-FAULT SIGTERM: exit {code} after {exited_after:.1f} s, clients {json.dumps(outcomes)}")
         assert code == 0, srv.output()[-3000:]
-        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"], late.text
         for c in short:
             assert c.outcome == "completed", outcomes[c.i]
         for c in clients:
@@ -199,6 +206,8 @@ def test_sigterm_under_load(model_dir):
             # clean shutdown error comes only once the drain window is over.
             assert c.outcome in ("error_event", "error_status") and "shutting down" in c.detail, outcomes[c.i]
             assert c.ended_at - sent_at >= DRAIN_S, outcomes[c.i]
+        assert late != "gone" and late.status_code == 503, late
+        assert "shutting down" in late.json()["error"]["message"], late.text
         wait_until(lambda: not any(pid_alive(p) for p in tree), 10, f"the process tree {tree} to exit")
         assert not os.path.exists(folder), f"the socket folder {folder} was left behind"
         with pytest.raises(httpx.ConnectError):
