@@ -496,6 +496,35 @@ async def fetch_model_id(client: Any, base_url: str, headers: dict[str, str]) ->
     return data[0]["id"]
 
 
+def _is_this_host(base_url: str) -> bool:
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(base_url).hostname or ""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def served_model_path(client: Any, base_url: str, headers: dict[str, str]) -> str | None:
+    """The model folder a duet (or SGLang) server on this host serves, from /server_info; None when the
+    server is elsewhere, does not say, or the folder is not here."""
+    if not _is_this_host(base_url):
+        return None
+    try:
+        resp = await client.get(f"{base_url.rstrip('/')}/server_info", headers=headers)
+        info = resp.json() if resp.status_code == 200 else {}
+    except Exception:  # noqa: BLE001 - not a duet server: fall back to the model name
+        return None
+    args = info.get("args") if isinstance(info, dict) else None
+    path = args.get("model_path") if isinstance(args, dict) else None
+    return path if isinstance(path, str) and os.path.isdir(path) else None
+
+
 def load_tokenizer(name_or_path: str | None, trust_remote_code: bool = False) -> Any:
     if name_or_path is None or name_or_path.lower() == "none":
         return None
@@ -521,8 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="HF tokenizer folder (or hub id); default: the model name (servers usually report the "
-        "served folder path). 'none' = random ids in [0, --vocab-size) (token-ids format only)",
+        help="HF tokenizer folder (or hub id); default: the model folder named by the server's "
+        "/server_info when the server runs on this host, else the model name. "
+        "'none' = random ids in [0, --vocab-size) (token-ids format only)",
     )
     p.add_argument("--vocab-size", type=int, default=None, help="vocab size for --tokenizer none")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -593,11 +623,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     try:
         meta_client = pool.acquire()
         model = args.model or await fetch_model_id(meta_client, base_url, headers)
+        # Default: the folder the server on this host loads (its /server_info), else the model name
+        # (vLLM reports the served path; a hub id is tried from the local cache).
+        tok_name = args.tokenizer or await served_model_path(meta_client, base_url, headers) or model
         pool.release(meta_client)
-
-        # Default: the model, which for duet/vLLM/SGLang is usually the served folder path; a
-        # non-path name is still tried (HF hub id or local cache).
-        tok_name = args.tokenizer or model
         try:
             tokenizer = load_tokenizer(tok_name, args.trust_remote_code)
         except Exception as e:

@@ -2,6 +2,7 @@
 
 Receives TokenizedGenerateReq / AbortReq / FlushCacheReq / GetStatsReq from the HTTP process, sends one
 BatchTokenOut per step to the detokenizer and ControlReply messages straight back to the HTTP process.
+While requests run it logs a status line every --status-interval seconds (StatusLine).
 """
 
 from __future__ import annotations
@@ -139,15 +140,51 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn) -> None:
     to_detokenizer = connect_push(ctx, ipc.detokenizer_input)
     to_http = connect_push(ctx, ipc.http_input)
     ready_conn.send({"ok": True, "info": ready_info(args, runner)})
-    SchedulerLoop(scheduler, recv, to_detokenizer, to_http).run()
+    SchedulerLoop(scheduler, recv, to_detokenizer, to_http, StatusLine(args.status_interval)).run()
+
+
+class StatusLine:
+    """SGLang's periodic "Decode batch. #running-req ..." line: at INFO every `interval` seconds while
+    requests run (0: never), with the throughput and graph use since the previous line."""
+
+    GRAPH_PATHS = ("decode_graph", "extend_graph")
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.restart({})
+
+    def restart(self, path_counts: dict) -> None:
+        """Start a new window (after idle time, which must not dilute tokens/s)."""
+        self.since = time.monotonic()
+        self.tokens = 0
+        self.paths = dict(path_counts)
+
+    def after_step(self, scheduler: Scheduler, outputs: list[ReqOutput]) -> None:
+        if not self.interval:
+            return
+        self.tokens += sum(len(o.new_token_ids) for o in outputs)
+        elapsed = time.monotonic() - self.since
+        if elapsed < self.interval:
+            return
+        s = scheduler.stats()
+        paths = s["path_counts"]
+        passes = {k: v - self.paths.get(k, 0) for k, v in paths.items()}
+        total = sum(passes.values())
+        graph = sum(passes.get(k, 0) for k in self.GRAPH_PATHS)
+        kv = s["kv_used"] / s["kv_total"] if s["kv_total"] else 0.0
+        logger.info("status: #running-req: %d, #queue-req: %d, KV usage: %.1f%%, gen throughput (token/s): "
+                    "%.1f, graph hit rate: %.0f%% (%d of %d forward passes)", s["num_running"], s["num_waiting"],
+                    100 * kv, self.tokens / elapsed, 100 * graph / total if total else 0.0, graph, total)
+        self.restart(paths)
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, recv, to_detokenizer, to_http):
+    def __init__(self, scheduler: Scheduler, recv, to_detokenizer, to_http, status: StatusLine | None = None):
         self.scheduler = scheduler
         self.recv = recv
         self.to_detokenizer = to_detokenizer
         self.to_http = to_http
+        self.status = status or StatusLine(0)
 
     def run(self) -> None:
         while True:
@@ -156,9 +193,12 @@ class SchedulerLoop:
             if busy or self.recv.poll(IDLE_POLL_MS):
                 self._drain()
             if self.scheduler.has_work():
+                if not busy and self.status.interval:
+                    self.status.restart(self.scheduler.runner.path_counts)
                 outputs = self.scheduler.step()
                 if outputs:
                     self.to_detokenizer.send_pyobj(_batch_out(outputs))
+                self.status.after_step(self.scheduler, outputs)
             elif busy:
                 self.scheduler.check_invariant()  # just went idle: every slot must be accounted for
 

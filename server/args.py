@@ -73,7 +73,13 @@ class ServerArgs:
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
                                    "DUET_API_KEY in the environment sets it too, out of sight of ps")
     log_level: str = _f("info", "log level", choices=LOG_LEVELS)
-    enable_metrics: bool = _f(False, "accepted for SGLang compatibility; /metrics is always served")
+    # Observability (issue 22): SGLang-style request log and periodic status line.
+    log_requests: bool = _f(False, "log each request at INFO: id, prompt length, sampling parameters, then its "
+                                   "finish reason and output length (never the text)")
+    status_interval: float = _f(5.0, "seconds between the scheduler's status lines at INFO while requests run "
+                                     "(running/queued requests, KV usage, tokens/s, graph hit rate); 0: off")
+    enable_metrics: bool = _f(True, "always on: /metrics is always served; the flag is accepted for SGLang "
+                                    "compatibility")
     random_seed: int = _f(0, "seed for weights of --load-format dummy and for unseeded sampling")
     load_format: str = _f("auto", "auto: safetensors from the folder; dummy: random weights of the "
                                   "folder's shape (benchmarks)", choices=("auto", "dummy"))
@@ -112,6 +118,8 @@ class ServerArgs:
         if self.attention_backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
             raise ArgsError("--attention-backend flashinfer: flashinfer is not installed; "
                             "install it with `pip install 'duet[flashinfer]'` (needs a CUDA GPU)")
+        if not self.status_interval >= 0:
+            raise ArgsError(f"--status-interval must be >= 0 seconds, got {self.status_interval}")
         if self.api_key is not None and not self.api_key:
             raise ArgsError("--api-key must not be empty")
 
@@ -140,10 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=help_text)
+            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
             continue
         kind = _arg_type(f)
-        parser.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: {f.default})", **meta)
+        if f.default is not None and "default" not in help_text:  # else the help text names its default
+            help_text = f"{help_text} (default: {f.default})"
+        parser.add_argument(flag, type=kind, default=f.default, help=help_text, **meta)
     return parser
 
 

@@ -6,13 +6,17 @@ both to report ready on a pipe, then serve the FastAPI app with uvicorn in this 
 
 Shut-down: SIGTERM/SIGINT stop uvicorn gracefully: new requests get a 503 at once, in-flight ones have
 DRAIN_S to finish and are then failed with a 503 (an SSE error event for streams), so no client is cut off
-mid-answer; then the children are terminated (then killed), the IPC folder is removed, and the exit code
-is 0. If a child dies while serving, the tokenizer manager fails
-the in-flight requests and turns /health to 503; the server stops about a second later and exits 1.
-Children watch this process and exit if it dies, so no orphans remain even after a SIGKILL.
+mid-answer; then the children are stopped (then killed), the IPC folder is removed, and the exit code
+is 0. The children ignore SIGINT and SIGTERM sent to the whole process group (Ctrl-C, `kill -- -PGID`,
+a container runtime): the engine must keep running while this process drains. They exit on SIGTERM only
+after this process asked them to on their stop pipe, and then exit normally, so that their exit handlers
+run (tqdm's multiprocessing lock, a named semaphore, would otherwise be reported as leaked).
+If a child dies while serving, the tokenizer manager fails the in-flight requests and turns /health to
+503; the server stops about a second later and exits 1. Children watch this process and exit if it dies,
+so no orphans remain even after a SIGKILL.
 
-Test hook (not a user option): ``DUET_SCHEDULER_ENTRYPOINT=module:function`` replaces the scheduler
-process's entry point, e.g. ``tests.fake_scheduler:run_fake_scheduler_process``.
+`run`/`main` take the scheduler process's entry point as a Python argument (the test harness passes a
+fake scheduler, see tests/fake_server.py); nothing in the environment can replace it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from server.ipc import IpcPaths
 
 logger = logging.getLogger("duet.launch_server")
 
-SCHEDULER_ENTRYPOINT_ENV = "DUET_SCHEDULER_ENTRYPOINT"  # tests only
 DEFAULT_SCHEDULER_ENTRYPOINT = "scheduler.scheduler_process:run_scheduler_process"
 DETOKENIZER_ENTRYPOINT = "server.detokenizer:run_detokenizer_process"
 FATAL_GRACE_S = 1.0  # after the engine died: time for clients to receive their errors before exiting
@@ -85,13 +88,31 @@ def _exit_with_parent(parent_pid: int, cleanup_dir: str | None) -> None:
     threading.Thread(target=poll, name="duet-parent-watch", daemon=True).start()
 
 
-def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: str | None, *entry_args) -> None:
+def _stop_when_asked(stop_conn) -> None:
+    """SIGINT is ignored; SIGTERM ends the child (SystemExit, so exit handlers run) only when the launcher
+    wrote on the stop pipe first. A signal to the whole group (Ctrl-C, `kill -- -PGID`) leaves the child
+    running while the launcher drains the in-flight requests; the launcher then stops it."""
+
+    def on_sigterm(signum, frame):
+        try:
+            asked = stop_conn.poll(0)
+        except (OSError, EOFError):
+            asked = True  # the launcher is gone: its death watch would end us anyway
+        if asked:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: str | None, stop_conn,
+                *entry_args) -> None:
     """Runs in a spawned child: guard against orphaning, then call `module:function(*entry_args)`.
 
     The last entry argument is the ready pipe; a crash before the child reported is sent on it as one
     line, so the launcher can show the reason instead of only an exit code.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the launcher stops us
+    _stop_when_asked(stop_conn)
     _exit_with_parent(parent_pid, cleanup_dir)
     configure_logging(log_level)
     ready_conn = entry_args[-1]
@@ -99,6 +120,8 @@ def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: s
         module, _, func = entrypoint.partition(":")
         target = getattr(importlib.import_module(module), func)
         target(*entry_args)
+    except SystemExit:
+        raise  # stopped by the launcher
     except BaseException as e:
         try:
             ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
@@ -110,10 +133,13 @@ def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: s
 def _start_child(ctx, name: str, entrypoint: str, log_level: str, entry_args: tuple,
                  cleanup_dir: str | None = None):
     recv_conn, send_conn = ctx.Pipe(duplex=False)
+    stop_recv, stop_send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child_main, name=f"duet-{name}",
-                       args=(entrypoint, log_level, os.getpid(), cleanup_dir, *entry_args, send_conn))
+                       args=(entrypoint, log_level, os.getpid(), cleanup_dir, stop_recv, *entry_args, send_conn))
     proc.start()
     send_conn.close()  # the child holds the only write end, so its death reads as EOF
+    stop_recv.close()
+    proc.stop_conn = stop_send  # see _stop_children
     return proc, recv_conn
 
 
@@ -142,6 +168,10 @@ def _wait_ready(children: dict) -> dict[str, dict]:
 def _stop_children(procs: dict) -> None:
     for proc in procs.values():
         if proc.is_alive():
+            try:
+                proc.stop_conn.send("stop")  # before the signal: the child checks for it (_stop_when_asked)
+            except OSError:
+                pass  # it is exiting anyway
             proc.terminate()
     deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
     for name, proc in procs.items():
@@ -150,6 +180,7 @@ def _stop_children(procs: dict) -> None:
             logger.warning("the %s process did not stop within %.0f s; killing it", name, CHILD_STOP_TIMEOUT_S)
             proc.kill()
             proc.join(2.0)
+        proc.stop_conn.close()
 
 
 # ---- start-up -------------------------------------------------------------------------------------
@@ -234,7 +265,8 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
         exit_code = 1
         asyncio.get_running_loop().call_later(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True))
 
-    tm = TokenizerManager(tokenizer, ipc, info, ServerMetrics(), processes=procs, on_fatal=on_fatal)
+    tm = TokenizerManager(tokenizer, ipc, info, ServerMetrics(), processes=procs, on_fatal=on_fatal,
+                          log_requests=args.log_requests)
     name = served_name(args)
     state = AppState(args=args, info=info, tokenizer_manager=tm, served_model_name=name,
                      pids={"http": os.getpid(), **{k: p.pid for k, p in procs.items()}})
@@ -266,7 +298,9 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
     return exit_code
 
 
-def run(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHEDULER_ENTRYPOINT) -> int:
+    """The server's life; the exit code. scheduler_entrypoint (`module:function`) is the scheduler
+    process's target: tests pass a fake one (tests/fake_server.py)."""
     args = parse_args(argv)
     configure_logging(args.log_level)
 
@@ -283,9 +317,8 @@ def run(argv: list[str] | None = None) -> int:
         sock = bind_http_socket(args.host, args.port)
         ipc = IpcPaths.create()
         ctx = multiprocessing.get_context("spawn")
-        entry = os.environ.get(SCHEDULER_ENTRYPOINT_ENV) or DEFAULT_SCHEDULER_ENTRYPOINT
         children = {
-            "scheduler": _start_child(ctx, "scheduler", entry, args.log_level, (args, ipc)),
+            "scheduler": _start_child(ctx, "scheduler", scheduler_entrypoint, args.log_level, (args, ipc)),
             "detokenizer": _start_child(ctx, "detokenizer", DETOKENIZER_ENTRYPOINT, args.log_level,
                                         (args.model_path, ipc), cleanup_dir=ipc.folder),
         }
@@ -316,8 +349,8 @@ def run(argv: list[str] | None = None) -> int:
             sock.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    sys.exit(run(argv))
+def main(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHEDULER_ENTRYPOINT) -> None:
+    sys.exit(run(argv, scheduler_entrypoint))
 
 
 if __name__ == "__main__":

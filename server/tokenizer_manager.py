@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import re
@@ -110,6 +111,13 @@ class _ReqState:
         self.max_stop_len = max((len(s) for s in self.params.stop), default=0)
 
 
+def _params_text(params: SamplingParams) -> str:
+    """The sampling parameters that differ from the defaults, e.g. `max_new_tokens=8 temperature=0.0`."""
+    default = SamplingParams()
+    return " ".join(f"{f.name}={getattr(params, f.name)!r}" for f in dataclasses.fields(params)
+                    if getattr(params, f.name) != getattr(default, f.name)) or "defaults"
+
+
 def _find_first_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
     best = None
     for s in stops:
@@ -138,8 +146,10 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 class TokenizerManager:
     def __init__(self, tokenizer, ipc: IpcPaths, info: dict, metrics: ServerMetrics,
-                 processes: dict | None = None, on_fatal: Callable[[str], None] | None = None):
+                 processes: dict | None = None, on_fatal: Callable[[str], None] | None = None,
+                 log_requests: bool = False):
         self.tokenizer = tokenizer
+        self.log_requests = log_requests  # --log-requests: one INFO line at arrival and one at the end
         self.ipc = ipc
         self.info = info
         self.metrics = metrics
@@ -299,6 +309,10 @@ class TokenizerManager:
         states = [_ReqState(rid=f"{rid}-{i}", index=i, params=r.params, queue=queue,
                             prompt_tokens=len(r.input_ids), created=now) for i, r in enumerate(reqs)]
         outcome = "abort"
+        if self.log_requests:
+            for st in states:
+                logger.info("request %s: prompt_tokens=%d params=%s", st.rid, st.prompt_tokens,
+                            _params_text(st.params))
         try:
             for st, r in zip(states, reqs):
                 if r.params.max_new_tokens == 0:
@@ -387,8 +401,11 @@ class TokenizerManager:
 
     def _observe(self, st: _ReqState, outcome: str) -> None:
         ttft = None if st.first_token_at is None else st.first_token_at - st.created
-        self.metrics.observe_finished(outcome, st.prompt_tokens, st.completion_tokens,
-                                      time.monotonic() - st.created, ttft)
+        e2e = time.monotonic() - st.created
+        self.metrics.observe_finished(outcome, st.prompt_tokens, st.completion_tokens, e2e, ttft)
+        if self.log_requests:
+            logger.info("finished %s: finish_reason=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
+                        "e2e=%.3fs", st.rid, outcome, st.prompt_tokens, st.completion_tokens, st.cached_tokens, e2e)
 
     def _send_nowait(self, obj) -> None:
         """Send without awaiting (usable in finally blocks of cancelled tasks); pyzmq completes the send

@@ -3,7 +3,7 @@
 `run_fake_scheduler_process(args, ipc, ready_conn)` has the contract of
 `scheduler.scheduler_process.run_scheduler_process` (see server/launch_server.py) but no model: it
 "generates" deterministic tokens so the HTTP, detokenizer and process-management code can be tested on
-CPU in seconds. The launcher uses it when ``DUET_SCHEDULER_ENTRYPOINT`` names it (test-only hook).
+CPU in seconds. `python -m tests.fake_server` runs the launcher with it (ServerProcess does so by default).
 
 Generation rules (all deterministic unless sampling without a seed):
 * greedy (temperature 0 or top_k 1): the i-th token is a function of the prompt ids and i;
@@ -276,7 +276,6 @@ def run_fake_scheduler_process(args, ipc: IpcPaths, ready_conn) -> None:
 # =================================================================================================
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FAKE_ENTRYPOINT = "tests.fake_scheduler:run_fake_scheduler_process"
 
 SMOLLM_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -327,7 +326,6 @@ def server_model_dir() -> Path:
     """
     if os.environ.get("DUET_TEST_MODEL_PATH"):
         return Path(os.environ["DUET_TEST_MODEL_PATH"])
-    tiny = Path(tempfile.gettempdir()) / f"duet-test-tiny-model-{os.getuid()}"
     if os.environ.get("DUET_TEST_MODEL") != "tiny":
         try:
             from model_executor.default_model import ensure_default_model
@@ -335,6 +333,13 @@ def server_model_dir() -> Path:
             return ensure_default_model()
         except Exception as e:  # noqa: BLE001 - offline or not written yet: use the tiny folder
             print(f"default model unavailable ({e}); using a tiny tokenizer", file=sys.stderr)
+    return tiny_model_dir()
+
+
+def tiny_model_dir() -> Path:
+    """A tiny tokenizer with random weights, built once per machine: the real scheduler starts on it in
+    seconds."""
+    tiny = Path(tempfile.gettempdir()) / f"duet-test-tiny-model-{os.getuid()}"
     if not (tiny / ".complete").is_file():
         tmp = Path(tempfile.mkdtemp(prefix="duet-test-tiny-"))
         build_tiny_model_folder(tmp / "m", with_weights=True)
@@ -359,23 +364,26 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m server.launch_server` on 127.0.0.1 with the fake scheduler (unless the real one is asked)."""
+    """The server on 127.0.0.1: `python -m tests.fake_server` (the launcher with the fake scheduler), or
+    `python -m server.launch_server` when the real scheduler is asked (fake=False or DUET_TEST_REAL_SCHEDULER).
+    own_group: start it in a process group of its own, so that a test can signal the whole group as a
+    terminal or a container runtime would (otherwise it stays in the test's group, which Ctrl-C reaches)."""
 
     def __init__(self, *extra_args: str, model_dir: Path | None = None, env: dict | None = None,
-                 fake: bool | None = None):
+                 fake: bool | None = None, own_group: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = model_dir or server_model_dir()
-        cmd = [sys.executable, "-m", "server.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
+        fake = fake if fake is not None else not use_real_scheduler()
+        module = "tests.fake_server" if fake else "server.launch_server"
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
                "--model-path", str(self.model_dir), "--device", "cpu", "--log-level", "warning", *extra_args]
         full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
-        full_env.pop("DUET_SCHEDULER_ENTRYPOINT", None)
-        if fake if fake is not None else not use_real_scheduler():
-            full_env["DUET_SCHEDULER_ENTRYPOINT"] = FAKE_ENTRYPOINT
         fd, self.log_path = tempfile.mkstemp(prefix="duet-server-", suffix=".log")
         atexit.register(Path(self.log_path).unlink, missing_ok=True)
         with os.fdopen(fd, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=own_group)
 
     def output(self) -> str:
         return Path(self.log_path).read_text(errors="replace")

@@ -180,7 +180,8 @@ class FakeServer:
     streams two chunks and then drops the connection mid-stream.
     """
 
-    def __init__(self, fail_at: int = 0, break_at: int = 0, chunk_sleep: float = 0.002):
+    def __init__(self, fail_at: int = 0, break_at: int = 0, chunk_sleep: float = 0.002,
+                 server_info: dict | None = None):
         import uvicorn
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse, StreamingResponse
@@ -196,6 +197,12 @@ class FakeServer:
         @app.get("/v1/models")
         async def models_():
             return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+        @app.get("/server_info")
+        async def server_info_():
+            if server_info is None:
+                return JSONResponse({"error": {"message": "No route"}}, status_code=404)
+            return server_info
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -294,7 +301,8 @@ def _check_result(res: dict, num_prompts: int):
     assert sum(res["output_lens"]) == res["total_output_tokens"]
     ok = [i for i, e in enumerate(res["errors"]) if not e]
     assert sum(res["input_lens"][i] for i in ok) == res["total_input_tokens"]
-    assert res["duration"] > 0
+    # Every request starts and ends inside the timed run.
+    assert res["duration"] * 1000 >= max(res["p99_e2el_ms"], res["mean_e2el_ms"]) > 0
     assert res["output_throughput"] == pytest.approx(res["total_output_tokens"] / res["duration"])
     assert res["request_throughput"] == pytest.approx(res["completed"] / res["duration"])
 
@@ -424,6 +432,29 @@ def test_tokenizer_none_vocab_size():
     assert all(len(p) == 5 and max(p) < 50 for p in prompts)
 
 
+def _tokenizerless_run(url: str, *extra: str) -> dict:
+    args = ["--base-url", url, "--num-prompts", "2", "--random-input-len", "6", "--random-output-len", "2",
+            "--disable-tqdm", "--num-warmups", "0", *extra]
+    return bs.main(args)
+
+
+def test_tokenizer_from_the_local_servers_model_path(tokenizer_dir):
+    """The quick-start case: no --tokenizer, and the served name is not a loadable path; the model folder
+    comes from /server_info, since the server runs on this host."""
+    with FakeServer(server_info={"args": {"model_path": tokenizer_dir}}) as srv:
+        res = _tokenizerless_run(srv.url)
+        prompts = [b["prompt"] for b in srv.bodies]
+    assert res["tokenizer"] == tokenizer_dir and res["failed"] == 0
+    vocab = bs.load_tokenizer(tokenizer_dir).get_vocab()
+    assert all(len(p) == 6 and set(p) <= set(vocab.values()) for p in prompts), prompts
+    # A folder that is not on this host, or a server elsewhere, is not used: the model name is tried.
+    missing = {"args": {"model_path": tokenizer_dir + "-elsewhere"}}
+    with FakeServer(server_info=missing) as srv, pytest.raises(SystemExit, match="could not load tokenizer '/no/"):
+        _tokenizerless_run(srv.url, "--model", "/no/such/model")  # not a hub id either: fails at once
+    assert bs._is_this_host("http://127.0.0.1:30000") and bs._is_this_host("http://localhost:1")
+    assert not bs._is_this_host("http://10.11.12.13:30000")
+
+
 def test_unreachable_server_records_failures(tokenizer_dir):
     # Nothing listens on this port: every request fails, none crashes the run.
     s = socket.socket()
@@ -459,8 +490,26 @@ def test_unreachable_server_records_failures(tokenizer_dir):
 # --------------------------------------------------------------------------------------------
 
 
-def test_plot_serving_and_one_batch(tmp_path):
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from the PNG's IHDR chunk."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_serving_and_one_batch(tmp_path, monkeypatch):
     from benchmarks import plot
+
+    plotted = []  # per saved figure: axes title -> line label -> (x, y) as drawn
+    save = plot._save
+
+    def capture(fig, out):
+        plotted.append({ax.get_title(): {ln.get_label(): ([float(x) for x in ln.get_xdata()],
+                                                          [float(y) for y in ln.get_ydata()]) for ln in ax.lines}
+                        for ax in fig.axes})
+        save(fig, out)
+
+    monkeypatch.setattr(plot, "_save", capture)
 
     files, labels = [], []
     for label, scale in (("duet", 1.0), ("vllm", 0.8)):
@@ -480,7 +529,12 @@ def test_plot_serving_and_one_batch(tmp_path):
             labels.append(label)
     out = tmp_path / "serving.png"
     plot.main(["serving", *files, "--labels", *labels, "--out", str(out)])
-    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert png_size(out) == (12 * 120, int(4.5 * 120))  # figsize x dpi
+    lines = plotted.pop()
+    # "inf" is drawn right of the largest finite rate (x 1.25).
+    assert lines["Output token throughput"]["duet"] == ([1, 4, 5], [100, 400, 1600])
+    assert lines["Output token throughput"]["vllm"] == ([1, 4, 5], [80, 320, 1280])
+    assert lines["TPOT p50 (solid) / p99 (dashed)"]["vllm p99"] == ([1, 4, 5], [22.5, 30, 60])
     groups = plot.group_serving(files)  # labels from the files
     assert list(groups) == ["duet", "vllm"] and [d["request_rate"] for d in groups["duet"]] == [1, 4, "inf"]
 
@@ -505,4 +559,9 @@ def test_plot_serving_and_one_batch(tmp_path):
     )
     out2 = tmp_path / "sub" / "one_batch.png"
     plot.main(["one-batch", str(ob), "--out", str(out2)])
-    assert out2.read_bytes()[:8] == PNG_MAGIC
+    assert png_size(out2) == (7 * 120, int(4.5 * 120))
+    (series,) = plotted.pop().values()  # one axes
+    sizes = [1, 2, 4, 8, 16, 32]
+    assert series["eager"] == (sizes + [64], [5 + b * 0.1 for b in sizes] + [12.0])
+    assert series["graph"] == (sizes, [2 + b * 0.08 for b in sizes])  # the row without graph_ms is left out
+    assert series["floor"][0] == sizes

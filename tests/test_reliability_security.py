@@ -3,7 +3,7 @@
 * the ZMQ sockets are Unix sockets in one private folder (0700, owned by the server's user), removed when
   the server exits;
 * no TCP or UDP socket of the process tree other than the HTTP port, even under load (checked again with
-  psutil when it is installed);
+  psutil);
 * --api-key guards every route of the app (each one in its OpenAPI spec, the spec and docs themselves,
   unknown paths) except /health and /metrics; a missing, wrong or non-Bearer key is a 401 with the OpenAI
   error body, answered before the body is read; the key is not echoed by any endpoint or the log;
@@ -16,7 +16,6 @@ import os
 import socket
 import stat
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -55,7 +54,7 @@ def error_401(resp: httpx.Response) -> bool:
 
 
 def test_zmq_sockets_live_in_a_private_folder(server):
-    per_pid, inet, unix = tree_sockets(server.proc.pid)
+    per_pid, _, unix = tree_sockets(server.proc.pid)
     assert len(per_pid) >= 3, per_pid
     paths = sorted(set(unix.values()))
     # http_in (HTTP process), scheduler_in (scheduler), detokenizer_in (detokenizer): bound Unix sockets.
@@ -111,10 +110,14 @@ def test_only_the_http_port_is_open(server):
 
 
 def test_only_the_http_port_is_open_psutil(server):
-    psutil = pytest.importorskip("psutil")
+    import psutil  # a dev dependency: a broken install must fail, not skip
+
+    seen = 0
     for pid in process_tree(server.proc.pid):
         for conn in psutil.Process(pid).net_connections(kind="inet"):
             assert pid == server.proc.pid and conn.laddr.port == server.port, (pid, conn)
+            seen += 1
+    assert seen >= 1, "psutil saw no socket at all, not even the listening one"
 
 
 # ---- API key -----------------------------------------------------------------------------------------------
@@ -156,10 +159,9 @@ def test_unauthenticated_body_is_not_read(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 50000000\r\n\r\n")
-        start = time.monotonic()
+        # Not one body byte is sent: a server that waited for the body would never answer (socket timeout).
         head = s.recv(4096)
         assert head.startswith(b"HTTP/1.1 401"), head[:200]
-        assert time.monotonic() - start < 5
 
 
 def test_the_key_is_not_echoed(server):

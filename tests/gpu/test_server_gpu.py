@@ -39,9 +39,13 @@ def test_server_uses_decode_and_extend_graphs(tmp_path, backend):
         after = path_counts(server.url)
         assert after["decode_graph"] >= before.get("decode_graph", 0) + 11
         assert after["extend_graph"] >= before.get("extend_graph", 0) + 1
-        info = httpx.get(f"{server.url}/server_info").json()
+        info = httpx.get(f"{server.url}/server_info").json()["scheduler_info"]
         print(f"\n{backend}: paths {after}; ready line: "
               f"{[line for line in server.output().splitlines() if 'duet ready' in line]}")
-        assert info
+        # What was captured is what the flags asked for, on the asked backend.
+        assert info["device"].startswith("cuda") and backend in info["attention_backend"].lower(), info
+        assert max(info["cuda_graph_bs"]) == 16 and 1 in info["cuda_graph_bs"], info
+        assert max(info["piecewise_cuda_graph_tokens"]) == 256, info
+        assert info["capture_seconds"] > 0 and info["capture_gib"] >= 0, info
     finally:
         assert server.stop() == 0
