@@ -268,8 +268,7 @@ def assert_all_free(s: Scheduler) -> None:
 LONG = list(range(3, 100))  # 97 tokens: 13 chunks of 8
 
 
-@pytest.mark.parametrize("radix", [False, True])
-@pytest.mark.parametrize("ratio", [0.0, 0.3])
+@pytest.mark.parametrize(("ratio", "radix"), [(0.0, True), (0.3, False)])
 def test_chunked_prefill_waits_for_slots_instead_of_failing(tiny_llama, radix, ratio):
     """Long (97 + 2) and short (3 + 20) do not fit together in the pool; each alone does. The chunks
     shrink to what is free after the decode's reserve, the chunked request is retracted when the decode
