@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from model_executor.forward_batch import ForwardMode
+from model_executor.memory_pool import OutOfSlotsError
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
 from scheduler.policy import order_waiting
@@ -169,7 +170,7 @@ class Scheduler:
             n = int(min(req.num_uncomputed, chunk, max(budget, 1), room))
             if n <= 0:
                 if not self.running:  # nothing will free memory: cannot happen while admission holds
-                    self._fail(req, MemoryError("out of KV cache memory for the next prefill chunk"))
+                    self._fail(req, OutOfSlotsError("out of KV cache memory for the next prefill chunk"))
                 return None  # decode this step; finishing or retracted requests free slots
             self.chunked_req = None
             reqs.append(req)
