@@ -206,8 +206,10 @@ def test_scheduler_fault_fails_only_that_request(server, faulty_server):
         resp = httpx.post(f"{faulty_server.url}/v1/completions", json=body, timeout=60)
         good = list(good)
     assert resp.status_code == 500
-    err = resp.json()["error"]
-    assert err["code"] == 500 and "injected fault" in err["message"]
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    err = body["error"]
+    assert (err["code"], err["type"]) == (500, "InternalServerError") and "injected fault" in err["message"]
     assert good == expected
     log = faulty_server.output()
     assert "a batch of 5 requests failed (RuntimeError: injected fault)" in log  # it was not alone
