@@ -108,6 +108,9 @@ def test_stop_token_ids_and_stop_strings(server, client, model, tokenizer_of):
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    # The scheduler stopped generating at the token that completed the stop string.
+    ends = next(j for j in range(1, len(ids) + 1) if stop in tokenizer_of.decode(ids[:j], skip_special_tokens=True))
+    assert r.usage.completion_tokens == ends
 
 
 @pytest.fixture(scope="module")
