@@ -2,6 +2,11 @@
 the running ones, and owns every request's KV slots (radix prefix cache, chunked prefill, retraction).
 
 Drivable in-process (tests call `add_request` / `step`); `scheduler_process.py` wraps it in the ZMQ loop.
+
+Faults stay with the request that causes them: an exception while admitting a request or handling its
+sampled token fails that request alone; a batch whose forward pass raises is rolled back and rerun one
+request at a time, so only the request that raises again fails. A failed request ends with an "error"
+finish reason (HTTP 500 for its client) and its KV slots and request row are freed.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from model_executor.forward_batch import ForwardMode
-from runners.model_runner import ModelRunner
+from model_executor.memory_pool import OutOfSlotsError
 from model_executor.sampling_params import SamplingParams
+from runners.model_runner import ModelRunner
 from scheduler.policy import order_waiting
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req, ReqStatus
@@ -70,6 +76,17 @@ class Scheduler:
 
     # ---- requests in -----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        try:
+            self._add_request(rid, input_ids, params)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+            req = self.reqs.get(rid)
+            if req is None:
+                req = self.reqs[rid] = Req(rid, [], params)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._fail(req, exc)
+
+    def _add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
         if params.top_k > self.runner.model_config.vocab_size:
             # Keeping the best k > vocab tokens keeps them all (top-k off); a k beyond int64 would also
             # overflow the sampler's tensor and take the whole scheduler down.
@@ -144,8 +161,18 @@ class Scheduler:
         budget = self.config.max_prefill_tokens
         reqs, lens = [], []
         if self.chunked_req is not None:
-            req, self.chunked_req = self.chunked_req, None
-            n = int(min(req.num_uncomputed, chunk, max(budget, 1)))
+            req = self.chunked_req
+            # The next chunk gets what is free after the running requests' reserve (at least each one's
+            # next decode slot): a bigger chunk might not be allocatable (SGLang's add_chunked_req
+            # truncates the same way).
+            keep = max(len(self.running), sum(self._reserve(r) for r in self.running))
+            room = self.allocator.available_size() + self._evictable() - keep
+            n = int(min(req.num_uncomputed, chunk, max(budget, 1), room))
+            if n <= 0:
+                if not self.running:  # nothing will free memory: cannot happen while admission holds
+                    self._fail(req, OutOfSlotsError("out of KV cache memory for the next prefill chunk"))
+                return None  # decode this step; finishing or retracted requests free slots
+            self.chunked_req = None
             reqs.append(req)
             lens.append(n)
             budget -= n
@@ -155,20 +182,30 @@ class Scheduler:
             if lens and lens[-1] < reqs[-1].num_uncomputed:
                 break  # one partly-prefilled request per batch, and it goes last
             req = self.waiting[0]
-            prefix, node = self._match(req)
-            n_new = req.seq_len - len(prefix)
-            n = int(min(n_new, chunk, budget))
-            self._lock(node)
-            available = self.allocator.available_size() + self._evictable()
-            need = sum(lens) + n + reserved + self._reserve(req, extra=n_new - n)
-            if need > available and (reqs or self.running):
-                self._unlock(node)
-                break  # wait for running requests to free memory
-            if n + sum(lens) > available:
-                self._unlock(node)
-                break
-            self.waiting.pop(0)
-            self._admit(req, prefix, node)
+            locked = None
+            try:
+                prefix, node = self._match(req)
+                n_new = req.seq_len - len(prefix)
+                n = int(min(n_new, chunk, budget))
+                self._lock(node)
+                locked = node
+                available = self.allocator.available_size() + self._evictable()
+                need = sum(lens) + n + reserved + self._reserve(req, extra=n_new - n)
+                if need > available and (reqs or self.running):
+                    self._unlock(node)
+                    break  # wait for running requests to free memory
+                if n + sum(lens) > available:
+                    self._unlock(node)
+                    break
+                self.waiting.pop(0)
+                self._admit(req, prefix, node)
+            except Exception as exc:  # noqa: BLE001 - fail this request, admit the others
+                if req.req_pool_idx is None:  # _admit did not take over the lock
+                    self._unlock(locked)
+                if self.waiting and self.waiting[0] is req:
+                    self.waiting.pop(0)
+                self._fail(req, exc)
+                continue
             reqs.append(req)
             lens.append(n)
             budget -= n
@@ -196,7 +233,7 @@ class Scheduler:
 
     def _admit(self, req: Req, prefix: torch.Tensor, node) -> None:
         req.req_pool_idx = self.req_pool.alloc()
-        req.prefix_slots, req.last_node = prefix, node
+        req.prefix_slots, req.last_node = prefix, node  # from here on, releasing the request unlocks node
         req.kv_len = len(prefix)
         if len(prefix):
             self.req_pool.write(req.req_pool_idx, 0, prefix)
@@ -207,52 +244,101 @@ class Scheduler:
         req.status = ReqStatus.RUNNING
 
     def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
+        for part, sampled in self._run_isolated(self._extend_forward, reqs, lens):
+            for req in part:
+                if req.num_uncomputed and not req.is_finished:
+                    self.chunked_req = req
+            done = [r for r in part if r.num_uncomputed == 0]
+            if sampled is not None:
+                self._append_sampled(done, sampled)
+            self.running.extend(r for r in done if not r.is_finished)
+
+    def _extend_forward(self, reqs: list[Req], lens: list[int]):
+        """Prefill lens[i] more tokens of each request; samples for those whose prompt is then complete."""
         out_loc = self._alloc_slots(sum(lens))
-        input_ids, seq_lens, offset = [], [], 0
-        for req, n in zip(reqs, lens):
-            input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + n])
-            self.req_pool.write(req.req_pool_idx, req.kv_len, out_loc[offset : offset + n])
-            req.kv_len += n
-            seq_lens.append(req.kv_len)
-            offset += n
-        fb = self.runner.build_batch(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
-                                     out_loc, extend_seq_lens=lens)
-        logits = self.runner.forward(fb)
-        done = [i for i, r in enumerate(reqs) if r.num_uncomputed == 0]
+        start = [r.kv_len for r in reqs]
+        try:
+            input_ids, seq_lens, offset = [], [], 0
+            for req, n in zip(reqs, lens):
+                input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + n])
+                self.req_pool.write(req.req_pool_idx, req.kv_len, out_loc[offset : offset + n])
+                req.kv_len += n
+                seq_lens.append(req.kv_len)
+                offset += n
+            fb = self.runner.build_batch(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
+                                         out_loc, extend_seq_lens=lens)
+            logits = self.runner.forward(fb)
+            done = [i for i, r in enumerate(reqs) if r.num_uncomputed == 0]
+            if not done:
+                return None
+            return self._sample(logits[done] if len(done) < len(reqs) else logits, [reqs[i] for i in done])
+        except BaseException:
+            self._roll_back(reqs, start, out_loc)
+            raise
+
+    def _roll_back(self, reqs: list[Req], start: list[int], out_loc: torch.Tensor) -> None:
+        """Undo a failed forward pass: its slots were never filled, so none may reach the prefix cache."""
+        for req, kv_len in zip(reqs, start):
+            req.kv_len = kv_len
+        self.allocator.free(out_loc)
+
+    def _run_isolated(self, forward, reqs: list[Req], *per_req: list) -> list[tuple[list[Req], object]]:
+        """forward(reqs, *per_req) as one batch; if it raises, once per request so only the culprit fails."""
+        try:
+            return [(reqs, forward(reqs, *per_req))]
+        except Exception as exc:  # noqa: BLE001 - isolate the request that raises
+            if len(reqs) == 1:
+                self._fail(reqs[0], exc)
+                return []
+            logger.warning("a batch of %d requests failed (%s: %s); running them one at a time",
+                           len(reqs), type(exc).__name__, exc)
+        results = []
         for i, req in enumerate(reqs):
-            if req.num_uncomputed:
-                self.chunked_req = req
-        if done:
-            done_reqs = [reqs[i] for i in done]
-            self._sample_and_append(logits[done] if len(done) < len(reqs) else logits, done_reqs)
-            self.running.extend(r for r in done_reqs if not r.is_finished)
+            try:
+                results.append(([req], forward([req], *[[arg[i]] for arg in per_req])))
+            except Exception as exc:  # noqa: BLE001
+                self._fail(req, exc)
+        return results
 
     # ---- decode ----------------------------------------------------------------------------------
     def _run_decode(self) -> None:
         self._make_room_for_decode()
-        reqs = self.running
-        if not reqs:
+        if not self.running:
             return
-        out_loc = self._alloc_slots(len(reqs))
-        rows = [r.req_pool_idx for r in reqs]
-        positions = [r.kv_len for r in reqs]
-        device = self.req_pool.req_to_token.device
-        self.req_pool.req_to_token[torch.tensor(rows, device=device), torch.tensor(positions, device=device)] = (
-            out_loc.to(device, torch.int32))
-        for r in reqs:
-            r.kv_len += 1
-        fb = self.runner.build_batch(ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], rows,
-                                     [p + 1 for p in positions], out_loc)
-        logits = self.runner.forward(fb)
-        self._sample_and_append(logits, reqs)
+        for part, sampled in self._run_isolated(self._decode_forward, list(self.running)):
+            self._append_sampled(part, sampled)
         self.running = [r for r in self.running if not r.is_finished]
 
+    def _decode_forward(self, reqs: list[Req]):
+        out_loc = self._alloc_slots(len(reqs))
+        positions = [r.kv_len for r in reqs]
+        try:
+            rows = [r.req_pool_idx for r in reqs]
+            device = self.req_pool.req_to_token.device
+            self.req_pool.req_to_token[torch.tensor(rows, device=device), torch.tensor(positions, device=device)] = (
+                out_loc.to(device, torch.int32))
+            for r in reqs:
+                r.kv_len += 1
+            fb = self.runner.build_batch(ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], rows,
+                                         [p + 1 for p in positions], out_loc)
+            return self._sample(self.runner.forward(fb), reqs)
+        except BaseException:
+            self._roll_back(reqs, positions, out_loc)
+            raise
+
     def _make_room_for_decode(self) -> None:
-        """Each running request needs one slot; evict cached prefixes, then retract the newest requests."""
+        """Each running request needs one slot; evict cached prefixes, then retract the partly-prefilled
+        request (it has no output yet; with the radix cache its chunks stay cached), then the newest."""
         need = len(self.running)
         short = need - self.allocator.available_size()
         if short > 0 and self.tree is not None:
             self.tree.evict(short)
+        if len(self.running) > self.allocator.available_size() and self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            self._retract(req)
+            short = len(self.running) - self.allocator.available_size()
+            if short > 0 and self.tree is not None:
+                self.tree.evict(short)
         while len(self.running) > self.allocator.available_size() and len(self.running) > 1:
             self._retract(self.running.pop())
             short = len(self.running) - self.allocator.available_size()
@@ -279,7 +365,8 @@ class Scheduler:
         return self.allocator.alloc(n)
 
     # ---- sampling and stopping -------------------------------------------------------------------
-    def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[tuple[int, TokenLogprob | None]]:
+        """Each request's next token (and its logprob entry when asked); changes no request state."""
         self._mask_early_stops(logits, reqs)
         out = self.runner.sample(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs])
         tokens = out.next_token_ids.tolist()
@@ -288,19 +375,32 @@ class Scheduler:
         top_ids = top_vals = None
         if out.top_logprob_ids is not None and any(want):
             top_ids, top_vals = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
-        now = time.monotonic()
+        sampled = []
         for i, (req, token) in enumerate(zip(reqs, tokens)):
-            if req.is_finished:  # aborted while the batch ran
-                continue
-            req.output_ids.append(token)
-            req.pending_ids.append(token)
-            req.first_token_time = req.first_token_time or now
+            logprob = None
             if want[i] and chosen is not None:
                 k = req.params.top_logprobs or 0
                 top = list(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else []
-                req.pending_logprobs.append(TokenLogprob(token, chosen[i], top))
-            self._outbox[req.rid] = req
-            reason = self._check_stop(req, token)
+                logprob = TokenLogprob(token, chosen[i], top)
+            sampled.append((token, logprob))
+        return sampled
+
+    def _append_sampled(self, reqs: list[Req], sampled: list[tuple[int, TokenLogprob | None]]) -> None:
+        now = time.monotonic()
+        for req, (token, logprob) in zip(reqs, sampled):
+            if req.is_finished:  # aborted while the batch ran
+                continue
+            try:
+                req.output_ids.append(token)
+                req.pending_ids.append(token)
+                req.first_token_time = req.first_token_time or now
+                if logprob is not None:
+                    req.pending_logprobs.append(logprob)
+                self._outbox[req.rid] = req
+                reason = self._check_stop(req, token)
+            except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer failing on this request's output
+                self._fail(req, exc)
+                continue
             if reason is not None:
                 self._finish(req, reason)
 
@@ -333,6 +433,17 @@ class Scheduler:
         return None
 
     # ---- finishing -------------------------------------------------------------------------------
+    def _fail(self, req: Req, exc: BaseException) -> None:
+        """End req with an error (its client gets HTTP 500); the scheduler goes on with the others."""
+        logger.error("request %s failed in the scheduler: %s: %s", req.rid, type(exc).__name__, exc,
+                     exc_info=exc)
+        if req.is_finished:
+            return
+        if req is self.chunked_req:
+            self.chunked_req = None
+        # Callers drop failed requests from self.running (it may be the list they iterate over).
+        self._finish(req, FinishReason("error", message=f"scheduler error: {type(exc).__name__}: {exc}"))
+
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         if req.req_pool_idx is not None:

@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from server.generate import generate
-from runners.model_runner import ModelRunner, RunnerConfig
 from model_executor.sampling_params import SamplingParams
+from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from server.generate import generate
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -63,6 +63,7 @@ def test_generate_answers_paris(model_dir):
 
 def test_generate_cli_rejects_bad_temperature(model_dir):
     proc = subprocess.run([sys.executable, "-m", "server.generate", "--prompt", "x", "--temperature", "-1",
-                           "--model-path", str(model_dir)], capture_output=True, text=True, timeout=120)
+                           "--model-path", str(model_dir)], check=False, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 2
     assert "temperature" in proc.stderr and "Traceback" not in proc.stderr

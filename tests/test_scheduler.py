@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from runners.model_runner import ModelRunner, RunnerConfig
+from model_executor.forward_batch import ForwardMode
 from model_executor.sampling_params import SamplingParams
+from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
 
@@ -244,3 +247,159 @@ def test_flush_cache(tiny_llama):
     assert s.flush_cache()
     assert s.tree.total_size() == 0
     assert s.allocator.available_size() == s.allocator.num_slots
+
+
+def run_collecting(s: Scheduler, results: dict, finished: dict) -> None:
+    while s.has_work():
+        for out in s.step():
+            results.setdefault(out.rid, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finished[out.rid] = out.finish_reason
+
+
+def assert_all_free(s: Scheduler) -> None:
+    s.check_invariant()
+    assert s.allocator.available_size() + s._evictable() == s.allocator.num_slots
+    assert s.req_pool.available_size() == s.req_pool.size
+    if s.tree is not None:
+        assert s.tree.protected_size() == 0
+
+
+LONG = list(range(3, 100))  # 97 tokens: 13 chunks of 8
+
+
+@pytest.mark.parametrize(("ratio", "radix"), [(0.0, True), (0.3, False)])
+def test_chunked_prefill_waits_for_slots_instead_of_failing(tiny_llama, radix, ratio):
+    """Long (97 + 2) and short (3 + 20) do not fit together in the pool; each alone does. The chunks
+    shrink to what is free after the decode's reserve, the chunked request is retracted when the decode
+    has no slot left, and both finish with the unconstrained outputs."""
+    def run(slots):
+        s = make_scheduler(tiny_llama[0], slots=slots, disable_radix_cache=not radix, chunked_prefill_size=8,
+                           new_token_ratio=ratio)
+        results, finished = {}, {}
+        s.add_request("short", [5, 6, 7], greedy(20))
+        for out in s.step():
+            results.setdefault(out.rid, []).extend(out.new_token_ids)
+        s.add_request("long", LONG, greedy(2))
+        run_collecting(s, results, finished)
+        assert {rid: r.kind for rid, r in finished.items()} == {"short": "length", "long": "length"}
+        assert_all_free(s)
+        return results
+
+    assert run({0.0: 105, 0.3: 110}[ratio]) == run(2048)
+
+
+def fail_rows(s: Scheduler, bad_rid: str, mode: ForwardMode | None = None):
+    """Make every forward batch that holds bad_rid's request row raise (only in mode, if given)."""
+    build = s.runner.build_batch
+
+    def faulty(batch_mode, input_ids, rows, *args, **kw):
+        bad = s.reqs.get(bad_rid)
+        if bad is not None and bad.req_pool_idx in rows and mode in (None, batch_mode):
+            raise RuntimeError("injected fault")
+        return build(batch_mode, input_ids, rows, *args, **kw)
+
+    s.runner.build_batch = faulty
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+@pytest.mark.parametrize("radix", [False, True])
+def test_a_failing_request_fails_alone(tiny_llama, alone_reference, caplog, mode, radix):
+    ps, ref = alone_reference
+    s = make_scheduler(tiny_llama[0], disable_radix_cache=not radix, chunked_prefill_size=16)
+    fail_rows(s, "r4", mode)
+    for i, p in enumerate(ps):
+        s.add_request(f"r{i}", p, greedy(8 + i % 5))
+    results, finished = {}, {}
+    with caplog.at_level(logging.ERROR, logger="duet.scheduler"):
+        run_collecting(s, results, finished)
+    assert finished["r4"].kind == "error" and "injected fault" in finished["r4"].message
+    assert any("r4" in rec.getMessage() and "injected fault" in rec.getMessage() for rec in caplog.records)
+    assert {rid: results.get(rid, []) for rid in ref if rid != "r4"} == {k: v for k, v in ref.items() if k != "r4"}
+    assert all(finished[rid].kind == "length" for rid in ref if rid != "r4")
+    if mode is ForwardMode.DECODE:
+        assert results["r4"] == ref["r4"][:1]  # its extend ran; the first decode step failed
+    assert_all_free(s)
+
+
+def test_a_failing_stop_check_fails_that_request_only(tiny_llama, alone_reference):
+    ps, ref = alone_reference
+
+    class BadTokenizer(CharTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            if len(ids) >= 3:
+                raise ValueError("tokenizer broke")
+            return super().decode(ids, skip_special_tokens)
+
+    s = make_scheduler(tiny_llama[0], tokenizer=BadTokenizer())
+    s.add_request("bad", ps[0], greedy(8, stop=("zz",)))  # only requests with stop strings decode
+    s.add_request("good", ps[1], greedy(9))
+    results, finished = {}, {}
+    run_collecting(s, results, finished)
+    assert finished["bad"].kind == "error" and "tokenizer broke" in finished["bad"].message
+    assert results["bad"] == ref["r0"][:3]
+    assert (results["good"], finished["good"].kind) == (ref["r1"], "length")
+    assert_all_free(s)
+
+
+def test_a_failing_admission_fails_that_request_only(tiny_llama, alone_reference):
+    ps, ref = alone_reference
+    s = make_scheduler(tiny_llama[0])
+    s.add_request("warm", ps[2], greedy(3))  # leaves a cached prefix that "bad" matches and locks
+    run_all(s)
+    match = s._match
+
+    def faulty_match(req):
+        if req.rid == "bad":  # fail inside _admit, after the matched prefix was locked
+            s.req_pool.alloc = broken_alloc
+        return match(req)
+
+    real_alloc = s.req_pool.alloc
+
+    def broken_alloc():
+        s.req_pool.alloc = real_alloc
+        raise RuntimeError("no row for you")
+
+    s._match = faulty_match
+    s.add_request("bad", ps[2] + [9, 9], greedy(3))
+    s.add_request("good", ps[1], greedy(9))
+    out = run_all(s)
+    assert out["bad"] == ([], "error")
+    assert out["good"] == (ref["r1"], "length")
+    assert_all_free(s)
+
+
+def test_a_failing_add_request_fails_that_request_only(tiny_llama, alone_reference):
+    ps, ref = alone_reference
+    s = make_scheduler(tiny_llama[0])
+    check = s._admission_error
+    s._admission_error = lambda req: (_ for _ in ()).throw(KeyError("boom")) if req.rid == "bad" else check(req)
+    s.add_request("bad", ps[0], greedy(4))
+    s.add_request("good", ps[1], greedy(9))
+    out = run_all(s)
+    assert out == {"bad": ([], "error"), "good": (ref["r1"], "length")}
+    assert_all_free(s)
+
+
+@pytest.mark.parametrize("radix", [False, True])
+def test_abort_the_chunked_request(tiny_llama, radix):
+    def run(abort: bool):
+        s = make_scheduler(tiny_llama[0], disable_radix_cache=not radix, chunked_prefill_size=8)
+        s.add_request("short", [5, 6, 7], greedy(12))
+        s.add_request("long", LONG, greedy(4))
+        results, finished = {}, {}
+        while abort and (s.chunked_req is None or s.chunked_req.kv_len < 24):
+            for out in s.step():
+                results.setdefault(out.rid, []).extend(out.new_token_ids)
+        if abort:
+            assert s.chunked_req.rid == "long" and "short" in results  # mid-prefill while short decodes
+            s.abort("long")
+            assert s.chunked_req is None
+            s.check_invariant()
+        run_collecting(s, results, finished)
+        assert_all_free(s)
+        return results, {rid: r.kind for rid, r in finished.items()}
+
+    results, kinds = run(abort=True)
+    assert kinds == {"short": "length", "long": "abort"} and not results["long"]
+    assert results["short"] == run(abort=False)[0]["short"]
