@@ -50,6 +50,7 @@ def runner_config(args: ServerArgs) -> RunnerConfig:
     device = args.device
     max_running = default_max_running_requests(args)
     graphs = device == "cuda"
+    chunk = default_chunked_prefill_size(args)
     return RunnerConfig(
         model_path=args.model_path,
         device=device,
@@ -59,13 +60,14 @@ def runner_config(args: ServerArgs) -> RunnerConfig:
         max_running_requests=max_running,
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
+        # The largest extend batch the scheduler builds: its activation peak is what the profile measures.
+        max_prefill_tokens=min(args.max_prefill_tokens, chunk or args.max_prefill_tokens),
         random_weights=args.load_format == "dummy",
         seed=args.random_seed,
         disable_cuda_graph=args.disable_cuda_graph or not graphs,
         cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs else (),
         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
-        piecewise_cuda_graph_tokens=(resolve_extend_token_levels(args, default_chunked_prefill_size(args))
-                                     if graphs else ()),
+        piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         enable_torch_compile=args.enable_torch_compile,
     )
 
@@ -129,7 +131,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn) -> None:
         from transformers import AutoTokenizer
 
         runner = ModelRunner(runner_config(args))
-        tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         scheduler = Scheduler(runner, scheduler_config(args), tokenizer=tokenizer)
     except Exception as e:  # report start-up failures as one line to the launcher
         logger.exception("scheduler start-up failed")

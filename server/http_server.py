@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from model_executor.generation_defaults import fill_unset, sampling_defaults
 from model_executor.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
 from server.args import ServerArgs
 from server.ipc import FlushCacheReq, GetStatsReq, TokenLogprob
@@ -197,15 +198,17 @@ def _stop_tuple(stop) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def _build_params(*, max_tokens: int, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
-                  ignore_eos: bool, min_tokens: int, top_logprobs: int | None,
+def _build_params(*, defaults: dict, max_tokens: int, temperature, top_p, top_k, min_p, seed, stop,
+                  stop_token_ids, ignore_eos: bool, min_tokens: int, top_logprobs: int | None,
                   param_names: dict[str, str] | None = None) -> SamplingParams:
+    """defaults: what a value the request leaves unset (None) becomes (--sampling-defaults)."""
+    s = fill_unset({"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}, defaults)
     params = SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if top_p is None else float(top_p),
-        top_k=-1 if top_k is None else top_k,
-        min_p=0.0 if min_p is None else float(min_p),
+        temperature=float(s["temperature"]),
+        top_p=float(s["top_p"]),
+        top_k=int(s["top_k"]),
+        min_p=float(s["min_p"]),
         seed=seed,
         stop=_stop_tuple(stop),
         stop_token_ids=tuple(stop_token_ids or ()),
@@ -275,6 +278,7 @@ class _GenerateAccumulator:
 def create_app(state: AppState) -> FastAPI:
     tm = state.tokenizer_manager
     args = state.args
+    sampling = sampling_defaults(args.model_path, args.sampling_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -369,6 +373,7 @@ def create_app(state: AppState) -> FastAPI:
         return {
             "args": resolved,
             "served_model_name": state.served_model_name,
+            "sampling_defaults": sampling,
             "scheduler_info": state.info,
             "stats": await current_stats() if tm.healthy else None,
             "healthy": tm.healthy,
@@ -442,7 +447,7 @@ def create_app(state: AppState) -> FastAPI:
             prompts = [(list(p), None) for p in prompt]
         _check_n(req.n, len(prompts))
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        params = _build_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+        params = _build_params(defaults=sampling, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
                                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                                min_tokens=req.min_tokens, top_logprobs=req.logprobs)
@@ -547,7 +552,7 @@ def create_app(state: AppState) -> FastAPI:
         else:
             max_tokens, max_param = tm.default_max_tokens(len(input_ids), "messages"), "max_tokens"
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        params = _build_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+        params = _build_params(defaults=sampling, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
                                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                                min_tokens=req.min_tokens, top_logprobs=num_top,
@@ -625,7 +630,8 @@ def create_app(state: AppState) -> FastAPI:
         sp = req.sampling_params
         if not 0 <= req.top_logprobs_num <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs_num must be in [0, {MAX_LOGPROBS}]", "top_logprobs_num")
-        params = _build_params(max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+        params = _build_params(defaults=sampling, max_tokens=sp.max_new_tokens, temperature=sp.temperature,
+                               top_p=sp.top_p,
                                top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed, stop=sp.stop,
                                stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
                                min_tokens=sp.min_new_tokens,

@@ -320,12 +320,12 @@ def run(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHED
         children = {
             "scheduler": _start_child(ctx, "scheduler", scheduler_entrypoint, args.log_level, (args, ipc)),
             "detokenizer": _start_child(ctx, "detokenizer", DETOKENIZER_ENTRYPOINT, args.log_level,
-                                        (args.model_path, ipc), cleanup_dir=ipc.folder),
+                                        (args.tokenizer_path or args.model_path, ipc), cleanup_dir=ipc.folder),
         }
         procs = {name: proc for name, (proc, _) in children.items()}
         from server.detokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(args.model_path)  # while the children load
+        tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)  # while the children load
         info = _wait_ready(children)["scheduler"]
         for _, conn in children.values():
             conn.close()

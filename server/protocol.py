@@ -128,10 +128,10 @@ class GenerateSamplingParams(_Request):
     """SGLang's native sampling parameters (`/generate`)."""
 
     max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float | None = None  # None: the model's default (--sampling-defaults), else OpenAI's
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -370,13 +370,17 @@ class ServerProcess:
     terminal or a container runtime would (otherwise it stays in the test's group, which Ctrl-C reaches)."""
 
     def __init__(self, *extra_args: str, model_dir: Path | None = None, env: dict | None = None,
-                 fake: bool | None = None, own_group: bool = False):
+                 fake: bool | None = None, own_group: bool = False, test_scheduler: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = model_dir or server_model_dir()
         fake = fake if fake is not None else not use_real_scheduler()
-        module = "tests.fake_server" if fake else "server.launch_server"
-        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
+        # test_scheduler (MODULE:FUNCTION): a scheduler process of a test's own instead of the fake one.
+        if test_scheduler is not None:
+            launcher = ["tests.fake_server", "--test-scheduler", test_scheduler]
+        else:
+            launcher = ["tests.fake_server" if fake else "server.launch_server"]
+        cmd = [sys.executable, "-m", *launcher, "--host", "127.0.0.1", "--port", str(self.port),
                "--model-path", str(self.model_dir), "--device", "cpu", "--log-level", "warning", *extra_args]
         full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
         fd, self.log_path = tempfile.mkstemp(prefix="duet-server-", suffix=".log")

@@ -239,7 +239,7 @@ def test_scheduler_start_up_failure_is_reported():
 @pytest.mark.parametrize("case", ["busy_port", "bad_model_path", "bad_flag"])
 def test_launch_errors(case, tmp_path):
     port = free_port()
-    args = ["--port", str(port), "--model-path", str(REPO_ROOT), "--device", "cpu"]
+    args = ["--port", str(port), "--model-path", str(tiny_model_dir()), "--device", "cpu"]
     if case == "bad_model_path":
         args[3] = str(tmp_path / "missing")
     if case == "bad_flag":

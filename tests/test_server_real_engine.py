@@ -13,7 +13,6 @@ import openai
 import pytest
 import torch
 
-import tests.fake_scheduler as harness
 from tests.fake_scheduler import ServerProcess, build_tiny_model_folder
 
 PROMPT = [5, 17, 42, 99, 123, 7, 250, 31, 64, 8, 200, 11]  # token ids: the reference sees the same
@@ -185,9 +184,7 @@ def run_faulty_scheduler_process(args, ipc, ready_conn) -> None:
 
 @pytest.fixture(scope="module")
 def faulty_server(model_path):
-    with pytest.MonkeyPatch.context() as mp:  # the harness's scheduler hook, pointed at the faulty one
-        mp.setattr(harness, "FAKE_ENTRYPOINT", "tests.test_server_real_engine:run_faulty_scheduler_process")
-        srv = ServerProcess(model_dir=model_path, fake=True)
+    srv = ServerProcess(model_dir=model_path, test_scheduler="tests.test_server_real_engine:run_faulty_scheduler_process")
     srv.wait_healthy()
     yield srv
     assert srv.stop() == 0
