@@ -17,10 +17,10 @@ import torch
 
 from model_executor.configs import SHAPES, shape_path
 from model_executor.forward_batch import ForwardMode
-from runners.model_runner import ModelRunner, RunnerConfig
 from runners.capture_lists import get_batch_sizes_to_capture
 from runners.cuda_graph_runner import CudaGraphRunner
 from runners.graph_seam import default_capturer
+from runners.model_runner import ModelRunner, RunnerConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -22,9 +22,9 @@ import torch
 
 from model_executor.configs import SHAPES, shape_path
 from model_executor.forward_batch import ForwardMode
-from runners.model_runner import ModelRunner, RunnerConfig
 from runners.capture_lists import get_token_levels, pick_size
 from runners.graph_seam import default_capturer
+from runners.model_runner import ModelRunner, RunnerConfig
 from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from runners.model_runner import ModelRunner, RunnerConfig
 from model_executor.sampling_params import SamplingParams
+from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,

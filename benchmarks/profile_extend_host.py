@@ -22,10 +22,10 @@ import triton.language as tl
 
 from benchmarks.bench_prefill import prepare
 from model_executor.configs import SHAPES, shape_path
-from model_executor.layers.logits import compute_logits
-from runners.model_runner import ModelRunner, RunnerConfig
 from model_executor.layers.attention.attention_op import attention_impl
 from model_executor.layers.attention.forward_context import forward_context
+from model_executor.layers.logits import compute_logits
+from runners.model_runner import ModelRunner, RunnerConfig
 from runners.piecewise_cuda_graph_runner import Phase, PiecewiseCudaGraphRunner
 
 

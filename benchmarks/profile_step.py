@@ -14,8 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.bench_one_batch import prepare
 from model_executor.configs import SHAPES, shape_path
 from model_executor.forward_batch import ForwardMode
-from runners.model_runner import ModelRunner, RunnerConfig
 from runners.cuda_graph_runner import CudaGraphRunner
+from runners.model_runner import ModelRunner, RunnerConfig
 from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
 
 

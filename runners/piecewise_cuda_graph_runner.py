@@ -38,10 +38,10 @@ from torch import nn
 from tqdm import tqdm
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode
+from model_executor.layers.attention.forward_context import forward_context
 from model_executor.layers.attention.radix_attention import RadixAttention
 from model_executor.layers.logits import compute_logits
 from runners.capture_lists import pick_size
-from model_executor.layers.attention.forward_context import forward_context
 from runners.fx_split import PiecewiseBackend
 from runners.graph_seam import GraphCapturer, default_capturer, frozen_gc
 

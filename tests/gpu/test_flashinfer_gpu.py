@@ -13,8 +13,8 @@ flashinfer = pytest.importorskip("flashinfer")
 from model_executor.configs import shape_path
 from model_executor.forward_batch import ForwardMode
 from model_executor.layers.attention.torch_native import TorchNativeBackend
-from runners.model_runner import ModelRunner, RunnerConfig
 from runners.cuda_graph_runner import CudaGraphRunner
+from runners.model_runner import ModelRunner, RunnerConfig
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "llama-3.2-1b"])

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from model_executor.configs import shape_path
-from runners.model_runner import ModelRunner, RunnerConfig
 from runners.capture_lists import get_token_levels
+from runners.model_runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.gpu
 
