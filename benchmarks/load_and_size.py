@@ -12,6 +12,7 @@ A 32B shape needs about 65 GB of disk for its weights.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -102,9 +103,13 @@ def measure(folder: Path, *, max_running_requests: int, max_prefill_tokens: int,
     t0 = time.perf_counter()
     runner = ModelRunner(cfg)
     info = runner.graph_info()
-    return {"folder": str(folder), "gpu": torch.cuda.get_device_name(0), "startup_seconds": round(
+    result = {"folder": str(folder), "gpu": torch.cuda.get_device_name(0), "startup_seconds": round(
         time.perf_counter() - t0, 1), "context_len": runner.context_len, "memory": info["memory"],
         "capture_gib": info["capture_gib"], "split_line": runner.memory_split.line()}
+    del runner  # give the GPU back: a server started after this in the same process tree sizes its KV cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
 
 
 def print_table(result: dict) -> None:

@@ -140,7 +140,7 @@ def test_sigterm_to_the_process_group_is_a_clean_shutdown():
         srv.stop()
 
 
-def test_the_product_does_not_read_the_scheduler_entrypoint_from_the_environment(monkeypatch, tmp_path):
+def test_the_product_does_not_read_the_scheduler_entrypoint_from_the_environment(monkeypatch):
     """The scheduler target is a parameter of launch_server.run (the test harness passes a fake one), never
     an environment variable: with one set, the real scheduler is still what gets started."""
     for folder in ("server", "scheduler", "runners", "model_executor"):
@@ -156,9 +156,9 @@ def test_the_product_does_not_read_the_scheduler_entrypoint_from_the_environment
     monkeypatch.setattr(launch_server, "_start_child", start_child)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = launch_server.run(["--model-path", str(tmp_path), "--device", "cpu", "--port", str(free_port())])
+        code = launch_server.run(["--model-path", str(tiny_model_dir()), "--device", "cpu", "--port", str(free_port())])
         assert started == [("scheduler", launch_server.DEFAULT_SCHEDULER_ENTRYPOINT)] and code == 1
-        code = launch_server.run(["--model-path", str(tmp_path), "--device", "cpu", "--port", str(free_port())],
+        code = launch_server.run(["--model-path", str(tiny_model_dir()), "--device", "cpu", "--port", str(free_port())],
                                  scheduler_entrypoint="tests.fake_scheduler:run_fake_scheduler_process")
         assert started[1] == ("scheduler", "tests.fake_scheduler:run_fake_scheduler_process") and code == 1
     finally:

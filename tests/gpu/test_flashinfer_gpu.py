@@ -88,3 +88,36 @@ def test_decode_graph_replay_equals_eager(runner, graphs, bs):
     assert torch.equal(eager.argmax(-1), graphed.argmax(-1))
     torch.testing.assert_close(graphed, eager, rtol=1e-2, atol=1e-2)
     release(runner, rows, fb)
+
+
+def test_decode_graph_with_a_shared_long_prefix():
+    """64 requests sharing one 4096-token prefix in a pool of about 4.2k slots: the summed lengths (262k)
+    far exceed the pool, so the graph's KV-index buffer must be sized by max_bs x context, not by the pool."""
+    prefix_len, bs = 4096, 64
+    cfg = RunnerConfig(model_path=str(shape_path("smollm2-135m")), device="cuda", attention_backend="flashinfer",
+                       max_running_requests=bs, max_total_tokens=prefix_len + 2 * bs, context_length=prefix_len + 8,
+                       random_weights=True, disable_cuda_graph=True, disable_piecewise_cuda_graph=True)
+    runner = ModelRunner(cfg)
+    graphs = CudaGraphRunner(runner, [bs])
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 1000, (prefix_len,), generator=g).tolist()
+    first = runner.req_to_token_pool.alloc()
+    prefix_loc = runner.allocator.alloc(prefix_len)
+    runner.req_to_token_pool.write(first, 0, prefix_loc)
+    with torch.inference_mode():
+        runner.forward_eager(runner.build_batch(ForwardMode.EXTEND, prefix, [first], [prefix_len], prefix_loc,
+                                                extend_seq_lens=[prefix_len]))
+    rows = [first] + [runner.req_to_token_pool.alloc() for _ in range(bs - 1)]
+    new_loc = runner.allocator.alloc(bs)
+    for i, row in enumerate(rows):
+        runner.req_to_token_pool.write(row, 0, prefix_loc)
+        runner.req_to_token_pool.write(row, prefix_len, new_loc[i : i + 1])
+    last = torch.randint(0, 1000, (bs,), generator=g).tolist()
+    fb = runner.build_batch(ForwardMode.DECODE, last, rows, [prefix_len + 1] * bs, new_loc)
+    with torch.inference_mode():
+        eager = runner.forward_eager(fb).clone()
+        graphed = graphs.replay(fb).clone()
+    print(f"\nflashinfer decode graph, {bs} requests x {prefix_len + 1} tokens on {runner.num_kv_slots} slots: "
+          f"max |graph - eager| {(graphed - eager).abs().max().item():.4f}")
+    assert torch.equal(eager.argmax(-1), graphed.argmax(-1))
+    torch.testing.assert_close(graphed, eager, rtol=1e-2, atol=1e-2)
