@@ -510,17 +510,22 @@ def _is_this_host(base_url: str) -> bool:
         return False
 
 
-async def served_model_path(client: Any, base_url: str, headers: dict[str, str]) -> str | None:
-    """The model folder a duet (or SGLang) server on this host serves, from /server_info; None when the
-    server is elsewhere, does not say, or the folder is not here."""
-    if not _is_this_host(base_url):
-        return None
+async def fetch_server_info(client: Any, base_url: str, headers: dict[str, str]) -> dict:
+    """The server's /server_info ({} when it has none: not a duet or SGLang server)."""
     try:
         resp = await client.get(f"{base_url.rstrip('/')}/server_info", headers=headers)
         info = resp.json() if resp.status_code == 200 else {}
-    except Exception:  # noqa: BLE001 - not a duet server: fall back to the model name
+    except Exception:  # noqa: BLE001 - not a duet server
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def served_model_path(info: dict, base_url: str) -> str | None:
+    """The model folder the server serves, from its /server_info; None when the server is on another host,
+    does not say, or the folder is not here."""
+    if not _is_this_host(base_url):
         return None
-    args = info.get("args") if isinstance(info, dict) else None
+    args = info.get("args")
     path = args.get("model_path") if isinstance(args, dict) else None
     return path if isinstance(path, str) and os.path.isdir(path) else None
 
@@ -625,7 +630,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         model = args.model or await fetch_model_id(meta_client, base_url, headers)
         # Default: the folder the server on this host loads (its /server_info), else the model name
         # (vLLM reports the served path; a hub id is tried from the local cache).
-        tok_name = args.tokenizer or await served_model_path(meta_client, base_url, headers) or model
+        server_info = await fetch_server_info(meta_client, base_url, headers)
+        tok_name = args.tokenizer or served_model_path(server_info, base_url) or model
         pool.release(meta_client)
         try:
             tokenizer = load_tokenizer(tok_name, args.trust_remote_code)
@@ -720,6 +726,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_len_mismatches": sum(
             1 for r in records if r.success and r.usage_prompt_tokens not in (None, r.prompt_len)
         ),
+        # What the server captured and how it split its memory (duet's /server_info), so the serving
+        # numbers carry the graph sizes and KV slots they were measured with.
+        "server_scheduler_info": server_info.get("scheduler_info"),
     }
     result.update(metrics)
     print(format_result_table(result, percentiles))

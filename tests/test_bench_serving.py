@@ -441,10 +441,12 @@ def _tokenizerless_run(url: str, *extra: str) -> dict:
 def test_tokenizer_from_the_local_servers_model_path(tokenizer_dir):
     """The quick-start case: no --tokenizer, and the served name is not a loadable path; the model folder
     comes from /server_info, since the server runs on this host."""
-    with FakeServer(server_info={"args": {"model_path": tokenizer_dir}}) as srv:
+    captured = {"cuda_graph_bs": [1, 2, 4], "memory": {"num_slots": 1234}}
+    with FakeServer(server_info={"args": {"model_path": tokenizer_dir}, "scheduler_info": captured}) as srv:
         res = _tokenizerless_run(srv.url)
         prompts = [b["prompt"] for b in srv.bodies]
     assert res["tokenizer"] == tokenizer_dir and res["failed"] == 0
+    assert res["server_scheduler_info"] == captured  # the numbers carry what the server ran with
     vocab = bs.load_tokenizer(tokenizer_dir).get_vocab()
     assert all(len(p) == 6 and set(p) <= set(vocab.values()) for p in prompts), prompts
     # A folder that is not on this host, or a server elsewhere, is not used: the model name is tried.
