@@ -145,25 +145,30 @@ class ModelRunner:
     def _profile_activations(self) -> tuple[int, int]:
         """Run the largest eager extend (--max-prefill-tokens tokens over as many requests as may run, so
         the logits and the sampler are at their largest too); returns (tokens, peak bytes above what was
-        allocated before). Every token writes KV slot 0 of a one-slot cache: with no cached prefix the
-        attention reads the new K/V from its inputs, so the memory it uses is that of a real batch."""
+        allocated before it, not counting its own KV cache). A real batch in every way: each token writes
+        and reads its own slot of a profile-sized KV cache, through the request rows it will use later."""
         n = min(self.config.max_prefill_tokens, self.req_to_token_pool.size * self.context_len)
         bs = min(self.req_to_token_pool.size, n)
         lens = [n // bs + (1 if i < n % bs else 0) for i in range(bs)]
         cfg = self.model_config
+        kv = KVCache(n, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        rows, slots, start = list(range(1, bs + 1)), torch.arange(n, device=self.device), 0
+        for row, length in zip(rows, lens):
+            self.req_to_token_pool.write(row, 0, slots[start : start + length])
+            start += length
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        kv = KVCache(1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
         fb = ForwardBatch.build(
-            ForwardMode.EXTEND, [0] * n, list(range(1, bs + 1)), lens, torch.zeros(n, dtype=torch.int64),
-            extend_seq_lens=lens, req_to_token_pool=self.req_to_token_pool, kv_cache=kv,
-            attn_backend=self.attn_backend, device=self.device)
+            ForwardMode.EXTEND, [0] * n, rows, lens, slots, extend_seq_lens=lens,
+            req_to_token_pool=self.req_to_token_pool, kv_cache=kv, attn_backend=self.attn_backend,
+            device=self.device)
         logits = self.forward_eager(fb)
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)] * bs
         self.sample(logits, params, [0] * bs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.req_to_token_pool.req_to_token[1 : bs + 1].zero_()
         del kv, fb, logits
         torch.cuda.empty_cache()
         logger.info("profiled an extend of %d tokens in %d requests: activation peak %.2f GiB", n, bs, peak / 2**30)
