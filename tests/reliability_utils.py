@@ -21,6 +21,17 @@ def size(ci, long):
     return long if LONG else ci
 
 
+def late_request(url: str):
+    """During a shutdown: None while /health still says 200; then the response a new completion gets (a 503
+    while draining), or "gone" once nothing listens. For wait_until, which polls until it is not None."""
+    try:
+        if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            return None
+        return httpx.post(f"{url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+    except httpx.ConnectError:
+        return "gone"
+
+
 def wait_until(pred, timeout: float, what: str, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:

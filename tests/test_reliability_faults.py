@@ -26,7 +26,7 @@ import pytest
 
 from server.launch_server import DRAIN_S
 from tests.fake_scheduler import ServerProcess, pid_alive
-from tests.reliability_utils import process_tree, server_info, size, tree_sockets, wait_until
+from tests.reliability_utils import late_request, process_tree, server_info, size, tree_sockets, wait_until
 
 N_CLIENTS = size(12, 48)
 MAX_TOKENS = 400  # long enough to still be running when the fault hits (~0.1 s per step at this batch)
@@ -181,15 +181,7 @@ def test_sigterm_under_load(model_dir):
         sent_at = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
 
-        def late_request():  # once the server stops accepting: the 503 a new request gets, or "gone"
-            try:
-                if httpx.get(f"{srv.url}/health", timeout=10).status_code == 200:
-                    return None
-                return httpx.post(f"{srv.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
-            except httpx.ConnectError:
-                return "gone"
-
-        late = wait_until(late_request, 10, "the server to stop accepting")
+        late = wait_until(lambda: late_request(srv.url), 10, "the server to stop accepting")
         code = srv.proc.wait(EXIT_WITHIN_S + 10)
         exited_after = time.monotonic() - sent_at
         for c in clients + short:

@@ -19,14 +19,7 @@ import pytest
 from server import launch_server
 from server.launch_server import DRAIN_S
 from tests.fake_scheduler import REPO_ROOT, ServerProcess, child_pids, free_port, pid_alive, tiny_model_dir
-from tests.reliability_utils import tree_sockets
-
-
-def wait_until(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+from tests.reliability_utils import late_request, tree_sockets, wait_until
 
 
 def ipc_folder(pid: int) -> Path:
@@ -95,24 +88,14 @@ def test_sigterm_drains_short_requests_and_fails_long_ones_after_the_window():
         sent_at = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
 
-        def late_request():  # once the server stops accepting: the 503 a new request gets, or None if gone
-            try:
-                if httpx.get(f"{srv.url}/health", timeout=5).status_code == 200:
-                    return None
-                return httpx.post(f"{srv.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
-            except httpx.ConnectError:
-                return "connection refused"
-
-        seen = []
-        wait_until(lambda: seen.append(late_request()) or seen[-1] is not None, 10, "the server to stop accepting")
-        late = seen[-1]
+        late = wait_until(lambda: late_request(srv.url), 10, "the server to stop accepting")
         assert srv.proc.wait(30) == 0, srv.output()
         for s in (short, long):
             s.join(10)
         assert short.outcome == "completed", short.outcome
         assert long.outcome == "error: the server is shutting down", long.outcome
         assert long.ended_at - sent_at >= DRAIN_S, "the long request was failed before the drain window ended"
-        assert not isinstance(late, str) and late.status_code == 503, late
+        assert late != "gone" and late.status_code == 503, late
         assert "shutting down" in late.json()["error"]["message"], late.text
     finally:
         srv.stop()
