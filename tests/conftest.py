@@ -20,14 +20,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Skips allowed without failing the run: GPU tests (on a machine without CUDA) and the triton_mode pairs (exactly
-# one of each pair runs: tests/triton_mode.py). Any other skip means a broken install or a test that stopped
-# testing, so the session fails and names it.
+# Skips allowed without failing the run, by mark: GPU tests (on a machine without CUDA), the triton_mode pairs
+# (exactly one of each pair runs: tests/triton_mode.py) and tests of the Docker CLI (no Docker engine on CI).
+# Any other skip means a broken install or a test that stopped testing, so the session fails and names it.
+SKIP_ALLOWLIST = ("gpu", "triton_mode", "docker_cli")
 _unexpected_skips: list[str] = []
 
 
 def _skip_allowed(item) -> bool:
-    return "gpu" in item.keywords or "triton_mode" in item.keywords
+    return any(mark in item.keywords for mark in SKIP_ALLOWLIST)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -51,7 +52,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter):
     if _unexpected_skips:
-        terminalreporter.section("skips not on the allowlist (tests/conftest.py: GPU tests only)")
+        terminalreporter.section(f"skips not on the allowlist (tests/conftest.py: {', '.join(SKIP_ALLOWLIST)})")
         for line in _unexpected_skips:
             terminalreporter.line(line)
 

@@ -368,6 +368,7 @@ def _compose_plugin() -> bool:
     return proc.returncode == 0
 
 
+@pytest.mark.docker_cli
 def test_docker_compose_config_accepts_the_file():
     if not _compose_plugin():
         pytest.skip("the docker compose plugin is not installed; the PyYAML checks above still ran")
