@@ -135,8 +135,7 @@ class ModelRunner:
             vocab_size=cfg.vocab_size,
             extend_max_tokens=(0 if self.config.disable_piecewise_cuda_graph
                                else max(self.config.piecewise_cuda_graph_tokens, default=0)),
-            backend_bytes=self.attn_backend.cuda_graph_state_bytes(max(self.config.cuda_graph_bs, default=0))
-            if hasattr(self.attn_backend, "cuda_graph_state_bytes") else 0)
+            backend_bytes=self.attn_backend.cuda_graph_state_bytes(max(self.config.cuda_graph_bs, default=0)))
         return plan_kv_cache(total=total, free=free, weights=weights, activations=activations, graphs=graphs,
                              fraction=self.config.mem_fraction_static, bytes_per_slot=per_slot,
                              max_total_tokens=self.config.max_total_tokens, device=str(self.device))

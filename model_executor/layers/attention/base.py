@@ -51,6 +51,10 @@ class AttentionBackend(ABC):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         """Allocate static metadata once, at the largest captured batch size."""
 
+    def cuda_graph_state_bytes(self, max_bs: int) -> int:
+        """Device bytes init_cuda_graph_state(max_bs) will allocate (reserved before the KV cache is sized)."""
+        return 0
+
     def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
         """Fill static metadata for a capture at fb.batch_size (fb holds the static buffers)."""
         self.init_forward_metadata(fb)
