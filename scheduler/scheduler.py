@@ -329,26 +329,25 @@ class Scheduler:
     def _make_room_for_decode(self) -> None:
         """Each running request needs one slot; evict cached prefixes, then retract the partly-prefilled
         request (it has no output yet; with the radix cache its chunks stay cached), then the newest."""
-        need = len(self.running)
-        short = need - self.allocator.available_size()
+        while self._short_after_evicting() > 0:
+            if self.chunked_req is not None:
+                req, self.chunked_req = self.chunked_req, None
+                self._retract(req)
+            elif len(self.running) > 1:
+                self._retract(self.running.pop())
+            else:
+                # One request alone cannot grow: admission guarantees prompt + max_tokens fits the pool, so
+                # this means other cached KV is locked; fail it rather than hang.
+                req = self.running.pop()
+                self._finish(req, FinishReason("error", message="out of KV cache memory"))
+
+    def _short_after_evicting(self) -> int:
+        """Slots the running requests' next decode step still lacks after evicting cached prefixes."""
+        short = len(self.running) - self.allocator.available_size()
         if short > 0 and self.tree is not None:
             self.tree.evict(short)
-        if len(self.running) > self.allocator.available_size() and self.chunked_req is not None:
-            req, self.chunked_req = self.chunked_req, None
-            self._retract(req)
             short = len(self.running) - self.allocator.available_size()
-            if short > 0 and self.tree is not None:
-                self.tree.evict(short)
-        while len(self.running) > self.allocator.available_size() and len(self.running) > 1:
-            self._retract(self.running.pop())
-            short = len(self.running) - self.allocator.available_size()
-            if short > 0 and self.tree is not None:
-                self.tree.evict(short)
-        if len(self.running) > self.allocator.available_size():
-            # One request alone cannot grow: admission guarantees prompt + max_tokens fits the pool, so
-            # this means other cached KV is locked; fail it rather than hang.
-            req = self.running.pop()
-            self._finish(req, FinishReason("error", message="out of KV cache memory"))
+        return short
 
     def _retract(self, req: Req) -> None:
         logger.info("retracting request %s (%d tokens) to free KV memory", req.rid, req.kv_len)
