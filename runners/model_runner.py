@@ -93,10 +93,10 @@ class ModelRunner:
         self.path_counts: Counter[str] = Counter()
         self.decode_graph_runner = None
         self.extend_graph_runner = None
-        if self.device.type == "cuda":
+        if cuda:
             self.init_graph_runners()
-            self.memory_split = replace(self.memory_split,
-                                        graphs_measured=int(self.graph_info()["capture_gib"] * 2**30))
+            captured = sum(r.capture_bytes for r in (self.decode_graph_runner, self.extend_graph_runner) if r)
+            self.memory_split = replace(self.memory_split, graphs_measured=captured)
         logger.info(self.memory_split.line())
 
     def init_graph_runners(self) -> None:
@@ -209,10 +209,8 @@ class ModelRunner:
         info["capture_seconds"] = round(info.get("decode_capture_seconds", 0.0)
                                         + info.get("extend_capture_seconds", 0.0), 2)
         info["capture_gib"] = round(info.get("decode_capture_gib", 0.0) + info.get("extend_capture_gib", 0.0), 3)
-        split = getattr(self, "memory_split", None)
-        if split is not None:
-            info["memory"] = {**split.as_dict(), "load_seconds": round(self.load_seconds, 2),
-                              "load_peak_gib": round(self.load_peak_bytes / 2**30, 3)}
+        info["memory"] = {**self.memory_split.as_dict(), "load_seconds": round(self.load_seconds, 2),
+                          "load_peak_gib": round(self.load_peak_bytes / 2**30, 3)}
         return info
 
     @torch.inference_mode()
