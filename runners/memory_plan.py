@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass
 
 GiB = 1024**3
 
-# Graph-capture reserve, calibrated on the H200 measurements in docs/benchmarks.md (decode graphs up to
-# bs 256 of the 8B shape took 0.31-0.49 GiB; extend levels up to 2048 tokens took 0.31-0.37 GiB): each
-# graph pool gets a floor that covers those, or a multiple of the activation bytes its largest size
-# needs when that is larger (pieces keep their outputs alive in the pool, hence more than one forward).
+# Graph-capture reserve: each graph pool gets a floor that covers the capture sizes measured on the H200
+# (docs/benchmarks.md), or a multiple of the activation bytes its largest size needs when that is larger
+# (pieces keep their outputs alive in the pool, hence more than one forward). The model runner logs what
+# capture really took beside it.
 DECODE_POOL_FLOOR = GiB // 2
 EXTEND_POOL_FLOOR = GiB // 2
 POOL_ACTIVATION_FACTOR = 2

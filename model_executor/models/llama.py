@@ -105,12 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head; called again after a meta-device build is materialized
-        (`to_empty` gives every parameter its own storage)."""
-        if self.config.tie_word_embeddings:
+        if cfg.tie_word_embeddings:  # one tensor (weight_loader's materialization keeps the sharing)
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
