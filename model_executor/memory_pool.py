@@ -18,12 +18,17 @@ class ReqToTokenPool:
     """`req_to_token[row, pos]` is the KV slot of token `pos` of the request living in `row`.
 
     Row 0 is reserved for padding rows of graph batches (all its entries point at slot 0).
+
+    On a GPU the table is mirrored on the host (`req_to_token_cpu`), written together with the device copy,
+    so the scheduler reads a finished request's slots without waiting for the batch in flight.
     """
 
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str):
         self.size = max_requests
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int32, device=device)
+        self.req_to_token_cpu = (self.req_to_token if self.req_to_token.device.type == "cpu"
+                                 else torch.zeros_like(self.req_to_token, device="cpu"))
         self._free_rows = list(range(max_requests, 0, -1))
 
     def available_size(self) -> int:
@@ -39,7 +44,22 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token[row, start : start + slots.numel()] = slots.to(self.req_to_token.device, torch.int32)
+        """Record `slots` (host tensor) as the KV slots of positions start.. of the request in `row`."""
+        end = start + slots.numel()
+        self.req_to_token_cpu[row, start:end] = slots
+        if self.req_to_token_cpu is not self.req_to_token:
+            self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32, non_blocking=True)
+
+    def write_decode(self, rows: list[int], positions: list[int], slots: torch.Tensor,
+                     rows_dev: torch.Tensor, positions_dev: torch.Tensor, slots_dev: torch.Tensor) -> None:
+        """One slot per request (a decode step): host lists/tensors for the mirror, device tensors for the table."""
+        self.req_to_token_cpu[rows, positions] = slots.to(torch.int32)
+        if self.req_to_token_cpu is not self.req_to_token:
+            self.req_to_token[rows_dev, positions_dev] = slots_dev.to(torch.int32)
+
+    def slots(self, row: int, n: int) -> torch.Tensor:
+        """The KV slots of the first n tokens of the request in `row` (host int64; no device sync)."""
+        return self.req_to_token_cpu[row, :n].to(torch.int64)
 
 
 class KVCache:

@@ -25,6 +25,9 @@ from model_executor.sampling_params import SamplingParams
 # tempered distribution is indistinguishable from argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
+# Batches whose random rows all use top-k with k at most this sample among their k best tokens (no sort).
+TOP_K_FIRST_MAX = 1024
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15  # large odd constant
 
@@ -68,6 +71,7 @@ class SamplingBatchInfo:
     seeded_rows: tuple[int, ...] = ()  # non-greedy rows with a seed
     row_generator_seeds: tuple[int, ...] = ()  # generator_seed(seed, step) for each seeded row
     has_unseeded_random: bool = False  # some non-greedy row draws from the global RNG
+    max_random_top_k: int = 0  # the largest k of the non-greedy rows (disabled top-k counts as the vocab)
 
     @property
     def batch_size(self) -> int:
@@ -122,12 +126,16 @@ class SamplingBatchInfo:
             if p.top_logprobs is not None:
                 max_top_logprobs = max(max_top_logprobs, p.top_logprobs)
 
+        # One host-to-device copy for the per-row values (float64 holds every k exactly), split on the device.
+        packed = torch.tensor([temps, top_ps, top_ks, min_ps, greedy], dtype=torch.float64)
+        packed = packed.to(device, non_blocking=True)
+        random_ks = [k for k, g in zip(top_ks, greedy) if not g]
         return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).view(-1, 1),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperatures=packed[0].float().view(-1, 1),
+            top_ps=packed[1].float(),
+            top_ks=packed[2].long(),
+            min_ps=packed[3].float(),
+            is_greedy=packed[4].bool(),
             is_all_greedy=all(greedy),
             need_top_p=need_top_p,
             need_top_k=need_top_k,
@@ -138,6 +146,7 @@ class SamplingBatchInfo:
             seeded_rows=tuple(seeded_rows),
             row_generator_seeds=tuple(row_seeds),
             has_unseeded_random=has_unseeded_random,
+            max_random_top_k=max(random_ks, default=0),
         )
 
 
@@ -151,6 +160,39 @@ class SampleOutput:
     # when max_top_logprobs < 1. Row i uses the first params[i].top_logprobs columns.
     top_logprob_ids: torch.Tensor | None = None  # [bs, max_top_logprobs] int64
     top_logprob_values: torch.Tensor | None = None  # [bs, max_top_logprobs] float32
+
+    def to_host(self) -> HostSample:
+        """Start copying the results to the host without waiting for them (pinned buffers + an event on a
+        GPU), so the scheduler can launch the next step before it reads this one's tokens."""
+        tensors = (self.next_token_ids, self.logprobs, self.top_logprob_ids, self.top_logprob_values)
+        if not self.next_token_ids.is_cuda:
+            return HostSample(*tensors, event=None)
+        host = [None if t is None else
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+        event = torch.cuda.Event()
+        event.record()
+        return HostSample(*host, event=event)
+
+
+@dataclass
+class HostSample:
+    """A SampleOutput on its way to the host; `lists()` waits for the copy (a no-op on the CPU)."""
+
+    next_token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_logprob_ids: torch.Tensor | None
+    top_logprob_values: torch.Tensor | None
+    event: torch.cuda.Event | None
+
+    def lists(self) -> tuple[list[int], list[float] | None, list[list[int]] | None, list[list[float]] | None]:
+        if self.event is not None:
+            self.event.synchronize()
+
+        def as_list(t):
+            return None if t is None else t.tolist()
+
+        return (self.next_token_ids.tolist(), as_list(self.logprobs), as_list(self.top_logprob_ids),
+                as_list(self.top_logprob_values))
 
 
 class Sampler:
@@ -179,36 +221,51 @@ class Sampler:
         return out
 
     @staticmethod
-    def _filter(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    def _remove_sorted(sorted_logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Which of each row's candidates (sorted best first) top-k, then top-p, remove (no-op rows: none)."""
+        positions = torch.arange(sorted_logits.shape[1], device=sorted_logits.device).unsqueeze(0)
+        remove = positions >= info.top_ks.unsqueeze(1)  # keeps position 0 as top_k >= 1
+        if info.need_top_p:
+            probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            top_p = info.top_ps.unsqueeze(1)
+            # Keep the smallest prefix whose mass reaches top_p; position 0 has mass_before 0
+            # < top_p. Rows with top_p == 1 are untouched (rounding could push mass_before to 1).
+            remove |= (mass_before >= top_p) & (top_p < 1.0)
+        return remove
+
+    @staticmethod
+    def _min_p(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        if not info.need_min_p:
+            return scaled
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); invariant to renormalising
+        # after top-k/top-p, and min_p == 0 gives -inf (no-op). The max token always survives.
+        max_logit = scaled.max(dim=-1, keepdim=True).values
+        threshold = max_logit + torch.log(info.min_ps).unsqueeze(1)
+        return scaled.masked_fill(scaled < threshold, float("-inf"))
+
+    def _filter(self, scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Set tokens removed by top-k, then top-p, then min-p to -inf (row-wise no-ops when off)."""
-        vocab = scaled.shape[1]
         if info.need_top_k or info.need_top_p:
             sorted_logits, sorted_idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
-            positions = torch.arange(vocab, device=scaled.device).unsqueeze(0)
-            remove = positions >= info.top_ks.unsqueeze(1)  # keeps position 0 as top_k >= 1
-            if info.need_top_p:
-                sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-                probs = torch.softmax(sorted_logits, dim=-1)
-                mass_before = torch.cumsum(probs, dim=-1) - probs
-                top_p = info.top_ps.unsqueeze(1)
-                # Keep the smallest prefix whose mass reaches top_p; position 0 has mass_before 0
-                # < top_p. Rows with top_p == 1 are untouched (rounding could push mass_before to 1).
-                remove |= (mass_before >= top_p) & (top_p < 1.0)
+            remove = self._remove_sorted(sorted_logits, info)
             mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
             scaled = scaled.masked_fill(mask, float("-inf"))
-        if info.need_min_p:
-            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); invariant to renormalising
-            # after top-k/top-p, and min_p == 0 gives -inf (no-op). The max token always survives.
-            max_logit = scaled.max(dim=-1, keepdim=True).values
-            threshold = max_logit + torch.log(info.min_ps).unsqueeze(1)
-            scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
-        return scaled
+        return self._min_p(scaled, info)
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        scaled = self._filter(logits / info.temperatures, info)
+        scaled = logits / info.temperatures
         noise = self._exponential_noise(scaled, info)
+        if info.need_top_k and info.max_random_top_k <= TOP_K_FIRST_MAX:
+            # Every random row keeps at most k tokens: filter and race among the k best only instead of
+            # sorting the vocabulary. The same noise values (drawn in vocabulary order) enter the race, so
+            # the token equals the full path's (up to the order of exactly tied logits at the k-th place).
+            cand, cand_ids = torch.topk(scaled, info.max_random_top_k, dim=-1)
+            cand = self._min_p(cand.masked_fill(self._remove_sorted(cand, info), float("-inf")), info)
+            best = torch.argmax(cand - noise.gather(1, cand_ids).log(), dim=-1, keepdim=True)
+            return cand_ids.gather(1, best).squeeze(1)
         # Exponential race in log space: argmax(log p - log E); -inf (filtered) never wins.
-        return torch.argmax(scaled - noise.log(), dim=-1)
+        return torch.argmax(self._filter(scaled, info) - noise.log(), dim=-1)
 
     @staticmethod
     def _exponential_noise(like: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

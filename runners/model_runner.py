@@ -81,6 +81,10 @@ class ModelRunner:
         self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base if cuda else 0
         logger.info("loaded %s (%s, %s) in %.1f s", config.model_path, self.dtype, self.device, self.load_seconds)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
+        # The token each request row sampled last, kept on the device: a decode step reads its input ids
+        # from here, so the next step can be launched before the previous one's tokens reach the host.
+        self.last_token_ids = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=self.device)
+        self.pin_memory = self.device.type == "cuda"
         # The backend's workspaces do not depend on the KV size: allocated first, they count as in use.
         self.attn_backend = create_attention_backend(config.attention_backend, self)
         self.sampler = Sampler()
@@ -168,19 +172,47 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.req_to_token_pool.req_to_token[1 : bs + 1].zero_()
+        self.req_to_token_pool.req_to_token_cpu[1 : bs + 1].zero_()
         del kv, fb, logits
         torch.cuda.empty_cache()
         logger.info("profiled an extend of %d tokens in %d requests: activation peak %.2f GiB", n, bs, peak / 2**30)
         return n, peak
 
     # ---- batches ------------------------------------------------------------------------------
-    def build_batch(self, mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int],
+    def build_batch(self, mode: ForwardMode, input_ids: list[int] | None, req_pool_indices: list[int],
                     seq_lens: list[int], out_cache_loc: torch.Tensor,
-                    extend_seq_lens: list[int] | None = None) -> ForwardBatch:
-        return ForwardBatch.build(
+                    extend_seq_lens: list[int] | None = None, num_decode_tail: int = 0) -> ForwardBatch:
+        """An extend batch from host lists, or a decode batch; a decode batch also records its new slots in
+        the request rows, and with input_ids None it reads each row's last sampled token on the device. In an
+        extend batch, the last `num_decode_tail` requests take one decode step (one token each, whose id is
+        read the same way; their entries in input_ids are placeholders)."""
+        if mode.is_decode():
+            return self._build_decode(input_ids, req_pool_indices, seq_lens, out_cache_loc)
+        fb = ForwardBatch.build(
             mode, input_ids, req_pool_indices, seq_lens, out_cache_loc, extend_seq_lens=extend_seq_lens,
             req_to_token_pool=self.req_to_token_pool, kv_cache=self.kv_cache, attn_backend=self.attn_backend,
             device=self.device)
+        if num_decode_tail:
+            fb.input_ids[-num_decode_tail:] = self.last_token_ids[fb.req_pool_indices[-num_decode_tail:]]
+        return fb
+
+    def _build_decode(self, input_ids: list[int] | None, rows: list[int], seq_lens: list[int],
+                      out_cache_loc: torch.Tensor) -> ForwardBatch:
+        bs = len(rows)
+        # One (pinned, non-blocking) host-to-device copy for the rows, lengths and slots of the step.
+        host = torch.tensor(rows + seq_lens + out_cache_loc.tolist() + (input_ids or []), dtype=torch.int64,
+                            pin_memory=self.pin_memory)
+        dev = host.to(self.device, non_blocking=True)
+        rows_d, seq_lens_d, slots_d = dev[:bs], dev[bs : 2 * bs], dev[2 * bs : 3 * bs]
+        positions_d = seq_lens_d - 1
+        self.req_to_token_pool.write_decode(rows, [n - 1 for n in seq_lens], out_cache_loc, rows_d, positions_d,
+                                            slots_d)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs,
+            input_ids=self.last_token_ids[rows_d] if input_ids is None else dev[3 * bs :],
+            positions=positions_d, req_pool_indices=rows_d, seq_lens=seq_lens_d.to(torch.int32),
+            out_cache_loc=slots_d, req_to_token_pool=self.req_to_token_pool, kv_cache=self.kv_cache,
+            attn_backend=self.attn_backend, seq_lens_cpu=list(seq_lens))
 
     # ---- forward ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -214,6 +246,12 @@ class ModelRunner:
         return info
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+               rows: torch.Tensor | None = None) -> SampleOutput:
+        """Sample each row's next token; with `rows` (device request rows), also record the tokens as those
+        rows' last tokens, which the next decode step reads."""
         info = SamplingBatchInfo.from_params(params, steps, self.device)
-        return self.sampler(logits, info)
+        out = self.sampler(logits, info)
+        if rows is not None:
+            self.last_token_ids[rows] = out.next_token_ids
+        return out

@@ -33,6 +33,9 @@ class Req:
     prefix_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: object | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    # Tokens sampled by launched batches; ahead of len(output_ids) while a batch's tokens are in flight
+    # (overlap scheduling). The index of the token the next step samples (seeded sampling, min_tokens).
+    num_sampled: int = 0
     num_retractions: int = 0
     # Output not yet reported to the client.
     pending_ids: list[int] = field(default_factory=list)

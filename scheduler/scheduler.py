@@ -3,6 +3,17 @@ the running ones, and owns every request's KV slots (radix prefix cache, chunked
 
 Drivable in-process (tests call `add_request` / `step`); `scheduler_process.py` wraps it in the ZMQ loop.
 
+Overlap scheduling (`enable_overlap`, SGLang's default): a step launches the next batch before it reads the
+previous batch's sampled tokens, so the device never waits for the host's bookkeeping (stop checks, output
+messages) between steps. This works because nothing the next batch needs comes from the host's copy of
+those tokens: a decode step's input ids are the tokens its rows sampled last, which stay on the device
+(`ModelRunner.last_token_ids`); its positions are each request's KV length, which the host advances when it
+launches a step. The price is a step that a request which just stopped (on EOS or a stop string) runs
+once more: that token is discarded when its batch is read, and its KV slot goes back with the rest of the
+request's (the slot holds the KV of the request's last, known token, so the prefix cache may keep it).
+Requests that stop on their length never run the extra step (the host counts sampled tokens). With overlap
+off the same code reads each batch's tokens right after launching it; on the CPU both run synchronously.
+
 Faults stay with the request that causes them: an exception while admitting a request or handling its
 sampled token fails that request alone; a batch whose forward pass raises is rolled back and rerun one
 request at a time, so only the request that raises again fails. A failed request ends with an "error"
@@ -21,6 +32,7 @@ import torch
 
 from model_executor.forward_batch import ForwardMode
 from model_executor.memory_pool import OutOfSlotsError
+from model_executor.sampler import HostSample
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
 from scheduler.policy import order_waiting
@@ -40,6 +52,20 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     # Share of each request's remaining output tokens kept free at admission; retraction covers the rest.
     new_token_ratio: float = 0.3
+    enable_overlap: bool = False  # the server turns it on unless --disable-overlap-schedule
+    # Run the running requests' decode inside each extend batch (SGLang's mixed chunk), instead of
+    # alternating extend and decode steps: their inter-token latency stays steady while prompts arrive.
+    enable_mixed_chunk: bool = False
+
+
+@dataclass
+class LaunchedSample:
+    """The tokens a launched batch samples for `reqs`, on their way to the host. `epochs` are the requests'
+    retraction counts at launch: a request retracted since then has its token discarded."""
+
+    reqs: list[Req]
+    epochs: list[int]
+    result: HostSample
 
 
 @dataclass
@@ -69,6 +95,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self._outbox: dict[str, Req] = {}  # requests with something to report after this step
         self._last_step_extend = False
+        self._in_flight: list[LaunchedSample] = []  # overlap: the batch launched last step, not yet read
         self.num_finished = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
@@ -136,22 +163,41 @@ class Scheduler:
 
     # ---- the loop --------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._outbox)
+        return bool(self.waiting or self.running or self.chunked_req or self._outbox or self._in_flight)
 
     @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
-        """One forward pass (an extend batch, else a decode batch); returns what each request produced."""
-        ran_extend = False
-        # Alternate with decode so running requests keep going while long prompts prefill in chunks.
+        """Launch one forward pass (an extend batch, else a decode batch) and read the tokens of the one
+        launched before it (overlap) or of this one; returns what each request produced."""
+        launched = self._launch()
+        if self.config.enable_overlap:
+            launched, self._in_flight = self._in_flight, launched
+        for batch in launched:
+            self._append_sampled(batch)
+        self.running = [r for r in self.running if not r.is_finished]
+        return self._collect_outputs()
+
+    def _launch(self) -> list[LaunchedSample]:
+        # Alternate with decode so running requests keep going while long prompts prefill in chunks (with
+        # mixed chunks they decode inside the extend batches).
         if not (self._last_step_extend and self.running):
             batch = self._schedule_extend()
             if batch:
-                self._run_extend(*batch)
-                ran_extend = True
-        if not ran_extend and self.running:
-            self._run_decode()
-        self._last_step_extend = ran_extend
-        return self._collect_outputs()
+                reqs, lens = batch
+                decodes = self._mixed_decodes(sum(lens)) if self.config.enable_mixed_chunk else []
+                self._last_step_extend = not decodes
+                return self._launch_extend(reqs + decodes, lens + [1] * len(decodes),
+                                           [False] * len(reqs) + [True] * len(decodes))
+        self._last_step_extend = False
+        return self._launch_decode()
+
+    def _mixed_decodes(self, extend_tokens: int) -> list[Req]:
+        """The running requests that decode inside this extend batch: all of them, if the pool has a slot for
+        each after the extend's (else none: the next step is a plain decode, which may retract)."""
+        decodes = [r for r in self.running if self._may_continue(r)]
+        if len(decodes) + extend_tokens > self.allocator.available_size() + self._evictable():
+            return []
+        return decodes
 
     # ---- extend ----------------------------------------------------------------------------------
     def _schedule_extend(self) -> tuple[list[Req], list[int]] | None:
@@ -243,35 +289,43 @@ class Scheduler:
             self.num_cached_tokens += len(prefix)
         req.status = ReqStatus.RUNNING
 
-    def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
-        for part, sampled in self._run_isolated(self._extend_forward, reqs, lens):
+    def _launch_extend(self, reqs: list[Req], lens: list[int], decoding: list[bool]) -> list[LaunchedSample]:
+        """An extend batch; the requests marked `decoding` (last in the batch) are running ones taking their
+        decode step in it (mixed chunk)."""
+        launched = []
+        for part, sample in self._run_isolated(self._extend_forward, reqs, lens, decoding):
             for req in part:
-                if req.num_uncomputed and not req.is_finished:
+                if req.num_uncomputed > 0 and not req.is_finished and req not in self.running:
                     self.chunked_req = req
-            done = [r for r in part if r.num_uncomputed == 0]
-            if sampled is not None:
-                self._append_sampled(done, sampled)
-            self.running.extend(r for r in done if not r.is_finished)
+            if sample is not None:
+                launched.append(sample)
+                # They decode from the next step on, before this step's tokens are read.
+                self.running.extend(r for r in sample.reqs if r not in self.running and self._may_continue(r))
+        return launched
 
-    def _extend_forward(self, reqs: list[Req], lens: list[int]):
-        """Prefill lens[i] more tokens of each request; samples for those whose prompt is then complete."""
+    def _extend_forward(self, reqs: list[Req], lens: list[int], decoding: list[bool]):
+        """Prefill lens[i] more tokens of each request; samples for those whose prompt is then complete, and
+        for the decoding ones (one token each, last in the batch)."""
         out_loc = self._alloc_slots(sum(lens))
         start = [r.kv_len for r in reqs]
         try:
             input_ids, seq_lens, offset = [], [], 0
-            for req, n in zip(reqs, lens):
-                input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + n])
+            for req, n, dec in zip(reqs, lens, decoding):
+                # A decoding request's input is its last sampled token, which may still be on the device only.
+                input_ids.extend([0] if dec else req.fill_ids[req.kv_len : req.kv_len + n])
                 self.req_pool.write(req.req_pool_idx, req.kv_len, out_loc[offset : offset + n])
                 req.kv_len += n
                 seq_lens.append(req.kv_len)
                 offset += n
             fb = self.runner.build_batch(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
-                                         out_loc, extend_seq_lens=lens)
+                                         out_loc, extend_seq_lens=lens, num_decode_tail=sum(decoding))
             logits = self.runner.forward(fb)
-            done = [i for i, r in enumerate(reqs) if r.num_uncomputed == 0]
+            done = [i for i, r in enumerate(reqs) if decoding[i] or r.num_uncomputed == 0]
             if not done:
                 return None
-            return self._sample(logits[done] if len(done) < len(reqs) else logits, [reqs[i] for i in done])
+            if len(done) < len(reqs):
+                return self._sample(logits[done], [reqs[i] for i in done], fb.req_pool_indices[done])
+            return self._sample(logits, reqs, fb.req_pool_indices)
         except BaseException:
             self._roll_back(reqs, start, out_loc)
             raise
@@ -301,27 +355,28 @@ class Scheduler:
         return results
 
     # ---- decode ----------------------------------------------------------------------------------
-    def _run_decode(self) -> None:
-        self._make_room_for_decode()
-        if not self.running:
-            return
-        for part, sampled in self._run_isolated(self._decode_forward, list(self.running)):
-            self._append_sampled(part, sampled)
-        self.running = [r for r in self.running if not r.is_finished]
+    def _may_continue(self, req: Req) -> bool:
+        """False once the request has sampled its last token by length (known before the token is read)."""
+        return (not req.is_finished and req.num_sampled < req.params.max_new_tokens
+                and len(req.input_ids) + req.num_sampled < self.runner.context_len)
 
-    def _decode_forward(self, reqs: list[Req]):
+    def _launch_decode(self) -> list[LaunchedSample]:
+        self._make_room_for_decode()
+        reqs = [r for r in self.running if self._may_continue(r)]
+        if not reqs:
+            return []
+        return [sample for _, sample in self._run_isolated(self._decode_forward, reqs)]
+
+    def _decode_forward(self, reqs: list[Req]) -> LaunchedSample:
         out_loc = self._alloc_slots(len(reqs))
         positions = [r.kv_len for r in reqs]
         try:
-            rows = [r.req_pool_idx for r in reqs]
-            device = self.req_pool.req_to_token.device
-            self.req_pool.req_to_token[torch.tensor(rows, device=device), torch.tensor(positions, device=device)] = (
-                out_loc.to(device, torch.int32))
             for r in reqs:
                 r.kv_len += 1
-            fb = self.runner.build_batch(ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], rows,
+            # Input ids None: each row's last sampled token, read on the device.
+            fb = self.runner.build_batch(ForwardMode.DECODE, None, [r.req_pool_idx for r in reqs],
                                          [p + 1 for p in positions], out_loc)
-            return self._sample(self.runner.forward(fb), reqs)
+            return self._sample(self.runner.forward(fb), reqs, fb.req_pool_indices)
         except BaseException:
             self._roll_back(reqs, positions, out_loc)
             raise
@@ -343,17 +398,19 @@ class Scheduler:
 
     def _short_after_evicting(self) -> int:
         """Slots the running requests' next decode step still lacks after evicting cached prefixes."""
-        short = len(self.running) - self.allocator.available_size()
+        need = sum(1 for r in self.running if self._may_continue(r))
+        short = need - self.allocator.available_size()
         if short > 0 and self.tree is not None:
             self.tree.evict(short)
-            short = len(self.running) - self.allocator.available_size()
+            short = need - self.allocator.available_size()
         return short
 
     def _retract(self, req: Req) -> None:
         logger.info("retracting request %s (%d tokens) to free KV memory", req.rid, req.kv_len)
         self._release_kv(req)
         req.status = ReqStatus.WAITING
-        req.num_retractions += 1
+        req.num_retractions += 1  # a token of it still in flight is discarded when read
+        req.num_sampled = len(req.output_ids)
         self.num_retractions += 1
         self.waiting.insert(0, req)
 
@@ -364,32 +421,30 @@ class Scheduler:
         return self.allocator.alloc(n)
 
     # ---- sampling and stopping -------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[tuple[int, TokenLogprob | None]]:
-        """Each request's next token (and its logprob entry when asked); changes no request state."""
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], rows: torch.Tensor) -> LaunchedSample:
+        """Launch sampling of each request's next token (rows: their device request rows, where the tokens
+        are also kept for the next decode step) and the copy of the results to the host."""
         self._mask_early_stops(logits, reqs)
-        out = self.runner.sample(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs])
-        tokens = out.next_token_ids.tolist()
-        want = [r.wants_logprobs for r in reqs]
-        chosen = out.logprobs.tolist() if out.logprobs is not None and any(want) else None
-        top_ids = top_vals = None
-        if out.top_logprob_ids is not None and any(want):
-            top_ids, top_vals = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
-        sampled = []
-        for i, (req, token) in enumerate(zip(reqs, tokens)):
-            logprob = None
-            if want[i] and chosen is not None:
-                k = req.params.top_logprobs or 0
-                top = list(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else []
-                logprob = TokenLogprob(token, chosen[i], top)
-            sampled.append((token, logprob))
-        return sampled
+        out = self.runner.sample(logits, [r.params for r in reqs], [r.num_sampled for r in reqs], rows)
+        for r in reqs:
+            r.num_sampled += 1
+        return LaunchedSample(reqs, [r.num_retractions for r in reqs], out.to_host())
 
-    def _append_sampled(self, reqs: list[Req], sampled: list[tuple[int, TokenLogprob | None]]) -> None:
+    def _append_sampled(self, batch: LaunchedSample) -> None:
+        """Read a launched batch's tokens (waiting for them if needed) and apply them to its requests."""
+        reqs = batch.reqs
+        tokens, chosen, top_ids, top_vals = batch.result.lists()
         now = time.monotonic()
-        for req, (token, logprob) in zip(reqs, sampled):
-            if req.is_finished:  # aborted while the batch ran
-                continue
+        for i, req in enumerate(reqs):
+            if req.is_finished or req.num_retractions != batch.epochs[i]:
+                continue  # aborted, failed or stopped since launch; or retracted (it samples it again)
+            token = tokens[i]
             try:
+                logprob = None
+                if req.wants_logprobs and chosen is not None:
+                    k = req.params.top_logprobs or 0
+                    top = list(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else []
+                    logprob = TokenLogprob(token, chosen[i], top)
                 req.output_ids.append(token)
                 req.pending_ids.append(token)
                 req.first_token_time = req.first_token_time or now
@@ -406,7 +461,7 @@ class Scheduler:
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """Before min_tokens is reached, EOS and stop tokens cannot be sampled."""
         for i, req in enumerate(reqs):
-            if len(req.output_ids) < req.params.min_new_tokens:
+            if req.num_sampled < req.params.min_new_tokens:
                 banned = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids)
                 if banned:
                     logits[i, sorted(banned)] = float("-inf")
@@ -453,7 +508,7 @@ class Scheduler:
 
     def _release_kv(self, req: Req) -> None:
         """Give the request's KV to the prefix cache (or free it) and its request row back."""
-        slots = self.req_pool.req_to_token[req.req_pool_idx, : req.kv_len].to("cpu", torch.int64)
+        slots = self.req_pool.slots(req.req_pool_idx, req.kv_len)
         if self.tree is not None:
             num_prefix = len(req.prefix_slots)
             already = self.tree.insert(req.fill_ids[: req.kv_len], slots)

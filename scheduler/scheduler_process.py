@@ -79,6 +79,8 @@ def scheduler_config(args: ServerArgs) -> SchedulerConfig:
         chunked_prefill_size=default_chunked_prefill_size(args),
         schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache,
+        enable_overlap=not args.disable_overlap_schedule,
+        enable_mixed_chunk=args.enable_mixed_chunk,
     )
 
 

@@ -57,6 +57,10 @@ class ServerArgs:
     schedule_policy: str = _f("fcfs", "waiting-queue order: fcfs, or lpm (longest prefix match)",
                               choices=SCHEDULE_POLICIES)
     disable_radix_cache: bool = _f(False, "turn the radix prefix cache off")
+    disable_overlap_schedule: bool = _f(False, "read each step's tokens before launching the next (by default the "
+                                               "next step is launched first, so the GPU never waits for the host)")
+    enable_mixed_chunk: bool = _f(False, "run a long prompt's prefill chunk and the running decodes in one batch "
+                                         "(steadier inter-token latency while long prompts arrive)")
     attention_backend: str = _f("auto", "attention backend; auto: torch_native on CPU, triton on GPU "
                                         "(faster than flashinfer in our measurements)", choices=ATTENTION_BACKENDS)
     cuda_graph_max_bs: int | None = _f(None, "largest decode batch captured in a CUDA graph "
