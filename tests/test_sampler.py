@@ -405,3 +405,30 @@ def test_shape_mismatch_raises():
 def test_empty_batch():
     out = run(torch.randn(0, 10), [])
     assert out.next_token_ids.shape == (0,)
+
+
+def test_top_k_first_path_equals_full_sort(monkeypatch):
+    """Batches whose random rows all use a small top-k race among the k best only (no vocabulary sort):
+    the tokens equal the full-sort path's for top-k with top-p and min-p, seeded and greedy rows mixed."""
+    import model_executor.sampler as sampler_mod
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3000, generator=g) * 3
+    params = [SamplingParams(temperature=0.8, top_k=40, seed=1),
+              SamplingParams(temperature=1.2, top_k=7, top_p=0.8, seed=2),
+              SamplingParams(temperature=0.0, top_k=5),
+              SamplingParams(temperature=1.0, top_k=300, min_p=0.05, seed=3),
+              SamplingParams(temperature=0.7, top_k=1000, top_p=0.95, seed=4),
+              SamplingParams(top_k=2, seed=5)]
+    steps = [[s] * 6 for s in range(20)]
+    fast = [run(logits, params, st).next_token_ids.tolist() for st in steps]
+    real_sort = torch.sort
+
+    monkeypatch.setattr(sampler_mod, "TOP_K_FIRST_MAX", 0)  # force the full sort
+    full = [run(logits, params, st).next_token_ids.tolist() for st in steps]
+    assert fast == full
+    assert len({tuple(t) for t in fast}) > 1  # the seeded rows really vary with the step
+    monkeypatch.setattr(sampler_mod, "TOP_K_FIRST_MAX", 1024)
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: pytest.fail("the top-k-first path sorted the vocabulary"))
+    run(logits, params, steps[0])
+    monkeypatch.setattr(torch, "sort", real_sort)
