@@ -38,7 +38,7 @@ from runners.model_runner import ModelRunner
 from scheduler.policy import order_waiting
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req, ReqStatus
-from server.ipc import FinishReason, TokenLogprob
+from server.ipc import DETOKENIZER_CONTEXT_TOKENS, FinishReason, TokenLogprob
 
 logger = logging.getLogger("duet.scheduler")
 
@@ -77,6 +77,7 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None
+    context_ids: list[int] = dataclasses.field(default_factory=list)  # last prompt tokens, with the first output
 
 
 class Scheduler:
@@ -523,11 +524,13 @@ class Scheduler:
     def _collect_outputs(self) -> list[ReqOutput]:
         outputs = []
         for req in self._outbox.values():
+            first = 0 < len(req.pending_ids) == len(req.output_ids)
             outputs.append(ReqOutput(
                 rid=req.rid, new_token_ids=req.pending_ids, finish_reason=req.finish_reason,
                 prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
                 cached_tokens=req.cached_tokens,
-                logprobs=req.pending_logprobs if req.wants_logprobs else None))
+                logprobs=req.pending_logprobs if req.wants_logprobs else None,
+                context_ids=req.input_ids[-DETOKENIZER_CONTEXT_TOKENS:] if first else []))
             req.pending_ids, req.pending_logprobs = [], []
             if req.is_finished:
                 del self.reqs[req.rid]

@@ -106,6 +106,7 @@ def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
         completion_tokens=[o.completion_tokens for o in outputs],
         cached_tokens=[o.cached_tokens for o in outputs],
         logprobs=[o.logprobs for o in outputs],
+        context_ids=[o.context_ids for o in outputs],
     )
 
 

@@ -1,11 +1,12 @@
 """The detokenizer process: turns each step's new token ids into text deltas, per request.
 
-Incremental detokenization (vLLM's and SGLang's scheme): each request keeps its output ids and two
-offsets. ``prefix_offset..read_offset`` is the window already emitted; decoding
-``ids[prefix_offset:]`` and dropping the window's text gives the new text. Decoding a short window
-rather than single tokens keeps the spacing and merges of tokenizers that depend on neighbours, and
-text that ends in U+FFFD (an incomplete UTF-8 character, split across byte-level tokens) is held back
-until the character completes or the request finishes.
+Incremental detokenization runs on `tokenizers.DecodeStream` (one per request, in Rust): it returns the
+text each new token completes, holding back bytes of an incomplete UTF-8 character (a byte-level token
+sequence split mid-character) until the character is complete. Each stream starts from the last few
+prompt tokens (the scheduler sends them with a request's first output), so tokenizers whose decoders
+depend on the neighbours (SentencePiece's leading space, merges) give the output the text it has after
+the prompt. Bytes still held back when a request finishes are decoded then; a run of tokens that never
+completes a character (stray byte tokens) is emitted, U+FFFD and all, after a few tokens.
 
 Stop strings are not handled here: the HTTP process keeps the full text per request and trims it (it
 knows the request's stop strings; see tokenizer_manager). A request that finished on a stop token id
@@ -20,64 +21,77 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
+from tokenizers.decoders import DecodeStream
 
 from server.ipc import BatchStrOut, BatchTokenOut, FinishReason, IpcPaths, bind_pull, connect_push
 
 logger = logging.getLogger("duet.detokenizer")
 
-# A UTF-8 character is at most 4 bytes, so after this many pending tokens a trailing U+FFFD is
-# genuinely invalid output (e.g. stray byte tokens), not a character still being completed.
+# A UTF-8 character is at most 4 bytes, so after this many held-back tokens the bytes are genuinely
+# invalid output (e.g. stray byte tokens), not a character still being completed.
 _MAX_PENDING_TOKENS = 6
+_WINDOW = 4  # tokens of context kept for decoding held-back bytes
 
 
 @dataclass
 class DecodeState:
-    ids: list[int] = field(default_factory=list)
-    prefix_offset: int = 0
-    read_offset: int = 0
+    stream: DecodeStream
+    recent: list[int]  # the last tokens whose text was emitted (context for held-back bytes)
+    pending: list[int] = field(default_factory=list)  # tokens stepped whose text is held back
 
 
 class IncrementalDetokenizer:
-    """Per-request incremental decoding state for one tokenizer."""
+    """Per-request incremental decoding state for one (fast, `tokenizers`-backed) HF tokenizer."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer
         self.states: dict[str, DecodeState] = {}
 
-    def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def _new_state(self, context: list[int]) -> DecodeState:
+        return DecodeState(DecodeStream(ids=list(context), skip_special_tokens=True), list(context[-_WINDOW:]))
 
-    def step(self, rid: str, new_ids: list[int], finish: FinishReason | None) -> str:
-        """Append new_ids to rid's output and return the text that became final; forget rid on finish."""
+    def _flush(self, st: DecodeState) -> str:
+        """The text of the held-back tokens, decoded after the recent ones."""
+        def decode(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+        return decode(st.recent + st.pending)[len(decode(st.recent)):]
+
+    def step(self, rid: str, new_ids: list[int], finish: FinishReason | None, context: list[int] = ()) -> str:
+        """Append new_ids to rid's output and return the text that became final; forget rid on finish.
+        `context`: the last prompt tokens, given with the request's first output."""
         st = self.states.get(rid)
         if st is None:
-            st = self.states[rid] = DecodeState()
-        st.ids.extend(new_ids)
-        end = len(st.ids)
+            st = self.states[rid] = self._new_state(list(context))
+        ids = list(new_ids)
         if (finish is not None and finish.kind == "stop" and isinstance(finish.matched, int)
-                and not isinstance(finish.matched, bool) and end > st.read_offset
-                and st.ids[-1] == finish.matched):
-            end -= 1  # the stop token's own text is not part of the output
-        prefix_text = self._decode(st.ids[st.prefix_offset:st.read_offset])
-        new_text = self._decode(st.ids[st.prefix_offset:end])
+                and not isinstance(finish.matched, bool) and ids and ids[-1] == finish.matched):
+            ids.pop()  # the stop token's own text is not part of the output
+        out = []
+        for token in ids:
+            chunk = st.stream.step(self.backend, token)
+            st.pending.append(token)
+            if chunk is not None:
+                out.append(chunk)
+                st.recent = (st.recent + st.pending)[-_WINDOW:]
+                st.pending = []
+            elif len(st.pending) >= _MAX_PENDING_TOKENS:
+                out.append(self._flush(st))
+                st.recent = (st.recent + st.pending)[-_WINDOW:]
+                st.stream, st.pending = self._new_state(st.recent).stream, []
         if finish is not None:
             del self.states[rid]
-            return new_text[len(prefix_text):]
-        pending = end - st.read_offset
-        if len(new_text) > len(prefix_text) and (not new_text.endswith("\ufffd")
-                                                 or pending >= _MAX_PENDING_TOKENS):
-            st.prefix_offset = st.read_offset
-            st.read_offset = end
-            return new_text[len(prefix_text):]
-        return ""
+            if st.pending:
+                out.append(self._flush(st))
+        return "".join(out)
 
     def process(self, batch: BatchTokenOut) -> BatchStrOut:
         deltas = []
-        for rid, ids, finish in zip(batch.rids, batch.new_token_ids, batch.finished):
+        contexts = batch.context_ids or [()] * len(batch.rids)
+        for rid, ids, finish, context in zip(batch.rids, batch.new_token_ids, batch.finished, contexts):
             try:
-                deltas.append(self.step(rid, ids, finish))
+                deltas.append(self.step(rid, ids, finish, context))
             except Exception:  # a bad id must not take the process (and every other request) down
                 logger.exception("detokenizing request %s failed", rid)
                 self.states.pop(rid, None)

@@ -63,6 +63,10 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # best alternatives, descending
 
 
+# Prompt tokens sent along with a request's first output tokens: the detokenizer decodes after them.
+DETOKENIZER_CONTEXT_TOKENS = 5
+
+
 @dataclass
 class BatchTokenOut:
     """New output tokens of every request that advanced in one scheduler step."""
@@ -74,6 +78,9 @@ class BatchTokenOut:
     completion_tokens: list[int]
     cached_tokens: list[int]
     logprobs: list[list[TokenLogprob] | None]
+    # The last prompt tokens of each request reporting its first output (else empty): the detokenizer's
+    # context. None: no context for any request.
+    context_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -26,6 +26,68 @@ def tokenizer():
     return load_tokenizer(str(server_model_dir()))
 
 
+def sentencepiece_tokenizer():
+    """A Llama-2 / Mistral style tokenizer (SentencePiece BPE: "▁" for spaces, byte fallback, the first
+    leading space stripped when decoding), trained here on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator([t for t in TEXTS for _ in range(5)] + ["Hello there"] * 5,
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def stream_text(detok, ids, context, rid="r"):
+    """Feed ids one by one; returns the text emitted after each token (the last call finishes)."""
+    out, texts = "", []
+    for i, t in enumerate(ids):
+        out += detok.step(rid, [t], FinishReason("length") if i == len(ids) - 1 else None,
+                          context if i == 0 else ())
+        texts.append(out)
+    return texts
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_stream_equals_full_decode_for_every_prefix(tokenizer, kind, text):
+    """After every token the text emitted so far is the full decode of the tokens so far (after the prompt's
+    last tokens), or a prefix of it while a character is incomplete; at the end, exactly the full decode."""
+    tok = tokenizer if kind == "byte_level" else sentencepiece_tokenizer()
+    context = tok.encode("Hello there", add_special_tokens=False)[-5:]
+    ids = tok.encode(text, add_special_tokens=False)
+    texts = stream_text(IncrementalDetokenizer(tok), ids, context)
+
+    def after_context(n):
+        return tok.decode(context + ids[:n])[len(tok.decode(context)):]
+
+    for n, emitted in enumerate(texts, start=1):
+        full = after_context(n)
+        assert full.startswith(emitted), (n, emitted, full)
+        if not full.endswith("\ufffd"):
+            assert emitted == full, (n, emitted, full)
+    assert texts[-1] == after_context(len(ids))
+    # Finishing while a character is incomplete gives the full decode (with its U+FFFD), not less.
+    cut = [n for n in range(1, len(ids)) if after_context(n).endswith("\ufffd")]
+    assert cut or kind == "sentencepiece" or text.isascii()
+    for n in cut:
+        assert stream_text(IncrementalDetokenizer(tok), ids[:n], context)[-1] == after_context(n)
+
+
+def test_first_output_token_keeps_its_leading_space_after_the_prompt():
+    """SentencePiece drops the leading space of the first token of a decode; the first output token comes
+    after the prompt, so its space is part of the output (the prompt's last tokens are the context)."""
+    tok = sentencepiece_tokenizer()
+    prompt = tok.encode("Hello", add_special_tokens=False)
+    ids = tok.encode("Hello there", add_special_tokens=False)[len(prompt):]
+    assert tok.decode(ids).startswith("there")  # decoded alone, the space is lost
+    assert "".join(stream_text(IncrementalDetokenizer(tok), ids, prompt)[-1:]) == " there"
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_incremental_detokenization_matches_full_decode(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
