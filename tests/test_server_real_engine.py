@@ -173,10 +173,10 @@ def run_faulty_scheduler_process(args, ipc, ready_conn) -> None:
 
     sample = Scheduler._sample
 
-    def faulty_sample(self, logits, reqs):
-        if any(r.output_ids and r.input_ids[: len(FAULT_MARKER)] == FAULT_MARKER for r in reqs):
+    def faulty_sample(self, logits, reqs, *args):
+        if any(r.num_sampled and r.input_ids[: len(FAULT_MARKER)] == FAULT_MARKER for r in reqs):
             raise RuntimeError("injected fault")
-        return sample(self, logits, reqs)
+        return sample(self, logits, reqs, *args)
 
     Scheduler._sample = faulty_sample
     scheduler_process.run_scheduler_process(args, ipc, ready_conn)
