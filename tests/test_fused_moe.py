@@ -1,0 +1,112 @@
+"""The fused MoE Triton path (align + grouped GEMMs + combine) against the torch path; the router.
+
+Without CUDA the kernels run in Triton's CPU interpreter (tests/triton_mode.py), so shapes stay small."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton_mode
+from triton_mode import DEVICE, in_process
+
+from model_executor.layers.moe.fused_moe import fused_experts_torch
+from model_executor.layers.moe.layer import select_experts
+
+if not triton_mode.RERUN_IN_SUBPROCESS:
+    from model_executor.layers.moe import kernels
+
+test_in_subprocess = triton_mode.subprocess_test(__file__)
+
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+
+
+def make_moe(num_tokens, num_experts, hidden, inter, top_k, dtype, seed, skew=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE, dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if skew:  # most tokens pick expert 0: one expert with many blocks, others empty
+        logits[:, 0] += 5.0
+    weights, ids = select_experts(logits.to(DEVICE), top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+def check_align(ids, block_m, num_experts, sorted_ids, expert_ids, total):
+    flat = ids.flatten().cpu()
+    numel = flat.numel()
+    sorted_ids, expert_ids, total = sorted_ids.cpu(), expert_ids.cpu(), int(total.item())
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert sorted_ids.numel() == numel + num_experts * (block_m - 1)
+    real = sorted_ids[:total]
+    assert (sorted_ids[total:] == numel).all()
+    assert sorted(real[real < numel].tolist()) == list(range(numel))  # every assignment exactly once
+    for b in range(total // block_m):
+        block = real[b * block_m : (b + 1) * block_m]
+        picked = block[block < numel].long()
+        assert (flat[picked] == expert_ids[b]).all()  # a block holds its expert's assignments only
+        assert torch.equal(picked, picked.sort().values)  # in token order
+
+
+@in_process
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 2, 4), (5, 3, 8), (40, 2, 8), (33, 4, 16)])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_align_one_program_and_torch_agree(num_tokens, top_k, num_experts, block_m):
+    _, _, _, _, ids = make_moe(num_tokens, num_experts, 8, 8, top_k, torch.float32, seed=num_tokens)
+    one = kernels.moe_align_block_size(ids, block_m, num_experts)
+    check_align(ids, block_m, num_experts, *one)
+    numel = ids.numel()
+    max_padded = kernels.max_padded_slots(numel, num_experts, block_m)
+    big = kernels._align_torch(ids.flatten(), block_m, num_experts, max_padded, -(-max_padded // block_m))
+    check_align(ids, block_m, num_experts, *big)
+    total = int(one[2].item())
+    assert torch.equal(one[0][:total].cpu(), big[0][:total].cpu())
+    assert torch.equal(one[1][: total // block_m].cpu(), big[1][: total // block_m].cpu())
+
+
+@in_process
+@pytest.mark.parametrize("num_tokens", [1, 3, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_matches_torch(num_tokens, dtype):
+    x, w13, w2, weights, ids = make_moe(num_tokens, 8, 64, 48, 2, dtype, seed=num_tokens)
+    ref = fused_experts_torch(x, w13, w2, weights, ids)
+    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, config=SMALL)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 4e-2, "atol": 4e-2}  # bf16: a few ulps apart
+    torch.testing.assert_close(out, ref, **tol)
+
+
+@in_process
+def test_fused_experts_skewed_routing_and_model_dtype_weights():
+    """One expert takes nearly every token (many blocks; others empty); weights in the model dtype."""
+    x, w13, w2, weights, ids = make_moe(48, 6, 32, 40, 3, torch.float32, seed=3, skew=True)
+    assert (ids == 0).sum() > 40
+    ref = fused_experts_torch(x, w13, w2, weights, ids)
+    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, config=dict(SMALL, BLOCK_M=32))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_select_experts_topk_and_renormalise():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert ids.tolist() == [[1, 2], [3, 0]] or ids[1, 0] == 3
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    weights, _ = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+
+
+def test_moe_block_traces_as_one_graph():
+    """The experts are one opaque op to dynamo (the piecewise runner traces the backbone fullgraph)."""
+    from model_executor.layers.moe.layer import SparseMoeBlock
+
+    block = SparseMoeBlock(4, 2, 16, 24, renormalize=True)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="eager", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), block(x))
+    torch._dynamo.reset()
