@@ -97,3 +97,47 @@ def test_greedy_tokens_equal_hf_generate(name, tiny):
         ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert greedy(runner, prompt, 32) == ref
+
+
+def test_sliding_window_caps_the_context():
+    from model_executor.model_config import ModelConfig, ModelConfigError
+
+    mistral = ModelConfig.from_dict(dict(TINY_LLAMA_BASE, architectures=["MistralForCausalLM"], sliding_window=64,
+                                         max_position_embeddings=512))
+    assert mistral.check_context_length(None) == 64 and mistral.check_context_length(64) == 64
+    with pytest.raises(ModelConfigError, match="--context-length 65 is above the model's sliding window"):
+        mistral.check_context_length(65)
+    # Qwen configs carry a sliding_window that HF applies only with use_sliding_window.
+    qwen = ModelConfig.from_dict(dict(TINY_QWEN3, sliding_window=64, use_sliding_window=False))
+    assert qwen.check_context_length(None) == 512
+    qwen_sliding = ModelConfig.from_dict(dict(TINY_QWEN3, sliding_window=64, use_sliding_window=True))
+    assert qwen_sliding.check_context_length(None) == 64
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "mrope", "factor": 2.0}, {"type": "su", "factor": 2.0}])
+def test_unsupported_rope_type_is_named(rope):
+    from model_executor.model_config import ModelConfig, ModelConfigError
+
+    kind = rope.get("rope_type", rope.get("type"))
+    with pytest.raises(ModelConfigError, match=f"rope_type '{kind}' is not supported; duet supports default"):
+        ModelConfig.from_dict(dict(TINY_LLAMA_BASE, rope_scaling=rope))
+
+
+@pytest.mark.parametrize("name,dropped", [
+    ("qwen3_moe", "model.layers.2.mlp.experts.5.up_proj.weight"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+])
+def test_missing_expert_tensor_is_named(name, dropped, tiny, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from model_executor.weight_loader import WeightLoadError
+
+    path, _ = tiny(name)
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    tensors = load_file(path / "model.safetensors")
+    del tensors[dropped]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(WeightLoadError, match=f"has no tensor '{dropped}'"):
+        ModelRunner(RunnerConfig(model_path=str(tmp_path), max_running_requests=1, max_total_tokens=16))
