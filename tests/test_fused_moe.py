@@ -110,3 +110,19 @@ def test_moe_block_traces_as_one_graph():
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), block(x))
     torch._dynamo.reset()
+
+
+def test_bench_floor_counts_the_experts_a_step_reads():
+    from benchmarks.bench_one_batch import step_read_bytes, weight_bytes
+    from model_executor.model_config import ModelConfig
+    from model_executor.weight_loader import build_model
+
+    cfg = ModelConfig.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1]})
+    model = build_model(cfg, torch.float32, "cpu")
+    per_expert = (2 * 16 * 32 + 32 * 16) * 4
+    all_bytes = weight_bytes(model)
+    assert step_read_bytes(model, 1) == all_bytes - 2 * (8 - 2) * per_expert  # two MoE layers, 2 of 8 read
+    assert step_read_bytes(model, 1000) == all_bytes  # every expert
