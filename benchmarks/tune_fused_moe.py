@@ -85,7 +85,9 @@ def main(argv=None) -> int:
     table, timings = {}, {}
     t0 = time.perf_counter()
     print(f"{args.model}: E={num_experts} N={2 * inter} K={hidden} top_k={top_k} on {torch.cuda.get_device_name()}")
-    print(f"{'tokens':>7} {'default us':>11} {'best us':>9} {'speedup':>8}  best config")
+    per_expert = 3 * inter * hidden * 2
+    print(f"{'tokens':>7} {'default us':>11} {'best us':>9} {'speedup':>8} {'best TB/s':>9}  best config "
+          f"(TB/s: the routed experts' bytes per call / time)")
     for bs in args.batch_size:
         x = torch.randn(bs, hidden, device="cuda", generator=g).bfloat16()
         weights, ids = select_experts(torch.randn(bs, num_experts, device="cuda", generator=g), top_k, True)
@@ -100,9 +102,11 @@ def main(argv=None) -> int:
         if default_us <= best_us:
             best_us, best = default_us, default_config(bs)
         table[str(bs)] = best
+        expert_bytes = torch.unique(ids).numel() * per_expert
         timings[str(bs)] = {"default_us": round(default_us, 2), "best_us": round(best_us, 2), "best": best,
-                            "all": [[round(us, 2), c] for us, c in results]}
-        print(f"{bs:>7} {default_us:>11.1f} {best_us:>9.1f} {default_us / best_us:>8.2f}  {best}")
+                            "expert_bytes": expert_bytes, "all": [[round(us, 2), c] for us, c in results]}
+        print(f"{bs:>7} {default_us:>11.1f} {best_us:>9.1f} {default_us / best_us:>8.2f} "
+              f"{expert_bytes / best_us / 1e6:>9.2f}  {best}")
     dev = device_name("cuda")
     out = Path(args.out_dir) / table_path(num_experts, 2 * inter, hidden, dev).name
     out.parent.mkdir(parents=True, exist_ok=True)

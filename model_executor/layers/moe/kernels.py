@@ -28,7 +28,7 @@ _ALIGN_CHUNK = 64
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, numel, num_experts, max_padded, max_blocks,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     e_idx = tl.arange(0, BLOCK_E)
     e_valid = e_idx < num_experts
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -45,8 +45,8 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, numel, num
         before = (cum[None, :] <= (b * BLOCK_M)[:, None]) & e_valid[None, :]
         expert = tl.minimum(tl.sum(before.to(tl.int32), axis=1), num_experts - 1)  # past the end: skipped
         tl.store(expert_ids_ptr + b, expert, mask=b < max_blocks)
-    for p0 in range(0, max_padded, CHUNK):
-        p = p0 + tl.arange(0, CHUNK)
+    for p0 in range(0, max_padded, FILL):  # stores only: wide steps (few loop trips at decode sizes)
+        p = p0 + tl.arange(0, FILL)
         tl.store(sorted_ptr + p, numel, mask=p < max_padded)
     tl.debug_barrier()  # the sentinel fill lands before the scatter below overwrites part of it
     offset = cum - padded  # next free slot of each expert
@@ -80,7 +80,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
         total = torch.empty(1, dtype=torch.int32, device=device)
         _moe_align_kernel[(1,)](topk_ids, sorted_ids, expert_ids, total, numel, num_experts, max_padded,
                                 max_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
-                                CHUNK=_ALIGN_CHUNK, num_warps=4)
+                                CHUNK=_ALIGN_CHUNK, FILL=1024, num_warps=4)
         return sorted_ids, expert_ids, total
     return _align_torch(topk_ids.flatten(), block_m, num_experts, max_padded, max_blocks)
 
