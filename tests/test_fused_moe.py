@@ -126,3 +126,28 @@ def test_bench_floor_counts_the_experts_a_step_reads():
     all_bytes = weight_bytes(model)
     assert step_read_bytes(model, 1) == all_bytes - 2 * (8 - 2) * per_expert  # two MoE layers, 2 of 8 read
     assert step_read_bytes(model, 1000) == all_bytes  # every expert
+
+
+@in_process
+def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
+    """A tiny Qwen3-MoE whose experts run the Triton kernels (interpreter on CPU) still matches HF."""
+    from conftest import save_tiny_hf_model
+    from test_model_vs_hf import run_prefill_and_decode
+    from test_new_models_vs_hf import TINY_QWEN3_MOE
+
+    from model_executor.layers.moe import fused_moe
+    from runners.model_runner import ModelRunner, RunnerConfig
+
+    calls = []
+
+    def triton_path(x, w13, w2, weights, ids):
+        calls.append(x.shape[0])
+        return kernels.fused_experts_triton(x, w13, w2, weights, ids, config=dict(SMALL, BLOCK_N=64, BLOCK_K=64))
+
+    monkeypatch.setattr(fused_moe, "_fused_experts_impl", triton_path)
+    hf_model = save_tiny_hf_model(tmp_path, TINY_QWEN3_MOE, seed=4)
+    runner = ModelRunner(RunnerConfig(model_path=str(tmp_path), max_running_requests=2, max_total_tokens=128,
+                                      context_length=64))
+    errors = run_prefill_and_decode(runner, hf_model, [[5, 9, 200, 31, 7, 64, 12], [40]], decode_steps=1)
+    assert max(errors) < 1e-4, errors
+    assert calls and calls[0] == 8  # the prefill's 8 tokens went through the kernels
