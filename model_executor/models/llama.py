@@ -24,6 +24,7 @@ from model_executor.layers.linear import (
 from model_executor.layers.logits import compute_logits
 from model_executor.layers.moe.layer import DOWN, GATE, UP, FusedMoE, SparseMoeBlock
 from model_executor.layers.norm import RMSNorm
+from model_executor.layers.qk_norm_rope import qk_norm_rope
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import CheckpointMismatchError, ModelConfig
 
@@ -57,9 +58,13 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         t, hd = x.shape[0], self.attn.head_dim
         q, k = q.view(t, -1, hd), k.view(t, -1, hd)
-        if self.qk_norm:  # per head, before the rotary (new tensors: the rotary then works on those)
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm and q.is_cuda:  # per head, then the rotary: one kernel, in place in the qkv output
+            q, k = qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                self.rotary_emb.cos_sin_cache)
+        elif self.qk_norm:
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, fb)
         return self.o_proj(out)
 
