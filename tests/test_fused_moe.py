@@ -151,3 +151,21 @@ def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
     errors = run_prefill_and_decode(runner, hf_model, [[5, 9, 200, 31, 7, 64, 12], [40]], decode_steps=1)
     assert max(errors) < 1e-4, errors
     assert calls and calls[0] == 8  # the prefill's 8 tokens went through the kernels
+
+
+def test_tuned_table_lookup(tmp_path, monkeypatch):
+    import json
+
+    from model_executor.layers.moe import tuning
+
+    small = {k: 1 for k in tuning.KEYS}
+    large = {k: 2 for k in tuning.KEYS}
+    (tmp_path / "E=8,N=96,K=64,device=cpu.json").write_text(json.dumps({"1": small, "64": large}))
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    tuning.load_table.cache_clear()
+    try:
+        assert tuning.get_config(8, 96, 64, 1, "cpu") == small
+        assert tuning.get_config(8, 96, 64, 40, "cpu") == large  # the nearest entry
+        assert tuning.get_config(8, 96, 128, 40, "cpu") == tuning.default_config(40)  # no table for this shape
+    finally:
+        tuning.load_table.cache_clear()
