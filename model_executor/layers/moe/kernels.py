@@ -10,7 +10,7 @@
         [T*k, H]. Blocks past the padded total return at once.
     combine: the k rows of each token summed (torch, float32 accumulation).
 
-Every buffer's size depends only on T (T*k + E*(BLOCK_M-1) sorted slots at most), so a launch sequence can
+Every buffer's size depends only on T (min(T*k + E*(BLOCK_M-1), T*k*BLOCK_M) sorted slots), so a launch sequence can
 be captured in a CUDA graph. Block sizes come from moe/tuning.py (a tuned table, else a default).
 """
 
@@ -62,7 +62,9 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, numel, num
 
 
 def max_padded_slots(numel: int, num_experts: int, block_m: int) -> int:
-    return numel + num_experts * (block_m - 1)
+    """An upper bound of the padded total: each expert pads fewer than block_m slots, and a block holds at
+    least one assignment (the second bound is the smaller one for decode batches: few blocks to visit)."""
+    return min(numel + num_experts * (block_m - 1), numel * block_m)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
