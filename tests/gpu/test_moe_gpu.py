@@ -56,7 +56,7 @@ def test_fused_moe_matches_torch(experts, num_tokens):
     x, weights, ids = routed(num_tokens, seed=num_tokens)
     ref = fused_experts_torch(x, w13, w2, weights, ids)
     out = kernels.fused_experts_triton(x, w13, w2, weights, ids)
-    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=5e-3)  # outputs ~0.1: a bug is off by O(0.1)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 256, 2048])
