@@ -42,14 +42,15 @@ def candidates(num_tokens: int) -> list[dict]:
     return out
 
 
-def time_config(x, w13, w2, weights, ids, config) -> float:
-    """Median microseconds per fused_experts call, replayed from a CUDA graph."""
-    kernels.fused_experts_triton(x, w13, w2, weights, ids, config=config)  # compile outside the capture
+def time_config(x, w13, w2, weights, ids, config, flags=(True, True)) -> float:
+    """Median microseconds per fused_experts call, replayed from a CUDA graph (flags: renormalize and
+    round_weights, as the model passes them)."""
+    kernels.fused_experts_triton(x, w13, w2, weights, ids, *flags, config=config)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(REPEAT):
-            kernels.fused_experts_triton(x, w13, w2, weights, ids, config=config)
+            kernels.fused_experts_triton(x, w13, w2, weights, ids, *flags, config=config)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -90,12 +91,13 @@ def main(argv=None) -> int:
           f"(TB/s: the routed experts' bytes per call / time)")
     for bs in args.batch_size:
         x = torch.randn(bs, hidden, device="cuda", generator=g).bfloat16()
-        weights, ids = select_experts(torch.randn(bs, num_experts, device="cuda", generator=g), top_k, True)
-        default_us = time_config(x, w13, w2, weights, ids, default_config(bs))
+        weights, ids = select_experts(torch.randn(bs, num_experts, device="cuda", generator=g), top_k, False)
+        flags = (cfg.norm_topk_prob, cfg.architecture == "Qwen3MoeForCausalLM")
+        default_us = time_config(x, w13, w2, weights, ids, default_config(bs), flags)
         results = []
         for config in candidates(bs):
             try:
-                results.append((time_config(x, w13, w2, weights, ids, config), config))
+                results.append((time_config(x, w13, w2, weights, ids, config, flags), config))
             except Exception as e:  # noqa: BLE001 (a config over the GPU's resources: skip it, say so)
                 print(f"  skipped {config}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
         best_us, best = min(results, key=lambda r: r[0])

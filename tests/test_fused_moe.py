@@ -28,7 +28,7 @@ def make_moe(num_tokens, num_experts, hidden, inter, top_k, dtype, seed, skew=Fa
     logits = torch.randn(num_tokens, num_experts, generator=gen)
     if skew:  # most tokens pick expert 0: one expert with many blocks, others empty
         logits[:, 0] += 5.0
-    weights, ids = select_experts(logits.to(DEVICE), top_k, renormalize=True)
+    weights, ids = select_experts(logits.to(DEVICE), top_k, renormalize=False)  # fused_experts renormalises
     return x, w13, w2, weights, ids
 
 
@@ -65,24 +65,28 @@ def test_align_one_program_and_torch_agree(num_tokens, top_k, num_experts, block
     assert torch.equal(one[1][: total // block_m].cpu(), big[1][: total // block_m].cpu())
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+
+
 @in_process
-@pytest.mark.parametrize("num_tokens", [1, 3, 17, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_experts_matches_torch(num_tokens, dtype):
-    x, w13, w2, weights, ids = make_moe(num_tokens, 8, 64, 48, 2, dtype, seed=num_tokens)
-    ref = fused_experts_torch(x, w13, w2, weights, ids)
-    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, config=SMALL)
+@pytest.mark.parametrize("num_tokens,dtype,renormalize,round_weights", [
+    (1, F32, False, False), (3, BF16, True, True), (17, F32, True, False), (17, BF16, True, True),
+    (64, BF16, False, False), (64, F32, True, True)])
+def test_fused_experts_matches_torch(num_tokens, dtype, renormalize, round_weights):
+    x, w13, w2, weights, ids = make_moe(num_tokens, 8, 64, 48, 3, dtype, seed=num_tokens)
+    ref = fused_experts_torch(x, w13, w2, weights, ids, renormalize, round_weights)
+    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize, round_weights, config=SMALL)
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 4e-2, "atol": 4e-2}  # bf16: a few ulps apart
     torch.testing.assert_close(out, ref, **tol)
 
 
 @in_process
 def test_fused_experts_skewed_routing_and_model_dtype_weights():
-    """One expert takes nearly every token (many blocks; others empty); weights in the model dtype."""
+    """One expert takes nearly every token (many blocks; others empty); weights renormalised and rounded."""
     x, w13, w2, weights, ids = make_moe(48, 6, 32, 40, 3, torch.float32, seed=3, skew=True)
     assert (ids == 0).sum() > 40
-    ref = fused_experts_torch(x, w13, w2, weights, ids)
-    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, config=dict(SMALL, BLOCK_M=32))
+    ref = fused_experts_torch(x, w13, w2, weights, ids, renormalize=True, round_weights=True)
+    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, True, True, config=dict(SMALL, BLOCK_M=32))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -140,9 +144,10 @@ def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
 
     calls = []
 
-    def triton_path(x, w13, w2, weights, ids):
+    def triton_path(x, w13, w2, weights, ids, renormalize, round_weights):
         calls.append(x.shape[0])
-        return kernels.fused_experts_triton(x, w13, w2, weights, ids, config=dict(SMALL, BLOCK_N=64, BLOCK_K=64))
+        return kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize, round_weights,
+                                            config=dict(SMALL, BLOCK_N=64, BLOCK_K=64))
 
     monkeypatch.setattr(fused_moe, "_fused_experts_impl", triton_path)
     hf_model = save_tiny_hf_model(tmp_path, TINY_QWEN3_MOE, seed=4)

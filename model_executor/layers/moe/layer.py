@@ -59,10 +59,10 @@ class FusedMoE(nn.Module):
         return [f"{e}/{p}" for e in range(self.num_experts) for p in projs]
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if self.router_weights_in_model_dtype:
-            weights = weights.to(hidden.dtype)
-        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids)
+        # The renormalisation and the rounding happen inside fused_experts (in the Triton GEMM on CUDA).
+        weights, ids = select_experts(router_logits, self.top_k, renormalize=False)
+        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, self.renormalize,
+                             self.router_weights_in_model_dtype)
 
 
 class SparseMoeBlock(nn.Module):
