@@ -22,6 +22,7 @@ import triton.language as tl
 
 from model_executor.layers.moe.tuning import get_config
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 ALIGN_ONE_PROGRAM_MAX = 4096  # assignments (T*k) up to which the one-program align kernel runs
 _ALIGN_CHUNK = 64
 
@@ -110,15 +111,15 @@ def _fused_moe_gemm_kernel(
     N, K, numel, max_padded,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     A_ROWS_PER_ASSIGNMENT: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_F32: tl.constexpr,
-    TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND_WEIGHTS: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, WEIGHT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C[a, n] = (A[a // A_ROWS_PER_ASSIGNMENT] @ B[e].T)[n] for the sorted assignments a of expert e.
 
     GATED: B has 2N rows (gate, then up); C = silu(gate) * up, each rounded to C's dtype where the torch
     path rounds. MUL_WEIGHT: C = (A @ B.T rounded) * w[a], w[a] = weights[a], divided by the sum of its
-    token's TOP_K weights with RENORMALIZE, then rounded to C's dtype with ROUND_WEIGHTS (the router's
-    epilogue done here: no kernels of its own)."""
+    token's TOP_K weights with RENORMALIZE, then rounded to WEIGHT_DTYPE (the router's epilogue done here:
+    no kernels of its own)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_padded, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -169,15 +170,14 @@ def _fused_moe_gemm_kernel(
             row = tl.load(weights_ptr + first[:, None] + j[None, :], mask=valid[:, None] & (j[None, :] < TOP_K),
                           other=0.0).to(tl.float32)
             w = w / tl.where(valid, tl.sum(row, axis=1), 1.0)
-        if ROUND_WEIGHTS:
-            w = w.to(out_dtype).to(tl.float32)
+        w = w.to(WEIGHT_DTYPE).to(tl.float32)
         acc = acc.to(out_dtype).to(tl.float32) * w[:, None]
     c_ptrs = c_ptr + assignment[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(out_dtype), mask=valid[:, None] & n_mask[None, :])
 
 
 def _gemm(a, b, c, weights, sorted_ids, expert_ids, total, n, k, numel, rows_per_assignment, gated, mul_weight,
-          config: dict, top_k: int = 1, renormalize: bool = False, round_weights: bool = False) -> None:
+          config: dict, top_k: int = 1, renormalize: bool = False, weight_dtype: torch.dtype = torch.float32) -> None:
     max_padded = sorted_ids.numel()
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     grid = (triton.cdiv(max_padded, bm) * triton.cdiv(n, bn),)
@@ -188,7 +188,8 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, total, n, k, numel, rows_per
         A_ROWS_PER_ASSIGNMENT=rows_per_assignment, GATED=gated, MUL_WEIGHT=mul_weight,
         # Triton's CPU interpreter computes bfloat16 tl.dot wrongly (garbage): it gets float32 operands
         DOT_F32=a.device.type == "cpu" and a.dtype == torch.bfloat16,
-        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, ROUND_WEIGHTS=round_weights,
+        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        WEIGHT_DTYPE=_TL_DTYPES[weight_dtype],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
@@ -196,8 +197,12 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, total, n, k, numel, rows_per
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, renormalize: bool = False, round_weights: bool = False,
-                         config: dict | None = None) -> torch.Tensor:
-    """fused_moe.fused_experts on the Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+                         config: dict | None = None, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fused_moe.fused_experts on the Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+
+    weight_dtype: what round_weights rounds the routing weights to (x's dtype unless given; tests pick
+    bfloat16 with float32 activations, where the rounding is far above the float32 noise)."""
+    weight_dtype = (weight_dtype or x.dtype) if round_weights else torch.float32
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w2.shape[0], w2.shape[2]
@@ -214,6 +219,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     down = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.contiguous()
     _gemm(act, w2, down, weights, sorted_ids, expert_ids, total, hidden, inter, numel, 1, False, True, config,
-          top_k, renormalize, round_weights)
+          top_k, renormalize, weight_dtype)
     torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out
