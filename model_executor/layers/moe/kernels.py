@@ -200,8 +200,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          config: dict | None = None, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
     """fused_moe.fused_experts on the Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
-    weight_dtype: what round_weights rounds the routing weights to (x's dtype unless given; tests pick
-    bfloat16 with float32 activations, where the rounding is far above the float32 noise)."""
+    weight_dtype: what round_weights rounds the routing weights to (x's dtype unless given; a test picks
+    float16 with float32 activations, where the rounding stands far above the float32 noise)."""
     weight_dtype = (weight_dtype or x.dtype) if round_weights else torch.float32
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
