@@ -1,8 +1,8 @@
 """Qwen3, Qwen3-MoE and Mixtral on the GPU (float32, triton attention): the fused kernels inside the real
 model (q/k norm + rotary, fused MoE) against HF transformers on the CPU, same tiny random weights.
 
-Triton's float32 tl.dot rounds its inputs to TF32 on the GPU, so the tolerance is 1e-2 relative (the CPU
-tests hold the torch paths to 1e-4). Run: pytest -m gpu tests/gpu/test_new_models_gpu.py
+The triton attention kernels' float32 tl.dot rounds its inputs to TF32 on the GPU, so the tolerance is 1e-2
+relative (the CPU tests hold the torch paths to 1e-4). Run: pytest -m gpu tests/gpu/test_new_models_gpu.py
 """
 
 from __future__ import annotations

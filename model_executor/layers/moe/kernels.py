@@ -111,6 +111,7 @@ def _fused_moe_gemm_kernel(
     N, K, numel, max_padded,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     A_ROWS_PER_ASSIGNMENT: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, WEIGHT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -149,12 +150,12 @@ def _fused_moe_gemm_kernel(
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if DOT_F32:
                 b_up = b_up.to(tl.float32)
-            acc_up += tl.dot(a, b_up)
+            acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     out_dtype = c_ptr.dtype.element_ty
@@ -188,6 +189,8 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, total, n, k, numel, rows_per
         A_ROWS_PER_ASSIGNMENT=rows_per_assignment, GATED=gated, MUL_WEIGHT=mul_weight,
         # Triton's CPU interpreter computes bfloat16 tl.dot wrongly (garbage): it gets float32 operands
         DOT_F32=a.device.type == "cpu" and a.dtype == torch.bfloat16,
+        # float32 models (tests) get float32 products, not TF32, as torch's matmul (TF32 off by default)
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         WEIGHT_DTYPE=_TL_DTYPES[weight_dtype],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
