@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+logger = logging.getLogger("duet.model_config")
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# The rope types whose tables duet builds (through transformers' ROPE_INIT_FUNCTIONS: layers/rotary.py).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 class ModelConfigError(ValueError):
@@ -37,6 +44,19 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: dict | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before the rotary
+    # Mixture of experts (num_experts 0: a dense model); moe_layers: the layers whose MLP is the MoE block.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to one
+    moe_layers: tuple[int, ...] = ()
+    # The attention window (Mistral v0.1: 4096); None: full attention. duet serves at most this many
+    # tokens per request instead of masking (check_context_length), which is exact for such contexts.
+    sliding_window: int | None = None
+    # The context length being served (build_model sets it): the RoPE table covers it, and the dynamic /
+    # longrope tables are computed for it (layers/rotary.py).
+    served_context_len: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
@@ -66,6 +86,19 @@ class ModelConfig:
                 rope_scaling = cfg["rope_parameters"]
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in SUPPORTED_ROPE_TYPES:
+                raise ModelConfigError(f"config.json rope_type {kind!r} is not supported; duet supports "
+                                       f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+            if float(rope_scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+                raise ModelConfigError("config.json partial_rotary_factor != 1 is not supported (duet rotates "
+                                       "the whole head)")
+            rope_scaling = {**rope_scaling, "rope_type": kind}
+        moe = _moe_fields(arch, cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"config.json hidden_act {cfg['hidden_act']!r} is not supported for {arch}; "
+                                   f"duet's MLP and experts use silu")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -82,6 +115,9 @@ class ModelConfig:
             # Qwen2 always has q/k/v bias; Llama only when attention_bias says so.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            **moe,
+            sliding_window=_sliding_window(arch, cfg),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -116,7 +152,8 @@ class ModelConfig:
 
     @property
     def context_len(self) -> int:
-        return self.max_position_embeddings
+        """The default context length: max_position_embeddings, at most the sliding window."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     @property
     def max_context_len(self) -> int:
@@ -129,9 +166,20 @@ class ModelConfig:
         return limit
 
     def check_context_length(self, context_length: int | None) -> int:
-        """The context length to serve: the flag's value when the positions support it, else the model's."""
+        """The context length to serve: the flag's value when the positions support it, else the model's.
+
+        With a sliding window, at most the window: attention over a context that fits the window is full
+        attention, so duet needs no windowed mask (its attention backends have none)."""
+        window = self.sliding_window
         if context_length is None:
+            if window is not None and window < self.max_position_embeddings:
+                logger.info("context length capped at the sliding window (%d tokens, config.json "
+                            "sliding_window): duet's attention has no window mask", window)
             return self.context_len
+        if window is not None and context_length > window:
+            raise ModelConfigError(f"--context-length {context_length} is above the model's sliding window "
+                                   f"({window} tokens, config.json sliding_window), which duet's attention "
+                                   f"does not implement; use at most {window}")
         if context_length > self.max_context_len:
             why = "with its RoPE scaling" if self.rope_scaling is not None else "and config.json has no RoPE scaling"
             raise ModelConfigError(f"--context-length {context_length} is above the model's "
@@ -142,5 +190,39 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        mlp = 3 * h * i * (self.num_hidden_layers - len(self.moe_layers))
+        experts = len(self.moe_layers) * self.num_experts * (3 * h * self.moe_intermediate_size + h)
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + mlp + experts + h
+
+
+def _moe_fields(arch: str, cfg: dict) -> dict:
+    """ModelConfig's MoE fields from an HF config (Qwen3-MoE or Mixtral); empty for dense models."""
+    if arch == "MixtralForCausalLM":
+        num_experts = cfg["num_local_experts"]
+        return {"num_experts": num_experts, "num_experts_per_tok": cfg.get("num_experts_per_tok", 2),
+                    "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True,
+                    "moe_layers": tuple(range(cfg["num_hidden_layers"]))}
+    if arch != "Qwen3MoeForCausalLM":
+        return {}
+    # transformers >= 5 saves num_experts as num_local_experts (its attribute map); hub configs say num_experts
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not num_experts:
+        raise ModelConfigError("config.json of Qwen3MoeForCausalLM has no num_experts")
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return {"num_experts": num_experts, "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["moe_intermediate_size"],
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": layers}
+
+
+def _sliding_window(arch: str, cfg: dict) -> int | None:
+    """The window HF's attention applies: Mistral and Mixtral whenever sliding_window is set; Qwen only with
+    use_sliding_window (then on some layers; capping the context at the window is exact for all of them)."""
+    window = cfg.get("sliding_window")
+    if arch in _QWEN and not cfg.get("use_sliding_window", False):
+        return None
+    if arch == "LlamaForCausalLM":
+        return None
+    return int(window) if window else None

@@ -47,10 +47,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
                 max_positions: int | None = None) -> torch.nn.Module:
     """The model on `device` in `dtype`, parameters uninitialized (load or init them next).
 
-    max_positions: a longer RoPE table than the config's (a --context-length that RoPE scaling allows).
+    max_positions: the served context length (a longer RoPE table than the config's when a --context-length
+    that RoPE scaling allows is above max_position_embeddings).
     """
-    if max_positions is not None and max_positions > cfg.max_position_embeddings:
-        cfg = dataclasses.replace(cfg, max_position_embeddings=max_positions)
+    if max_positions is not None:
+        cfg = dataclasses.replace(cfg, served_context_len=max_positions)
     model = build_meta_model(cfg, dtype)
     _materialize(model, torch.device(device))
     for module in model.modules():  # modules() yields the shared table once

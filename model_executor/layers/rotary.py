@@ -1,38 +1,71 @@
-"""Rotary position embedding (NeoX / HF-Llama half-rotation layout) with Llama-3 frequency scaling."""
+"""Rotary position embedding (NeoX / HF-Llama half-rotation layout); scaled variants through transformers.
+
+The inverse frequencies (and the attention scaling that yarn and longrope apply to cos/sin) come from
+transformers' ROPE_INIT_FUNCTIONS, so every scaling type is HF's own arithmetic, not a copy of it. Two of
+them depend on the sequence length in HF, which recomputes the table as a sequence grows; a KV cache keeps
+keys rotated with the table they were written with, so duet computes one table for the served context
+length instead (vLLM and SGLang do the same):
+- dynamic: HF's table at that length (the plain table when the context fits max_position_embeddings, which
+  is exactly HF's result for every sequence; beyond it, the NTK-scaled table of the full context).
+- longrope: the short factors when the context fits original_max_position_embeddings (HF's result for every
+  sequence), else the long factors for all positions (HF switches per sequence length).
+"""
 
 from __future__ import annotations
 
-import math
+import types
 
 import torch
 from torch import nn
 
 from model_executor.layers import triton_ops
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_len / low_freq_factor
-    high_freq_wavelen = old_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+
+def rope_type(rope_scaling: dict | None) -> str:
+    if not rope_scaling:
+        return "default"
+    return rope_scaling.get("rope_type", rope_scaling.get("type")) or "default"
+
+
+def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None, max_position_embeddings: int,
+                  seq_len: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] float64, attention scaling of cos/sin) for the served length seq_len."""
+    kind = rope_type(rope_scaling)
+    if kind == "default":
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        return inv_freq, 1.0
+    if kind not in SUPPORTED_ROPE_TYPES:  # ModelConfig refuses these at load; this guards direct use
+        raise ValueError(f"rope_type {kind!r} is not supported; duet supports {', '.join(SUPPORTED_ROPE_TYPES)}")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # The functions read a config object; this one has only the attributes they read (the parameters are
+    # already standardized: rope_type and rope_theta inside rope_parameters).
+    params = {k: v for k, v in rope_scaling.items() if k != "type"}
+    params.update(rope_type=kind, rope_theta=base)
+    cfg = types.SimpleNamespace(
+        rope_parameters=params, head_dim=head_dim, hidden_size=head_dim, num_attention_heads=1,
+        max_position_embeddings=max_position_embeddings, standardize_rope_params=lambda: None)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"), seq_len=seq_len)
+    return inv_freq.double(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
     """One instance serves every layer of a model (the table depends only on the config), so the model
-    keeps a single cos/sin table instead of one per layer."""
+    keeps a single cos/sin table instead of one per layer.
 
-    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
+    max_position: the table's length; original_max_position: config.json's max_position_embeddings, which
+    dynamic / yarn / longrope read; seq_len: the served context length the dynamic and longrope tables are
+    computed for (both default to max_position)."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
+                 original_max_position: int | None = None, seq_len: int | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
+        self.original_max_position = original_max_position or max_position
+        self.seq_len = seq_len or max_position
         self.base = base
         self.rope_scaling = rope_scaling
         # Under a meta-device build this computes nothing; init_cache() fills the real table once the model
@@ -40,21 +73,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", self._compute_cache(None), persistent=False)
 
     def _compute_cache(self, device) -> torch.Tensor:
-        hd = self.head_dim
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind == "llama3":
-                inv_freq = _llama3_inv_freq(inv_freq, self.rope_scaling)
-            elif kind == "linear":
-                inv_freq = inv_freq / self.rope_scaling["factor"]
-            else:
-                raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type == "meta":
+            return torch.empty(self.max_position, self.head_dim, device=device)
+        inv_freq, scaling = rope_inv_freq(self.head_dim, self.base, self.rope_scaling, self.original_max_position,
+                                          self.seq_len)
         t = torch.arange(self.max_position, dtype=torch.float64, device=device)
-        freqs = torch.outer(t, inv_freq)
-        # [max_position, head_dim]: cos and sin halves side by side; built in float32, then cast with the
-        # model (like HF, which casts cos/sin to the activation dtype).
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+        freqs = torch.outer(t, inv_freq.to(device))
+        # [max_position, head_dim]: cos and sin halves side by side, times the attention scaling (yarn and
+        # longrope: HF multiplies cos and sin by it); built in float32, then cast with the model (like HF,
+        # which casts cos/sin to the activation dtype).
+        return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scaling).float()
 
     @torch.no_grad()
     def init_cache(self) -> None:

@@ -1,8 +1,12 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and Qwen2/2.5 (the same block with q/k/v bias)."""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral), Qwen2/2.5 (the same block with q/k/v bias), Qwen3
+(RMSNorm over each q and k head before the rotary) and the MoE models on the same block, whose MLP is a
+router and fused experts (Qwen3-MoE, Mixtral)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -18,7 +22,9 @@ from model_executor.layers.linear import (
     default_weight_loader,
 )
 from model_executor.layers.logits import compute_logits
+from model_executor.layers.moe.layer import DOWN, GATE, UP, FusedMoE, SparseMoeBlock
 from model_executor.layers.norm import RMSNorm
+from model_executor.layers.qk_norm_rope import qk_norm_rope
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import CheckpointMismatchError, ModelConfig
 
@@ -43,11 +49,22 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size)
         self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, hd**-0.5)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        t = x.shape[0]
-        q, k = self.rotary_emb(positions, q.view(t, -1, self.attn.head_dim), k.view(t, -1, self.attn.head_dim))
+        t, hd = x.shape[0], self.attn.head_dim
+        q, k = q.view(t, -1, hd), k.view(t, -1, hd)
+        if self.qk_norm and q.is_cuda:  # per head, then the rotary: one kernel, in place in the qkv output
+            q, k = qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                self.rotary_emb.cos_sin_cache)
+        elif self.qk_norm:
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, fb)
         return self.o_proj(out)
 
@@ -56,7 +73,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb)
-        self.mlp = LlamaMLP(cfg)
+        if layer_id in cfg.moe_layers:
+            # Qwen3-MoE rounds the routing weights to the model dtype; Mixtral keeps them in float32.
+            self.mlp = SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                      cfg.moe_intermediate_size, cfg.norm_topk_prob,
+                                      router_weights_in_model_dtype=cfg.architecture == "Qwen3MoeForCausalLM")
+        else:
+            self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -75,8 +98,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                          cfg.rope_scaling)
+        served = cfg.served_context_len
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max(cfg.max_position_embeddings, served or 0),
+                                          cfg.rope_theta, cfg.rope_scaling,
+                                          original_max_position=cfg.max_position_embeddings, seq_len=served)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -99,6 +124,11 @@ class LlamaForCausalLM(nn.Module):
         (".gate_proj", ".gate_up_proj", 0),
         (".up_proj", ".gate_up_proj", 1),
     )
+    # MoE checkpoints keep one tensor per expert and projection: `<prefix>.experts.<e>.<proj>.weight` goes
+    # into `<prefix>.experts.w13_weight` (gate, up) or `.w2_weight` (down) with shard (e, projection).
+    expert_projections: ClassVar[dict[str, int]] = {}
+    # Checkpoint name fragment -> ours, applied first (Mixtral's MLP is `block_sparse_moe` in its checkpoint).
+    renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -124,12 +154,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # old HF checkpoints saved the RoPE frequencies; ours are computed
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            for hf_frag, our_frag, shard_id in self.stacked_params:
-                if hf_frag in name:
-                    target = name.replace(hf_frag, our_frag)
-                    break
-            else:
-                target, shard_id = name, None
+            target, shard_id = self._target(name)
             param = params.get(target)
             if param is None:
                 raise CheckpointMismatchError(
@@ -141,13 +166,32 @@ class LlamaForCausalLM(nn.Module):
             except ValueError as e:  # the layers' checked copy: shapes differ
                 raise CheckpointMismatchError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit "
                                               f"the config.json shape ({e})") from None
-            loaded.add(target if shard_id is None else f"{target}#{shard_id}")
+            loaded.add(target if shard_id is None else f"{target}#{_shard_str(shard_id)}")
         return loaded
+
+    _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+    def _target(self, name: str) -> tuple[str, object]:
+        """Our parameter and shard id for a checkpoint tensor name."""
+        for hf_frag, our_frag in self.renames:
+            name = name.replace(hf_frag, our_frag)
+        m = self._EXPERT.match(name)
+        if m is not None and m.group(3) in self.expert_projections:
+            proj = self.expert_projections[m.group(3)]
+            return f"{m.group(1)}.{'w2_weight' if proj == DOWN else 'w13_weight'}", (int(m.group(2)), proj)
+        for hf_frag, our_frag, shard_id in self.stacked_params:
+            if hf_frag in name:
+                return name.replace(hf_frag, our_frag), shard_id
+        return name, None
 
     def expected_weight_names(self) -> set[str]:
         names = set()
+        modules = dict(self.named_modules())
         for name, _ in self.named_parameters():
-            if ".qkv_proj." in name:
+            owner = modules[name.rpartition(".")[0]]
+            if isinstance(owner, FusedMoE):
+                names |= {f"{name}#{shard}" for shard in owner.expected_shards(name)}
+            elif ".qkv_proj." in name:
                 names |= {f"{name}#q", f"{name}#k", f"{name}#v"}
             elif ".gate_up_proj." in name:
                 names |= {f"{name}#0", f"{name}#1"}
@@ -158,15 +202,39 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_name(self, name: str) -> str:
         """The HF tensor name behind one of expected_weight_names' names (for error messages)."""
         target, _, shard = name.partition("#")
+        if target.endswith(("experts.w13_weight", "experts.w2_weight")):
+            expert, proj = shard.split("/")
+            hf_proj = next(k for k, v in self.expert_projections.items() if v == int(proj))
+            target = f"{target.rpartition('.')[0]}.{expert}.{hf_proj}.weight"
         for hf_frag, our_frag, shard_id in self.stacked_params:
             if our_frag in target and str(shard_id) == shard:
-                return target.replace(our_frag, hf_frag)
+                target = target.replace(our_frag, hf_frag)
+                break
+        for hf_frag, our_frag in self.renames:
+            target = target.replace(our_frag, hf_frag)
         return target
 
 
-# Mistral and Qwen2 share the Llama block; Qwen2's q/k/v bias comes from ModelConfig.attention_bias.
+def _shard_str(shard_id) -> str:
+    return "/".join(map(str, shard_id)) if isinstance(shard_id, tuple) else str(shard_id)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    expert_projections: ClassVar[dict[str, int]] = {"gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    expert_projections: ClassVar[dict[str, int]] = {"w1": GATE, "w3": UP, "w2": DOWN}
+    renames = ((".block_sparse_moe.", ".mlp."),)
+
+
+# Mistral, Qwen2 and Qwen3 share the Llama block; Qwen2's q/k/v bias comes from ModelConfig.attention_bias,
+# Qwen3's q/k norms from ModelConfig.qk_norm, the MoE layers from ModelConfig.moe_layers.
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }

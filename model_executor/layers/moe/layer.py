@@ -1,0 +1,79 @@
+"""FusedMoE: a router (softmax, top-k, optional renormalisation) and every expert's weights as two tensors.
+
+    w13_weight [E, 2*I, H]: each expert's gate projection (rows 0..I) then its up projection (rows I..2I)
+    w2_weight  [E, H, I]:   each expert's down projection
+
+The checkpoint keeps one tensor per expert and projection; the weight loader copies each into its rows
+(shard_id = (expert, 0 gate | 1 up | 2 down)), so nothing is concatenated at load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model_executor.layers.linear import LinearBase, _copy_into
+from model_executor.layers.moe.fused_moe import fused_experts
+
+GATE, UP, DOWN = 0, 1, 2
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in float32, the top_k of them (torch.topk, as HF: ties resolve the same
+    way), renormalised to sum to one when the model does. Returns (weights float32 [T, k], ids int64 [T, k])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 router_weights_in_model_dtype: bool = False):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.renormalize = renormalize
+        # Qwen3-MoE rounds the routing weights to the model dtype before they scale the experts' outputs;
+        # Mixtral keeps them in float32.
+        self.router_weights_in_model_dtype = router_weights_in_model_dtype
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+        expert, proj = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is outside the config's {self.num_experts} experts")
+        inter = self.intermediate_size
+        if proj == DOWN:
+            _copy_into(param.data[expert], loaded)
+        else:
+            _copy_into(param.data[expert].narrow(0, proj * inter, inter), loaded)
+
+    def expected_shards(self, param_name: str) -> list[str]:
+        projs = (DOWN,) if param_name.endswith("w2_weight") else (GATE, UP)
+        return [f"{e}/{p}" for e in range(self.num_experts) for p in projs]
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        # The renormalisation and the rounding happen inside fused_experts (in the Triton GEMM on CUDA).
+        weights, ids = select_experts(router_logits, self.top_k, renormalize=False)
+        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, self.renormalize,
+                             self.router_weights_in_model_dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of an MoE layer: the router's linear gate [E, H] and the experts (Qwen3-MoE, Mixtral)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 router_weights_in_model_dtype: bool = False):
+        super().__init__()
+        self.gate = LinearBase(hidden_size, num_experts, bias=False)  # replicated on every rank
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
+                                router_weights_in_model_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))

@@ -1,0 +1,193 @@
+"""The fused MoE Triton path (align + grouped GEMMs + combine) against the torch path; the router.
+
+Without CUDA the kernels run in Triton's CPU interpreter (tests/triton_mode.py), so shapes stay small."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton_mode
+from triton_mode import DEVICE, in_process
+
+from model_executor.layers.moe.fused_moe import fused_experts_torch
+from model_executor.layers.moe.layer import select_experts
+
+if not triton_mode.RERUN_IN_SUBPROCESS:
+    from model_executor.layers.moe import kernels
+
+test_in_subprocess = triton_mode.subprocess_test(__file__)
+
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+
+
+def make_moe(num_tokens, num_experts, hidden, inter, top_k, dtype, seed, skew=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE, dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if skew:  # most tokens pick expert 0: one expert with many blocks, others empty
+        logits[:, 0] += 5.0
+    weights, ids = select_experts(logits.to(DEVICE), top_k, renormalize=False)  # fused_experts renormalises
+    return x, w13, w2, weights, ids
+
+
+def check_align(ids, block_m, num_experts, sorted_ids, expert_ids, total):
+    flat = ids.flatten().cpu()
+    numel = flat.numel()
+    sorted_ids, expert_ids, total = sorted_ids.cpu(), expert_ids.cpu(), int(total.item())
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert sorted_ids.numel() == min(numel + num_experts * (block_m - 1), numel * block_m)
+    real = sorted_ids[:total]
+    assert (sorted_ids[total:] == numel).all()
+    assert sorted(real[real < numel].tolist()) == list(range(numel))  # every assignment exactly once
+    for b in range(total // block_m):
+        block = real[b * block_m : (b + 1) * block_m]
+        picked = block[block < numel].long()
+        assert (flat[picked] == expert_ids[b]).all()  # a block holds its expert's assignments only
+        assert torch.equal(picked, picked.sort().values)  # in token order
+
+
+@in_process
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 2, 4), (5, 3, 8), (40, 2, 8), (33, 4, 16)])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_align_one_program_and_torch_agree(num_tokens, top_k, num_experts, block_m):
+    _, _, _, _, ids = make_moe(num_tokens, num_experts, 8, 8, top_k, torch.float32, seed=num_tokens)
+    one = kernels.moe_align_block_size(ids, block_m, num_experts)
+    check_align(ids, block_m, num_experts, *one)
+    numel = ids.numel()
+    max_padded = kernels.max_padded_slots(numel, num_experts, block_m)
+    big = kernels._align_torch(ids.flatten(), block_m, num_experts, max_padded, -(-max_padded // block_m))
+    check_align(ids, block_m, num_experts, *big)
+    total = int(one[2].item())
+    assert torch.equal(one[0][:total].cpu(), big[0][:total].cpu())
+    assert torch.equal(one[1][: total // block_m].cpu(), big[1][: total // block_m].cpu())
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@in_process
+@pytest.mark.parametrize("num_tokens,dtype,renormalize,round_weights", [
+    (1, F32, False, False), (3, BF16, True, True), (17, F32, True, False), (17, BF16, True, True),
+    (64, BF16, False, False), (64, F32, True, True)])
+def test_fused_experts_matches_torch(num_tokens, dtype, renormalize, round_weights):
+    x, w13, w2, weights, ids = make_moe(num_tokens, 8, 64, 48, 3, dtype, seed=num_tokens)
+    ref = fused_experts_torch(x, w13, w2, weights, ids, renormalize, round_weights)
+    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize, round_weights, config=SMALL)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 4e-2, "atol": 4e-2}  # bf16: a few ulps apart
+    torch.testing.assert_close(out, ref, **tol)
+
+
+@in_process
+def test_weights_rounded_in_the_gemm():
+    """round_weights: the routing weights rounded after the renormalisation; here to float16 with float32
+    activations, so the rounding stands far above the noise (and Triton's interpreter rounds float32 to
+    bfloat16 toward zero, where the GPU and torch round to nearest: float16 it rounds to nearest)."""
+    from model_executor.layers.moe.fused_moe import routing_weights
+
+    x, w13, w2, weights, ids = make_moe(9, 8, 32, 32, 3, torch.float32, seed=11)
+    rounded = routing_weights(weights, True, True, torch.float16).float()
+    ref = fused_experts_torch(x, w13, w2, rounded, ids)
+    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, True, True, config=SMALL,
+                                       weight_dtype=torch.float16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@in_process
+def test_fused_experts_skewed_routing_and_model_dtype_weights():
+    """One expert takes nearly every token (many blocks; others empty); weights renormalised and rounded."""
+    x, w13, w2, weights, ids = make_moe(48, 6, 32, 40, 3, torch.float32, seed=3, skew=True)
+    assert (ids == 0).sum() > 40
+    ref = fused_experts_torch(x, w13, w2, weights, ids, renormalize=True, round_weights=True)
+    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, True, True, config=dict(SMALL, BLOCK_M=32))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_select_experts_topk_and_renormalise():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert ids.tolist() == [[1, 2], [3, 0]] or ids[1, 0] == 3
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    weights, _ = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+
+
+def test_moe_block_traces_as_one_graph():
+    """The experts are one opaque op to dynamo (the piecewise runner traces the backbone fullgraph)."""
+    from model_executor.layers.moe.layer import SparseMoeBlock
+
+    block = SparseMoeBlock(4, 2, 16, 24, renormalize=True)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="eager", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), block(x))
+    torch._dynamo.reset()
+
+
+def test_bench_floor_counts_the_experts_a_step_reads():
+    from benchmarks.bench_one_batch import step_read_bytes, weight_bytes
+    from model_executor.model_config import ModelConfig
+    from model_executor.weight_loader import build_model
+
+    cfg = ModelConfig.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1]})
+    model = build_model(cfg, torch.float32, "cpu")
+    per_expert = (2 * 16 * 32 + 32 * 16) * 4
+    all_bytes = weight_bytes(model)
+    assert step_read_bytes(model, 1) == all_bytes - 2 * (8 - 2) * per_expert  # two MoE layers, 2 of 8 read
+    assert step_read_bytes(model, 1000) == all_bytes  # every expert
+
+
+@in_process
+@pytest.mark.skipif(triton_mode.HAS_CUDA, reason="the CPU model's tensors need the interpreter "
+                                                 "(tests/gpu/test_new_models_gpu.py runs the model on CUDA)")
+def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
+    """A tiny Qwen3-MoE whose experts run the Triton kernels (interpreter on CPU) still matches HF."""
+    from conftest import save_tiny_hf_model
+    from test_model_vs_hf import run_prefill_and_decode
+    from test_new_models_vs_hf import TINY_QWEN3_MOE
+
+    from model_executor.layers.moe import fused_moe
+    from runners.model_runner import ModelRunner, RunnerConfig
+
+    calls = []
+
+    def triton_path(x, w13, w2, weights, ids, renormalize, round_weights):
+        calls.append(x.shape[0])
+        return kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize, round_weights,
+                                            config=dict(SMALL, BLOCK_N=64, BLOCK_K=64))
+
+    monkeypatch.setattr(fused_moe, "_fused_experts_impl", triton_path)
+    hf_model = save_tiny_hf_model(tmp_path, TINY_QWEN3_MOE, seed=4)
+    runner = ModelRunner(RunnerConfig(model_path=str(tmp_path), max_running_requests=2, max_total_tokens=128,
+                                      context_length=64))
+    errors = run_prefill_and_decode(runner, hf_model, [[5, 9, 200, 31, 7, 64, 12], [40]], decode_steps=1)
+    assert max(errors) < 1e-4, errors
+    assert calls and calls[0] == 8  # the prefill's 8 tokens went through the kernels
+
+
+def test_tuned_table_lookup(tmp_path, monkeypatch):
+    import json
+
+    from model_executor.layers.moe import tuning
+
+    small = {k: 1 for k in tuning.KEYS}
+    large = {k: 2 for k in tuning.KEYS}
+    (tmp_path / "E=8,N=96,K=64,device=cpu.json").write_text(json.dumps({"1": small, "64": large}))
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    tuning.load_table.cache_clear()
+    try:
+        assert tuning.get_config(8, 96, 64, 1, "cpu") == small
+        assert tuning.get_config(8, 96, 64, 40, "cpu") == large  # the nearest entry
+        assert tuning.get_config(8, 96, 128, 40, "cpu") == tuning.default_config(40)  # no table for this shape
+    finally:
+        tuning.load_table.cache_clear()
