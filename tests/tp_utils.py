@@ -1,0 +1,84 @@
+"""Helpers for the tensor-parallel tests: run the same work at tp 1 in-process and at tp N in N spawned gloo
+ranks (torch.multiprocessing), and compare what rank 0 returns."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+PROMPTS = [[5, 17, 42, 99, 123, 7, 250, 31, 64, 8], [200, 11, 3, 77, 150, 9]]
+DECODE_STEPS = 6
+
+
+def prefill_decode_logits(runner, prompts: list[list[int]] = PROMPTS, steps: int = DECODE_STEPS) -> list[torch.Tensor]:
+    """Logits of one extend batch of all prompts, then of `steps` greedy decode batches."""
+    from model_executor.forward_batch import ForwardMode
+
+    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+    seqs = [list(p) for p in prompts]
+    loc = runner.allocator.alloc(sum(len(p) for p in prompts))
+    start = 0
+    for row, p in zip(rows, prompts):
+        runner.req_to_token_pool.write(row, 0, loc[start : start + len(p)])
+        start += len(p)
+    fb = runner.build_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [len(p) for p in prompts],
+                            loc, extend_seq_lens=[len(p) for p in prompts])
+    out = [runner.forward(fb)]
+    for _ in range(steps):
+        next_ids = out[-1].argmax(-1).tolist()
+        for s, t in zip(seqs, next_ids):
+            s.append(t)
+        loc = runner.allocator.alloc(len(seqs))
+        for i, (row, s) in enumerate(zip(rows, seqs)):
+            runner.req_to_token_pool.write(row, len(s) - 1, loc[i : i + 1])
+        out.append(runner.forward(runner.build_batch(ForwardMode.DECODE, next_ids, rows, [len(s) for s in seqs],
+                                                     loc)))
+    return [t.cpu() for t in out]
+
+
+def greedy_tokens(runner, prompts: list[list[int]] = PROMPTS, max_new: int = 8) -> list[list[int]]:
+    """Greedy outputs through the real Scheduler (the sampler and its rank-0 broadcast included)."""
+    from model_executor.sampling_params import SamplingParams
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(runner, SchedulerConfig(max_running_requests=4))
+    for i, p in enumerate(prompts):
+        sched.add_request(f"r{i}", list(p), SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while sched.has_work():
+        for o in sched.step():
+            out[o.rid].extend(o.new_token_ids)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | None = None) -> dict:
+    from model_executor.distributed import parallel_state as ps
+    from runners.model_runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(RunnerConfig(model_path=path, max_running_requests=4, max_total_tokens=256,
+                                      tp_rank=tp_rank, tp_size=tp_size, dist_init_method=init_method))
+    try:
+        return {"logits": prefill_decode_logits(runner), "tokens": greedy_tokens(runner),
+                "kv_heads": runner.kv_cache.k_buffers[0].shape[1], "num_slots": runner.num_kv_slots}
+    finally:
+        ps.destroy_tensor_parallel()
+
+
+def _rank_main(rank: int, size: int, paths: list[str], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    for i, path in enumerate(paths):
+        init = f"file://{out_dir}/init-{i}"
+        result = run_model(path, rank, size, init)
+        torch.save(result, os.path.join(out_dir, f"result-{i}-rank{rank}.pt"))
+
+
+def run_tp(paths: list[str], size: int = 2) -> list[list[dict]]:
+    """Each model at tp `size` in spawned gloo ranks; [model][rank] -> run_model's result."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="duet-tp-") as d:
+        mp.spawn(_rank_main, args=(size, paths, d), nprocs=size, join=True)
+        return [[torch.load(Path(d) / f"result-{i}-rank{r}.pt") for r in range(size)] for i in range(len(paths))]
