@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from model_executor.checkpoint_files import checkpoint_files, read_header
 from model_executor.distributed import parallel_state as ps
-from model_executor.lazy_slice import LazySlice
 from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.lazy_slice import LazySlice
 from model_executor.model_config import CheckpointMismatchError, ModelConfig, WeightLoadError
 from model_executor.models import MODEL_REGISTRY
 

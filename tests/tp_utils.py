@@ -39,14 +39,16 @@ def prefill_decode_logits(runner, prompts: list[list[int]] = PROMPTS, steps: int
     return [t.cpu() for t in out]
 
 
-def greedy_tokens(runner, prompts: list[list[int]] = PROMPTS, max_new: int = 8) -> list[list[int]]:
-    """Greedy outputs through the real Scheduler (the sampler and its rank-0 broadcast included)."""
+def greedy_tokens(runner, prompts: list[list[int]] = PROMPTS, max_new: int = 8,
+                  temperature: float = 0.0) -> list[list[int]]:
+    """Outputs through the real Scheduler (the sampler and its rank-0 broadcast included)."""
     from model_executor.sampling_params import SamplingParams
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
     sched = Scheduler(runner, SchedulerConfig(max_running_requests=4))
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", list(p), SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
+        sched.add_request(f"r{i}", list(p), SamplingParams(max_new_tokens=max_new, temperature=temperature,
+                                                         ignore_eos=True))
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while sched.has_work():
         for o in sched.step():
@@ -61,7 +63,10 @@ def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | 
     runner = ModelRunner(RunnerConfig(model_path=path, max_running_requests=4, max_total_tokens=256,
                                       tp_rank=tp_rank, tp_size=tp_size, dist_init_method=init_method))
     try:
-        return {"logits": prefill_decode_logits(runner), "tokens": greedy_tokens(runner),
+        logits, tokens = prefill_decode_logits(runner), greedy_tokens(runner)
+        torch.manual_seed(1000 + tp_rank)  # unseeded sampling draws differently on each rank ...
+        sampled = greedy_tokens(runner, temperature=1.0)  # ... and rank 0's tokens must win everywhere
+        return {"logits": logits, "tokens": tokens, "sampled": sampled,
                 "kv_heads": runner.kv_cache.k_buffers[0].shape[1], "num_slots": runner.num_kv_slots}
     finally:
         ps.destroy_tensor_parallel()

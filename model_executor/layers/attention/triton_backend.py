@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from model_executor.distributed import parallel_state as ps
-
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.base import AttentionBackend
 from model_executor.layers.attention.radix_attention import RadixAttention

@@ -1,0 +1,131 @@
+"""Tensor parallelism on CPU (gloo): tp 2 against tp 1 on tiny random models, and the weight sharding.
+
+The tp 2 runs are two spawned processes (tests/tp_utils.py), each loading its shards from the same
+safetensors folder; rank 0's logits and greedy tokens must equal the single-process run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_executor.distributed import parallel_state as ps
+from model_executor.lazy_slice import LazySlice
+from model_executor.model_config import ModelConfig
+from model_executor.weight_loader import load_model
+from tests.conftest import TINY_LLAMA, TINY_QWEN2, save_tiny_hf_model
+from tests.tp_utils import run_model, run_tp
+
+TINY_LLAMA_ONE_KV = dict(TINY_LLAMA, num_key_value_heads=1)  # fewer KV heads than ranks: replicated
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory, tiny_llama, tiny_qwen2):
+    one_kv = tmp_path_factory.mktemp("tiny_llama_one_kv")
+    save_tiny_hf_model(one_kv, TINY_LLAMA_ONE_KV, seed=3)
+    return {"llama": str(tiny_llama[0]), "qwen2_bias_tied": str(tiny_qwen2[0]), "llama_one_kv_head": str(one_kv)}
+
+
+@pytest.fixture(scope="module")
+def tp2_results(tp_models):
+    return dict(zip(tp_models, run_tp(list(tp_models.values()), size=2)))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_bias_tied", "llama_one_kv_head"])
+def test_tp2_logits_and_greedy_tokens_equal_tp1(name, tp_models, tp2_results):
+    one = run_model(tp_models[name])
+    ranks = tp2_results[name]
+    for a, b in zip(one["logits"], ranks[0]["logits"]):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] == one["tokens"]
+    assert ranks[0]["sampled"] == ranks[1]["sampled"]  # rank 0's sampled ids are broadcast
+    assert all(len(t) == 8 for t in one["tokens"])
+    # Each rank's KV pool holds its own heads: half of them, or one replicated head.
+    full_kv = ModelConfig.from_pretrained(tp_models[name]).num_key_value_heads
+    assert ranks[0]["kv_heads"] == max(1, full_kv // 2) and one["kv_heads"] == full_kv
+    assert ranks[0]["num_slots"] == ranks[1]["num_slots"]
+
+
+def _shards(path: str, size: int) -> list[dict[str, torch.Tensor]]:
+    cfg = ModelConfig.from_pretrained(path)
+    out = []
+    for rank in range(size):
+        with ps.shard_as(rank, size):
+            model = load_model(path, cfg, torch.float32, "cpu")
+        out.append(dict(model.named_parameters(remove_duplicate=False)))
+    return out
+
+
+def _qkv_parts(w: torch.Tensor, cfg: ModelConfig, size: int) -> tuple[torch.Tensor, ...]:
+    q = cfg.num_attention_heads // size * cfg.head_dim
+    kv = max(1, cfg.num_key_value_heads // size) * cfg.head_dim
+    return w.split([q, kv, kv], dim=0)
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, TINY_LLAMA_ONE_KV, TINY_QWEN2])
+def test_weight_shards_gather_to_the_full_tensors(tmp_path, config):
+    hf = save_tiny_hf_model(tmp_path, config)
+    full = dict(hf.named_parameters(remove_duplicate=False))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    r0, r1 = _shards(str(tmp_path), 2)
+    layer = "model.layers.1"
+    # Column-parallel: q, k, v, gate, up split by output rows (k/v replicated when there is one KV head).
+    for ours, bias_or_weight in ((f"{layer}.self_attn.qkv_proj.weight", "weight"),
+                                 (f"{layer}.self_attn.qkv_proj.bias", "bias")):
+        if ours not in r0:
+            continue
+        (q0, k0, v0), (q1, k1, v1) = _qkv_parts(r0[ours], cfg, 2), _qkv_parts(r1[ours], cfg, 2)
+        hf_name = f"{layer}.self_attn.{{}}_proj.{bias_or_weight}"
+        torch.testing.assert_close(torch.cat([q0, q1]), full[hf_name.format("q")], rtol=0, atol=0)
+        for part0, part1, n in ((k0, k1, "k"), (v0, v1, "v")):
+            want = full[hf_name.format(n)]
+            got = part0 if cfg.num_key_value_heads == 1 else torch.cat([part0, part1])
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            if cfg.num_key_value_heads == 1:
+                torch.testing.assert_close(part1, want, rtol=0, atol=0)
+    inter = cfg.intermediate_size // 2
+    g0, u0 = r0[f"{layer}.mlp.gate_up_proj.weight"].split(inter)
+    g1, u1 = r1[f"{layer}.mlp.gate_up_proj.weight"].split(inter)
+    torch.testing.assert_close(torch.cat([g0, g1]), full[f"{layer}.mlp.gate_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([u0, u1]), full[f"{layer}.mlp.up_proj.weight"], rtol=0, atol=0)
+    # Row-parallel: o and down split by input columns.
+    for ours in (f"{layer}.self_attn.o_proj.weight", f"{layer}.mlp.down_proj.weight"):
+        torch.testing.assert_close(torch.cat([r0[ours], r1[ours]], dim=1), full[ours], rtol=0, atol=0)
+    # Vocabulary-parallel: embedding and LM head split by vocabulary rows; norms whole on both ranks.
+    for ours in ("model.embed_tokens.weight", "lm_head.weight"):
+        torch.testing.assert_close(torch.cat([r0[ours], r1[ours]]), full[ours], rtol=0, atol=0)
+    for ours in (f"{layer}.input_layernorm.weight", "model.norm.weight"):
+        torch.testing.assert_close(r0[ours], full[ours], rtol=0, atol=0)
+        torch.testing.assert_close(r1[ours], full[ours], rtol=0, atol=0)
+
+
+def test_vocab_padding_rows_are_zero(tmp_path):
+    """A vocabulary that does not split evenly: rank 1's block is padded, its padding row is zero."""
+    from model_executor.layers.embedding import VocabParallelEmbedding
+
+    full = torch.randn(7, 4)
+    with ps.shard_as(1, 2):
+        emb = VocabParallelEmbedding(7, 4)
+        emb.weight_loader(emb.weight, full)
+    assert emb.weight.shape == (4, 4)
+    torch.testing.assert_close(emb.weight[:3], full[4:], rtol=0, atol=0)
+    assert emb.weight[3].abs().sum() == 0
+
+
+def test_each_rank_reads_only_its_shard(tmp_path, monkeypatch):
+    save_tiny_hf_model(tmp_path, TINY_LLAMA)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    read = []
+    original = LazySlice.materialize
+
+    def counting(self):
+        t = original(self)
+        read.append(t.numel())
+        return t
+
+    monkeypatch.setattr(LazySlice, "materialize", counting)
+    with ps.shard_as(0, 2):
+        model = load_model(str(tmp_path), cfg, torch.float32, "cpu")
+    held = sum(p.numel() for p in model.parameters())
+    assert read and sum(read) == held  # not one element more than this rank's parameters
