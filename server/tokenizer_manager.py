@@ -153,6 +153,7 @@ class TokenizerManager:
         self.tokenizer = tokenizer
         self.log_requests = log_requests  # --log-requests: one INFO line at arrival and one at the end
         self.router = router  # --dp-size > 1: picks each request's replica
+        self._replica_pushes: dict = {}  # replicas 1 and up; replica 0's socket is _push
         self.ipc = ipc
         self.info = info
         self.metrics = metrics
@@ -179,9 +180,9 @@ class TokenizerManager:
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._pull = bind_pull(self._ctx, self.ipc.http_input)
-        replicas = self.router.size if self.router else 1
-        self._pushes = [connect_push(self._ctx, self.ipc.scheduler_input_of(d)) for d in range(replicas)]
-        self._push = self._pushes[0]
+        self._push = connect_push(self._ctx, self.ipc.scheduler_input)
+        for d in range(1, self.router.size if self.router else 1):
+            self._replica_pushes[d] = connect_push(self._ctx, self.ipc.scheduler_input_of(d))
         self._tasks = [asyncio.create_task(self._read_loop(), name="duet-read-outputs"),
                        asyncio.create_task(self._watch_loop(), name="duet-liveness")]
 
@@ -325,7 +326,7 @@ class TokenizerManager:
                     continue
                 self._reqs[st.rid] = st
                 st.replica = self.router.choose(r.input_ids) if self.router else 0
-                await self._pushes[st.replica].send_pyobj(TokenizedGenerateReq(rid=st.rid, input_ids=r.input_ids,
+                await self._socket(st.replica).send_pyobj(TokenizedGenerateReq(rid=st.rid, input_ids=r.input_ids,
                                                                                params=r.params))
             remaining = len(states)
             while remaining:
@@ -420,11 +421,14 @@ class TokenizerManager:
             self.router.release(st.replica)
             st.replica = None
 
+    def _socket(self, replica: int | None):
+        return self._replica_pushes[replica] if replica else self._push
+
     def _send_nowait(self, obj, replica: int | None = 0) -> None:
         """Send without awaiting (usable in finally blocks of cancelled tasks); pyzmq completes the send
         at once unless the peer's queue is full, and then from the event loop."""
         try:
-            self._pushes[replica or 0].send_pyobj(obj)
+            self._socket(replica).send_pyobj(obj)
         except Exception:
             logger.debug("could not send %s", type(obj).__name__, exc_info=True)
 
@@ -448,7 +452,7 @@ class TokenizerManager:
         fut = asyncio.get_running_loop().create_future()
         self._controls[rid] = fut
         try:
-            await self._pushes[replica].send_pyobj(req_cls(rid=rid))
+            await self._socket(replica).send_pyobj(req_cls(rid=rid))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise ApiError(503, f"the scheduler did not answer {req_cls.__name__} within {timeout:g} s") from None

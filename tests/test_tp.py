@@ -129,3 +129,17 @@ def test_each_rank_reads_only_its_shard(tmp_path, monkeypatch):
         model = load_model(str(tmp_path), cfg, torch.float32, "cpu")
     held = sum(p.numel() for p in model.parameters())
     assert read and sum(read) == held  # not one element more than this rank's parameters
+
+
+def test_offline_engine_tp2_gives_the_tp1_text(tmp_path, capsys):
+    from server import generate
+    from tests.fake_scheduler import build_tiny_model_folder
+
+    folder = str(build_tiny_model_folder(tmp_path / "tiny", with_weights=True))
+    argv = ["--model-path", folder, "--prompt", "the quick brown fox", "--max-new-tokens", "8", "--device", "cpu"]
+    assert generate.main(argv) == 0
+    one = capsys.readouterr().out
+    assert generate.main([*argv, "--tp-size", "2"]) == 0
+    assert capsys.readouterr().out == one and one.strip()
+    assert generate.main([*argv, "--tp-size", "3"]) == 2  # 4 heads do not split over 3 ranks
+    assert "--tp-size 3: 4 attention heads cannot be split over 3" in capsys.readouterr().err
