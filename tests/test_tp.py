@@ -143,3 +143,20 @@ def test_offline_engine_tp2_gives_the_tp1_text(tmp_path, capsys):
     assert capsys.readouterr().out == one and one.strip()
     assert generate.main([*argv, "--tp-size", "3"]) == 2  # 4 heads do not split over 3 ranks
     assert "--tp-size 3: 4 attention heads cannot be split over 3" in capsys.readouterr().err
+
+
+def test_random_checkpoint_round_trips_through_the_loader(tmp_path):
+    """The GPU tests' random real-shaped checkpoints: saved under HF names, loaded back unchanged."""
+    from tests.tp_utils import save_random_checkpoint
+
+    src = tmp_path / "shape"
+    save_tiny_hf_model(src, TINY_LLAMA)
+    folder = save_random_checkpoint(src, tmp_path / "random", seed=5)
+    cfg = ModelConfig.from_pretrained(folder)
+    loaded = dict(load_model(folder, cfg, torch.float32, "cpu").named_parameters())
+    from model_executor.weight_loader import build_model, init_random_weights
+
+    want = dict(init_random_weights(build_model(cfg, torch.float32, "cpu"), 5).named_parameters())
+    assert loaded.keys() == want.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)

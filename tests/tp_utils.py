@@ -56,34 +56,79 @@ def greedy_tokens(runner, prompts: list[list[int]] = PROMPTS, max_new: int = 8,
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | None = None) -> dict:
+def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | None = None,
+              **overrides) -> dict:
+    """overrides: RunnerConfig fields (device "cuda" means this rank's GPU, cuda:tp_rank)."""
     from model_executor.distributed import parallel_state as ps
     from runners.model_runner import ModelRunner, RunnerConfig
 
-    runner = ModelRunner(RunnerConfig(model_path=path, max_running_requests=4, max_total_tokens=256,
-                                      tp_rank=tp_rank, tp_size=tp_size, dist_init_method=init_method))
+    if overrides.get("device") == "cuda":
+        overrides["device"] = f"cuda:{tp_rank}"
+    runner = ModelRunner(RunnerConfig(**{"model_path": path, "max_running_requests": 4, "max_total_tokens": 256,
+                                         "tp_rank": tp_rank, "tp_size": tp_size, "dist_init_method": init_method,
+                                         **overrides}))
     try:
         logits, tokens = prefill_decode_logits(runner), greedy_tokens(runner)
         torch.manual_seed(1000 + tp_rank)  # unseeded sampling draws differently on each rank ...
         sampled = greedy_tokens(runner, temperature=1.0)  # ... and rank 0's tokens must win everywhere
         return {"logits": logits, "tokens": tokens, "sampled": sampled,
-                "kv_heads": runner.kv_cache.k_buffers[0].shape[1], "num_slots": runner.num_kv_slots}
+                "kv_heads": runner.kv_cache.k_buffers[0].shape[1], "num_slots": runner.num_kv_slots,
+                "path_counts": dict(runner.path_counts)}
     finally:
         ps.destroy_tensor_parallel()
 
 
-def _rank_main(rank: int, size: int, paths: list[str], out_dir: str) -> None:
+def _rank_main(rank: int, size: int, paths: list[str], out_dir: str, overrides: dict) -> None:
     torch.set_num_threads(1)
     for i, path in enumerate(paths):
         init = f"file://{out_dir}/init-{i}"
-        result = run_model(path, rank, size, init)
+        result = run_model(path, rank, size, init, **overrides)
         torch.save(result, os.path.join(out_dir, f"result-{i}-rank{rank}.pt"))
 
 
-def run_tp(paths: list[str], size: int = 2) -> list[list[dict]]:
-    """Each model at tp `size` in spawned gloo ranks; [model][rank] -> run_model's result."""
+def run_tp(paths: list[str], size: int = 2, **overrides) -> list[list[dict]]:
+    """Each model at tp `size` in spawned ranks (gloo on CPU, NCCL on CUDA); [model][rank] -> run_model's
+    result."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="duet-tp-") as d:
-        mp.spawn(_rank_main, args=(size, paths, d), nprocs=size, join=True)
+        mp.spawn(_rank_main, args=(size, paths, d, overrides), nprocs=size, join=True)
         return [[torch.load(Path(d) / f"result-{i}-rank{r}.pt") for r in range(size)] for i in range(len(paths))]
+
+
+def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Our (tp 1) model's parameters under HF checkpoint names: fused q/k/v and gate/up split again."""
+    out = {}
+    for name, p in model.named_parameters():  # a tied LM head is listed once, as the embedding (HF's way)
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        if ".qkv_proj." in name:
+            for frag, t in zip(("q_proj", "k_proj", "v_proj"), p.split([owner.q_size, owner.kv_size, owner.kv_size])):
+                out[name.replace("qkv_proj", frag)] = t
+        elif ".gate_up_proj." in name:
+            for frag, t in zip(("gate_proj", "up_proj"), p.split(owner.output_sizes)):
+                out[name.replace("gate_up_proj", frag)] = t
+        else:
+            out[name] = p
+    return {k: v.detach().contiguous().cpu() for k, v in out.items()}
+
+
+def save_random_checkpoint(shape_dir: str | Path, out_dir: str | Path, seed: int = 0,
+                           dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
+    """A real-shaped model folder (config.json from shape_dir) with random weights in safetensors, so that
+    tp 1 and tp N load the very same weights (random init per rank would draw different shards)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from model_executor.distributed import parallel_state as ps
+    from model_executor.model_config import ModelConfig
+    from model_executor.weight_loader import build_model, init_random_weights
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(shape_dir) / "config.json", out / "config.json")
+    with ps.shard_as(0, 1):
+        model = init_random_weights(build_model(ModelConfig.from_pretrained(out), dtype, device), seed)
+    save_file(hf_state_dict(model), str(out / "model.safetensors"))
+    del model
+    return out
