@@ -265,6 +265,8 @@ def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
     parts = [f"model={served_model_name}", f"dtype={info.get('dtype')}", f"device={info.get('device', args.device)}",
              f"context={info.get('context_len')}", f"kv_slots={info.get('num_kv_slots')}",
              f"max_running={info.get('max_running_requests')}", f"attention={info.get('attention_backend')}"]
+    if args.tp_size > 1 or args.dp_size > 1:
+        parts.append(f"tp={args.tp_size} dp={args.dp_size}")
     if str(info.get("device", args.device)).startswith("cuda"):
         parts.append(f"decode_graph_bs={_fmt_sizes(info.get('cuda_graph_bs'))}")
         parts.append(f"extend_graph_tokens={_fmt_sizes(info.get('piecewise_cuda_graph_tokens'))}")
