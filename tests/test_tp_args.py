@@ -79,9 +79,11 @@ def test_prefix_routing_keeps_a_conversation_on_its_replica():
     turn1_b = system + list(range(500, 500 + 3 * PREFIX_BLOCK))
     a, b = router.choose(turn1_a), router.choose(turn1_b)
     assert a != b  # the shared system prompt alone does not decide: least loaded
-    for _ in range(3):  # the next turns of each conversation follow their first turn
+    for _ in range(3):  # the next turns of each conversation follow their first turn, however busy it is
+        router.inflight[a] += 10
         turn1_a = turn1_a + [7] * PREFIX_BLOCK
         assert router.choose(turn1_a) == a
+        router.inflight[b] += 10
         turn1_b = turn1_b + [9] * PREFIX_BLOCK
         assert router.choose(turn1_b) == b
 
