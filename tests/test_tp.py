@@ -160,3 +160,25 @@ def test_random_checkpoint_round_trips_through_the_loader(tmp_path):
     assert loaded.keys() == want.keys()
     for name, tensor in want.items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
+
+
+def test_a_collective_with_a_silent_peer_fails_after_the_timeout(tmp_path):
+    """A rank that stops answering fails its peers' collectives after --dist-timeout, never a silent hang."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    from tests.tp_utils import _silent_peer_rank
+
+    ctx = mp.spawn(_silent_peer_rank, args=(f"file://{tmp_path}/init", str(tmp_path)), nprocs=2, join=False)
+    result = tmp_path / "rank0.txt"
+    deadline = time.monotonic() + 60  # the broadcast's timeout is 2 s: far less than this, unless it hangs
+    while not result.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not result.exists():
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("rank 0's broadcast to a silent peer still waits after 60 s")
+    ctx.join(30)
+    outcome = result.read_text()
+    assert "timed out" in outcome.lower() or "timeout" in outcome.lower(), outcome

@@ -132,3 +132,23 @@ def save_random_checkpoint(shape_dir: str | Path, out_dir: str | Path, seed: int
     save_file(hf_state_dict(model), str(out / "model.safetensors"))
     del model
     return out
+
+
+def _silent_peer_rank(rank: int, init_method: str, out_dir: str) -> None:
+    """Rank 1 joins the group and then never takes part in a collective; rank 0 broadcasts and records
+    how that ended."""
+    import time
+
+    from model_executor.distributed import parallel_state as ps
+
+    ps.init_tensor_parallel(rank, 2, init_method, torch.device("cpu"), timeout_s=2.0)
+    done = Path(out_dir) / "rank0.txt"
+    if rank == 1:
+        while not done.exists():
+            time.sleep(0.1)
+        return
+    try:
+        ps.broadcast_object(["a message"])
+        done.write_text("returned")
+    except Exception as e:  # noqa: BLE001 - the test reads what happened
+        done.write_text(f"{type(e).__name__}: {e}")
