@@ -145,10 +145,9 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: Sch
         logger.exception("scheduler start-up failed")
         ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return
-    status = StatusLine(args.status_interval)
     if rank is not None and not rank.talks_to_clients:  # a TP follower: rank 0 relays its messages
         ready_conn.send({"ok": True, "info": ready_info(args, runner)})
-        SchedulerLoop(scheduler, BroadcastInbox(None), _NullSink(), _NullSink(), StatusLine(0)).run()
+        SchedulerLoop(scheduler, BroadcastInbox(None), _NullSink(), _NullSink()).run()
         return
     ctx = zmq.Context()
     recv = bind_pull(ctx, ipc.scheduler_input_of(rank.dp_rank if rank else 0))
@@ -156,7 +155,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: Sch
     to_http = connect_push(ctx, ipc.http_input)
     ready_conn.send({"ok": True, "info": ready_info(args, runner)})
     inbox = ZmqInbox(recv) if ps.get_tp_size() == 1 else BroadcastInbox(ZmqInbox(recv))
-    SchedulerLoop(scheduler, inbox, to_detokenizer, to_http, status).run()
+    SchedulerLoop(scheduler, inbox, to_detokenizer, to_http, StatusLine(args.status_interval)).run()
 
 
 class ZmqInbox:
