@@ -38,8 +38,19 @@ def _model_class(cfg: ModelConfig):
     return MODEL_REGISTRY[cfg.architecture]
 
 
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
+    """ValueError (one line) unless the architecture shards and its heads split over tp_size ranks."""
+    if tp_size == 1:
+        return
+    if not getattr(_model_class(cfg), "supports_tensor_parallel", False):
+        raise ValueError(f"{cfg.architecture} does not support tensor parallelism yet")
+    ps.heads_per_rank(cfg.num_attention_heads, tp_size)
+    ps.kv_heads_per_rank(cfg.num_key_value_heads, tp_size)
+
+
 def build_meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The model with shapes and dtypes only (meta tensors): costs no memory."""
+    check_tensor_parallel(cfg, ps.get_tp_size())
     with torch.device("meta"):
         model = _model_class(cfg)(cfg)
     return model.to(dtype=dtype)

@@ -141,13 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --tp-size must be a positive integer, got {args.tp_size}", file=sys.stderr)
         return 2
     if args.tp_size > 1:
-        from model_executor.distributed import parallel_state as ps
         from model_executor.model_config import ModelConfig
+        from model_executor.weight_loader import check_tensor_parallel
 
-        cfg = ModelConfig.from_pretrained(model_path)
         try:
-            ps.heads_per_rank(cfg.num_attention_heads, args.tp_size)
-            ps.kv_heads_per_rank(cfg.num_key_value_heads, args.tp_size)
+            check_tensor_parallel(ModelConfig.from_pretrained(model_path), args.tp_size)
         except ValueError as e:
             print(f"error: --tp-size {args.tp_size}: {e}", file=sys.stderr)
             return 2

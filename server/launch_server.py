@@ -228,13 +228,11 @@ def check_parallel_fits(args: ServerArgs) -> None:
             raise UsageError(f"--tp-size {args.tp_size} x --dp-size {args.dp_size} needs {need} GPUs on this host "
                              f"(one per rank), but {have} are visible")
     if args.tp_size > 1:
-        from model_executor.distributed import parallel_state as ps
         from model_executor.model_config import ModelConfig
+        from model_executor.weight_loader import check_tensor_parallel
 
-        cfg = ModelConfig.from_pretrained(args.model_path)
         try:
-            ps.heads_per_rank(cfg.num_attention_heads, args.tp_size)
-            ps.kv_heads_per_rank(cfg.num_key_value_heads, args.tp_size)
+            check_tensor_parallel(ModelConfig.from_pretrained(args.model_path), args.tp_size)
         except ValueError as e:
             raise UsageError(f"--tp-size {args.tp_size}: {e}") from None
 

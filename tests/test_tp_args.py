@@ -94,3 +94,15 @@ def test_merged_stats_sum_counts_and_average_rates():
                                                                                      "extend_eager": 2}}])
     assert merged["num_running"] == 3 and merged["cache_hit_rate"] == 0.375
     assert merged["path_counts"] == {"decode_eager": 4, "extend_eager": 2}
+
+
+def test_an_architecture_without_tensor_parallel_support_is_refused(tmp_path, monkeypatch):
+    from model_executor.models.llama import LlamaForCausalLM
+
+    save_tiny_hf_model(tmp_path, TINY_LLAMA)
+    args = ServerArgs(model_path=str(tmp_path), device="cpu", tp_size=2)
+    check_parallel_fits(args)
+    monkeypatch.setattr(LlamaForCausalLM, "supports_tensor_parallel", False)  # as a layer-less MoE would be
+    with pytest.raises(UsageError, match="--tp-size 2: LlamaForCausalLM does not support tensor parallelism"):
+        check_parallel_fits(args)
+    check_parallel_fits(args.replace(tp_size=1))
