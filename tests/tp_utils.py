@@ -78,21 +78,21 @@ def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | 
         ps.destroy_tensor_parallel()
 
 
-def _rank_main(rank: int, size: int, paths: list[str], out_dir: str, overrides: dict) -> None:
+def _rank_main(rank: int, size: int, paths: list[str], out_dir: str, overrides: dict, per_rank: dict) -> None:
     torch.set_num_threads(1)
     for i, path in enumerate(paths):
         init = f"file://{out_dir}/init-{i}"
-        result = run_model(path, rank, size, init, **overrides)
+        result = run_model(path, rank, size, init, **{**overrides, **per_rank.get(rank, {})})
         torch.save(result, os.path.join(out_dir, f"result-{i}-rank{rank}.pt"))
 
 
-def run_tp(paths: list[str], size: int = 2, **overrides) -> list[list[dict]]:
+def run_tp(paths: list[str], size: int = 2, per_rank: dict | None = None, **overrides) -> list[list[dict]]:
     """Each model at tp `size` in spawned ranks (gloo on CPU, NCCL on CUDA); [model][rank] -> run_model's
-    result."""
+    result. per_rank: {rank: RunnerConfig overrides of that rank only}."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="duet-tp-") as d:
-        mp.spawn(_rank_main, args=(size, paths, d, overrides), nprocs=size, join=True)
+        mp.spawn(_rank_main, args=(size, paths, d, overrides, per_rank or {}), nprocs=size, join=True)
         return [[torch.load(Path(d) / f"result-{i}-rank{r}.pt") for r in range(size)] for i in range(len(paths))]
 
 
