@@ -72,8 +72,8 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.context_len = self.model_config.check_context_length(config.context_length)
         cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.set_device(self.device)  # NCCL and the graph pools use the current device
+        if cuda and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # a TP/DP rank's own GPU: NCCL and the graph pools use it
         if config.tp_size > 1 and config.dist_init_method is None:
             raise ValueError("tensor parallelism needs dist_init_method")
         ps.init_tensor_parallel(config.tp_rank, config.tp_size, config.dist_init_method or "", self.device,

@@ -183,3 +183,11 @@ def test_a_collective_with_a_silent_peer_fails_after_the_timeout(tmp_path):
     ctx.join(30)
     outcome = result.read_text()
     assert "timed out" in outcome.lower() or "timeout" in outcome.lower(), outcome
+
+
+def test_gathered_logit_blocks_land_in_their_vocabulary_columns():
+    """The NCCL path of the LM head's all-gather (gloo has no all_gather_into_tensor): rank-major rows
+    become column blocks, as torch.cat(dim=-1) of the ranks' logits."""
+    parts = [torch.randn(3, 5) for _ in range(4)]
+    torch.testing.assert_close(ps.rank_major_to_columns(torch.cat(parts), 4), torch.cat(parts, dim=-1),
+                               rtol=0, atol=0)

@@ -55,6 +55,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         return
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
+    if device.type == "cuda" and device.index is None:
+        raise ValueError("a tensor-parallel rank needs its own GPU: a device cuda:N, not cuda")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
@@ -176,9 +178,13 @@ def tensor_model_parallel_all_gather(x: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(_STATE.size)]
         dist.all_gather(parts, x.contiguous(), group=_STATE.device_group)
         return torch.cat(parts, dim=-1)
-    n, d = x.shape
-    gathered = torch.ops.duet.all_gather(x)  # [size * n, d], rank-major
-    return gathered.view(_STATE.size, n, d).transpose(0, 1).reshape(n, _STATE.size * d)
+    return rank_major_to_columns(torch.ops.duet.all_gather(x), _STATE.size)
+
+
+def rank_major_to_columns(gathered: torch.Tensor, size: int) -> torch.Tensor:
+    """all_gather_into_tensor's [size * n, d] (rank r's rows at r * n) -> [n, size * d] (its columns at r * d)."""
+    n, d = gathered.shape[0] // size, gathered.shape[1]
+    return gathered.view(size, n, d).transpose(0, 1).reshape(n, size * d)
 
 
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
