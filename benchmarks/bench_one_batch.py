@@ -7,6 +7,9 @@ tokens route to: top_k of them at bs=1, and E * (1 - (1 - top_k/E)^bs) at bs (th
 distinct experts under uniform routing), each expert's w13 and w2.
 
     python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
+
+--tp-size N runs N spawned ranks (one GPU each, NCCL; gloo on CPU), every rank timing the same batches;
+rank 0 reports. The weight floor is then one rank's shard over one GPU's bandwidth.
 """
 
 from __future__ import annotations
@@ -41,7 +44,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capture-default-list", action="store_true",
                    help="also capture the default decode list (max_bs 256) and report its time and memory")
     p.add_argument("--json", dest="json_out", help="write the results here")
-    return p.parse_args(argv)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process and GPU each)")
+    args = p.parse_args(argv)
+    if args.tp_size < 1:
+        p.error(f"--tp-size must be a positive integer, got {args.tp_size}")
+    if args.device == "cuda" and torch.cuda.device_count() < args.tp_size:
+        p.error(f"--tp-size {args.tp_size} needs {args.tp_size} GPUs, {torch.cuda.device_count()} are visible")
+    return args
 
 
 def sync(device: torch.device) -> None:
@@ -129,15 +138,31 @@ def time_steps(fn, batches, device) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
+    if args.tp_size == 1:
+        return run(args)
+    import torch.multiprocessing as mp
+
+    from server.parallel import free_port
+
+    mp.spawn(_rank_main, args=(args, f"tcp://127.0.0.1:{free_port()}"), nprocs=args.tp_size, join=True)
+    return 0
+
+
+def _rank_main(rank: int, args: argparse.Namespace, init_method: str) -> None:
+    run(args, rank, init_method)
+
+
+def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = None) -> int:
+    device = torch.device(f"cuda:{tp_rank}" if args.device == "cuda" else args.device)
     model_path = args.model_path or str(shape_path(args.model))
     max_bs = max(args.batch_size)
     steps = args.output_len
-    cfg = RunnerConfig(model_path=model_path, device=args.device, dtype=args.dtype,
+    cfg = RunnerConfig(model_path=model_path, device=str(device), dtype=args.dtype,
                        attention_backend=args.attention_backend, max_running_requests=max(max_bs, 256),
                        max_total_tokens=max_bs * (args.input_len + steps) + 16,
                        context_length=args.input_len + steps + 16, random_weights=args.model_path is None,
-                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True)
+                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
+                       tp_rank=tp_rank, tp_size=args.tp_size, dist_init_method=init_method)
     runner = ModelRunner(cfg)
     bandwidth = measure_copy_bandwidth(device)
     wbytes = weight_bytes(runner.model)
@@ -174,8 +199,11 @@ def main(argv=None) -> int:
         runner.allocator.free(loc)
         for row in rows:
             runner.req_to_token_pool.free(row)
+    if tp_rank != 0:
+        return 0
     report = {
         "benchmark": "bench_one_batch", "model": args.model_path or args.model, "device": str(device),
+        "tp_size": args.tp_size,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(runner.dtype).replace("torch.", ""), "attention_backend": type(runner.attn_backend).__name__,
         "input_len": args.input_len, "decode_steps": steps, "weight_bytes": wbytes,
@@ -186,7 +214,7 @@ def main(argv=None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
         "results": results,
     }
-    print(f"model {report['model']} on {report['gpu']} ({report['dtype']}, {report['attention_backend']}), "
+    print(f"model {report['model']} on {report['gpu']} x{args.tp_size} ({report['dtype']}, {report['attention_backend']}), "
           f"input {args.input_len}, {steps} decode steps; weights {wbytes / 1e9:.3f} GB, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, all-weights floor {all_weights_floor_ms:.3f} ms"
           + ("; MoE: each row's floor counts the experts its batch reads" if step_read_bytes(runner.model, 1) < wbytes

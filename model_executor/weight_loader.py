@@ -19,7 +19,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from model_executor.checkpoint_files import checkpoint_files, read_header
+from model_executor.distributed import parallel_state as ps
 from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.lazy_slice import LazySlice
 from model_executor.model_config import CheckpointMismatchError, ModelConfig, WeightLoadError
 from model_executor.models import MODEL_REGISTRY
 
@@ -36,8 +38,19 @@ def _model_class(cfg: ModelConfig):
     return MODEL_REGISTRY[cfg.architecture]
 
 
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
+    """ValueError (one line) unless the architecture shards and its heads split over tp_size ranks."""
+    if tp_size == 1:
+        return
+    if not getattr(_model_class(cfg), "supports_tensor_parallel", False):
+        raise ValueError(f"{cfg.architecture} does not support tensor parallelism yet")
+    ps.heads_per_rank(cfg.num_attention_heads, tp_size)
+    ps.kv_heads_per_rank(cfg.num_key_value_heads, tp_size)
+
+
 def build_meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The model with shapes and dtypes only (meta tensors): costs no memory."""
+    check_tensor_parallel(cfg, ps.get_tp_size())
     with torch.device("meta"):
         model = _model_class(cfg)(cfg)
     return model.to(dtype=dtype)
@@ -81,7 +94,14 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
                 module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _iter_safetensors(files: list[Path], lazy: bool | None = None) -> Iterator[tuple[str, torch.Tensor | LazySlice]]:
+    """(name, tensor) in file order. lazy (default: under tensor parallelism) yields LazySlices, so each
+    rank reads only the shard its layers narrow them to."""
+    lazy = ps.get_tp_size() > 1 if lazy is None else lazy
     total = sum(f.stat().st_size for f in files)
     with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
               disable=total < PROGRESS_MIN_BYTES) as bar:
@@ -89,6 +109,12 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             bar.set_postfix_str(f"shard {i}/{len(files)}")
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                    if lazy:
+                        sl = f.get_slice(name)
+                        shape = tuple(sl.get_shape())
+                        yield name, LazySlice(sl, shape)
+                        bar.update(_DTYPE_BYTES.get(sl.get_dtype(), 4) * int(torch.Size(shape).numel()))
+                        continue
                     tensor = f.get_tensor(name)
                     yield name, tensor
                     bar.update(tensor.nbytes)

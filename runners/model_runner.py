@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.layers.attention import create_attention_backend
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
@@ -46,11 +47,17 @@ class RunnerConfig:
     disable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_tokens: tuple[int, ...] = ()
     enable_torch_compile: bool = False
+    # Tensor parallelism: this process is rank tp_rank of tp_size, joining at dist_init_method
+    # (tcp://host:port); device is this rank's own GPU (cuda:N) on CUDA.
+    tp_rank: int = 0
+    tp_size: int = 1
+    dist_init_method: str | None = None
+    dist_timeout_s: float = ps.DEFAULT_TIMEOUT_S
 
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
+            return torch.float32 if torch.device(self.device).type == "cpu" else torch.bfloat16
         return DTYPES[self.dtype]
 
 
@@ -65,6 +72,15 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.context_len = self.model_config.check_context_length(config.context_length)
         cuda = self.device.type == "cuda"
+        if cuda and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # a TP/DP rank's own GPU: NCCL and the graph pools use it
+        if config.tp_size > 1 and config.dist_init_method is None:
+            raise ValueError("tensor parallelism needs dist_init_method")
+        ps.init_tensor_parallel(config.tp_rank, config.tp_size, config.dist_init_method or "", self.device,
+                                config.dist_timeout_s)
+        self.tp_rank, self.tp_size = config.tp_rank, config.tp_size
+        cfg = self.model_config
+        self.num_kv_heads = ps.kv_heads_per_rank(cfg.num_key_value_heads, config.tp_size)  # this rank's KV heads
         base = 0
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -90,8 +106,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.memory_split = self._plan_memory()
         num_slots = self.memory_split.num_slots
-        cfg = self.model_config
-        self.kv_cache = KVCache(num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+        self.kv_cache = KVCache(num_slots, cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim,
                                 self.dtype, self.device)
         self.allocator = SlotAllocator(num_slots)
         self.path_counts: Counter[str] = Counter()
@@ -124,8 +139,16 @@ class ModelRunner:
         return self.allocator.num_slots
 
     def _plan_memory(self) -> MemorySplit:
+        split = self._plan_memory_local()
+        # Every rank's scheduler makes the same decisions over the same slots: the smallest pool rules.
+        slots = ps.all_reduce_min_int(split.num_slots)
+        if slots != split.num_slots:
+            split = replace(split, num_slots=slots, kv=split.kv // split.num_slots * slots)
+        return split
+
+    def _plan_memory_local(self) -> MemorySplit:
         cfg = self.model_config
-        per_slot = KVCache.bytes_per_slot(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        per_slot = KVCache.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.dtype)
         weights = weight_bytes(self.model)
         if self.device.type != "cuda":
             slots = self.config.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
@@ -154,7 +177,7 @@ class ModelRunner:
         bs = min(self.req_to_token_pool.size, n)
         lens = [n // bs + (1 if i < n % bs else 0) for i in range(bs)]
         cfg = self.model_config
-        kv = KVCache(n, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        kv = KVCache(n, cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         rows, slots, start = list(range(1, bs + 1)), torch.arange(n, device=self.device), 0
         for row, length in zip(rows, lens):
             self.req_to_token_pool.write(row, 0, slots[start : start + length])
@@ -252,6 +275,9 @@ class ModelRunner:
         rows' last tokens, which the next decode step reads."""
         info = SamplingBatchInfo.from_params(params, steps, self.device)
         out = self.sampler(logits, info)
+        # Under TP every rank samples, then takes rank 0's tokens: the schedulers stay identical even where
+        # sampling draws from an unseeded RNG or an all-reduce rounds differently on one rank.
+        ps.broadcast_from_rank0(out.next_token_ids)
         if rows is not None:
             self.last_token_ids[rows] = out.next_token_ids
         return out

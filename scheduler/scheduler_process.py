@@ -7,6 +7,7 @@ While requests run it logs a status line every --status-interval seconds (Status
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -14,6 +15,7 @@ import time
 
 import zmq
 
+from model_executor.distributed import parallel_state as ps
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import ReqOutput, Scheduler, SchedulerConfig
 from server.args import ServerArgs
@@ -28,6 +30,7 @@ from server.ipc import (
     bind_pull,
     connect_push,
 )
+from server.parallel import SchedulerRank
 
 logger = logging.getLogger("duet.scheduler")
 
@@ -44,14 +47,14 @@ def default_chunked_prefill_size(args: ServerArgs) -> int | None:
     return args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
 
 
-def runner_config(args: ServerArgs) -> RunnerConfig:
+def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> RunnerConfig:
     from runners.capture_lists import resolve_decode_capture_list, resolve_extend_token_levels
 
     device = args.device
     max_running = default_max_running_requests(args)
     graphs = device == "cuda"
     chunk = default_chunked_prefill_size(args)
-    return RunnerConfig(
+    config = RunnerConfig(
         model_path=args.model_path,
         device=device,
         dtype=args.dtype,
@@ -70,6 +73,10 @@ def runner_config(args: ServerArgs) -> RunnerConfig:
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         enable_torch_compile=args.enable_torch_compile,
     )
+    if rank is None:
+        return config
+    return dataclasses.replace(config, device=rank.device, tp_rank=rank.tp_rank, tp_size=rank.tp_size,
+                               dist_init_method=rank.dist_init_method, dist_timeout_s=args.dist_timeout)
 
 
 def scheduler_config(args: ServerArgs) -> SchedulerConfig:
@@ -127,25 +134,68 @@ def ready_info(args: ServerArgs, runner: ModelRunner) -> dict:
     }
 
 
-def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn) -> None:
+def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: SchedulerRank | None = None) -> None:
+    """rank: this process's place among the data/tensor-parallel ranks (None: the only scheduler)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
     _exit_with_parent()
     try:
         from transformers import AutoTokenizer
 
-        runner = ModelRunner(runner_config(args))
+        runner = ModelRunner(runner_config(args, rank))
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         scheduler = Scheduler(runner, scheduler_config(args), tokenizer=tokenizer)
     except Exception as e:  # report start-up failures as one line to the launcher
         logger.exception("scheduler start-up failed")
         ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return
+    if rank is not None and not rank.talks_to_clients:  # a TP follower: rank 0 relays its messages
+        ready_conn.send({"ok": True, "info": ready_info(args, runner)})
+        SchedulerLoop(scheduler, BroadcastInbox(None), _NullSink(), _NullSink()).run()
+        return
     ctx = zmq.Context()
-    recv = bind_pull(ctx, ipc.scheduler_input)
+    recv = bind_pull(ctx, ipc.scheduler_input_of(rank.dp_rank if rank else 0))
     to_detokenizer = connect_push(ctx, ipc.detokenizer_input)
     to_http = connect_push(ctx, ipc.http_input)
     ready_conn.send({"ok": True, "info": ready_info(args, runner)})
-    SchedulerLoop(scheduler, recv, to_detokenizer, to_http, StatusLine(args.status_interval)).run()
+    inbox = ZmqInbox(recv) if ps.get_tp_size() == 1 else BroadcastInbox(ZmqInbox(recv))
+    SchedulerLoop(scheduler, inbox, to_detokenizer, to_http, StatusLine(args.status_interval)).run()
+
+
+class ZmqInbox:
+    """The messages that arrived on the scheduler's socket."""
+
+    def __init__(self, sock):
+        self.sock = sock
+
+    def receive(self, wait_ms: int) -> list:
+        """Everything queued now; when there is nothing, wait up to wait_ms for a first message."""
+        if wait_ms and not self.sock.poll(wait_ms):
+            return []
+        msgs = []
+        while True:
+            try:
+                msgs.append(self.sock.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+
+
+class BroadcastInbox:
+    """Tensor parallelism: rank 0 receives and broadcasts the list to every rank of its group each loop
+    iteration (an empty list too), so every rank's scheduler sees the same messages in the same order and
+    makes the same decisions. Followers (inner None) block in the broadcast; a dead peer fails it."""
+
+    def __init__(self, inner: ZmqInbox | None):
+        self.inner = inner
+
+    def receive(self, wait_ms: int) -> list:
+        return ps.broadcast_object(self.inner.receive(wait_ms) if self.inner is not None else None)
+
+
+class _NullSink:
+    """A TP follower's outputs and replies: rank 0 sends the same ones."""
+
+    def send_pyobj(self, obj) -> None:
+        pass
 
 
 class StatusLine:
@@ -184,9 +234,9 @@ class StatusLine:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, recv, to_detokenizer, to_http, status: StatusLine | None = None):
+    def __init__(self, scheduler: Scheduler, inbox, to_detokenizer, to_http, status: StatusLine | None = None):
         self.scheduler = scheduler
-        self.recv = recv
+        self.inbox = inbox
         self.to_detokenizer = to_detokenizer
         self.to_http = to_http
         self.status = status or StatusLine(0)
@@ -195,8 +245,8 @@ class SchedulerLoop:
         while True:
             busy = self.scheduler.has_work()
             # Block only when idle; while batches run, take whatever arrived since the last step.
-            if busy or self.recv.poll(IDLE_POLL_MS):
-                self._drain()
+            for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
+                self._handle(msg)
             if self.scheduler.has_work():
                 if not busy and self.status.interval:
                     self.status.restart(self.scheduler.runner.path_counts)
@@ -206,14 +256,6 @@ class SchedulerLoop:
                 self.status.after_step(self.scheduler, outputs)
             elif busy:
                 self.scheduler.check_invariant()  # just went idle: every slot must be accounted for
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                msg = self.recv.recv_pyobj(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._handle(msg)
 
     def _handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):

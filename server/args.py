@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DP_ROUTINGS = ("least_load", "prefix")
 
 
 API_KEY_ENV = "DUET_API_KEY"
@@ -73,7 +74,22 @@ class ServerArgs:
     piecewise_cuda_graph_tokens: tuple[int, ...] | None = _f(None, "explicit extend token levels", nargs="+")
     disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
     enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up)")
-    tp_size: int = _f(1, "tensor-parallel size (only 1 is supported yet)")
+    # Parallelism (server/parallel.py): dp_size replicas, each a group of tp_size scheduler ranks.
+    tp_size: int = _f(1, "tensor-parallel size: ranks (one process and one GPU each; gloo ranks on CPU) "
+                         "that split every layer of the model")
+    dp_size: int = _f(1, "data-parallel size: independent replicas of the model (each its own --tp-size "
+                         "group) behind one HTTP server")
+    dp_routing: str = _f("least_load", "how requests pick a data-parallel replica: least_load (fewest "
+                                       "requests in flight), or prefix (the replica that served the longest "
+                                       "prefix of the prompt, for prefix-cache reuse; else the least loaded)",
+                         choices=DP_ROUTINGS)
+    nnodes: int = _f(1, "hosts the tensor-parallel group spans (each runs launch_server with its --node-rank)")
+    node_rank: int = _f(0, "this host's index among --nnodes (0 serves HTTP)")
+    dist_init_addr: str | None = _f(None, "HOST:PORT where the ranks' torch.distributed groups meet (needed "
+                                          "with --nnodes > 1; replica d uses PORT + d; default: a free "
+                                          "local port)")
+    dist_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the rank "
+                                    "fails (a hung rank brings the server down instead of stalling it)")
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
                                    "DUET_API_KEY in the environment sets it too, out of sight of ps")
     log_level: str = _f("info", "log level", choices=LOG_LEVELS)
@@ -114,8 +130,7 @@ class ServerArgs:
             values = getattr(self, name)
             if values is not None and (not values or any(v < 1 for v in values)):
                 raise ArgsError(f"--{name.replace('_', '-')} must list positive integers, got {list(values)}")
-        if self.tp_size != 1:
-            raise ArgsError(f"--tp-size {self.tp_size} is not supported yet; only 1")
+        self._validate_parallel(positive)
         if self.device == "cpu" and self.attention_backend in ("triton", "flashinfer"):
             raise ArgsError(f"--attention-backend {self.attention_backend} needs a CUDA device; "
                             "use torch_native on CPU")
@@ -127,8 +142,37 @@ class ServerArgs:
         if self.api_key is not None and not self.api_key:
             raise ArgsError("--api-key must not be empty")
 
+    def _validate_parallel(self, positive) -> None:
+        for name in ("tp_size", "dp_size", "nnodes"):
+            positive(name, getattr(self, name), allow_none=False)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ArgsError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
+        if self.tp_size % self.nnodes:
+            raise ArgsError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} "
+                            "(each host runs the same number of ranks)")
+        if self.nnodes > 1 and self.dp_size > 1:
+            raise ArgsError("--dp-size > 1 with --nnodes > 1 is not supported; run one server per host instead")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ArgsError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, reachable from "
+                            "every host)")
+        if self.dist_init_addr is not None:
+            try:
+                split_host_port(self.dist_init_addr)
+            except ValueError as e:
+                raise ArgsError(f"--dist-init-addr: {e}") from None
+        if not self.dist_timeout > 0:
+            raise ArgsError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """'host:port' (IPv6 as [addr]:port) -> (host, port); ValueError naming the problem."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
 
 
 def _arg_type(f: dataclasses.Field):

@@ -26,16 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (processes; one GPU each on CUDA)")
     return p
 
 
 def generate(model_path: str, prompt: str, params: SamplingParams, *, chat: bool = False, device: str = "cpu",
-             dtype: str = "auto") -> str:
+             dtype: str = "auto", tp_size: int = 1) -> str:
     import torch  # noqa: F401  (heavy imports after argument parsing)
     from transformers import AutoTokenizer
-
-    from runners.model_runner import ModelRunner, RunnerConfig
-    from scheduler.scheduler import Scheduler, SchedulerConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if chat:
@@ -44,18 +42,61 @@ def generate(model_path: str, prompt: str, params: SamplingParams, *, chat: bool
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     else:
         ids = tokenizer.encode(prompt)
+    if tp_size == 1:
+        out = _generate_ids(model_path, list(ids), params, device, dtype)
+    else:
+        out = _generate_ids_tp(model_path, list(ids), params, device, dtype, tp_size)
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def _generate_ids(model_path: str, ids: list[int], params: SamplingParams, device: str, dtype: str,
+                  tp_rank: int = 0, tp_size: int = 1, init_method: str | None = None) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from model_executor.distributed import parallel_state as ps
+    from runners.model_runner import ModelRunner, RunnerConfig
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+
     total = len(ids) + params.max_new_tokens
     runner = ModelRunner(RunnerConfig(model_path=model_path, device=device, dtype=dtype, max_running_requests=1,
-                                      max_total_tokens=total + 1))
+                                      max_total_tokens=total + 1, tp_rank=tp_rank, tp_size=tp_size,
+                                      dist_init_method=init_method))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)  # stop strings
     scheduler = Scheduler(runner, SchedulerConfig(max_running_requests=1, disable_radix_cache=True), tokenizer)
-    scheduler.add_request("offline", list(ids), params)
+    scheduler.add_request("offline", ids, params)
     out: list[int] = []
-    while scheduler.has_work():
-        for o in scheduler.step():
-            out.extend(o.new_token_ids)
-            if o.finish_reason is not None and o.finish_reason.kind == "error":
-                raise SystemExit(f"error: {o.finish_reason.message}")
-    return tokenizer.decode(out, skip_special_tokens=True)
+    try:
+        while scheduler.has_work():  # every rank takes the same steps: same request, rank 0's sampled tokens
+            for o in scheduler.step():
+                out.extend(o.new_token_ids)
+                if o.finish_reason is not None and o.finish_reason.kind == "error":
+                    raise SystemExit(f"error: {o.finish_reason.message}")
+    finally:
+        ps.destroy_tensor_parallel()
+    return out
+
+
+def _tp_rank_main(rank: int, tp_size: int, init_method: str, model_path: str, ids: list[int],
+                  params: SamplingParams, device: str, dtype: str, results) -> None:
+    rank_device = f"cuda:{rank}" if device == "cuda" else device
+    out = _generate_ids(model_path, ids, params, rank_device, dtype, rank, tp_size, init_method)
+    if rank == 0:
+        results.put(out)
+
+
+def _generate_ids_tp(model_path: str, ids: list[int], params: SamplingParams, device: str, dtype: str,
+                     tp_size: int) -> list[int]:
+    """One spawned process per rank (torch.multiprocessing); rank 0 hands back the tokens."""
+    import torch.multiprocessing as mp
+
+    from server.parallel import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    mp.spawn(_tp_rank_main, args=(tp_size, init, model_path, ids, params, device, dtype, results), nprocs=tp_size,
+             join=True)
+    return results.get()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +137,27 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(generate(model_path, args.prompt, params, chat=args.chat, device=device, dtype=args.dtype))
+    if args.tp_size < 1:
+        print(f"error: --tp-size must be a positive integer, got {args.tp_size}", file=sys.stderr)
+        return 2
+    if args.tp_size > 1:
+        from model_executor.model_config import ModelConfig
+        from model_executor.weight_loader import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(ModelConfig.from_pretrained(model_path), args.tp_size)
+        except ValueError as e:
+            print(f"error: --tp-size {args.tp_size}: {e}", file=sys.stderr)
+            return 2
+    if device == "cuda" and args.tp_size > 1:
+        import torch
+
+        if torch.cuda.device_count() < args.tp_size:
+            print(f"error: --tp-size {args.tp_size} needs {args.tp_size} GPUs, {torch.cuda.device_count()} are "
+                  "visible", file=sys.stderr)
+            return 2
+    print(generate(model_path, args.prompt, params, chat=args.chat, device=device, dtype=args.dtype,
+                   tp_size=args.tp_size))
     return 0
 
 

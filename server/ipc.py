@@ -129,6 +129,10 @@ class IpcPaths:
     def scheduler_input(self) -> str:
         return self._endpoint("scheduler_in")
 
+    def scheduler_input_of(self, dp_rank: int) -> str:
+        """Data-parallel replica dp_rank's scheduler (replica 0's is scheduler_input)."""
+        return self.scheduler_input if dp_rank == 0 else self._endpoint(f"scheduler_in_dp{dp_rank}")
+
     @property
     def detokenizer_input(self) -> str:
         return self._endpoint("detokenizer_in")

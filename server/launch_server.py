@@ -106,7 +106,7 @@ def _stop_when_asked(stop_conn) -> None:
 
 
 def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: str | None, stop_conn,
-                *entry_args) -> None:
+                *entry_args, **entry_kwargs) -> None:
     """Runs in a spawned child: guard against orphaning, then call `module:function(*entry_args)`.
 
     The last entry argument is the ready pipe; a crash before the child reported is sent on it as one
@@ -119,7 +119,7 @@ def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: s
     try:
         module, _, func = entrypoint.partition(":")
         target = getattr(importlib.import_module(module), func)
-        target(*entry_args)
+        target(*entry_args, **entry_kwargs)
     except SystemExit:
         raise  # stopped by the launcher
     except BaseException as e:
@@ -131,11 +131,12 @@ def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: s
 
 
 def _start_child(ctx, name: str, entrypoint: str, log_level: str, entry_args: tuple,
-                 cleanup_dir: str | None = None):
+                 cleanup_dir: str | None = None, entry_kwargs: dict | None = None):
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     stop_recv, stop_send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child_main, name=f"duet-{name}",
-                       args=(entrypoint, log_level, os.getpid(), cleanup_dir, stop_recv, *entry_args, send_conn))
+                       args=(entrypoint, log_level, os.getpid(), cleanup_dir, stop_recv, *entry_args, send_conn),
+                       kwargs=entry_kwargs or {})
     proc.start()
     send_conn.close()  # the child holds the only write end, so its death reads as EOF
     stop_recv.close()
@@ -211,7 +212,29 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
         resolved.validate()
     except ArgsError as e:
         raise UsageError(str(e)) from None
+    check_parallel_fits(resolved)
     return resolved
+
+
+def check_parallel_fits(args: ServerArgs) -> None:
+    """The ranks fit this host's GPUs and the model's heads split over --tp-size; else UsageError."""
+    from server.parallel import gpus_needed
+
+    if args.device == "cuda" and (args.tp_size > 1 or args.dp_size > 1):
+        import torch
+
+        have, need = torch.cuda.device_count(), gpus_needed(args)
+        if need > have:
+            raise UsageError(f"--tp-size {args.tp_size} x --dp-size {args.dp_size} needs {need} GPUs on this host "
+                             f"(one per rank), but {have} are visible")
+    if args.tp_size > 1:
+        from model_executor.model_config import ModelConfig
+        from model_executor.weight_loader import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(ModelConfig.from_pretrained(args.model_path), args.tp_size)
+        except ValueError as e:
+            raise UsageError(f"--tp-size {args.tp_size}: {e}") from None
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -240,12 +263,49 @@ def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
     parts = [f"model={served_model_name}", f"dtype={info.get('dtype')}", f"device={info.get('device', args.device)}",
              f"context={info.get('context_len')}", f"kv_slots={info.get('num_kv_slots')}",
              f"max_running={info.get('max_running_requests')}", f"attention={info.get('attention_backend')}"]
+    if args.tp_size > 1 or args.dp_size > 1:
+        parts.append(f"tp={args.tp_size} dp={args.dp_size}")
     if str(info.get("device", args.device)).startswith("cuda"):
         parts.append(f"decode_graph_bs={_fmt_sizes(info.get('cuda_graph_bs'))}")
         parts.append(f"extend_graph_tokens={_fmt_sizes(info.get('piecewise_cuda_graph_tokens'))}")
         parts.append(f"capture={float(info.get('capture_seconds') or 0):.1f}s/"
                      f"{float(info.get('capture_gib') or 0):.2f}GiB")
     return "duet ready: " + " ".join(parts) + f" url=http://{host}:{args.port}"
+
+
+def combine_infos(args: ServerArgs, infos: dict[str, dict], ranks: list, procs: dict) -> dict:
+    """The engine's start-up info: replica 0's, with the limits every replica meets (the smallest KV pool)
+    and where each rank runs."""
+    leaders = [infos[r.name] for r in ranks if r.talks_to_clients]
+    info = dict(leaders[0])
+    if len(leaders) > 1:
+        info["num_kv_slots"] = min(i["num_kv_slots"] for i in leaders)
+        info["replicas"] = [{"num_kv_slots": i["num_kv_slots"], "scheduler_pid": i.get("scheduler_pid")}
+                            for i in leaders]
+    info["tp_size"], info["dp_size"] = args.tp_size, args.dp_size
+    info["scheduler_pids"] = {r.name: procs[r.name].pid for r in ranks}
+    return info
+
+
+def _run_follower_node(args: ServerArgs, ctx, ranks: list, scheduler_entrypoint: str) -> int:
+    """--node-rank > 0: run this host's TP ranks (node 0 serves HTTP); exit 1 when one of them dies."""
+    procs: dict = {}
+    try:
+        children = {r.name: _start_child(ctx, r.name, scheduler_entrypoint, args.log_level,
+                                         (args, IpcPaths("/nonexistent")), entry_kwargs={"rank": r})
+                    for r in ranks}
+        procs = {name: proc for name, (proc, _) in children.items()}
+        _wait_ready(children)
+        print(f"duet node {args.node_rank} of {args.nnodes} ready: tp ranks "
+              f"{[r.tp_rank for r in ranks]} joined {ranks[0].dist_init_method}", flush=True)
+        while True:
+            for name, proc in procs.items():
+                if not proc.is_alive():
+                    print(f"error: the {name} process died (exit code {proc.exitcode})", file=sys.stderr, flush=True)
+                    return 1
+            time.sleep(0.5)
+    finally:
+        _stop_children(procs)
 
 
 def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, sock: socket.socket) -> int:
@@ -265,8 +325,12 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
         exit_code = 1
         asyncio.get_running_loop().call_later(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True))
 
-    tm = TokenizerManager(tokenizer, ipc, info, ServerMetrics(), processes=procs, on_fatal=on_fatal,
-                          log_requests=args.log_requests)
+    from server.dp_router import DpRouter
+
+    metrics = ServerMetrics()
+    tm = TokenizerManager(tokenizer, ipc, info, metrics, processes=procs, on_fatal=on_fatal,
+                          log_requests=args.log_requests,
+                          router=DpRouter(args.dp_size, args.dp_routing, metrics) if args.dp_size > 1 else None)
     name = served_name(args)
     state = AppState(args=args, info=info, tokenizer_manager=tm, served_model_name=name,
                      pids={"http": os.getpid(), **{k: p.pid for k, p in procs.items()}})
@@ -314,19 +378,28 @@ def run(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHED
     sock = None
     try:
         args = resolve_args(args)
+        from server.parallel import plan_ranks
+
+        ranks = plan_ranks(args)
+        ctx = multiprocessing.get_context("spawn")
+        if args.node_rank > 0:
+            return _run_follower_node(args, ctx, ranks, scheduler_entrypoint)
         sock = bind_http_socket(args.host, args.port)
         ipc = IpcPaths.create()
-        ctx = multiprocessing.get_context("spawn")
+        parallel = args.tp_size > 1 or args.dp_size > 1  # the scheduler entry point takes rank= only then
         children = {
-            "scheduler": _start_child(ctx, "scheduler", scheduler_entrypoint, args.log_level, (args, ipc)),
-            "detokenizer": _start_child(ctx, "detokenizer", DETOKENIZER_ENTRYPOINT, args.log_level,
-                                        (args.tokenizer_path or args.model_path, ipc), cleanup_dir=ipc.folder),
+            r.name: _start_child(ctx, r.name, scheduler_entrypoint, args.log_level, (args, ipc),
+                                 entry_kwargs={"rank": r} if parallel else None)
+            for r in ranks
         }
+        children["detokenizer"] = _start_child(ctx, "detokenizer", DETOKENIZER_ENTRYPOINT, args.log_level,
+                                               (args.tokenizer_path or args.model_path, ipc),
+                                               cleanup_dir=ipc.folder)
         procs = {name: proc for name, (proc, _) in children.items()}
         from server.detokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)  # while the children load
-        info = _wait_ready(children)["scheduler"]
+        info = combine_infos(args, _wait_ready(children), ranks, procs)
         for _, conn in children.values():
             conn.close()
         return _serve(args, ipc, info, tokenizer, procs, sock)

@@ -86,6 +86,8 @@ class ServerMetrics:
                               buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("duet_e2e_request_latency_seconds", "time from arrival to the last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.dp_routed = Counter("duet_dp_routed_requests", "requests routed to each data-parallel replica",
+                                 ["replica"], registry=r)
         self._stats = _SchedulerStatsCollector()
         r.register(self._stats)
 

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from model_executor.sampling_params import SamplingParams
+from server.dp_router import DpRouter, merge_stats
 from server.ipc import (
     AbortReq,
     BatchStrOut,
@@ -102,6 +103,7 @@ class _ReqState:
     search_from: int = 0  # where the next stop-string search starts
     completion_tokens: int = 0
     cached_tokens: int = 0
+    replica: int | None = None  # the data-parallel replica serving it (None: not sent)
     first_token_at: float | None = None
     last_token_at: float | None = None
     done: bool = False
@@ -147,9 +149,11 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 class TokenizerManager:
     def __init__(self, tokenizer, ipc: IpcPaths, info: dict, metrics: ServerMetrics,
                  processes: dict | None = None, on_fatal: Callable[[str], None] | None = None,
-                 log_requests: bool = False):
+                 log_requests: bool = False, router: DpRouter | None = None):
         self.tokenizer = tokenizer
         self.log_requests = log_requests  # --log-requests: one INFO line at arrival and one at the end
+        self.router = router  # --dp-size > 1: picks each request's replica
+        self._replica_pushes: dict = {}  # replicas 1 and up; replica 0's socket is _push
         self.ipc = ipc
         self.info = info
         self.metrics = metrics
@@ -177,6 +181,8 @@ class TokenizerManager:
         self._ctx = zmq.asyncio.Context()
         self._pull = bind_pull(self._ctx, self.ipc.http_input)
         self._push = connect_push(self._ctx, self.ipc.scheduler_input)
+        for d in range(1, self.router.size if self.router else 1):
+            self._replica_pushes[d] = connect_push(self._ctx, self.ipc.scheduler_input_of(d))
         self._tasks = [asyncio.create_task(self._read_loop(), name="duet-read-outputs"),
                        asyncio.create_task(self._watch_loop(), name="duet-liveness")]
 
@@ -319,8 +325,9 @@ class TokenizerManager:
                     queue.put_nowait((st, _ZERO_TOKENS))
                     continue
                 self._reqs[st.rid] = st
-                await self._push.send_pyobj(TokenizedGenerateReq(rid=st.rid, input_ids=r.input_ids,
-                                                                 params=r.params))
+                st.replica = self.router.choose(r.input_ids) if self.router else 0
+                await self._socket(st.replica).send_pyobj(TokenizedGenerateReq(rid=st.rid, input_ids=r.input_ids,
+                                                                               params=r.params))
             remaining = len(states)
             while remaining:
                 st, item = await queue.get()
@@ -341,7 +348,8 @@ class TokenizerManager:
                 if not st.done:
                     st.done = True
                     if self._reqs.pop(st.rid, None) is not None and self.healthy:
-                        self._send_nowait(AbortReq(rid=st.rid))
+                        self._send_nowait(AbortReq(rid=st.rid), st.replica)
+                    self._release(st)
                     self._observe(st, outcome)
 
     def _apply(self, st: _ReqState, item) -> GenChunk | None:
@@ -379,7 +387,7 @@ class TokenizerManager:
                 st.text = st.text[:max(pos, st.sent)]
                 if finish is None or finish.kind != "stop":
                     if finish is None and self._reqs.pop(st.rid, None) is not None and self.healthy:
-                        self._send_nowait(AbortReq(rid=st.rid))  # we saw it first; stop the scheduler
+                        self._send_nowait(AbortReq(rid=st.rid), st.replica)  # we saw it first; stop it
                     finish = FinishReason("stop", matched=matched)
             else:
                 st.search_from = max(0, len(st.text) - st.max_stop_len + 1)
@@ -397,6 +405,7 @@ class TokenizerManager:
     def _finish(self, st: _ReqState, finish: FinishReason) -> None:
         st.done = True
         self._reqs.pop(st.rid, None)
+        self._release(st)
         self._observe(st, finish.kind)
 
     def _observe(self, st: _ReqState, outcome: str) -> None:
@@ -407,22 +416,43 @@ class TokenizerManager:
             logger.info("finished %s: finish_reason=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
                         "e2e=%.3fs", st.rid, outcome, st.prompt_tokens, st.completion_tokens, st.cached_tokens, e2e)
 
-    def _send_nowait(self, obj) -> None:
+    def _release(self, st: _ReqState) -> None:
+        if self.router is not None and st.replica is not None:
+            self.router.release(st.replica)
+            st.replica = None
+
+    def _socket(self, replica: int | None):
+        return self._replica_pushes[replica] if replica else self._push
+
+    def _send_nowait(self, obj, replica: int | None = 0) -> None:
         """Send without awaiting (usable in finally blocks of cancelled tasks); pyzmq completes the send
         at once unless the peer's queue is full, and then from the event loop."""
         try:
-            self._push.send_pyobj(obj)
+            self._socket(replica).send_pyobj(obj)
         except Exception:
             logger.debug("could not send %s", type(obj).__name__, exc_info=True)
 
     async def control(self, req_cls, timeout: float = CONTROL_TIMEOUT_S) -> ControlReply:
-        """Send a FlushCacheReq/GetStatsReq and wait for the scheduler's ControlReply."""
+        """Send a FlushCacheReq/GetStatsReq and wait for the scheduler's ControlReply (every replica's,
+        merged, under data parallelism)."""
+        if self.router is None:
+            return await self._control_one(req_cls, timeout, 0)
+        replies = await asyncio.gather(*(self._control_one(req_cls, timeout, d) for d in range(self.router.size)))
+        failed = next((r for r in replies if not r.ok), None)
+        if failed is not None:
+            return ControlReply(replies[0].rid, False, failed.data)
+        data = merge_stats([r.data for r in replies])
+        data["replicas"] = [dict(r.data, inflight=n, routed=m)
+                            for r, n, m in zip(replies, self.router.inflight, self.router.routed)]
+        return ControlReply(replies[0].rid, True, data)
+
+    async def _control_one(self, req_cls, timeout: float, replica: int) -> ControlReply:
         self.check_alive()
         rid = self.new_rid("ctl-")
         fut = asyncio.get_running_loop().create_future()
         self._controls[rid] = fut
         try:
-            await self._push.send_pyobj(req_cls(rid=rid))
+            await self._socket(replica).send_pyobj(req_cls(rid=rid))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise ApiError(503, f"the scheduler did not answer {req_cls.__name__} within {timeout:g} s") from None

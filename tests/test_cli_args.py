@@ -17,7 +17,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("argv", [["--port", "-5"], ["--dtype", "fp8"], ["--mem-fraction-static", "1.5"],
-                                  ["--cuda-graph-bs", "0", "4"], ["--tp-size", "2"], ["--max-running-requests", "0"]])
+                                  ["--cuda-graph-bs", "0", "4"], ["--tp-size", "0"], ["--max-running-requests", "0"],
+                                  ["--nnodes", "2", "--tp-size", "2"], ["--dist-init-addr", "nohost"]])
 def test_invalid_values_exit_2_with_one_line(argv):
     proc = run_cli(*argv)
     assert proc.returncode == 2

@@ -1,7 +1,10 @@
-"""Linear layers written as tensor-parallel classes; duet runs them with tp_size 1 for now.
+"""Linear layers as tensor-parallel classes (Megatron's column/row split).
 
 Each parameter carries a `weight_loader(param, loaded, shard_id)` so HF checkpoints (separate q/k/v and
-gate/up tensors) load into the fused layers, and so sharding later changes no model code.
+gate/up tensors) load into the fused layers, each rank copying only its shard. `loaded` is a tensor or a
+lazy safetensors slice (model_executor/lazy_slice.py): narrowing it reads nothing, so a rank reads only its
+part of the file. tp_rank/tp_size default to the process's tensor-parallel group
+(model_executor/distributed/parallel_state.py), so model code never passes them.
 """
 
 from __future__ import annotations
@@ -10,10 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_executor.distributed import parallel_state as ps
+from model_executor.lazy_slice import materialize
+
 
 def _shard(loaded: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     if tp_size == 1:
         return loaded
+    if loaded.shape[dim] % tp_size:
+        raise ValueError(f"checkpoint dimension {dim} of {tuple(loaded.shape)} does not split over {tp_size} ranks")
     size = loaded.shape[dim] // tp_size
     return loaded.narrow(dim, tp_rank * size, size)
 
@@ -21,7 +29,12 @@ def _shard(loaded: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
 def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(materialize(loaded))
+
+
+def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+    """Explicit values, else this process's tensor-parallel rank and size."""
+    return (ps.get_tp_rank() if tp_rank is None else tp_rank), (ps.get_tp_size() if tp_size is None else tp_size)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -30,9 +43,10 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int | None = None,
+                 tp_size: int | None = None):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -51,7 +65,9 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int | None = None,
+                 tp_size: int | None = None):
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         assert output_size % tp_size == 0
         super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
 
@@ -60,23 +76,30 @@ class ColumnParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; an all-reduce would follow when tp_size > 1."""
+    """Input features split across ranks: each computes a partial sum, an all-reduce adds them up."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int | None = None,
+                 tp_size: int | None = None):
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         assert input_size % tp_size == 0
-        if tp_size != 1:
-            raise NotImplementedError("tensor parallelism > 1 is not built yet")
         super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id=None):
         dim = 1 if param.dim() == 2 else None
         _copy_into(param, loaded if dim is None else _shard(loaded, dim, self.tp_rank, self.tp_size))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is whole on every rank: only rank 0 adds it, or the all-reduce would add it tp_size times.
+        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return ps.tensor_model_parallel_all_reduce(out)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused into one matmul (gate_up_proj); shard_id is the index."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank=0, tp_size=1):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank: int | None = None,
+                 tp_size: int | None = None):
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         self.output_sizes = [s // tp_size for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
@@ -87,22 +110,30 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection; shard_id is "q", "k" or "v"."""
+    """Fused q/k/v projection split by heads; shard_id is "q", "k" or "v". With more ranks than KV heads,
+    each rank holds one KV head, replicated over tp_size / num_kv_heads ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+                 tp_rank: int | None = None, tp_size: int | None = None):
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
+        self.num_heads = ps.heads_per_rank(num_heads, tp_size)
+        self.num_kv_heads = ps.kv_heads_per_rank(num_kv_heads, tp_size)
+        self.kv_head_start = ps.kv_head_start(num_kv_heads, tp_rank, tp_size)
+        self.total_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        total = (num_heads + 2 * max(num_kv_heads, tp_size)) * head_dim
+        total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size  # the per-rank size, times tp
         super().__init__(hidden_size, total, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id=None):
         offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                         "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
-        _copy_into(param.data.narrow(0, offset, size), _shard(loaded, 0, self.tp_rank, self.tp_size))
+        if loaded.shape[0] != self.total_sizes[shard_id]:
+            raise ValueError(f"shape mismatch: {shard_id} rows {self.total_sizes[shard_id]} vs checkpoint "
+                             f"{tuple(loaded.shape)}")
+        start = self.tp_rank * self.q_size if shard_id == "q" else self.kv_head_start * self.head_dim
+        _copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -116,6 +116,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Every layer here shards under tensor parallelism (model_executor/weight_loader.check_tensor_parallel).
+    supports_tensor_parallel = True
     # HF checkpoint name fragment -> (our fused parameter fragment, shard id)
     stacked_params = (
         (".q_proj", ".qkv_proj", "q"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.base import AttentionBackend
 from model_executor.layers.attention.radix_attention import RadixAttention
@@ -24,8 +25,9 @@ class FlashInferAttnBackend(AttentionBackend):
 
         self._flashinfer = flashinfer
         cfg = runner.model_config
-        self.num_qo_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        tp = ps.get_tp_size()  # this rank's heads
+        self.num_qo_heads = ps.heads_per_rank(cfg.num_attention_heads, tp)
+        self.num_kv_heads = ps.kv_heads_per_rank(cfg.num_key_value_heads, tp)
         self.head_dim = cfg.head_dim
         self.dtype = runner.dtype
         self.device = runner.device

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.base import AttentionBackend
 from model_executor.layers.attention.radix_attention import RadixAttention
@@ -23,7 +24,7 @@ class TritonAttnBackend(AttentionBackend):
         cfg = runner.model_config
         self.num_kv_splits = get_num_kv_splits(runner.context_len)
         self.attn_logits, self.attn_lse = alloc_decode_workspace(
-            runner.req_to_token_pool.size, cfg.num_attention_heads, cfg.head_dim, self.num_kv_splits, runner.device)
+            runner.req_to_token_pool.size, ps.heads_per_rank(cfg.num_attention_heads, ps.get_tp_size()), cfg.head_dim, self.num_kv_splits, runner.device)
 
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)

@@ -1,0 +1,54 @@
+"""Tensor parallelism on two GPUs (NCCL): tp 2 equals tp 1 on Llama-3.2-1B's shape with random weights.
+
+Both runs load the same random checkpoint (written once from the same seed) in float32, capture decode
+graphs (the all-reduce and the logits all-gather are captured in them) and piecewise extend graphs (the
+all-reduce lies inside the pieces; only attention splits them), and must give the same greedy tokens,
+through the graphs (the path counts prove the graphs ran), with logits close to tp 1's.
+
+Needs two GPUs: skipped (mark gpu) when fewer than two are visible.
+Run: pytest -m gpu tests/gpu/test_tp_gpu.py -s
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_executor.configs import shape_path
+from tests.tp_utils import run_model, run_tp, save_random_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2,
+                       reason=f"needs 2 GPUs for tensor parallelism, {torch.cuda.device_count()} visible"),
+]
+
+GRAPHS = {"device": "cuda", "dtype": "float32", "attention_backend": "triton", "max_running_requests": 8,
+              "max_total_tokens": 4096, "context_length": 1024, "cuda_graph_bs": (1, 2, 4, 8),
+              "piecewise_cuda_graph_tokens": (8, 16, 32, 64)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(save_random_checkpoint(shape_path("llama-3.2-1b"), tmp_path_factory.mktemp("llama-1b-random"),
+                                      seed=0, dtype=torch.float32, device="cuda"))
+
+
+@pytest.fixture(scope="module")
+def tp1(checkpoint):
+    out = run_model(checkpoint, **GRAPHS)
+    torch.cuda.empty_cache()
+    return out
+
+
+def test_tp2_greedy_tokens_equal_tp1_through_graphs(checkpoint, tp1):
+    ranks = run_tp([checkpoint], size=2, **GRAPHS)[0]
+    for r in (tp1, *ranks):  # every step went through a graph: the extend piece, then the decode graphs
+        assert r["path_counts"].get("extend_graph", 0) > 0 and r["path_counts"].get("decode_graph", 0) > 0, r
+        assert r["path_counts"].get("decode_eager", 0) == 0
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] == tp1["tokens"]
+    assert ranks[0]["sampled"] == ranks[1]["sampled"]
+    worst = max((a - b).abs().max().item() for a, b in zip(tp1["logits"], ranks[0]["logits"]))
+    print(f"\ntp1 tokens {tp1['tokens']}\ntp2 max |logits - tp1 logits| = {worst:.2e}")
+    assert worst < 1e-2
+    assert ranks[0]["kv_heads"] == 4 and tp1["kv_heads"] == 8  # Llama-3.2-1B: 8 KV heads, 4 per rank
