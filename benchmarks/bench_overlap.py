@@ -81,11 +81,14 @@ async def itl_run(port: int, vocab: int, streams: int, output_len: int, long_len
             itls.append((b - a) * 1e3)
             if a < t_long_done and b > t_long:
                 inside.append((b - a) * 1e3)
+    if not inside:
+        raise RuntimeError("the streams ended before the long prompt arrived: raise --itl-output-len")
     itls.sort()
     return {"median_itl_ms": round(statistics.median(itls), 3),
             "p99_itl_ms": round(itls[min(len(itls) - 1, int(0.99 * len(itls)))], 3),
             "max_itl_ms": round(itls[-1], 3),
-            "median_itl_during_long_prefill_ms": round(statistics.median(inside), 3) if inside else None,
+            "median_itl_during_long_prefill_ms": round(statistics.median(inside), 3),
+            "max_itl_during_long_prefill_ms": round(max(inside), 3),
             "long_prompt_ms": round((t_long_done - t_long) * 1e3, 1), "num_itls": len(itls)}
 
 
@@ -123,9 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--one-batch", action="store_true", help="run bench_one_batch bs=1 first (the C=1 floor)")
     p.add_argument("--itl", action="store_true", help="also the mixed-chunk ITL experiment")
     p.add_argument("--itl-streams", type=int, default=16)
-    p.add_argument("--itl-output-len", type=int, default=256)
+    p.add_argument("--itl-output-len", type=int, default=2048, help="long enough to outlast the long prompt")
     p.add_argument("--long-prompt-len", type=int, default=8192)
-    p.add_argument("--long-after", type=float, default=1.0)
+    p.add_argument("--long-after", type=float, default=0.5)
     p.add_argument("--baseline-dir", type=Path, help="also run C=1 / C=64 against a server started from this "
                    "checkout (e.g. the code before overlap scheduling), labelled 'baseline'")
     p.add_argument("--port", type=int, default=30200)
@@ -159,7 +162,7 @@ def main(argv=None) -> int:
         for name, flags in ITL_CONFIGS.items():
             proc = start_server(folder, args.port, flags + args.server_args, args.out / f"server_itl_{name}.log")
             try:
-                asyncio.run(itl_run(args.port, vocab, args.itl_streams, 8, 16, 0.0))  # warm-up
+                asyncio.run(itl_run(args.port, vocab, args.itl_streams, 64, 16, 0.0))  # warm-up
                 result[f"itl_{name}"] = asyncio.run(itl_run(args.port, vocab, args.itl_streams,
                                                             args.itl_output_len, args.long_prompt_len,
                                                             args.long_after))
