@@ -19,6 +19,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from model_executor.checkpoint_files import checkpoint_files, read_header
+from model_executor.layers.quantization import QuantConfig, quantization_context, restore_kept_dtypes
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import CheckpointMismatchError, ModelConfig, WeightLoadError
 from model_executor.models import MODEL_REGISTRY
@@ -29,29 +30,35 @@ __all__ = ["CheckpointMismatchError", "WeightLoadError", "build_model", "check_c
 
 PROGRESS_MIN_BYTES = 256 * 1024**2  # no progress bar for small checkpoints (tests, the default model)
 # safetensors header dtype names; only shapes matter for the header check, so anything else reads as float32.
-_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "F8_E4M3": torch.float8_e4m3fn}
 
 
 def _model_class(cfg: ModelConfig):
     return MODEL_REGISTRY[cfg.architecture]
 
 
-def build_meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The model with shapes and dtypes only (meta tensors): costs no memory."""
-    with torch.device("meta"):
+def build_meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                     quant: QuantConfig | None = None) -> torch.nn.Module:
+    """The model with shapes and dtypes only (meta tensors): costs no memory.
+
+    quant: the linear layers' quantization; their quantized tensors keep their own dtypes."""
+    with torch.device("meta"), quantization_context(quant):
         model = _model_class(cfg)(cfg)
-    return model.to(dtype=dtype)
+    model = model.to(dtype=dtype)
+    restore_kept_dtypes(model)
+    return model
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                max_positions: int | None = None) -> torch.nn.Module:
+                max_positions: int | None = None, quant: QuantConfig | None = None) -> torch.nn.Module:
     """The model on `device` in `dtype`, parameters uninitialized (load or init them next).
 
     max_positions: a longer RoPE table than the config's (a --context-length that RoPE scaling allows).
     """
     if max_positions is not None and max_positions > cfg.max_position_embeddings:
         cfg = dataclasses.replace(cfg, max_position_embeddings=max_positions)
-    model = build_meta_model(cfg, dtype)
+    model = build_meta_model(cfg, dtype, quant)
     _materialize(model, torch.device(device))
     for module in model.modules():  # modules() yields the shared table once
         if isinstance(module, RotaryEmbedding):
@@ -101,14 +108,14 @@ def _check_complete(model: torch.nn.Module, loaded: set[str], path: Path) -> Non
             f"({len(missing)} missing tensors)")
 
 
-def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
+def check_checkpoint(path: str | Path, cfg: ModelConfig, quant: QuantConfig | None = None) -> None:
     """Match the shards' tensor names and shapes against the model built from cfg, reading only the
     headers: a mismatch is found in milliseconds, before anything is loaded.
 
     Raises WeightLoadError (files) or CheckpointMismatchError (the first mismatching tensor)."""
     path = Path(path)
     files = checkpoint_files(path)
-    model = build_meta_model(cfg)
+    model = build_meta_model(cfg, quant=quant)
 
     def meta_tensors():
         for file in files:
@@ -120,10 +127,10 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
 
 
 def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-               max_positions: int | None = None) -> torch.nn.Module:
+               max_positions: int | None = None, quant: QuantConfig | None = None) -> torch.nn.Module:
     path = Path(model_path)
     files = checkpoint_files(path)
-    model = build_model(cfg, dtype, device, max_positions)
+    model = build_model(cfg, dtype, device, max_positions, quant)
     with torch.no_grad():
         loaded = model.load_weights(_iter_safetensors(files))
     _check_complete(model, loaded, path)
@@ -139,9 +146,18 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
     """Random weights with sane scales (norms at 1), for benchmarks and GPU tests of real shapes.
 
-    Drawn in place in the parameter's dtype: no float32 copy of a large tensor ever exists."""
+    Drawn in place in the parameter's dtype: no float32 copy of a large tensor ever exists. Quantized
+    layers draw their weight in the dtype they quantize from, one layer at a time, and quantize it."""
     with torch.no_grad():
+        done: set[str] = set()
+        for i, (prefix, module) in enumerate(model.named_modules()):
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                gen = torch.Generator(device=module.weight.device).manual_seed(seed + 100_000 + i)
+                done |= {f"{prefix}.{name}" for name in method.init_random(module, gen, std)}
         for i, (name, p) in enumerate(model.named_parameters()):
+            if name in done:
+                continue
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             else:

@@ -7,8 +7,10 @@ gate/up tensors) load into the fused layers, and so sharding later changes no mo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from model_executor.layers.quantization import current_linear_method
+from model_executor.layers.quantization.base import copy_into as _copy_into
 
 
 def _shard(loaded: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -16,12 +18,6 @@ def _shard(loaded: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
         return loaded
     size = loaded.shape[dim] // tp_size
     return loaded.narrow(dim, tp_rank * size, size)
-
-
-def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -33,19 +29,22 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        self.output_size = output_size  # this rank's
+        # The quantization method (layers/quantization) creates the parameters, stores each loaded shard
+        # (quantizing it, for online quantization) and runs the GEMM; unquantized: weight, bias, F.linear.
+        self.quant_method = current_linear_method()
+        self.quant_method.create_weights(self, input_size, output_size, bias)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, offset: int = 0, size: int | None = None) -> None:
+        """Store `loaded` (this rank's shard) as output rows offset .. offset + size (default: all of them)
+        of the layer; the method maps rows to its tensor's layout (a block scale's rows are blocks)."""
+        self.quant_method.load(self, param, loaded, offset, self.output_size if size is None else size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy_into(param, loaded)
+        self._load(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -56,7 +55,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        _copy_into(param, _shard(loaded, 0, self.tp_rank, self.tp_size))
+        self._load(param, _shard(loaded, 0, self.tp_rank, self.tp_size))
 
 
 class RowParallelLinear(LinearBase):
@@ -70,7 +69,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None):
         dim = 1 if param.dim() == 2 else None
-        _copy_into(param, loaded if dim is None else _shard(loaded, dim, self.tp_rank, self.tp_size))
+        self._load(param, loaded if dim is None else _shard(loaded, dim, self.tp_rank, self.tp_size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -83,7 +82,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id=None):
         offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
-        _copy_into(param.data.narrow(0, offset, size), _shard(loaded, 0, self.tp_rank, self.tp_size))
+        self._load(param, _shard(loaded, 0, self.tp_rank, self.tp_size), offset, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -102,7 +101,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id=None):
         offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                         "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
-        _copy_into(param.data.narrow(0, offset, size), _shard(loaded, 0, self.tp_rank, self.tp_size))
+        self._load(param, _shard(loaded, 0, self.tp_rank, self.tp_size), offset, size)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
