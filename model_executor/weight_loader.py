@@ -19,7 +19,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from model_executor.checkpoint_files import checkpoint_files, read_header
-from model_executor.layers.quantization import QuantConfig, quantization_context, restore_kept_dtypes
+from model_executor.layers.quantization import (
+    QuantConfig,
+    QuantizationError,
+    checkpoint_quant_config,
+    quantization_context,
+    restore_kept_dtypes,
+)
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import CheckpointMismatchError, ModelConfig, WeightLoadError
 from model_executor.models import MODEL_REGISTRY
@@ -108,14 +114,17 @@ def _check_complete(model: torch.nn.Module, loaded: set[str], path: Path) -> Non
             f"({len(missing)} missing tensors)")
 
 
-def check_checkpoint(path: str | Path, cfg: ModelConfig, quant: QuantConfig | None = None) -> None:
+def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
     """Match the shards' tensor names and shapes against the model built from cfg, reading only the
     headers: a mismatch is found in milliseconds, before anything is loaded.
 
     Raises WeightLoadError (files) or CheckpointMismatchError (the first mismatching tensor)."""
     path = Path(path)
     files = checkpoint_files(path)
-    model = build_meta_model(cfg, quant=quant)
+    try:  # a pre-quantized checkpoint's tensors are its method's (online quantization keeps the names)
+        model = build_meta_model(cfg, quant=checkpoint_quant_config(cfg.hf_config))
+    except QuantizationError as e:
+        raise WeightLoadError(str(e)) from None
 
     def meta_tensors():
         for file in files:

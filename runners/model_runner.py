@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode
-from model_executor.layers.attention import create_attention_backend
+from model_executor.layers.attention import create_attention_backend, resolve_backend_name
+from model_executor.layers.quantization import QuantizationError, resolve_quant_config
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
@@ -46,6 +47,8 @@ class RunnerConfig:
     disable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_tokens: tuple[int, ...] = ()
     enable_torch_compile: bool = False
+    quantization: str | None = None  # none / fp8 / int8; None: the checkpoint's
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) or fp8_e4m3
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -64,6 +67,9 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.context_len = self.model_config.check_context_length(config.context_length)
+        self.quant = resolve_quant_config(config.quantization, self.model_config.hf_config, self.device.type,
+                                          self.dtype)
+        self.kv_dtype = self._kv_cache_dtype()
         cuda = self.device.type == "cuda"
         base = 0
         if cuda:
@@ -71,15 +77,17 @@ class ModelRunner:
             base = torch.cuda.memory_allocated(self.device)  # what others in this process hold already
         t0 = time.perf_counter()
         if config.random_weights:
-            model = build_model(self.model_config, self.dtype, self.device, max_positions=self.context_len)
+            model = build_model(self.model_config, self.dtype, self.device, max_positions=self.context_len,
+                                quant=self.quant)
             self.model = init_random_weights(model, config.seed)
         else:
             self.model = load_model(Path(config.model_path), self.model_config, self.dtype, self.device,
-                                    max_positions=self.context_len)
+                                    max_positions=self.context_len, quant=self.quant)
         self.load_seconds = time.perf_counter() - t0
         # Peak device memory while loading (the weights plus what streaming needed on top of them).
         self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base if cuda else 0
-        logger.info("loaded %s (%s, %s) in %.1f s", config.model_path, self.dtype, self.device, self.load_seconds)
+        logger.info("loaded %s (%s%s, %s) in %.1f s", config.model_path, self.dtype,
+                    f", {self.quant.method} weights" if self.quant else "", self.device, self.load_seconds)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
         # The backend's workspaces do not depend on the KV size: allocated first, they count as in use.
         self.attn_backend = create_attention_backend(config.attention_backend, self)
@@ -88,7 +96,7 @@ class ModelRunner:
         num_slots = self.memory_split.num_slots
         cfg = self.model_config
         self.kv_cache = KVCache(num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                self.dtype, self.device)
+                                self.kv_dtype, self.device)
         self.allocator = SlotAllocator(num_slots)
         self.path_counts: Counter[str] = Counter()
         self.decode_graph_runner = None
@@ -115,13 +123,31 @@ class ModelRunner:
 
             self.extend_graph_runner = PiecewiseCudaGraphRunner(self, list(cfg.piecewise_cuda_graph_tokens))
 
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """The KV pool's dtype; an FP8 pool needs an sm89+ GPU and the triton backend (its kernels scale
+        and cast FP8 K/V)."""
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        if self.config.kv_cache_dtype != "fp8_e4m3":
+            raise QuantizationError(f"--kv-cache-dtype must be auto or fp8_e4m3, got {self.config.kv_cache_dtype!r}")
+        from model_executor.layers.quantization.config import fp8_unsupported_reason
+
+        why = fp8_unsupported_reason(self.device.type)
+        if why:
+            raise QuantizationError(f"--kv-cache-dtype fp8_e4m3 {why}")
+        backend = resolve_backend_name(self.config.attention_backend, self.device.type)
+        if backend != "triton":
+            raise QuantizationError(f"--kv-cache-dtype fp8_e4m3 runs with the triton attention backend, not {backend}")
+        return torch.float8_e4m3fn
+
     @property
     def num_kv_slots(self) -> int:
         return self.allocator.num_slots
 
     def _plan_memory(self) -> MemorySplit:
         cfg = self.model_config
-        per_slot = KVCache.bytes_per_slot(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        per_slot = KVCache.bytes_per_slot(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                          self.kv_dtype)
         weights = weight_bytes(self.model)
         if self.device.type != "cuda":
             slots = self.config.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
@@ -150,7 +176,7 @@ class ModelRunner:
         bs = min(self.req_to_token_pool.size, n)
         lens = [n // bs + (1 if i < n % bs else 0) for i in range(bs)]
         cfg = self.model_config
-        kv = KVCache(n, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        kv = KVCache(n, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.kv_dtype, self.device)
         rows, slots, start = list(range(1, bs + 1)), torch.arange(n, device=self.device), 0
         for row, length in zip(rows, lens):
             self.req_to_token_pool.write(row, 0, slots[start : start + length])

@@ -69,6 +69,8 @@ def runner_config(args: ServerArgs) -> RunnerConfig:
         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         enable_torch_compile=args.enable_torch_compile,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

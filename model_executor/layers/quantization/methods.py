@@ -14,7 +14,7 @@ from torch import nn
 
 from model_executor.layers.quantization import fp8_math
 from model_executor.layers.quantization.base import LinearMethod, copy_into, rows, set_kept_dtype
-from model_executor.layers.quantization.config import QuantConfig
+from model_executor.layers.quantization.config import QuantConfig, QuantizationError
 
 FP8 = fp8_math.FP8_DTYPE
 
@@ -157,7 +157,8 @@ class Fp8BlockMethod(LinearMethod):
     def create_weights(self, layer, input_size, output_size, bias):
         bn, bk = self.block
         if input_size % bk:
-            raise ValueError(f"block-wise FP8: the input size {input_size} is not a multiple of the block {bk}")
+            raise QuantizationError(f"block-wise FP8: a linear layer's input size {input_size} is not a multiple "
+                                    f"of the block {bk}")
         _fp8_weight(layer, input_size, output_size, load_dtype=FP8)
         layer.weight_scale_inv = nn.Parameter(torch.empty(-(-output_size // bn), input_size // bk,
                                                           dtype=torch.float32), requires_grad=False)
