@@ -126,7 +126,7 @@ def test_extend_over_fp8_pool_with_scales():
     k_new, v_new = torch.randn(new, hk, d, generator=gen), torch.randn(new, hk, d, generator=gen)
     q = torch.randn(new, hq, d, generator=gen)
     o = torch.empty(new, hq, d, device=DEVICE)
-    t = lambda *xs: torch.tensor(xs, device=DEVICE)  # noqa: E731
+    t = lambda *xs: torch.tensor(xs, device=DEVICE)
     extend_mod.extend_attention_fwd(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), o, k8, v8, loc.to(DEVICE),
                                     req_to_token.to(DEVICE), t(1), t(prefix + new), t(new), t(0), new,
                                     1 / math.sqrt(d), config=extend_mod.ExtendConfig(16, 16, 4, 1),

@@ -87,7 +87,7 @@ def _w8a8_block_matmul_kernel(
     as_ptrs = As + offs_m.to(tl.int64) * stride_asm
     bs_ptrs = Bs + (offs_n // GROUP_N).to(tl.int64) * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(tl.cdiv(K, BLOCK_K)):
         k_left = K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
