@@ -61,6 +61,23 @@ class Stream:
         self.runner.req_to_token_pool.free(self.row)
 
 
+def checkpoint_tensors(model: torch.nn.Module):
+    """The model's weights under their HF checkpoint names (fused q/k/v and gate/up split again): feeding
+    them to another model's load_weights loads the same weights, quantizing them if that model does."""
+    fused: dict[str, list[str]] = {}  # our fused fragment -> the HF fragments, in shard order
+    for hf_frag, our_frag, _ in model.stacked_params:
+        fused.setdefault(our_frag, []).append(hf_frag)
+    for name, param in model.named_parameters():
+        our_frag = next((f for f in fused if f"{f}." in name), None)
+        if our_frag is None:
+            yield name, param
+            continue
+        layer = model.get_submodule(name.rsplit(".", 1)[0])
+        sizes = [layer.q_size, layer.kv_size, layer.kv_size] if hasattr(layer, "q_size") else layer.output_sizes
+        for frag, part in zip(fused[our_frag], param.split(sizes, dim=0)):
+            yield name.replace(our_frag, frag), part
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -117,11 +134,14 @@ def main(argv=None) -> int:
 
             path = str(ensure_default_model())
         random = False
-    common = dict(model_path=path, device=args.device, max_running_requests=4,
-                  max_total_tokens=4 * (args.prompt_len + args.steps + 8), context_length=args.prompt_len + args.steps + 8,
-                  random_weights=random, seed=args.seed)
+    common = {"model_path": path, "device": args.device, "max_running_requests": 4,
+                  "max_total_tokens": 4 * (args.prompt_len + args.steps + 8), "context_length": args.prompt_len + args.steps + 8,
+                  "random_weights": random, "seed": args.seed}
     ref = ModelRunner(RunnerConfig(**common))
     quant = ModelRunner(RunnerConfig(**common, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
+    if random:  # the same random weights in both (the quantized model quantizes the reference's)
+        with torch.no_grad():
+            quant.model.load_weights(checkpoint_tensors(ref.model))
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(10, ref.model_config.vocab_size, (args.prompt_len,), generator=gen).tolist()
     result = compare(ref, quant, prompt, args.steps)

@@ -135,7 +135,7 @@ def test_int8_runner_logits_on_the_default_model(model_dir):
     from benchmarks.bench_quant import Stream
     from runners.model_runner import ModelRunner, RunnerConfig
 
-    common = dict(model_path=str(model_dir), max_running_requests=2, max_total_tokens=256, context_length=128)
+    common = {"model_path": str(model_dir), "max_running_requests": 2, "max_total_tokens": 256, "context_length": 128}
     ref = ModelRunner(RunnerConfig(**common))
     int8 = ModelRunner(RunnerConfig(**common, quantization="int8"))
     prompt = torch.randint(10, ref.model_config.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -272,7 +272,7 @@ def test_fp8_kv_cache_counts_one_byte_per_element():
     bf16 = KVCache.bytes_per_slot(16, 8, 64, torch.bfloat16)
     fp8 = KVCache.bytes_per_slot(16, 8, 64, FP8)
     assert fp8 == 2 * 16 * 8 * 64 and bf16 == 2 * fp8
-    common = dict(total=80 << 30, free=70 << 30, weights=2 << 30, activations=1 << 30, graphs=1 << 30, fraction=0.9)
+    common = {"total": 80 << 30, "free": 70 << 30, "weights": 2 << 30, "activations": 1 << 30, "graphs": 1 << 30, "fraction": 0.9}
     assert plan_kv_cache(**common, bytes_per_slot=fp8).num_slots == 2 * plan_kv_cache(**common, bytes_per_slot=bf16).num_slots
     cache = KVCache(10, 2, 2, 16, FP8, "cpu", k_scales=[0.5, 1.0], v_scales=[1.0, 2.0])
     assert cache.k_buffers[0].dtype == FP8 and cache.get_scales(1) == (1.0, 2.0)
