@@ -171,7 +171,8 @@ def _save_quantized(src: Path, dst: Path, fmt: str) -> Path:
         else:
             q, s = fm.quantize_fp8_per_tensor(t)
             out[f"{base}.weight_scale"] = s.reshape(1)
-            out[f"{base}.input_scale"] = torch.tensor([0.01 * (1 + len(out) % 3)])
+            # q's the largest: the checkpoint lists k_proj, q_proj, v_proj, so the last loaded is not it
+            out[f"{base}.input_scale"] = torch.tensor([{"q_proj": 0.03, "v_proj": 0.02}.get(base[-6:], 0.01)])
         out[f"{base}.weight"] = q
     for f in dst.glob("*.safetensors"):
         f.unlink()

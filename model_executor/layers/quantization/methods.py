@@ -172,7 +172,7 @@ class Fp8BlockMethod(LinearMethod):
             bn = self.block[0]
             if offset % bn:  # a tile would straddle two checkpoint tensors
                 raise ValueError(f"block-wise FP8: fused shard at row {offset} is not aligned to the block {bn}")
-            return copy_into(rows(param, offset, -(-size // bn)), loaded)
+            return copy_into(rows(param, offset // bn, -(-size // bn)), loaded)
         return super().load(layer, param, loaded, offset, size)
 
     def apply(self, layer, x):
