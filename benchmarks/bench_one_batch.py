@@ -2,6 +2,10 @@
 against the weight-read floor (weight bytes / device-to-device bandwidth measured in the same run).
 
     python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
+    python -m benchmarks.bench_one_batch --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 ...
+
+With --quantization fp8 the floor is the FP8 weights' read time (FP8 linears and their scales, the
+embedding and LM head in bf16).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--quantization", default=None, choices=("none", "fp8", "int8"),
+                   help="weight quantization (default: the checkpoint's)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--capture-default-list", action="store_true",
                    help="also capture the default decode list (max_bs 256) and report its time and memory")
     p.add_argument("--json", dest="json_out", help="write the results here")
@@ -61,8 +68,10 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: i
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: the parameters (a tied weight once) and quantized layers' scale buffers."""
     seen, total = set(), 0
-    for p in model.parameters():
+    scales = [b for m in model.modules() if hasattr(m, "quant_method") for b in m.buffers(recurse=False)]
+    for p in [*model.parameters(), *scales]:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
@@ -120,7 +129,8 @@ def main(argv=None) -> int:
                        attention_backend=args.attention_backend, max_running_requests=max(max_bs, 256),
                        max_total_tokens=max_bs * (args.input_len + steps) + 16,
                        context_length=args.input_len + steps + 16, random_weights=args.model_path is None,
-                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True)
+                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(cfg)
     bandwidth = measure_copy_bandwidth(device)
     wbytes = weight_bytes(runner.model)
@@ -158,6 +168,8 @@ def main(argv=None) -> int:
         "benchmark": "bench_one_batch", "model": args.model_path or args.model, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(runner.dtype).replace("torch.", ""), "attention_backend": type(runner.attn_backend).__name__,
+        "quantization": runner.quant.method if runner.quant else None,
+        "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
         "input_len": args.input_len, "decode_steps": steps, "weight_bytes": wbytes,
         "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3),
         "capture_seconds": round(graph_runner.capture_seconds, 2) if graphs else None,
@@ -166,9 +178,12 @@ def main(argv=None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
         "results": results,
     }
-    print(f"model {report['model']} on {report['gpu']} ({report['dtype']}, {report['attention_backend']}), "
-          f"input {args.input_len}, {steps} decode steps; weights {wbytes / 1e9:.3f} GB, "
-          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms")
+    weights_kind = f"{report['quantization']} weights" if report["quantization"] else "weights"
+    print(f"model {report['model']} on {report['gpu']} ({report['dtype']}, {report['attention_backend']}, "
+          f"KV {report['kv_cache_dtype']}), input {args.input_len}, {steps} decode steps; {weights_kind} "
+          f"{wbytes / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"{'FP8 weight-read ' if report['quantization'] and 'fp8' in report['quantization'] else ''}floor "
+          f"{floor_ms:.3f} ms")
     print(f"{'bs':>5} {'eager ms':>10} {'graph ms':>10} {'speedup':>8} {'floor ms':>9} {'graph/floor' if graphs else 'eager/floor':>12} "
           f"{'max|diff|':>10} {'tokens=':>7}")
     for r in results:

@@ -106,6 +106,36 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     bar.update(tensor.nbytes)
 
 
+# Per-layer KV-cache scales as FP8 checkpoints store them (compressed-tensors kv_cache_scheme: attention's
+# k_scale / v_scale; older ones: the k/v projections' output_scale). They belong to the KV cache, not to a
+# layer: taken out of the stream here and handed to the model runner.
+_KV_SCALE_SUFFIXES = {".self_attn.k_scale": 0, ".self_attn.v_scale": 1,
+                      ".self_attn.k_proj.output_scale": 0, ".self_attn.v_proj.output_scale": 1}
+
+
+def _take_kv_scales(weights: Iterator[tuple[str, torch.Tensor]], into: dict[tuple[int, int], torch.Tensor]):
+    """Yield every tensor but the KV scales; those go into `into[(layer, 0 for K / 1 for V)]`."""
+    for name, tensor in weights:
+        suffix = next((s for s in _KV_SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None or ".layers." not in name:
+            yield name, tensor
+            continue
+        layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+        into[(layer, _KV_SCALE_SUFFIXES[suffix])] = tensor
+
+
+def kv_scales_from(found: dict[tuple[int, int], torch.Tensor], num_layers: int) -> tuple[list[float], list[float]] | None:
+    """(k_scales, v_scales) per layer when the checkpoint gave them for every layer; None when it gave none."""
+    if not found:
+        return None
+    missing = [(i, kv) for i in range(num_layers) for kv in (0, 1) if (i, kv) not in found]
+    if missing:
+        layer, kv = missing[0]
+        raise CheckpointMismatchError(f"the checkpoint has KV-cache scales but none for layer {layer}'s "
+                                      f"{'KV'[kv]} ({len(missing)} missing)")
+    return ([float(found[(i, 0)]) for i in range(num_layers)], [float(found[(i, 1)]) for i in range(num_layers)])
+
+
 def _check_complete(model: torch.nn.Module, loaded: set[str], path: Path) -> None:
     missing = sorted(model.expected_weight_names() - loaded)
     if missing:
@@ -132,7 +162,7 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
                 dtype = _HEADER_DTYPES.get(info.get("dtype"), torch.float32)
                 yield name, torch.empty(info.get("shape", ()), dtype=dtype, device="meta")
 
-    _check_complete(model, model.load_weights(meta_tensors()), path)
+    _check_complete(model, model.load_weights(_take_kv_scales(meta_tensors(), {})), path)
 
 
 def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -141,8 +171,10 @@ def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, dev
     files = checkpoint_files(path)
     model = build_model(cfg, dtype, device, max_positions, quant)
     with torch.no_grad():
-        loaded = model.load_weights(_iter_safetensors(files))
+        found: dict[tuple[int, int], torch.Tensor] = {}
+        loaded = model.load_weights(_take_kv_scales(_iter_safetensors(files), found))
     _check_complete(model, loaded, path)
+    model.kv_scales = kv_scales_from(found, cfg.num_hidden_layers)  # for an FP8 KV cache
     return model
 
 

@@ -95,8 +95,9 @@ class ModelRunner:
         self.memory_split = self._plan_memory()
         num_slots = self.memory_split.num_slots
         cfg = self.model_config
+        k_scales, v_scales = self._kv_scales()
         self.kv_cache = KVCache(num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                self.kv_dtype, self.device)
+                                self.kv_dtype, self.device, k_scales, v_scales)
         self.allocator = SlotAllocator(num_slots)
         self.path_counts: Counter[str] = Counter()
         self.decode_graph_runner = None
@@ -139,6 +140,17 @@ class ModelRunner:
         if backend != "triton":
             raise QuantizationError(f"--kv-cache-dtype fp8_e4m3 runs with the triton attention backend, not {backend}")
         return torch.float8_e4m3fn
+
+    def _kv_scales(self) -> tuple[list[float] | None, list[float] | None]:
+        """The checkpoint's per-layer KV scales for an FP8 pool (1.0 everywhere when it has none)."""
+        scales = getattr(self.model, "kv_scales", None)
+        if scales is None:
+            return None, None
+        if self.kv_dtype != torch.float8_e4m3fn:
+            logger.info("the checkpoint's KV-cache scales are not used: the KV cache is %s (--kv-cache-dtype "
+                        "fp8_e4m3 uses them)", self.kv_dtype)
+            return None, None
+        return scales
 
     @property
     def num_kv_slots(self) -> int:

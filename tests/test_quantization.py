@@ -277,6 +277,12 @@ def test_fp8_kv_cache_counts_one_byte_per_element():
     assert plan_kv_cache(**common, bytes_per_slot=fp8).num_slots == 2 * plan_kv_cache(**common, bytes_per_slot=bf16).num_slots
     cache = KVCache(10, 2, 2, 16, FP8, "cpu", k_scales=[0.5, 1.0], v_scales=[1.0, 2.0])
     assert cache.k_buffers[0].dtype == FP8 and cache.get_scales(1) == (1.0, 2.0)
+    k, v, loc = torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.tensor([4, 1, 7])
+    for layer in (0, 1):  # the pool holds K / k_scale, V / v_scale
+        cache.set_kv(layer, loc, k, v)
+        k_scale, v_scale = cache.get_scales(layer)
+        assert torch.equal(cache.k_buffers[layer][loc].float(), (k / k_scale).to(FP8).float())
+        assert torch.equal(cache.v_buffers[layer][loc].float(), (v / v_scale).to(FP8).float())
 
 
 def test_cpu_runner_refuses_fp8_kv_cache(tiny_llama):
@@ -284,3 +290,25 @@ def test_cpu_runner_refuses_fp8_kv_cache(tiny_llama):
 
     with pytest.raises(QuantizationError, match="--kv-cache-dtype fp8_e4m3 needs a CUDA GPU"):
         ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), max_total_tokens=64, kv_cache_dtype="fp8_e4m3"))
+
+
+def test_checkpoint_kv_scales_are_read_per_layer(tiny_llama, tmp_path):
+    """k_scale / v_scale tensors (one per layer) are taken out of the weights for the FP8 KV cache; scales
+    for only some layers are refused, naming the first layer without one."""
+    src, _ = tiny_llama
+    path = tmp_path / "kv_scales"
+    shutil.copytree(src, path)
+    file = next(path.glob("*.safetensors"))
+    tensors = _hf_tensors(path)
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5 + i)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(2.0 + i)
+    save_file(tensors, str(file))
+    cfg = ModelConfig.from_pretrained(path)
+    check_checkpoint(path, cfg)
+    assert load_model(path, cfg, torch.float32, "cpu").kv_scales == ([0.5, 1.5], [2.0, 3.0])
+    assert load_model(src, cfg, torch.float32, "cpu").kv_scales is None
+    del tensors["model.layers.1.self_attn.v_scale"]
+    save_file(tensors, str(file))
+    with pytest.raises(CheckpointMismatchError, match="none for layer 1's V"):
+        load_model(path, cfg, torch.float32, "cpu")

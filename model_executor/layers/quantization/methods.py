@@ -16,6 +16,11 @@ from model_executor.layers.quantization import fp8_math
 from model_executor.layers.quantization.base import LinearMethod, copy_into, rows, set_kept_dtype
 from model_executor.layers.quantization.config import QuantConfig, QuantizationError
 
+try:  # the FP8 GPU kernels (Triton is optional: a CPU install never runs FP8, see config.check_device)
+    from model_executor.layers.quantization import fp8_ops
+except ImportError:
+    fp8_ops = None
+
 FP8 = fp8_math.FP8_DTYPE
 
 
@@ -69,8 +74,6 @@ class Fp8OnlineMethod(LinearMethod):
         if not x.is_cuda:
             out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale, layer.bias)
         else:
-            from model_executor.layers.quantization import fp8_ops
-
             xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
             out = _scaled_mm_rowwise(x2, xq, xs, layer)
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -127,9 +130,7 @@ class Fp8ChannelMethod(LinearMethod):
                 xq = (x2 / input_scale).clamp(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(FP8)
                 xs = input_scale.view(1, 1).expand(x2.shape[0], 1).contiguous()
             else:
-                from model_executor.layers.quantization import fp8_ops
-
-                xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
+                    xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
             out = _scaled_mm_rowwise(x2, xq, xs, layer)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -181,8 +182,6 @@ class Fp8BlockMethod(LinearMethod):
             out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale_inv, layer.bias,
                                                 block=self.block)
         else:
-            from model_executor.layers.quantization import fp8_ops
-
             xq, xs = fp8_ops.per_token_group_quant_fp8(x2, self.block[1])
             out = fp8_ops.w8a8_block_fp8_matmul(xq, layer.weight, xs, layer.weight_scale_inv, self.block, x2.dtype)
             if layer.bias is not None:
