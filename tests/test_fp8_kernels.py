@@ -41,12 +41,16 @@ def fp8_codes_match(got: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor) -
 
 
 @in_process
-@pytest.mark.parametrize("group_size", [128, 384])  # 384: per-token over a row wider than one block
-def test_per_token_group_quant_matches_reference(group_size):
+@pytest.mark.parametrize("group_size,max_one_pass", [
+    (128, 16384),  # the block-wise checkpoints' groups
+    (768, 16384),  # per token, the row in registers (masked: not a power of two)
+    (384, 128),  # groups read twice in chunks (the path of rows wider than MAX_ONE_PASS_BLOCK)
+])
+def test_per_token_group_quant_matches_reference(group_size, max_one_pass):
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(5, 768, generator=gen) * torch.logspace(-2, 2, 768)).to(DEVICE, torch.bfloat16)
     x[3] = 0  # an all-zero row gets a tiny scale, not NaN
-    q, s = fp8_ops.per_token_group_quant_fp8(x, group_size)
+    q, s = fp8_ops._per_token_group_quant_impl(x, group_size, max_one_pass)
     q_ref, s_ref = fm.quantize_fp8_per_token_group(x.float(), group_size)
     assert q.dtype == FP8 and s.shape == (5, 768 // group_size)
     torch.testing.assert_close(s.cpu(), s_ref, rtol=0, atol=0)

@@ -25,30 +25,46 @@ _MIN_AMAX = 1e-12
 @triton.jit
 def _per_token_group_quant_kernel(
     X, Q, S, group_size, groups_per_row, stride_x, stride_q, stride_s,
-    FP8_MAX_VAL: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr,
+    FP8_MAX_VAL: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
-    """One program per (token, group): the group's absolute maximum, then the scaled, saturated cast."""
+    """One program per (token, group): the group's absolute maximum, then the scaled, saturated cast.
+    ONE_PASS (BLOCK >= group_size): the group is loaded once and kept in registers; otherwise it is
+    read twice in BLOCK-sized chunks (groups too wide for registers)."""
     pid = tl.program_id(0)
     row = (pid // groups_per_row).to(tl.int64)
     g = pid % groups_per_row
     x_row = X + row * stride_x + g * group_size
     q_row = Q + row * stride_q + g * group_size
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, group_size, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < group_size, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX_VAL
-    for start in range(0, group_size, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
         mask = offs < group_size
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 0), MIN_AMAX) / FP8_MAX_VAL
         q = tl.clamp(x / scale, -FP8_MAX_VAL, FP8_MAX_VAL)
         tl.store(q_row + offs, q.to(Q.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, group_size, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < group_size, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX_VAL
+        for start in range(0, group_size, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < group_size
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            q = tl.clamp(x / scale, -FP8_MAX_VAL, FP8_MAX_VAL)
+            tl.store(q_row + offs, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row * stride_s + g, scale)
 
 
-def _per_token_group_quant_impl(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+# Per-token quantization of a decode batch is one program per token: a whole row held in registers (one
+# read of x) up to this width, two chunked reads beyond it.
+MAX_ONE_PASS_BLOCK = 16384
+
+
+def _per_token_group_quant_impl(x: torch.Tensor, group_size: int,
+                                max_one_pass: int = MAX_ONE_PASS_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     if k % group_size:
         raise ValueError(f"K={k} is not a multiple of the group size {group_size}")
@@ -59,10 +75,14 @@ def _per_token_group_quant_impl(x: torch.Tensor, group_size: int) -> tuple[torch
     s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, s
-    block = min(triton.next_power_of_2(group_size), 2048)
+    block = triton.next_power_of_2(group_size)
+    one_pass = block <= max_one_pass
+    if not one_pass:
+        block = min(block, 2048)
     _per_token_group_quant_kernel[(m * groups,)](
         x, q, s, group_size, groups, x.stride(0), q.stride(0), s.stride(0),
-        FP8_MAX_VAL=FP8_MAX, MIN_AMAX=_MIN_AMAX, BLOCK=block, num_warps=4 if block <= 512 else 8)
+        FP8_MAX_VAL=FP8_MAX, MIN_AMAX=_MIN_AMAX, BLOCK=block, ONE_PASS=one_pass,
+        num_warps=max(1, min(block // 1024, 16)))
     return q, s
 
 

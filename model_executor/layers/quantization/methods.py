@@ -42,7 +42,7 @@ def _scaled_mm_rowwise(x2: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor
 
 class Fp8OnlineMethod(LinearMethod):
     """A bf16 checkpoint quantized as it loads: each shard's rows get per-output-channel scales, on the
-    device, as the shard arrives (peak memory: the FP8 weights plus one shard in bf16)."""
+    device, as the shard arrives (peak memory: the FP8 weights plus one shard and its float32 copy)."""
 
     def create_weights(self, layer, input_size, output_size, bias):
         _fp8_weight(layer, input_size, output_size, load_dtype=torch.bfloat16)
@@ -50,16 +50,13 @@ class Fp8OnlineMethod(LinearMethod):
         set_kept_dtype(layer, "weight_scale", torch.float32)
         self._create_bias(layer, output_size, bias)
 
-    def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return fp8_math.quantize_fp8_per_channel(w)
-
     def load(self, layer, param, loaded, offset, size):
         if param is not layer.weight:
             return super().load(layer, param, loaded, offset, size)
         dst = rows(param, offset, size)
         if dst.shape != loaded.shape:
             raise ValueError(f"shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(loaded.shape)}")
-        q, scale = self._quantize(loaded.to(param.device))
+        q, scale = fp8_math.quantize_fp8_per_channel(loaded.to(param.device))
         dst.copy_(q)
         rows(layer.weight_scale, offset, size).copy_(scale)
 
