@@ -159,3 +159,28 @@ def test_online_fp8_load_peak_stays_near_fp8_size(tmp_path):
           f"load peak {peak / 2**30:.2f} GiB")
     largest = cfg.vocab_size * cfg.hidden_size * 2  # the (unquantized) embedding is the largest tensor
     assert peak <= fp8_bytes + 3 * largest
+
+
+@pytest.mark.parametrize("variant", ["fp8", "fp8_block", "fp8_kv"])
+def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
+    """The extend pieces traced by dynamo (the FP8 quant and GEMM ops inside them) replay as eager runs."""
+    from tests.test_piecewise_runner import make_extend_batch, release
+
+    torch._dynamo.reset()
+    path = block_fp8_shape if variant == "fp8_block" else shape_path("llama-3.2-1b")
+    kw = {} if variant == "fp8_block" else {"quantization": "fp8"}
+    if variant == "fp8_kv":
+        kw["kv_cache_dtype"] = "fp8_e4m3"
+    runner = _runner(path, **kw, disable_piecewise_cuda_graph=False, piecewise_cuda_graph_tokens=(16, 64))
+    assert runner.extend_graph_runner is not None
+    for ext, pre in (([5], [0]), ([7, 40], [30, 0])):
+        fb, rows = make_extend_batch(runner, ext, pre, seed=sum(ext))
+        with torch.inference_mode():
+            graphed = runner.forward(fb).clone()
+            eager = runner.forward_eager(fb).clone()
+        assert runner.path_counts["extend_graph"] >= 1
+        release(runner, rows, fb)
+        print(f"\n{variant} extend {ext} on prefixes {pre}: max|diff| {(graphed - eager).abs().max().item():.2e}")
+        torch.testing.assert_close(graphed, eager, rtol=3e-2, atol=3e-2)
+    del runner
+    torch._dynamo.reset()
