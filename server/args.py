@@ -131,13 +131,16 @@ class ServerArgs:
 
     def _validate_quantization(self) -> None:
         """FP8 needs an sm89+ GPU, int8 is CPU-only, the FP8 KV cache needs the triton backend: refused
-        here, before anything starts (the device is known once `auto` is resolved)."""
+        here, before anything starts (the device is known once `auto` is resolved). The GPU's compute
+        capability is checked by the engine process (model_runner), so that this process never holds a
+        CUDA context of its own."""
         fp8_kv = self.kv_cache_dtype == "fp8_e4m3"
         if self.device == "auto" or not (self.quantization in ("fp8", "int8") or fp8_kv):
             return
         from model_executor.layers.quantization.config import fp8_unsupported_reason
 
-        fp8_why = fp8_unsupported_reason(self.device) if self.quantization == "fp8" or fp8_kv else None
+        wants_fp8 = self.quantization == "fp8" or fp8_kv
+        fp8_why = fp8_unsupported_reason(self.device) if wants_fp8 and self.device == "cpu" else None
         if self.quantization == "fp8" and fp8_why:
             raise ArgsError(f"--quantization fp8 {fp8_why}")
         if self.quantization == "int8" and self.device != "cpu":
