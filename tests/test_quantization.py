@@ -29,6 +29,11 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def codes(t: torch.Tensor) -> torch.Tensor:
+    """Quantized values as raw bytes (torch.equal has no FP8 kernel on CPU)."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -116,11 +121,8 @@ def test_online_quantization_per_shard(tiny_llama, method):
         layer = _layer(model, fused)
         group = "self_attn" if fused == "qkv_proj" else "mlp"
         pieces = [quantize(hf[f"model.layers.0.{group}.{p}.weight"].to(dtype)) for p in parts]
-        want_dtype = FP8 if method == "fp8" else torch.int8
-        assert layer.weight.dtype == want_dtype
-        assert torch.equal(layer.weight.view(torch.uint8) if method == "fp8" else layer.weight,
-                           torch.cat([q for q, _ in pieces]).view(torch.uint8) if method == "fp8"
-                           else torch.cat([q for q, _ in pieces]))
+        assert layer.weight.dtype == (FP8 if method == "fp8" else torch.int8)
+        assert torch.equal(codes(layer.weight), codes(torch.cat([q for q, _ in pieces])))
         torch.testing.assert_close(layer.weight_scale.float(), torch.cat([s for _, s in pieces]).float())
     # the quantized layer's output against the unquantized one on the same input
     ref = load_model(path, cfg, dtype, "cpu")
@@ -208,7 +210,7 @@ def test_pre_quantized_checkpoint_loads(tiny_llama, tmp_path, fmt):
     saved = _hf_tensors(path)
     qkv = model.model.layers[1].self_attn.qkv_proj
     names = [f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-    assert torch.equal(qkv.weight.view(torch.uint8), torch.cat([saved[f"{n}.weight"] for n in names]).view(torch.uint8))
+    assert torch.equal(codes(qkv.weight), codes(torch.cat([saved[f"{n}.weight"] for n in names])))
     if fmt == "block":
         torch.testing.assert_close(qkv.weight_scale_inv, torch.cat([saved[f"{n}.weight_scale_inv"] for n in names]))
     elif fmt == "ct_channel":
