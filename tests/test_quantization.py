@@ -260,8 +260,11 @@ def test_quant_config_resolution_and_refusals():
 @pytest.mark.parametrize("argv,message", [
     (["--quantization", "fp8", "--device", "cpu"], "--quantization fp8 needs a CUDA GPU"),
     (["--kv-cache-dtype", "fp8_e4m3", "--device", "cpu"], "--kv-cache-dtype fp8_e4m3 needs a CUDA GPU"),
+    (["--quantization", "int8", "--device", "cuda"], "--quantization int8 is weight-only int8 for the CPU"),
+    (["--kv-cache-dtype", "fp8_e4m3", "--device", "cuda", "--attention-backend", "torch_native"],
+     "runs with --attention-backend triton"),
 ])
-def test_cli_refuses_fp8_on_cpu_in_one_line(argv, message, capsys):
+def test_cli_refusals_are_one_line(argv, message, capsys):
     from server.args import parse_args
 
     with pytest.raises(SystemExit) as exc:
