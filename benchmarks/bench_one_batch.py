@@ -7,6 +7,10 @@ tokens route to: top_k of them at bs=1, and E * (1 - (1 - top_k/E)^bs) at bs (th
 distinct experts under uniform routing), each expert's w13 and w2.
 
     python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
+    python -m benchmarks.bench_one_batch --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 ...
+
+With --quantization fp8 the floor is the FP8 weights' read time (FP8 linears and their scales, the
+embedding and LM head in bf16).
 
 --tp-size N runs N spawned ranks (one GPU each, NCCL; gloo on CPU), every rank timing the same batches;
 rank 0 reports. The weight floor is then one rank's shard over one GPU's bandwidth.
@@ -41,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--quantization", default=None, choices=("none", "fp8", "int8"),
+                   help="weight quantization (default: the checkpoint's)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--capture-default-list", action="store_true",
                    help="also capture the default decode list (max_bs 256) and report its time and memory")
     p.add_argument("--json", dest="json_out", help="write the results here")
@@ -75,8 +82,10 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: i
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: the parameters (a tied weight once) and quantized layers' scale buffers."""
     seen, total = set(), 0
-    for p in model.parameters():
+    scales = [b for m in model.modules() if hasattr(m, "quant_method") for b in m.buffers(recurse=False)]
+    for p in [*model.parameters(), *scales]:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
@@ -162,7 +171,8 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
                        max_total_tokens=max_bs * (args.input_len + steps) + 16,
                        context_length=args.input_len + steps + 16, random_weights=args.model_path is None,
                        disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
-                       tp_rank=tp_rank, tp_size=args.tp_size, dist_init_method=init_method)
+                       tp_rank=tp_rank, tp_size=args.tp_size, dist_init_method=init_method,
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(cfg)
     bandwidth = measure_copy_bandwidth(device)
     wbytes = weight_bytes(runner.model)
@@ -206,6 +216,8 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
         "tp_size": args.tp_size,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(runner.dtype).replace("torch.", ""), "attention_backend": type(runner.attn_backend).__name__,
+        "quantization": runner.quant.method if runner.quant else None,
+        "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
         "input_len": args.input_len, "decode_steps": steps, "weight_bytes": wbytes,
         "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3),
         "capture_seconds": round(graph_runner.capture_seconds, 2) if graphs else None,
@@ -214,9 +226,12 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
         "results": results,
     }
-    print(f"model {report['model']} on {report['gpu']} x{args.tp_size} ({report['dtype']}, {report['attention_backend']}), "
-          f"input {args.input_len}, {steps} decode steps; weights {wbytes / 1e9:.3f} GB, "
-          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, all-weights floor {all_weights_floor_ms:.3f} ms"
+    weights_kind = f"{report['quantization']} weights" if report["quantization"] else "weights"
+    print(f"model {report['model']} on {report['gpu']} x{args.tp_size} ({report['dtype']}, {report['attention_backend']}, "
+          f"KV {report['kv_cache_dtype']}), input {args.input_len}, {steps} decode steps; {weights_kind} "
+          f"{wbytes / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"{'FP8 weight-read ' if report['quantization'] and 'fp8' in report['quantization'] else 'all-weights '}floor "
+          f"{all_weights_floor_ms:.3f} ms"
           + ("; MoE: each row's floor counts the experts its batch reads" if step_read_bytes(runner.model, 1) < wbytes
              else ""))
     print(f"{'bs':>5} {'eager ms':>10} {'graph ms':>10} {'speedup':>8} {'floor ms':>9} {'graph/floor' if graphs else 'eager/floor':>12} "

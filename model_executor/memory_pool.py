@@ -63,7 +63,10 @@ class ReqToTokenPool:
 
 
 class KVCache:
-    """Per-layer K and V buffers of shape [num_slots + 1, num_kv_heads, head_dim]."""
+    """Per-layer K and V buffers of shape [num_slots + 1, num_kv_heads, head_dim].
+
+    An FP8 pool (dtype float8_e4m3fn) stores K / k_scales[layer] and V / v_scales[layer] (1.0 unless the
+    checkpoint gives scales); the attention kernels multiply the scales back in."""
 
     def __init__(
         self,
@@ -73,9 +76,15 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        k_scales: list[float] | None = None,
+        v_scales: list[float] | None = None,
     ):
         self.num_slots = num_slots
         self.dtype = dtype
+        self.k_scales = list(k_scales) if k_scales is not None else [1.0] * num_layers
+        self.v_scales = list(v_scales) if v_scales is not None else [1.0] * num_layers
+        if len(self.k_scales) != num_layers or len(self.v_scales) != num_layers:
+            raise ValueError(f"KV scales must be given for all {num_layers} layers")
         shape = (num_slots + 1, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -86,11 +95,18 @@ class KVCache:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, Hk, D] rows written at slots loc [T] (int64)."""
-        if k.is_cuda:  # one Triton kernel for both buffers
+        if self.k_scales[layer_id] != 1.0:
+            k = k / self.k_scales[layer_id]
+        if self.v_scales[layer_id] != 1.0:
+            v = v / self.v_scales[layer_id]
+        if k.is_cuda:  # one Triton kernel for both buffers (its casts to FP8 saturate)
             triton_ops.store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, k, v)
             return
         self.k_buffers[layer_id][loc] = k.to(self.dtype)
         self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+    def get_scales(self, layer_id: int) -> tuple[float, float]:
+        return self.k_scales[layer_id], self.v_scales[layer_id]
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]

@@ -20,6 +20,13 @@ from tqdm import tqdm
 
 from model_executor.checkpoint_files import checkpoint_files, read_header
 from model_executor.distributed import parallel_state as ps
+from model_executor.layers.quantization import (
+    QuantConfig,
+    QuantizationError,
+    checkpoint_quant_config,
+    quantization_context,
+    restore_kept_dtypes,
+)
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.lazy_slice import LazySlice
 from model_executor.model_config import CheckpointMismatchError, ModelConfig, WeightLoadError
@@ -31,7 +38,8 @@ __all__ = ["CheckpointMismatchError", "WeightLoadError", "build_model", "check_c
 
 PROGRESS_MIN_BYTES = 256 * 1024**2  # no progress bar for small checkpoints (tests, the default model)
 # safetensors header dtype names; only shapes matter for the header check, so anything else reads as float32.
-_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "F8_E4M3": torch.float8_e4m3fn}
 
 
 def _model_class(cfg: ModelConfig):
@@ -48,16 +56,21 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
     ps.kv_heads_per_rank(cfg.num_key_value_heads, tp_size)
 
 
-def build_meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The model with shapes and dtypes only (meta tensors): costs no memory."""
+def build_meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                     quant: QuantConfig | None = None) -> torch.nn.Module:
+    """The model with shapes and dtypes only (meta tensors): costs no memory.
+
+    quant: the linear layers' quantization; their quantized tensors keep their own dtypes."""
     check_tensor_parallel(cfg, ps.get_tp_size())
-    with torch.device("meta"):
+    with torch.device("meta"), quantization_context(quant):
         model = _model_class(cfg)(cfg)
-    return model.to(dtype=dtype)
+    model = model.to(dtype=dtype)
+    restore_kept_dtypes(model)
+    return model
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                max_positions: int | None = None) -> torch.nn.Module:
+                max_positions: int | None = None, quant: QuantConfig | None = None) -> torch.nn.Module:
     """The model on `device` in `dtype`, parameters uninitialized (load or init them next).
 
     max_positions: the served context length (a longer RoPE table than the config's when a --context-length
@@ -65,7 +78,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
     """
     if max_positions is not None:
         cfg = dataclasses.replace(cfg, served_context_len=max_positions)
-    model = build_meta_model(cfg, dtype)
+    model = build_meta_model(cfg, dtype, quant)
     _materialize(model, torch.device(device))
     for module in model.modules():  # modules() yields the shared table once
         if isinstance(module, RotaryEmbedding):
@@ -120,6 +133,36 @@ def _iter_safetensors(files: list[Path], lazy: bool | None = None) -> Iterator[t
                     bar.update(tensor.nbytes)
 
 
+# Per-layer KV-cache scales as FP8 checkpoints store them (compressed-tensors kv_cache_scheme: attention's
+# k_scale / v_scale; older ones: the k/v projections' output_scale). They belong to the KV cache, not to a
+# layer: taken out of the stream here and handed to the model runner.
+_KV_SCALE_SUFFIXES = {".self_attn.k_scale": 0, ".self_attn.v_scale": 1,
+                      ".self_attn.k_proj.output_scale": 0, ".self_attn.v_proj.output_scale": 1}
+
+
+def _take_kv_scales(weights: Iterator[tuple[str, torch.Tensor]], into: dict[tuple[int, int], torch.Tensor]):
+    """Yield every tensor but the KV scales; those go into `into[(layer, 0 for K / 1 for V)]`."""
+    for name, tensor in weights:
+        suffix = next((s for s in _KV_SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None or ".layers." not in name:
+            yield name, tensor
+            continue
+        layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+        into[(layer, _KV_SCALE_SUFFIXES[suffix])] = tensor
+
+
+def kv_scales_from(found: dict[tuple[int, int], torch.Tensor], num_layers: int) -> tuple[list[float], list[float]] | None:
+    """(k_scales, v_scales) per layer when the checkpoint gave them for every layer; None when it gave none."""
+    if not found:
+        return None
+    missing = [(i, kv) for i in range(num_layers) for kv in (0, 1) if (i, kv) not in found]
+    if missing:
+        layer, kv = missing[0]
+        raise CheckpointMismatchError(f"the checkpoint has KV-cache scales but none for layer {layer}'s "
+                                      f"{'KV'[kv]} ({len(missing)} missing)")
+    return ([float(found[(i, 0)]) for i in range(num_layers)], [float(found[(i, 1)]) for i in range(num_layers)])
+
+
 def _check_complete(model: torch.nn.Module, loaded: set[str], path: Path) -> None:
     missing = sorted(model.expected_weight_names() - loaded)
     if missing:
@@ -135,7 +178,10 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
     Raises WeightLoadError (files) or CheckpointMismatchError (the first mismatching tensor)."""
     path = Path(path)
     files = checkpoint_files(path)
-    model = build_meta_model(cfg)
+    try:  # a pre-quantized checkpoint's tensors are its method's (online quantization keeps the names)
+        model = build_meta_model(cfg, quant=checkpoint_quant_config(cfg.hf_config))
+    except QuantizationError as e:
+        raise WeightLoadError(str(e)) from None
 
     def meta_tensors():
         for file in files:
@@ -143,17 +189,19 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
                 dtype = _HEADER_DTYPES.get(info.get("dtype"), torch.float32)
                 yield name, torch.empty(info.get("shape", ()), dtype=dtype, device="meta")
 
-    _check_complete(model, model.load_weights(meta_tensors()), path)
+    _check_complete(model, model.load_weights(_take_kv_scales(meta_tensors(), {})), path)
 
 
 def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-               max_positions: int | None = None) -> torch.nn.Module:
+               max_positions: int | None = None, quant: QuantConfig | None = None) -> torch.nn.Module:
     path = Path(model_path)
     files = checkpoint_files(path)
-    model = build_model(cfg, dtype, device, max_positions)
+    model = build_model(cfg, dtype, device, max_positions, quant)
     with torch.no_grad():
-        loaded = model.load_weights(_iter_safetensors(files))
+        found: dict[tuple[int, int], torch.Tensor] = {}
+        loaded = model.load_weights(_take_kv_scales(_iter_safetensors(files), found))
     _check_complete(model, loaded, path)
+    model.kv_scales = kv_scales_from(found, cfg.num_hidden_layers)  # for an FP8 KV cache
     return model
 
 
@@ -166,9 +214,18 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
     """Random weights with sane scales (norms at 1), for benchmarks and GPU tests of real shapes.
 
-    Drawn in place in the parameter's dtype: no float32 copy of a large tensor ever exists."""
+    Drawn in place in the parameter's dtype: no float32 copy of a large tensor ever exists. Quantized
+    layers draw their weight in the dtype they quantize from, one layer at a time, and quantize it."""
     with torch.no_grad():
+        done: set[str] = set()
+        for i, (prefix, module) in enumerate(model.named_modules()):
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                gen = torch.Generator(device=module.weight.device).manual_seed(seed + 100_000 + i)
+                done |= {f"{prefix}.{name}" for name in method.init_random(module, gen, std)}
         for i, (name, p) in enumerate(model.named_parameters()):
+            if name in done:
+                continue
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             else:

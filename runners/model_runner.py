@@ -13,7 +13,8 @@ import torch
 
 from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch, ForwardMode
-from model_executor.layers.attention import create_attention_backend
+from model_executor.layers.attention import create_attention_backend, resolve_backend_name
+from model_executor.layers.quantization import QuantizationError, resolve_quant_config
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
@@ -53,6 +54,8 @@ class RunnerConfig:
     tp_size: int = 1
     dist_init_method: str | None = None
     dist_timeout_s: float = ps.DEFAULT_TIMEOUT_S
+    quantization: str | None = None  # none / fp8 / int8; None: the checkpoint's
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) or fp8_e4m3
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,6 +74,9 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.context_len = self.model_config.check_context_length(config.context_length)
+        self.quant = resolve_quant_config(config.quantization, self.model_config.hf_config, self.device.type,
+                                          self.dtype)
+        self.kv_dtype = self._kv_cache_dtype()
         cuda = self.device.type == "cuda"
         if cuda and self.device.index is not None:
             torch.cuda.set_device(self.device)  # a TP/DP rank's own GPU: NCCL and the graph pools use it
@@ -87,15 +93,17 @@ class ModelRunner:
             base = torch.cuda.memory_allocated(self.device)  # what others in this process hold already
         t0 = time.perf_counter()
         if config.random_weights:
-            model = build_model(self.model_config, self.dtype, self.device, max_positions=self.context_len)
+            model = build_model(self.model_config, self.dtype, self.device, max_positions=self.context_len,
+                                quant=self.quant)
             self.model = init_random_weights(model, config.seed)
         else:
             self.model = load_model(Path(config.model_path), self.model_config, self.dtype, self.device,
-                                    max_positions=self.context_len)
+                                    max_positions=self.context_len, quant=self.quant)
         self.load_seconds = time.perf_counter() - t0
         # Peak device memory while loading (the weights plus what streaming needed on top of them).
         self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base if cuda else 0
-        logger.info("loaded %s (%s, %s) in %.1f s", config.model_path, self.dtype, self.device, self.load_seconds)
+        logger.info("loaded %s (%s%s, %s) in %.1f s", config.model_path, self.dtype,
+                    f", {self.quant.method} weights" if self.quant else "", self.device, self.load_seconds)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
         # The token each request row sampled last, kept on the device: a decode step reads its input ids
         # from here, so the next step can be launched before the previous one's tokens reach the host.
@@ -106,8 +114,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.memory_split = self._plan_memory()
         num_slots = self.memory_split.num_slots
+        k_scales, v_scales = self._kv_scales()
         self.kv_cache = KVCache(num_slots, cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim,
-                                self.dtype, self.device)
+                                self.kv_dtype, self.device, k_scales, v_scales)
         self.allocator = SlotAllocator(num_slots)
         self.path_counts: Counter[str] = Counter()
         self.decode_graph_runner = None
@@ -134,6 +143,34 @@ class ModelRunner:
 
             self.extend_graph_runner = PiecewiseCudaGraphRunner(self, list(cfg.piecewise_cuda_graph_tokens))
 
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """The KV pool's dtype; an FP8 pool needs an sm89+ GPU and the triton backend (its kernels scale
+        and cast FP8 K/V)."""
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        if self.config.kv_cache_dtype != "fp8_e4m3":
+            raise QuantizationError(f"--kv-cache-dtype must be auto or fp8_e4m3, got {self.config.kv_cache_dtype!r}")
+        from model_executor.layers.quantization.config import fp8_unsupported_reason
+
+        why = fp8_unsupported_reason(self.device.type)
+        if why:
+            raise QuantizationError(f"--kv-cache-dtype fp8_e4m3 {why}")
+        backend = resolve_backend_name(self.config.attention_backend, self.device.type)
+        if backend != "triton":
+            raise QuantizationError(f"--kv-cache-dtype fp8_e4m3 runs with the triton attention backend, not {backend}")
+        return torch.float8_e4m3fn
+
+    def _kv_scales(self) -> tuple[list[float] | None, list[float] | None]:
+        """The checkpoint's per-layer KV scales for an FP8 pool (1.0 everywhere when it has none)."""
+        scales = getattr(self.model, "kv_scales", None)
+        if scales is None:
+            return None, None
+        if self.kv_dtype != torch.float8_e4m3fn:
+            logger.info("the checkpoint's KV-cache scales are not used: the KV cache is %s (--kv-cache-dtype "
+                        "fp8_e4m3 uses them)", self.kv_dtype)
+            return None, None
+        return scales
+
     @property
     def num_kv_slots(self) -> int:
         return self.allocator.num_slots
@@ -148,7 +185,7 @@ class ModelRunner:
 
     def _plan_memory_local(self) -> MemorySplit:
         cfg = self.model_config
-        per_slot = KVCache.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.dtype)
+        per_slot = KVCache.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.kv_dtype)
         weights = weight_bytes(self.model)
         if self.device.type != "cuda":
             slots = self.config.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
@@ -177,7 +214,7 @@ class ModelRunner:
         bs = min(self.req_to_token_pool.size, n)
         lens = [n // bs + (1 if i < n % bs else 0) for i in range(bs)]
         cfg = self.model_config
-        kv = KVCache(n, cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        kv = KVCache(n, cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         rows, slots, start = list(range(1, bs + 1)), torch.arange(n, device=self.device), 0
         for row, length in zip(rows, lens):
             self.req_to_token_pool.write(row, 0, slots[start : start + length])

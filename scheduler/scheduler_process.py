@@ -72,6 +72,8 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         enable_torch_compile=args.enable_torch_compile,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if rank is None:
         return config

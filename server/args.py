@@ -74,6 +74,11 @@ class ServerArgs:
     piecewise_cuda_graph_tokens: tuple[int, ...] | None = _f(None, "explicit extend token levels", nargs="+")
     disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
     enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up)")
+    quantization: str | None = _f(None, "weight quantization: fp8 (online, GPU sm89+), int8 (weight-only, CPU), "
+                                        "none; default: the checkpoint's (an FP8 checkpoint runs as FP8)",
+                                  choices=("none", "fp8", "int8"))
+    kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype) or fp8_e4m3 (GPU sm89+, "
+                                     "triton attention)", choices=("auto", "fp8_e4m3"))
     # Parallelism (server/parallel.py): dp_size replicas, each a group of tp_size scheduler ranks.
     tp_size: int = _f(1, "tensor-parallel size: ranks (one process and one GPU each; gloo ranks on CPU) "
                          "that split every layer of the model")
@@ -137,6 +142,7 @@ class ServerArgs:
         if self.attention_backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
             raise ArgsError("--attention-backend flashinfer: flashinfer is not installed; "
                             "install it with `pip install 'duet[flashinfer]'` (needs a CUDA GPU)")
+        self._validate_quantization()
         if not self.status_interval >= 0:
             raise ArgsError(f"--status-interval must be >= 0 seconds, got {self.status_interval}")
         if self.api_key is not None and not self.api_key:
@@ -162,6 +168,27 @@ class ServerArgs:
                 raise ArgsError(f"--dist-init-addr: {e}") from None
         if not self.dist_timeout > 0:
             raise ArgsError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+    def _validate_quantization(self) -> None:
+        """FP8 needs an sm89+ GPU, int8 is CPU-only, the FP8 KV cache needs the triton backend: refused
+        here, before anything starts (the device is known once `auto` is resolved). The GPU's compute
+        capability is checked by the engine process (model_runner), so that this process never holds a
+        CUDA context of its own."""
+        fp8_kv = self.kv_cache_dtype == "fp8_e4m3"
+        if self.device == "auto" or not (self.quantization in ("fp8", "int8") or fp8_kv):
+            return
+        from model_executor.layers.quantization.config import fp8_unsupported_reason
+
+        wants_fp8 = self.quantization == "fp8" or fp8_kv
+        fp8_why = fp8_unsupported_reason(self.device) if wants_fp8 and self.device == "cpu" else None
+        if self.quantization == "fp8" and fp8_why:
+            raise ArgsError(f"--quantization fp8 {fp8_why}")
+        if self.quantization == "int8" and self.device != "cpu":
+            raise ArgsError("--quantization int8 is weight-only int8 for the CPU; on a GPU use --quantization fp8")
+        if fp8_kv and fp8_why:
+            raise ArgsError(f"--kv-cache-dtype fp8_e4m3 {fp8_why}")
+        if fp8_kv and self.attention_backend not in ("auto", "triton"):
+            raise ArgsError(f"--kv-cache-dtype fp8_e4m3 runs with --attention-backend triton, not "
+                            f"{self.attention_backend}")
 
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)

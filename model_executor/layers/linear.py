@@ -10,10 +10,11 @@ part of the file. tp_rank/tp_size default to the process's tensor-parallel group
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_executor.distributed import parallel_state as ps
+from model_executor.layers.quantization import current_linear_method
+from model_executor.layers.quantization.base import copy_into
 from model_executor.lazy_slice import materialize
 
 
@@ -29,7 +30,7 @@ def _shard(loaded: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
 def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(materialize(loaded))
+    copy_into(param, materialize(loaded))
 
 
 def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
@@ -47,19 +48,23 @@ class LinearBase(nn.Module):
                  tp_size: int | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        self.output_size = output_size  # this rank's
+        # The quantization method (layers/quantization) creates the parameters, stores each loaded shard
+        # (quantizing it, for online quantization) and runs the GEMM; unquantized: weight, bias, F.linear.
+        self.quant_method = current_linear_method()
+        self.quant_method.create_weights(self, input_size, output_size, bias)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, offset: int = 0, size: int | None = None) -> None:
+        """Store `loaded` (this rank's shard, a tensor or a lazy slice) as output rows offset .. offset + size
+        (default: all of them) of the layer; the method maps rows to its tensor's layout (a block scale's rows
+        are blocks)."""
+        self.quant_method.load(self, param, materialize(loaded), offset, self.output_size if size is None else size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy_into(param, loaded)
+        self._load(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -72,7 +77,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        _copy_into(param, _shard(loaded, 0, self.tp_rank, self.tp_size))
+        self._load(param, _shard(loaded, 0, self.tp_rank, self.tp_size))
 
 
 class RowParallelLinear(LinearBase):
@@ -85,13 +90,15 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id=None):
+        if param is self.bias and self.tp_rank != 0:
+            # The bias is whole on every rank: only rank 0 keeps it, or the all-reduce would add it tp_size
+            # times (the others hold zeros, so every quantization method's GEMM + bias stays as it is).
+            loaded = torch.zeros(tuple(loaded.shape), dtype=param.dtype)
         dim = 1 if param.dim() == 2 else None
-        _copy_into(param, loaded if dim is None else _shard(loaded, dim, self.tp_rank, self.tp_size))
+        self._load(param, loaded if dim is None else _shard(loaded, dim, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is whole on every rank: only rank 0 adds it, or the all-reduce would add it tp_size times.
-        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return ps.tensor_model_parallel_all_reduce(out)
+        return ps.tensor_model_parallel_all_reduce(self.quant_method.apply(self, x))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -106,7 +113,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id=None):
         offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
-        _copy_into(param.data.narrow(0, offset, size), _shard(loaded, 0, self.tp_rank, self.tp_size))
+        self._load(param, _shard(loaded, 0, self.tp_rank, self.tp_size), offset, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -133,7 +140,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"shape mismatch: {shard_id} rows {self.total_sizes[shard_id]} vs checkpoint "
                              f"{tuple(loaded.shape)}")
         start = self.tp_rank * self.q_size if shard_id == "q" else self.kv_head_start * self.head_dim
-        _copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+        self._load(param, loaded.narrow(0, start, size), offset, size)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

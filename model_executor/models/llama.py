@@ -164,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
                     f"config.json (unexpected tensor)")
             loader = getattr(param, "weight_loader", default_weight_loader)
             try:
-                loader(param, tensor.to(param.dtype), shard_id)
+                # load_dtype: quantized layers' own (online quantization takes the model dtype, not fp8)
+                loader(param, tensor.to(getattr(param, "load_dtype", param.dtype)), shard_id)
             except ValueError as e:  # the layers' checked copy: shapes differ
                 raise CheckpointMismatchError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit "
                                               f"the config.json shape ({e})") from None

@@ -28,12 +28,16 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
+        k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
         decode_attention_fwd(q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                             fb.seq_lens, self.attn_logits, self.attn_lse, self.num_kv_splits, layer.scaling)
+                             fb.seq_lens, self.attn_logits, self.attn_lse, self.num_kv_splits, layer.scaling,
+                             k_scale=k_scale, v_scale=v_scale)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
+        k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
         extend_attention_fwd(q, k, v, out, k_buf, v_buf, fb.out_cache_loc, fb.req_to_token_pool.req_to_token,
                              fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens, fb.extend_start_loc,
-                             fb.max_extend_len, layer.scaling)
+                             fb.max_extend_len, layer.scaling,
+                             k_scale=k_scale, v_scale=v_scale)

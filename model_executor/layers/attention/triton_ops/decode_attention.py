@@ -59,7 +59,7 @@ def _split_bounds(seq_len, split_id, NUM_KV_SPLITS: tl.constexpr, SPLIT_ALIGN: t
 @triton.jit
 def _decode_stage1_kernel(
     Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qb, stride_qh,
     stride_kbs, stride_kh,
     stride_vbs, stride_vh,
@@ -107,20 +107,21 @@ def _decode_stage1_kernel(
             # K gathered transposed: [BLOCK_D, BLOCK_N]
             k = tl.load(K_Buffer + slots[None, :] * stride_kbs + kv_head * stride_kh + offs_d[:, None],
                         mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            qk = tl.dot(q, k, input_precision=IN_PRECISION) * qk_scale  # log2 domain
+            # (an FP8 pool is cast up here; its K scale is folded into qk_scale, its V scale applied at the end)
+            qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION) * qk_scale  # log2 domain
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             n_e_max = tl.maximum(tl.max(qk, 1), e_max)
             re_scale = tl.exp2(e_max - n_e_max)
             p = tl.exp2(qk - n_e_max[:, None])
             v = tl.load(V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vh + offs_d[None, :],
                         mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-            acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IN_PRECISION)
+            acc = acc * re_scale[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION)
             e_sum = e_sum * re_scale + tl.sum(p, 1)
             e_max = n_e_max
 
         mid_o = (cur_batch * stride_mid_ob + heads[:, None] * stride_mid_oh + split_id * stride_mid_os
                  + offs_d[None, :])
-        tl.store(Att_Out + mid_o, acc / e_sum[:, None], mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(Att_Out + mid_o, acc * (v_scale / e_sum)[:, None], mask=mask_h[:, None] & mask_d[None, :])
         mid_lse = cur_batch * stride_lse_b + heads * stride_lse_h + split_id
         tl.store(Att_Lse + mid_lse, e_max + tl.log2(e_sum), mask=mask_h)
 
@@ -180,6 +181,8 @@ def decode_attention_fwd(
     attn_lse: torch.Tensor,
     num_kv_splits: int,
     sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Decode attention; writes `o` in place.
 
@@ -190,6 +193,7 @@ def decode_attention_fwd(
     attn_logits: float32 [>= bs, num_heads, num_kv_splits, head_dim]; attn_lse: float32
     [>= bs, num_heads, num_kv_splits] - workspace, contents need not be initialised.
     num_kv_splits: fixed split count (see `get_num_kv_splits`); sm_scale: softmax scale.
+    k_scale, v_scale: the pool's dequantization scales (an FP8 pool holds K / k_scale, V / v_scale).
     No host reads of device data, no allocations: safe to capture in a CUDA graph.
     """
     bs, num_heads, head_dim = q.shape
@@ -213,7 +217,7 @@ def decode_attention_fwd(
 
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse,
-        sm_scale * _LOG2E,
+        sm_scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),

@@ -54,7 +54,7 @@ def get_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> Ext
 def _attend_block_range(
     acc, e_sum, e_max, q, q_pos,
     K, V, stride_k, stride_v, slot_table, row_base,
-    kv_start, kv_end, qk_scale,
+    kv_start, kv_end, qk_scale, v_scale,
     offs_d, mask_d,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -62,7 +62,8 @@ def _attend_block_range(
     IN_PRECISION: tl.constexpr,
 ):
     """Online softmax over key positions kv_start..kv_end. K / V point at the KV head's first element;
-    FROM_POOL: position p is row slot_table[p] (the pool); otherwise row row_base + p (the new tokens)."""
+    FROM_POOL: position p is row slot_table[p] (the pool); otherwise row row_base + p (the new tokens).
+    qk_scale includes the pool's K scale and v_scale is its V scale (1.0 for the new tokens)."""
     for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
@@ -82,7 +83,7 @@ def _attend_block_range(
         re_scale = tl.exp2(e_max - n_e_max)
         p = tl.exp2(qk - n_e_max[:, None])
         v = tl.load(V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * re_scale[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION)
+        acc = acc * re_scale[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION) * v_scale
         e_sum = e_sum * re_scale + tl.sum(p, 1)
         e_max = n_e_max
     return acc, e_sum, e_max
@@ -92,7 +93,7 @@ def _attend_block_range(
 def _extend_kernel(
     Q, K_New, V_New, O, K_Buffer, V_Buffer, Out_cache_loc,
     Req_to_token, Req_pool_indices, Seq_lens, Extend_seq_lens, Extend_start_loc,
-    qk_scale,
+    qk_scale, k_scale, v_scale,
     stride_qbs, stride_qh,
     stride_knbs, stride_knh,
     stride_vnbs, stride_vnh,
@@ -139,9 +140,13 @@ def _extend_kernel(
     if cur_head % KV_GROUP_NUM == 0:
         slots = tl.load(Out_cache_loc + new_rows, mask=mask_m, other=0).to(tl.int64)
         kn = tl.load(k_new + new_rows[:, None] * stride_knbs + offs_d[None, :], mask=mask_md)
+        if k_scale != 1.0:  # an FP8 pool with a scale holds K / k_scale
+            kn = kn.to(tl.float32) / k_scale
         tl.store(k_pool + slots[:, None] * stride_kbs + offs_d[None, :], kn.to(K_Buffer.dtype.element_ty),
                  mask=mask_md)
         vn = tl.load(v_new + new_rows[:, None] * stride_vnbs + offs_d[None, :], mask=mask_md)
+        if v_scale != 1.0:
+            vn = vn.to(tl.float32) / v_scale
         tl.store(v_pool + slots[:, None] * stride_vbs + offs_d[None, :], vn.to(V_Buffer.dtype.element_ty),
                  mask=mask_md)
 
@@ -157,19 +162,19 @@ def _extend_kernel(
     # 1. The cached prefix, from the pool: visible to every row.
     acc, e_sum, e_max = _attend_block_range(
         acc, e_sum, e_max, q, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
-        0, prefix_len, qk_scale, offs_d, mask_d,
+        0, prefix_len, qk_scale * k_scale, v_scale, offs_d, mask_d,
         BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION)
     # 2. New tokens before the tile's first query: visible to every row.
     shared_end = prefix_len + block_m * BLOCK_M
     acc, e_sum, e_max = _attend_block_range(
         acc, e_sum, e_max, q, q_pos, k_new, v_new, stride_knbs, stride_vnbs, slot_table, new_row_base,
-        prefix_len, shared_end, qk_scale, offs_d, mask_d,
+        prefix_len, shared_end, qk_scale, 1.0, offs_d, mask_d,
         BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=False, IN_PRECISION=IN_PRECISION)
     # 3. The tile's own band, up to its last real query position: causal mask.
     band_end = prefix_len + tl.minimum((block_m + 1) * BLOCK_M, extend_len)
     acc, e_sum, e_max = _attend_block_range(
         acc, e_sum, e_max, q, q_pos, k_new, v_new, stride_knbs, stride_vnbs, slot_table, new_row_base,
-        shared_end, band_end, qk_scale, offs_d, mask_d,
+        shared_end, band_end, qk_scale, 1.0, offs_d, mask_d,
         BLOCK_N=BLOCK_N, CAUSAL=True, FROM_POOL=False, IN_PRECISION=IN_PRECISION)
 
     out = acc / e_sum[:, None]
@@ -193,6 +198,8 @@ def extend_attention_fwd(
     max_extend_len: int,
     sm_scale: float,
     config: ExtendConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Stores the new tokens' K/V in the pool and runs causal extend attention, in one kernel; writes `o`.
 
@@ -207,6 +214,8 @@ def extend_attention_fwd(
     straight from k / v (so the kernel never reads a slot it is writing).
     max_extend_len: host int >= every extend_seq_lens[b] (sizes the grid).
     config: tile override (default `get_extend_config(head_dim)`).
+    k_scale, v_scale: the pool's scales: an FP8 pool stores K / k_scale and V / v_scale (saturated casts)
+    and the prefix read from it is scaled back; the new tokens are attended unquantized.
     """
     num_tokens, num_heads, head_dim = q.shape
     bs = seq_lens.shape[0]
@@ -223,7 +232,7 @@ def extend_attention_fwd(
     _extend_kernel[grid](
         q, k, v, o, k_buffer, v_buffer, out_cache_loc,
         req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
-        sm_scale * _LOG2E,
+        sm_scale * _LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),

@@ -1,0 +1,105 @@
+"""The per-linear quantization hook: a LinearMethod creates a layer's tensors, loads checkpoint shards
+into them, and runs its GEMM. The linear classes (layers/linear.py) call it and know nothing else.
+
+Parameters are what the checkpoint holds (each with the layer's `weight_loader`); what is derived at load
+time (online quantization's scales) is a buffer, so the checkpoint-completeness check never asks for it.
+`load_dtype` on a parameter is the dtype its checkpoint tensor is converted to before the loader sees it
+(online quantization gets the model dtype and quantizes itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def rows(t: torch.Tensor, offset: int, size: int) -> torch.Tensor:
+    """Output rows offset .. offset + size of a weight-like tensor (the whole tensor when that is all)."""
+    if offset == 0 and size == t.shape[0]:
+        return t.data
+    return t.data.narrow(0, offset, size)
+
+
+class LinearMethod:
+    """Unquantized: a [out, in] weight in the model dtype and F.linear."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+        self._create_bias(layer, output_size, bias)
+
+    @staticmethod
+    def _create_bias(layer: nn.Module, output_size: int, bias: bool) -> None:
+        if bias:
+            layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            layer.bias.weight_loader = layer.weight_loader
+        else:
+            layer.register_parameter("bias", None)
+
+    def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
+        """Copy checkpoint tensor `loaded` (already sharded for this rank) into output rows offset .. offset +
+        size of `param` (ValueError on a shape mismatch)."""
+        copy_into(rows(param, offset, size), loaded)
+
+    def init_random(self, layer: nn.Module, generator: torch.Generator, std: float) -> set[str]:
+        """Random weights for benchmarks: the names of the parameters it filled (the generic init fills the
+        rest)."""
+        return set()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+UNQUANTIZED = LinearMethod()
+_current: list = [None]  # the QuantConfig of the model being built (None: unquantized)
+
+
+@contextlib.contextmanager
+def quantization_context(quant) -> Iterator[None]:
+    """Linear layers built inside get their method from `quant` (weight_loader.build_meta_model uses it)."""
+    previous, _current[0] = _current[0], quant
+    try:
+        yield
+    finally:
+        _current[0] = previous
+
+
+def current_linear_method() -> LinearMethod:
+    quant = _current[0]
+    if quant is None:
+        return UNQUANTIZED
+    from model_executor.layers.quantization.methods import method_for
+
+    return method_for(quant)
+
+
+def set_kept_dtype(layer: nn.Module, name: str, dtype: torch.dtype) -> None:
+    """Record that tensor `name` of `layer` stays in `dtype` when the model is cast to its dtype."""
+    if "kept_dtypes" not in layer.__dict__:
+        layer.kept_dtypes = {}
+    layer.kept_dtypes[name] = dtype
+
+
+def restore_kept_dtypes(model: nn.Module) -> None:
+    """After `model.to(dtype)` on the meta device: give quantized tensors their own dtype back (the cast
+    turned fp8 weights and float32 scales into the model dtype). Parameters keep their attributes."""
+    for module in model.modules():
+        for name, dtype in getattr(module, "kept_dtypes", {}).items():
+            if name in module._parameters:
+                old = module._parameters[name]
+                new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
+                new.__dict__.update(old.__dict__)
+                module._parameters[name] = new
+            elif name in module._buffers:
+                old = module._buffers[name]
+                module._buffers[name] = torch.empty(old.shape, dtype=dtype, device=old.device)

@@ -1,0 +1,106 @@
+"""FP8 (e4m3) and int8 quantization math in plain PyTorch: the reference for the kernels and the CPU tests.
+
+Scales are float32 and multiply: real value = quantized value x scale (for block-wise checkpoints the
+stored `weight_scale_inv` is this same multiplier; the name is DeepSeek's). Symmetric, no zero points.
+Conversions to float8_e4m3fn clamp first: PyTorch's cast does not saturate (out-of-range values become NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+INT8_MAX = 127
+# An all-zero row / group would get scale 0 and 0/0 = NaN; this floor keeps its scale tiny but finite.
+_MIN_AMAX = 1e-12
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w -> (fp8 w, scale []): one scale for the whole tensor."""
+    scale = w.abs().amax().float().clamp(min=_MIN_AMAX) / FP8_MAX
+    return _to_fp8(w, scale), scale
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], scale [N]): one scale per output channel (row)."""
+    scale = w.abs().amax(dim=-1).float().clamp(min=_MIN_AMAX) / FP8_MAX
+    return _to_fp8(w, scale[:, None]), scale
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation quantization: x [M, K] -> (fp8 [M, K], scale [M, 1]), one scale per token."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_AMAX) / FP8_MAX
+    return _to_fp8(x, scale), scale
+
+
+def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], scale [M, K / group_size]): one scale per token and group of K columns."""
+    m, k = x.shape
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of the group size {group_size}")
+    groups = x.reshape(m, k // group_size, group_size)
+    scale = groups.abs().amax(dim=-1).float().clamp(min=_MIN_AMAX) / FP8_MAX
+    return _to_fp8(groups, scale[..., None]).reshape(m, k), scale
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], scale [ceil(N/bn), ceil(K/bk)]): one scale per bn x bk tile (edge tiles
+    may be partial), the layout of `weight_scale_inv` in block-quantized FP8 checkpoints."""
+    bn, bk = block
+    n, k = w.shape
+    pn, pk = -n % bn, -k % bk
+    padded = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
+    tiles = padded.reshape((n + pn) // bn, bn, (k + pk) // bk, bk)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_MAX
+    q = _to_fp8(tiles, scale[:, None, :, None]).reshape(n + pn, k + pk)[:n, :k]
+    return q.contiguous(), scale
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize_fp8_block (up to rounding): each tile times its scale."""
+    bn, bk = block
+    n, k = q.shape
+    full = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (q.float() * full).to(dtype)
+
+
+def dequantize_fp8_per_group(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [M, K] with per-token-group scales [M, G] (or per-channel [N, 1] / per-token [M, 1]) -> real values."""
+    group = q.shape[-1] // scale.shape[-1]
+    return (q.float() * scale.float().repeat_interleave(group, -1)).to(dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                         *, block: tuple[int, int] | None = None, input_scale: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """What the FP8 GEMMs compute, in float32 on any device: the activations quantized as the kernels
+    quantize them (per token, per 1 x block[1] group, or with a static per-tensor `input_scale`), times
+    the dequantized weight. w_scale: [N] per channel, or the block scales when `block` is given."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if block is not None:
+        xq, xs = quantize_fp8_per_token_group(x2, block[1])
+        w = dequantize_fp8_block(w_q, w_scale, block)
+    else:
+        if input_scale is not None:
+            xs = input_scale.float().reshape(1, 1)
+            xq = _to_fp8(x2, xs)
+        else:
+            xq, xs = quantize_fp8_per_token(x2)
+        w = w_q.float() * w_scale.float()[:, None]
+    out = dequantize_fp8_per_group(xq, xs) @ w.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], w_q.shape[0])
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8: w [N, K] -> (int8 [N, K], scale [N] in w's dtype), symmetric per output channel."""
+    scale = w.abs().amax(dim=-1).float().clamp(min=_MIN_AMAX) / INT8_MAX
+    q = torch.round(w.float() / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale.to(w.dtype)

@@ -1,0 +1,243 @@
+"""The quantized LinearMethods: online FP8, pre-quantized FP8 (block-wise, per-channel/per-tensor), int8.
+
+The FP8 GEMMs run on CUDA (sm89+): torch._scaled_mm with row-wise scales, or the Triton block-scaled
+GEMM. On the CPU they compute `fp8_linear_reference` (the same quantized math in float32): the CPU tests
+load and run FP8 models through it, while the server refuses FP8 on a CPU (config.check_device).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from model_executor.layers.quantization import fp8_math
+from model_executor.layers.quantization.base import LinearMethod, copy_into, rows, set_kept_dtype
+from model_executor.layers.quantization.config import QuantConfig, QuantizationError
+
+try:  # the FP8 GPU kernels (Triton is optional: a CPU install never runs FP8, see config.check_device)
+    from model_executor.layers.quantization import fp8_ops
+except ImportError:
+    fp8_ops = None
+
+FP8 = fp8_math.FP8_DTYPE
+
+
+def _fp8_weight(layer: nn.Module, input_size: int, output_size: int, load_dtype: torch.dtype) -> None:
+    layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
+    layer.weight.weight_loader = layer.weight_loader
+    layer.weight.load_dtype = load_dtype
+    set_kept_dtype(layer, "weight", FP8)
+
+
+def _scaled_mm_rowwise(x2: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """fp8 [M, K] x fp8 weight [N, K]^T with scales [M, 1] and [N], bfloat16 out (sm89+)."""
+    out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
+                           out_dtype=x2.dtype)
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out
+
+
+class Fp8OnlineMethod(LinearMethod):
+    """A bf16 checkpoint quantized as it loads: each shard's rows get per-output-channel scales, on the
+    device, as the shard arrives (peak memory: the FP8 weights plus one shard and its float32 copy)."""
+
+    def create_weights(self, layer, input_size, output_size, bias):
+        _fp8_weight(layer, input_size, output_size, load_dtype=torch.bfloat16)
+        layer.register_buffer("weight_scale", torch.empty(output_size, dtype=torch.float32))
+        set_kept_dtype(layer, "weight_scale", torch.float32)
+        self._create_bias(layer, output_size, bias)
+
+    def load(self, layer, param, loaded, offset, size):
+        if param is not layer.weight:
+            return super().load(layer, param, loaded, offset, size)
+        dst = rows(param, offset, size)
+        if dst.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(loaded.shape)}")
+        q, scale = fp8_math.quantize_fp8_per_channel(loaded.to(param.device))
+        dst.copy_(q)
+        rows(layer.weight_scale, offset, size).copy_(scale)
+
+    def init_random(self, layer, generator, std):
+        w = layer.weight
+        full = torch.empty(w.shape, dtype=w.load_dtype, device=w.device).normal_(0.0, std, generator=generator)
+        self.load(layer, w, full, 0, w.shape[0])
+        return {"weight"}
+
+    def apply(self, layer, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x.is_cuda:
+            out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale, layer.bias)
+        else:
+            xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
+            out = _scaled_mm_rowwise(x2, xq, xs, layer)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Fp8ChannelMethod(LinearMethod):
+    """A pre-quantized checkpoint with `weight_scale` per output channel ([N, 1]) or per tensor ([] / [1]),
+    kept per channel here ([N]: fused q/k/v or gate/up shards keep their own scales), and an optional
+    static per-tensor `input_scale` (fused shards share the largest)."""
+
+    def __init__(self, quant: QuantConfig):
+        self.static_input_scale = quant.static_input_scale
+
+    def create_weights(self, layer, input_size, output_size, bias):
+        _fp8_weight(layer, input_size, output_size, load_dtype=FP8)
+        layer.weight_scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
+        layer.weight_scale.weight_loader = layer.weight_loader
+        layer.weight_scale.load_dtype = torch.float32
+        set_kept_dtype(layer, "weight_scale", torch.float32)
+        if self.static_input_scale:
+            layer.input_scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
+            layer.input_scale.weight_loader = layer.weight_loader
+            layer.input_scale.load_dtype = torch.float32
+            set_kept_dtype(layer, "input_scale", torch.float32)
+        self._create_bias(layer, output_size, bias)
+
+    def load(self, layer, param, loaded, offset, size):
+        if param is getattr(layer, "input_scale", None):
+            if loaded.numel() != 1:
+                raise ValueError(f"input_scale must hold one value, the checkpoint has {tuple(loaded.shape)}")
+            loaded = loaded.reshape(1).to(param.device)
+            if layer.__dict__.get("input_scale_loaded"):  # fused shards: the largest scale covers them all
+                loaded = torch.maximum(param.data, loaded)
+            param.data.copy_(loaded)
+            layer.input_scale_loaded = True
+            return
+        if param is layer.weight_scale:
+            flat = loaded.reshape(-1)
+            if flat.numel() == 1:  # per tensor: every row of this shard gets it
+                flat = flat.expand(size)
+            elif flat.numel() != size or (loaded.dim() == 2 and loaded.shape[1] != 1):
+                raise ValueError(f"shape mismatch: weight_scale rows {size} vs checkpoint {tuple(loaded.shape)}")
+            return copy_into(rows(param, offset, size), flat)
+        return super().load(layer, param, loaded, offset, size)
+
+    def apply(self, layer, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        input_scale = getattr(layer, "input_scale", None)
+        if not x.is_cuda:
+            out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale, layer.bias,
+                                                input_scale=input_scale)
+        else:
+            if input_scale is not None:
+                xq = (x2 / input_scale).clamp(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(FP8)
+                xs = input_scale.view(1, 1).expand(x2.shape[0], 1).contiguous()
+            else:
+                    xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
+            out = _scaled_mm_rowwise(x2, xq, xs, layer)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def init_random(self, layer, generator, std):
+        w = _random_like(layer.weight, generator, std)
+        q, scale = fp8_math.quantize_fp8_per_channel(w)
+        layer.weight.data.copy_(q)
+        layer.weight_scale.data.copy_(scale)
+        if self.static_input_scale:  # activations of a random model: about unit scale per element
+            layer.input_scale.data.fill_(8.0 / fp8_math.FP8_MAX)
+        return {"weight", "weight_scale", "input_scale"}
+
+
+def _random_like(w: torch.Tensor, generator: torch.Generator, std: float) -> torch.Tensor:
+    return torch.empty(w.shape, dtype=torch.bfloat16, device=w.device).normal_(0.0, std, generator=generator)
+
+
+class Fp8BlockMethod(LinearMethod):
+    """A pre-quantized checkpoint with block-wise scales: `weight_scale_inv` [ceil(N / bn), ceil(K / bk)]
+    multiplies each bn x bk tile; activations are quantized per token and group of bk columns."""
+
+    def __init__(self, quant: QuantConfig):
+        self.block = quant.block
+
+    def create_weights(self, layer, input_size, output_size, bias):
+        bn, bk = self.block
+        if input_size % bk:
+            raise QuantizationError(f"block-wise FP8: a linear layer's input size {input_size} is not a multiple "
+                                    f"of the block {bk}")
+        _fp8_weight(layer, input_size, output_size, load_dtype=FP8)
+        layer.weight_scale_inv = nn.Parameter(torch.empty(-(-output_size // bn), input_size // bk,
+                                                          dtype=torch.float32), requires_grad=False)
+        layer.weight_scale_inv.weight_loader = layer.weight_loader
+        layer.weight_scale_inv.load_dtype = torch.float32
+        set_kept_dtype(layer, "weight_scale_inv", torch.float32)
+        self._create_bias(layer, output_size, bias)
+
+    def load(self, layer, param, loaded, offset, size):
+        if param is layer.weight_scale_inv:
+            bn = self.block[0]
+            if offset % bn:  # a tile would straddle two checkpoint tensors
+                raise ValueError(f"block-wise FP8: fused shard at row {offset} is not aligned to the block {bn}")
+            return copy_into(rows(param, offset // bn, -(-size // bn)), loaded)
+        return super().load(layer, param, loaded, offset, size)
+
+    def apply(self, layer, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x.is_cuda:
+            out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale_inv, layer.bias,
+                                                block=self.block)
+        else:
+            xq, xs = fp8_ops.per_token_group_quant_fp8(x2, self.block[1])
+            out = fp8_ops.w8a8_block_fp8_matmul(xq, layer.weight, xs, layer.weight_scale_inv, self.block, x2.dtype)
+            if layer.bias is not None:
+                out = out + layer.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def init_random(self, layer, generator, std):
+        q, scale = fp8_math.quantize_fp8_block(_random_like(layer.weight, generator, std), self.block)
+        layer.weight.data.copy_(q)
+        layer.weight_scale_inv.data.copy_(scale)
+        return {"weight", "weight_scale_inv"}
+
+
+class Int8WeightOnlyMethod(LinearMethod):
+    """CPU weight-only int8: int8 weights with per-output-channel scales in the model dtype, quantized as
+    they load; the GEMM is ATen's `_weight_int8pack_mm` (activations stay in the model dtype)."""
+
+    def create_weights(self, layer, input_size, output_size, bias):
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.int8), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+        layer.weight.load_dtype = torch.float32  # quantized from float32 whatever the checkpoint dtype
+        set_kept_dtype(layer, "weight", torch.int8)
+        layer.register_buffer("weight_scale", torch.empty(output_size))  # the model dtype (the kernel's rule)
+        self._create_bias(layer, output_size, bias)
+
+    def load(self, layer, param, loaded, offset, size):
+        if param is not layer.weight:
+            return super().load(layer, param, loaded, offset, size)
+        dst = rows(param, offset, size)
+        if dst.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(loaded.shape)}")
+        q, scale = fp8_math.quantize_int8_per_channel(loaded.to(param.device))
+        dst.copy_(q)
+        rows(layer.weight_scale, offset, size).copy_(scale)
+
+    def init_random(self, layer, generator, std):
+        w = layer.weight
+        full = torch.empty(w.shape, dtype=torch.float32, device=w.device).normal_(0.0, std, generator=generator)
+        self.load(layer, w, full, 0, w.shape[0])
+        return {"weight"}
+
+    def apply(self, layer, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@functools.cache
+def method_for(quant: QuantConfig) -> LinearMethod:
+    if quant.method == "fp8":
+        return Fp8OnlineMethod()
+    if quant.method == "fp8_channel":
+        return Fp8ChannelMethod(quant)
+    if quant.method == "fp8_block":
+        return Fp8BlockMethod(quant)
+    if quant.method == "int8":
+        return Int8WeightOnlyMethod()
+    raise ValueError(f"unknown quantization method {quant.method!r}")
