@@ -118,7 +118,7 @@ def stop(proc: subprocess.Popen) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_overlap", description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--c1-prompts", type=int, default=16)
