@@ -62,6 +62,8 @@ def build_meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
 
     quant: the linear layers' quantization; their quantized tensors keep their own dtypes."""
     check_tensor_parallel(cfg, ps.get_tp_size())
+    if ps.get_tp_size() > 1 and (quant is not None or checkpoint_quant_config(cfg.hf_config) is not None):
+        raise ValueError("quantized models do not support tensor parallelism yet (their scales are not sharded)")
     with torch.device("meta"), quantization_context(quant):
         model = _model_class(cfg)(cfg)
     model = model.to(dtype=dtype)

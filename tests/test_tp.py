@@ -180,7 +180,10 @@ def test_a_collective_with_a_silent_peer_fails_after_the_timeout(tmp_path):
         for p in ctx.processes:
             p.kill()
         pytest.fail("rank 0's broadcast to a silent peer still waits after 60 s")
-    ctx.join(30)
+    try:
+        ctx.join(30)
+    except mp.ProcessExitedException:
+        pass  # gloo may abort a process whose collective timed out when it exits: the outcome file says what happened
     outcome = result.read_text()
     assert "timed out" in outcome.lower() or "timeout" in outcome.lower(), outcome
 

@@ -136,6 +136,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id=None):
         offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                         "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
+        if param is not self.weight and param is not self.bias:
+            # A quantization scale: its method maps the shard's rows to its layout (block rows, one per-tensor
+            # value); quantized models run at tp 1 (weight_loader refuses tp > 1 for them).
+            self._load(param, loaded, offset, size)
+            return
         if loaded.shape[0] != self.total_sizes[shard_id]:
             raise ValueError(f"shape mismatch: {shard_id} rows {self.total_sizes[shard_id]} vs checkpoint "
                              f"{tuple(loaded.shape)}")
