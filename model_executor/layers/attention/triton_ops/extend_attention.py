@@ -139,14 +139,15 @@ def _extend_kernel(
     # kernel reads new tokens from the pool, so the stores race with no load.
     if cur_head % KV_GROUP_NUM == 0:
         slots = tl.load(Out_cache_loc + new_rows, mask=mask_m, other=0).to(tl.int64)
-        kn = tl.load(k_new + new_rows[:, None] * stride_knbs + offs_d[None, :], mask=mask_md)
+        # In float32 on both sides of the (runtime) scale branch: Triton needs one type per variable there.
+        kn = tl.load(k_new + new_rows[:, None] * stride_knbs + offs_d[None, :], mask=mask_md).to(tl.float32)
         if k_scale != 1.0:  # an FP8 pool with a scale holds K / k_scale
-            kn = kn.to(tl.float32) / k_scale
+            kn = kn / k_scale
         tl.store(k_pool + slots[:, None] * stride_kbs + offs_d[None, :], kn.to(K_Buffer.dtype.element_ty),
                  mask=mask_md)
-        vn = tl.load(v_new + new_rows[:, None] * stride_vnbs + offs_d[None, :], mask=mask_md)
+        vn = tl.load(v_new + new_rows[:, None] * stride_vnbs + offs_d[None, :], mask=mask_md).to(tl.float32)
         if v_scale != 1.0:
-            vn = vn.to(tl.float32) / v_scale
+            vn = vn / v_scale
         tl.store(v_pool + slots[:, None] * stride_vbs + offs_d[None, :], vn.to(V_Buffer.dtype.element_ty),
                  mask=mask_md)
 
