@@ -21,14 +21,17 @@ import torch
 
 from model_executor.forward_batch import ForwardMode
 from model_executor.memory_pool import OutOfSlotsError
+from model_executor.penalties import PenaltyState
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
+from scheduler.grammar import GrammarCompilerPool, GrammarManager
 from scheduler.policy import order_waiting
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req, ReqStatus
 from server.ipc import FinishReason, TokenLogprob
 
 logger = logging.getLogger("duet.scheduler")
+_NO_PENALTY = SamplingParams()
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     # Share of each request's remaining output tokens kept free at admission; retraction covers the rest.
     new_token_ratio: float = 0.3
+    grammar_backend: str = "xgrammar"  # or "none"
 
 
 @dataclass
@@ -73,6 +77,14 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_retractions = 0
+        # Sampling-API state (model_executor/penalties.py, scheduler/grammar.py): see the hooks marked "# hook".
+        vocab = runner.model_config.vocab_size
+        self.penalties = PenaltyState(self.req_pool.req_to_token.shape[0], vocab, self.req_pool.req_to_token.device)
+        make_compilers = None
+        if config.grammar_backend == "xgrammar" and tokenizer is not None:
+            eos = sorted(self.eos_ids)
+            make_compilers = lambda: GrammarCompilerPool(tokenizer, vocab, eos)
+        self.grammars = GrammarManager(make_compilers, vocab)
 
     # ---- requests in -----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
@@ -98,7 +110,7 @@ class Scheduler:
             self._finish(req, FinishReason("error", message=error))
         elif params.max_new_tokens == 0:
             self._finish(req, FinishReason("length"))
-        else:
+        elif not self.grammars.defer(req):  # hook (a): a request with a grammar waits for its compilation
             self.waiting.append(req)
 
     def _admission_error(self, req: Req) -> str | None:
@@ -125,6 +137,8 @@ class Scheduler:
             return
         if req in self.waiting:
             self.waiting.remove(req)
+        elif self.grammars.remove(req):  # hook (a)
+            pass
         elif req is self.chunked_req:
             self.chunked_req = None
         elif req in self.running:
@@ -136,11 +150,12 @@ class Scheduler:
 
     # ---- the loop --------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._outbox)
+        return bool(self.waiting or self.running or self.chunked_req or self._outbox or len(self.grammars))
 
     @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
         """One forward pass (an extend batch, else a decode batch); returns what each request produced."""
+        self._admit_compiled_grammars()  # hook (a)
         ran_extend = False
         # Alternate with decode so running requests keep going while long prompts prefill in chunks.
         if not (self._last_step_extend and self.running):
@@ -152,6 +167,13 @@ class Scheduler:
             self._run_decode()
         self._last_step_extend = ran_extend
         return self._collect_outputs()
+
+    def _admit_compiled_grammars(self) -> None:
+        idle = not (self.waiting or self.running or self.chunked_req)
+        ready, failed = self.grammars.pop_ready(wait_s=0.005 if idle else 0.0)
+        self.waiting.extend(ready)
+        for req, exc in failed:
+            self._fail(req, exc)
 
     # ---- extend ----------------------------------------------------------------------------------
     def _schedule_extend(self) -> tuple[list[Req], list[int]] | None:
@@ -237,6 +259,7 @@ class Scheduler:
         req.kv_len = len(prefix)
         if len(prefix):
             self.req_pool.write(req.req_pool_idx, 0, prefix)
+        self.penalties.init_row(req.req_pool_idx, req.params, req.input_ids, req.output_ids)  # hook (a)
         if req.num_retractions == 0:
             req.cached_tokens = len(prefix)
             self.num_prompt_tokens += len(req.input_ids)
@@ -367,6 +390,9 @@ class Scheduler:
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[tuple[int, TokenLogprob | None]]:
         """Each request's next token (and its logprob entry when asked); changes no request state."""
         self._mask_early_stops(logits, reqs)
+        # hook (b): logit bias and penalties, then the grammar mask (last: it must have the final say).
+        self.penalties.apply(logits, [r.req_pool_idx for r in reqs], [r.params for r in reqs])
+        self.grammars.apply_mask(logits, reqs)
         out = self.runner.sample(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs])
         tokens = out.next_token_ids.tolist()
         want = [r.wants_logprobs for r in reqs]
@@ -386,6 +412,9 @@ class Scheduler:
 
     def _append_sampled(self, reqs: list[Req], sampled: list[tuple[int, TokenLogprob | None]]) -> None:
         now = time.monotonic()
+        # hook (c): count the new tokens for the penalties (not those of requests aborted meanwhile)
+        self.penalties.update([r.req_pool_idx for r in reqs],
+                              [_NO_PENALTY if r.is_finished else r.params for r in reqs], [t for t, _ in sampled])
         for req, (token, logprob) in zip(reqs, sampled):
             if req.is_finished:  # aborted while the batch ran
                 continue
@@ -396,7 +425,8 @@ class Scheduler:
                 if logprob is not None:
                     req.pending_logprobs.append(logprob)
                 self._outbox[req.rid] = req
-                reason = self._check_stop(req, token)
+                # hook (c): the grammar accepts the token; its termination ends the request
+                reason = self.grammars.accept(req, token) or self._check_stop(req, token)
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer failing on this request's output
                 self._fail(req, exc)
                 continue
@@ -445,6 +475,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
+        self.grammars.release(req)  # hook (d)
         if req.req_pool_idx is not None:
             self._release_kv(req)
         req.status = ReqStatus.FINISHED

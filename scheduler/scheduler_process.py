@@ -79,6 +79,7 @@ def scheduler_config(args: ServerArgs) -> SchedulerConfig:
         chunked_prefill_size=default_chunked_prefill_size(args),
         schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache,
+        grammar_backend=args.grammar_backend,
     )
 
 

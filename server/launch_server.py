@@ -255,7 +255,7 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
 
     from server.http_server import AppState, create_app, served_name
     from server.metrics import ServerMetrics
-    from server.tokenizer_manager import TokenizerManager
+    from server.tokenizer_manager import TokenizerManager, load_chat_template
 
     exit_code = 0
     server: uvicorn.Server | None = None
@@ -266,7 +266,8 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
         asyncio.get_running_loop().call_later(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True))
 
     tm = TokenizerManager(tokenizer, ipc, info, ServerMetrics(), processes=procs, on_fatal=on_fatal,
-                          log_requests=args.log_requests)
+                          log_requests=args.log_requests,
+                          chat_template=load_chat_template(args.chat_template) if args.chat_template else None)
     name = served_name(args)
     state = AppState(args=args, info=info, tokenizer_manager=tm, served_model_name=name,
                      pids={"http": os.getpid(), **{k: p.pid for k, p in procs.items()}})
