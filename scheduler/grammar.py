@@ -31,6 +31,9 @@ logger = logging.getLogger("duet.grammar")
 
 COMPILE_THREADS = 2
 MAX_CACHED_GRAMMARS = 1024
+# Whitespace runs allowed between JSON tokens: enough for pretty-printing, and a small model cannot loop on
+# newlines until max_tokens.
+MAX_JSON_WHITESPACE = 16
 
 
 class GrammarError(RuntimeError):
@@ -64,7 +67,7 @@ class GrammarCompilerPool:
         if spec.kind == "json_object":
             return c.compile_builtin_json_grammar()
         if spec.kind == "json_schema":
-            return c.compile_json_schema(spec.value, strict_mode=True)
+            return c.compile_json_schema(spec.value, strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if spec.kind == "regex":
             return c.compile_regex(spec.value)
         if spec.kind == "ebnf":

@@ -107,7 +107,7 @@ def check_grammar(spec: GrammarSpec, param: str) -> None:
 
     try:
         if spec.kind == "json_schema":
-            xgr.Grammar.from_json_schema(spec.value, strict_mode=True)
+            xgr.Grammar.from_json_schema(spec.value, strict_mode=True, max_whitespace_cnt=16)
         elif spec.kind == "regex":
             xgr.Grammar.from_regex(spec.value)
         elif spec.kind == "ebnf":

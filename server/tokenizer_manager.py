@@ -260,7 +260,7 @@ class TokenizerManager:
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is out of range [0, {self.vocab_size})", param)
+            raise ApiError(400, f"{param}: token id {bad} is out of range [0, {self.vocab_size})", param)
 
     @property
     def max_total_len(self) -> int:
