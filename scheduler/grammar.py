@@ -41,17 +41,25 @@ class GrammarError(RuntimeError):
 
 
 class GrammarCompilerPool:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = COMPILE_THREADS):
+    """info: an xgrammar TokenizerInfo (see `for_tokenizer`) covering the model's whole vocabulary."""
+
+    def __init__(self, info, threads: int = COMPILE_THREADS):
         import xgrammar as xgr
 
         self.xgr = xgr
-        self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=list(stop_token_ids) or None)
+        self.info = info
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
         self.cache: dict[GrammarSpec, Future] = {}
         self.lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> GrammarCompilerPool:
+        """vocab_size: the model's (its logits' width, which may exceed the tokenizer's)."""
+        import xgrammar as xgr
+
+        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=list(stop_token_ids) or None))
 
     def submit(self, spec: GrammarSpec) -> Future:
         with self.lock:

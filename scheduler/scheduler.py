@@ -83,7 +83,7 @@ class Scheduler:
         make_compilers = None
         if config.grammar_backend == "xgrammar" and tokenizer is not None:
             eos = sorted(self.eos_ids)
-            make_compilers = lambda: GrammarCompilerPool(tokenizer, vocab, eos)
+            make_compilers = lambda: GrammarCompilerPool.for_tokenizer(tokenizer, vocab, eos)
         self.grammars = GrammarManager(make_compilers, vocab)
 
     # ---- requests in -----------------------------------------------------------------------------
