@@ -18,15 +18,15 @@ from tests.fake_scheduler import ServerProcess
 PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"type": "string", "maxLength": 8},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"type": "string", "enum": ["admin", "user", "guest"]},
         "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 12},
+                    "properties": {"city": {"type": "string", "maxLength": 8},
                                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                     "required": ["city", "zip"]},
         "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
-                 "minItems": 1, "maxItems": 3},
+                 "minItems": 1, "maxItems": 2},
     },
     "required": ["name", "age", "role", "address", "tags"],
 }
@@ -56,7 +56,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=1500)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_json_schema_outputs_parse_and_validate(client, model):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
     def one(subject):
-        r = chat(client, model, f"Describe {subject} as a JSON record.", max_tokens=160, response_format=fmt)
+        r = chat(client, model, f"Describe {subject} as a JSON record.", max_tokens=120, response_format=fmt)
         return r.choices[0]
 
     with concurrent.futures.ThreadPoolExecutor(len(SUBJECTS)) as pool:

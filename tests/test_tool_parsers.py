@@ -12,8 +12,8 @@ from server.reasoning_parser import ReasoningStream, split_reasoning
 from server.tool_parsers import ToolCallStream, calls_from_required, make_tool_parser, tool_call_schema
 
 CASES = [
-    ("hermes", 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
-               '<tool_call>{"name": "g", "arguments": {}}</tool_call>', "Sure. ", [("f", {"a": 1}), ("g", {})]),
+    ("hermes", ('Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+                '<tool_call>{"name": "g", "arguments": {}}</tool_call>'), "Sure. ", [("f", {"a": 1}), ("g", {})]),
     ("hermes", "no calls here", "no calls here", []),
     ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
     ("llama3", ' {"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {"b": "x"}}', None,
