@@ -50,6 +50,8 @@ def _has_lone_surrogate(value) -> bool:
         return False
     if isinstance(value, list):
         return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):  # e.g. content parts, which are plain dicts
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
     return False
 
 

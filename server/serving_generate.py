@@ -47,8 +47,7 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
                           logit_bias=logit_bias_pairs(sp.logit_bias, "sampling_params.logit_bias"),
                           grammar=grammar,
                           param_names={name: f"sampling_params.{name}" for name in (
-                              "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                              "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed")}
+                              "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")}
                           | {"max_tokens": "sampling_params.max_new_tokens",
                              "min_tokens": "sampling_params.min_new_tokens"})
     tm.check_token_ids(params.stop_token_ids, "sampling_params.stop_token_ids")
