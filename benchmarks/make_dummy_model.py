@@ -16,7 +16,6 @@ from pathlib import Path
 
 from model_executor.configs import SHAPES, shape_path
 
-
 PRINTABLE = [chr(c) for c in range(33, 127)]
 
 
