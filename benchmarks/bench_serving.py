@@ -245,6 +245,24 @@ class SampledRequest:
     prompt: Any  # list[int] (token-ids) or str (text)
     prompt_len: int
     output_len: int
+    extra_body: dict[str, Any] | None = None  # e.g. a response_format (--json-schema-ratio)
+
+
+# --json-schema-ratio: an unbounded string field, so the grammar does not end the output before
+# --random-output-len (ignore_eos keeps the lengths equal to the unconstrained requests').
+BENCH_JSON_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
+def mark_json_schema(reqs: list[SampledRequest], ratio: float, seed: int) -> int:
+    """Give a seeded random share `ratio` of the requests a json_schema response_format; returns how many."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError("--json-schema-ratio must be in [0, 1]")
+    rng = np.random.default_rng(seed + 2)
+    chosen = rng.permutation(len(reqs))[: round(ratio * len(reqs))]
+    fmt = {"type": "json_schema", "json_schema": {"name": "bench", "schema": BENCH_JSON_SCHEMA}}
+    for i in chosen.tolist():
+        reqs[i].extra_body = {"response_format": fmt}
+    return len(chosen)
 
 
 def sample_lengths(
@@ -429,6 +447,8 @@ async def send_request(
     }
     if extra_body:
         payload.update(extra_body)
+    if req.extra_body:
+        payload.update(req.extra_body)
     rec = RequestRecord(prompt_len=req.prompt_len, expected_output_len=req.output_len)
     text_parts: list[str] = []
     rec.send_time = time.perf_counter()
@@ -587,6 +607,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the sampled token ids (exact input length) or their decoded text",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--json-schema-ratio",
+        type=float,
+        default=0.0,
+        help="share of requests sent with a json_schema response_format (structured outputs), 0 to 1",
+    )
     p.add_argument("--num-warmups", type=int, default=1, help="untimed requests before the run")
     p.add_argument(
         "--metric-percentiles", default="99", help="comma-separated percentiles to report, e.g. 50,90,99"
@@ -651,6 +677,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             args.prompt_format,
             args.vocab_size,
         )
+        num_json_schema = mark_json_schema(requests, args.json_schema_ratio, args.seed)
 
         if args.num_warmups > 0:
             warm = await asyncio.gather(
@@ -718,6 +745,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "random_range_ratio": args.random_range_ratio,
         "seed": args.seed,
         "num_warmups": args.num_warmups,
+        "json_schema_ratio": args.json_schema_ratio,
+        "num_json_schema_requests": num_json_schema,
         "max_concurrent_requests": max_concurrent,
         # Benchmark-client CPU time over the run; near 1.0 x duration means the (single-threaded)
         # client, not the server, may be limiting throughput and inflating TTFT/ITL.

@@ -1,5 +1,6 @@
 """Make a servable folder for a model shape with random weights: the shape's config.json plus a synthetic
-word-level tokenizer covering its whole vocabulary (no real tokenizer can be fetched here).
+word-level tokenizer covering its whole vocabulary (no real tokenizer can be fetched here); its first ids
+are the printable ASCII characters, so grammar-constrained requests can be benchmarked.
 
     python -m benchmarks.make_dummy_model llama-3.2-1b /tmp/llama-1b
     launch_server --model-path /tmp/llama-1b --load-format dummy
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from model_executor.configs import SHAPES, shape_path
 
+PRINTABLE = [chr(c) for c in range(33, 127)]
+
 
 def make_dummy_model(shape: str, out: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -25,6 +28,11 @@ def make_dummy_model(shape: str, out: Path) -> Path:
     eos = config["eos_token_id"]
     eos = eos[0] if isinstance(eos, list) else eos
     vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    # Ids 1-94 are the printable ASCII characters (no space): grammars (JSON, regex) can then be spelled, so
+    # structured-output benchmarks run on the dummy model too.
+    for i, c in enumerate(PRINTABLE, start=1):
+        del vocab[f"t{i}"]
+        vocab[c] = i
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(out / "tokenizer.json"))

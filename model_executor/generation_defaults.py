@@ -10,7 +10,8 @@ from pathlib import Path
 logger = logging.getLogger("duet.generation_defaults")
 
 # The sampling fields duet implements, with the OpenAI API's values for "unset". generation_config.json
-# keys duet has no sampler for (repetition_penalty, typical_p, ...) are ignored.
+# keys duet has no sampler for (typical_p, ...) are ignored; its repetition_penalty is not applied as a
+# default yet (requests set repetition_penalty themselves).
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
 SAMPLING_DEFAULTS_MODES = ("model", "openai")
 

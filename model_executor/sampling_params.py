@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values is [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
 
 
 class SamplingParamsError(ValueError):
@@ -14,6 +17,17 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output, hashable: the scheduler caches compiled grammars by it.
+
+    kind: json_schema (value: the schema as canonical JSON), json_object (any JSON object; value ""),
+    regex or ebnf (value: the pattern or grammar text)."""
+
+    kind: str
+    value: str = ""
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,17 @@ class SamplingParams:
     min_new_tokens: int = 0
     # None: no logprobs. N >= 0: logprob of the chosen token plus the top-N alternatives.
     top_logprobs: int | None = None
+    # OpenAI's penalties on output tokens (0: off) and the HF/vLLM repetition penalty on prompt and
+    # output tokens (1: off); logit_bias: (token id, bias) pairs added to the logits.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:
@@ -65,3 +90,18 @@ class SamplingParams:
             fail("stop_token_ids", "stop_token_ids must be non-negative")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             fail("seed", "seed must fit in a signed 64-bit integer")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                fail(name, f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            fail("repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            fail("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                fail("logit_bias", f"logit_bias token ids must be non-negative, got {token}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                fail("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            fail("response_format", f"unknown grammar kind {self.grammar.kind!r}")

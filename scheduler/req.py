@@ -42,6 +42,9 @@ class Req:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    # Structured output (scheduler/grammar.py): the compilation in flight, then this request's matcher.
+    grammar_future: object | None = None
+    grammar: object | None = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -32,9 +32,11 @@ import torch
 
 from model_executor.forward_batch import ForwardMode
 from model_executor.memory_pool import OutOfSlotsError
+from model_executor.penalties import PenaltyState
 from model_executor.sampler import HostSample
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
+from scheduler.grammar import GrammarCompilerPool, GrammarManager
 from scheduler.policy import order_waiting
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req, ReqStatus
@@ -56,6 +58,7 @@ class SchedulerConfig:
     # Run the running requests' decode inside each extend batch (SGLang's mixed chunk), instead of
     # alternating extend and decode steps: their inter-token latency stays steady while prompts arrive.
     enable_mixed_chunk: bool = False
+    grammar_backend: str = "xgrammar"  # or "none"
 
 
 @dataclass
@@ -101,6 +104,14 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_retractions = 0
+        # Sampling-API state (model_executor/penalties.py, scheduler/grammar.py): see the hooks marked "# hook".
+        vocab = runner.model_config.vocab_size
+        self.penalties = PenaltyState(self.req_pool.req_to_token.shape[0], vocab, self.req_pool.req_to_token.device)
+        make_compilers = None
+        if config.grammar_backend == "xgrammar" and tokenizer is not None:
+            eos = sorted(self.eos_ids)
+            make_compilers = lambda: GrammarCompilerPool.for_tokenizer(tokenizer, vocab, eos)
+        self.grammars = GrammarManager(make_compilers, vocab)
 
     # ---- requests in -----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
@@ -126,7 +137,7 @@ class Scheduler:
             self._finish(req, FinishReason("error", message=error))
         elif params.max_new_tokens == 0:
             self._finish(req, FinishReason("length"))
-        else:
+        elif not self.grammars.defer(req):  # hook (a): a request with a grammar waits for its compilation
             self.waiting.append(req)
 
     def _admission_error(self, req: Req) -> str | None:
@@ -153,6 +164,8 @@ class Scheduler:
             return
         if req in self.waiting:
             self.waiting.remove(req)
+        elif self.grammars.remove(req):  # hook (a)
+            pass
         elif req is self.chunked_req:
             self.chunked_req = None
         elif req in self.running:
@@ -164,12 +177,19 @@ class Scheduler:
 
     # ---- the loop --------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._outbox or self._in_flight)
+        return bool(self.waiting or self.running or self.chunked_req or self._outbox or self._in_flight
+                    or len(self.grammars))
 
     @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
         """Launch one forward pass (an extend batch, else a decode batch) and read the tokens of the one
         launched before it (overlap) or of this one; returns what each request produced."""
+        self._admit_compiled_grammars()  # hook (a)
+        if self._in_flight and self._needs_tokens_read():
+            # A grammar's mask for the next token needs the previous token accepted: read it first.
+            launched, self._in_flight = self._in_flight, []
+            for batch in launched:
+                self._append_sampled(batch)
         launched = self._launch()
         if self.config.enable_overlap:
             launched, self._in_flight = self._in_flight, launched
@@ -177,6 +197,9 @@ class Scheduler:
             self._append_sampled(batch)
         self.running = [r for r in self.running if not r.is_finished]
         return self._collect_outputs()
+
+    def _needs_tokens_read(self) -> bool:
+        return any(r.grammar is not None for r in self.running)
 
     def _launch(self) -> list[LaunchedSample]:
         # Alternate with decode so running requests keep going while long prompts prefill in chunks (with
@@ -199,6 +222,13 @@ class Scheduler:
         if len(decodes) + extend_tokens > self.allocator.available_size() + self._evictable():
             return []
         return decodes
+
+    def _admit_compiled_grammars(self) -> None:
+        idle = not (self.waiting or self.running or self.chunked_req)
+        ready, failed = self.grammars.pop_ready(wait_s=0.005 if idle else 0.0)
+        self.waiting.extend(ready)
+        for req, exc in failed:
+            self._fail(req, exc)
 
     # ---- extend ----------------------------------------------------------------------------------
     def _schedule_extend(self) -> tuple[list[Req], list[int]] | None:
@@ -284,6 +314,7 @@ class Scheduler:
         req.kv_len = len(prefix)
         if len(prefix):
             self.req_pool.write(req.req_pool_idx, 0, prefix)
+        self.penalties.init_row(req.req_pool_idx, req.params, req.input_ids, req.output_ids)  # hook (a)
         if req.num_retractions == 0:
             req.cached_tokens = len(prefix)
             self.num_prompt_tokens += len(req.input_ids)
@@ -426,7 +457,13 @@ class Scheduler:
         """Launch sampling of each request's next token (rows: their device request rows, where the tokens
         are also kept for the next decode step) and the copy of the results to the host."""
         self._mask_early_stops(logits, reqs)
+        # hook (b): logit bias and penalties, then the grammar mask (last: it must have the final say).
+        self.penalties.apply(logits, [r.req_pool_idx for r in reqs], [r.params for r in reqs])
+        self.grammars.apply_mask(logits, reqs)
         out = self.runner.sample(logits, [r.params for r in reqs], [r.num_sampled for r in reqs], rows)
+        # The penalties count the new tokens on the device, before the host reads them (overlap).
+        self.penalties.count_sampled(rows, out.next_token_ids, [i for i, r in enumerate(reqs)
+                                                                 if r.params.has_penalties])
         for r in reqs:
             r.num_sampled += 1
         return LaunchedSample(reqs, [r.num_retractions for r in reqs], out.to_host())
@@ -452,7 +489,8 @@ class Scheduler:
                 if logprob is not None:
                     req.pending_logprobs.append(logprob)
                 self._outbox[req.rid] = req
-                reason = self._check_stop(req, token)
+                # hook (c): the grammar accepts the token; its termination ends the request
+                reason = self.grammars.accept(req, token) or self._check_stop(req, token)
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer failing on this request's output
                 self._fail(req, exc)
                 continue
@@ -501,6 +539,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
+        self.grammars.release(req)  # hook (d)
         if req.req_pool_idx is not None:
             self._release_kv(req)
         req.status = ReqStatus.FINISHED

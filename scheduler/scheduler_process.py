@@ -90,6 +90,7 @@ def scheduler_config(args: ServerArgs) -> SchedulerConfig:
         disable_radix_cache=args.disable_radix_cache,
         enable_overlap=not args.disable_overlap_schedule,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        grammar_backend=args.grammar_backend,
     )
 
 

@@ -108,6 +108,16 @@ class ServerArgs:
     random_seed: int = _f(0, "seed for weights of --load-format dummy and for unseeded sampling")
     load_format: str = _f("auto", "auto: safetensors from the folder; dummy: random weights of the "
                                   "folder's shape (benchmarks)", choices=("auto", "dummy"))
+    # Structured outputs, tools, reasoning (issue 16).
+    grammar_backend: str = _f("xgrammar", "structured outputs (response_format, regex, ebnf, tool_choice "
+                                          "required/named): xgrammar, or none to refuse them",
+                              choices=("xgrammar", "none"))
+    tool_call_parser: str | None = _f(None, "how to read tool calls from the output for tool_choice auto: "
+                                            "hermes (Qwen), llama3 (JSON) or mistral",
+                                      choices=("hermes", "llama3", "mistral"))
+    reasoning_parser: str | None = _f(None, "split <think> reasoning into reasoning_content: qwen3 or deepseek-r1",
+                                      choices=("qwen3", "deepseek-r1"))
+    chat_template: str | None = _f(None, "chat template replacing the model's: a file path or the template text")
     max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body accepted (413 above)")
 
     def validate(self) -> None:
@@ -145,6 +155,9 @@ class ServerArgs:
         self._validate_quantization()
         if not self.status_interval >= 0:
             raise ArgsError(f"--status-interval must be >= 0 seconds, got {self.status_interval}")
+        if self.chat_template is not None and not os.path.isfile(os.path.expanduser(self.chat_template)) \
+                and "{" not in self.chat_template:
+            raise ArgsError(f"--chat-template: no such file, and not a template either: {self.chat_template}")
         if self.api_key is not None and not self.api_key:
             raise ArgsError("--api-key must not be empty")
 

@@ -315,7 +315,7 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
 
     from server.http_server import AppState, create_app, served_name
     from server.metrics import ServerMetrics
-    from server.tokenizer_manager import TokenizerManager
+    from server.tokenizer_manager import TokenizerManager, load_chat_template
 
     exit_code = 0
     server: uvicorn.Server | None = None
@@ -330,7 +330,8 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
     metrics = ServerMetrics()
     tm = TokenizerManager(tokenizer, ipc, info, metrics, processes=procs, on_fatal=on_fatal,
                           log_requests=args.log_requests,
-                          router=DpRouter(args.dp_size, args.dp_routing, metrics) if args.dp_size > 1 else None)
+                          router=DpRouter(args.dp_size, args.dp_routing, metrics) if args.dp_size > 1 else None,
+                          chat_template=load_chat_template(args.chat_template) if args.chat_template else None)
     name = served_name(args)
     state = AppState(args=args, info=info, tokenizer_manager=tm, served_model_name=name,
                      pids={"http": os.getpid(), **{k: p.pid for k, p in procs.items()}})

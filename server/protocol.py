@@ -1,7 +1,8 @@
 """The OpenAI-compatible (and SGLang-native) request and response models, and the API error type.
 
-Requests ignore unknown fields (``extra="ignore"``) so clients that send newer or vendor fields keep
-working; the fields we do read are validated here for shape and in ``SamplingParams.validate`` for range.
+An unknown request field is a 400 naming it (``extra="forbid"``): nothing a client sends is silently
+dropped. Fields with no effect on a single server (``NOOP_FIELDS``: user, store, metadata...) are accepted.
+Shapes are validated here; ranges in ``SamplingParams.validate`` and in ``protocol_convert``.
 """
 
 from __future__ import annotations
@@ -49,11 +50,29 @@ def _has_lone_surrogate(value) -> bool:
         return False
     if isinstance(value, list):
         return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):  # e.g. content parts, which are plain dicts
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
     return False
 
 
+# Fields that change nothing on a single server: accepted and otherwise unused (never checked further).
+NOOP_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
+# What to say about an OpenAI field duet does not implement, beyond naming it.
+UNSUPPORTED_HINTS = {
+    "functions": "use tools",
+    "function_call": "use tool_choice",
+    "audio": "this server generates text only",
+    "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "use chat_template_kwargs (e.g. enable_thinking) for models that support it",
+    "web_search_options": "no built-in tools are implemented",
+    "logprob_start_len": "prompt logprobs are not implemented",
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # An unknown field is a 400 naming it (http_server's validation handler words it): a client that sends
+    # a field must learn that it had no effect. NOOP_FIELDS are declared where they are accepted.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -61,7 +80,7 @@ class _Request(BaseModel):
         # Clients often send `"n": null`, `"stream": null`...: treat an explicit null as "not given".
         if isinstance(data, dict):
             for k, v in data.items():
-                if k in cls.model_fields and _has_lone_surrogate(v):  # unknown fields stay ignored
+                if k in cls.model_fields and k not in NOOP_FIELDS and _has_lone_surrogate(v):
                     raise ValueError(f"{k}: the string is not valid Unicode (it contains a lone surrogate "
                                      "escape such as \\ud800)")
             return {k: v for k, v in data.items() if v is not None}
@@ -79,6 +98,18 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat; None means "the server's default"."""
 
@@ -90,12 +121,26 @@ class _SamplingFields(_Request):
     seed: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # No effect on a single server (NOOP_FIELDS).
+    user: object | None = None
+    store: object | None = None
+    metadata: object | None = None
+    service_tier: object | None = None
+    safety_identifier: object | None = None
+    prompt_cache_key: object | None = None
     # Extensions (vLLM and SGLang accept them too).
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    regex: str | None = None  # SGLang: the output matches this regular expression
+    ebnf: str | None = None  # SGLang: the output follows this EBNF grammar (GBNF dialect)
 
 
 class CompletionRequest(_SamplingFields):
@@ -104,16 +149,51 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None  # accepted when equal to n (the same thing); more is a 400
+    suffix: str | None = None  # accepted when empty; insertion is not implemented
 
 
-class TextContentPart(_Request):
-    type: str
-    text: str | None = None
+class FunctionCall(_Request):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    # A string or content parts; parts are checked by serving_chat (only text parts are supported).
+    content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant, from a reasoning parser; not sent to the template
+    refusal: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -122,6 +202,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    modalities: list[Literal["text"]] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class GenerateSamplingParams(_Request):
@@ -137,6 +222,13 @@ class GenerateSamplingParams(_Request):
     ignore_eos: bool = False
     min_new_tokens: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None  # SGLang: the schema as a JSON string
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(_Request):
@@ -146,6 +238,24 @@ class GenerateRequest(_Request):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -218,6 +328,8 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -239,6 +351,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatCompletionStreamChoice(_Response):
@@ -273,6 +387,7 @@ class ModelCard(_Response):
     owned_by: str = "duet"
     root: str | None = None
     max_model_len: int | None = None
+    capabilities: dict | None = None
 
 
 class ModelList(_Response):

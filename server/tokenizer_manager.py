@@ -24,6 +24,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -51,6 +52,19 @@ CONTROL_TIMEOUT_S = 10.0
 # Texts longer than this are tokenized in a worker thread: the Rust tokenizer releases the GIL, so a
 # megabytes-long prompt (seconds of work) no longer stalls every other stream on the event loop.
 THREAD_TOKENIZE_CHARS = 32 * 1024
+
+
+# apply_chat_template arguments that chat_template_kwargs must not replace.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize", "chat_template", "return_dict",
+                             "return_tensors", "add_generation_prompt", "tokenizer_kwargs"}
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself when no such file exists."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    return value
 
 
 @dataclass
@@ -149,8 +163,9 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 class TokenizerManager:
     def __init__(self, tokenizer, ipc: IpcPaths, info: dict, metrics: ServerMetrics,
                  processes: dict | None = None, on_fatal: Callable[[str], None] | None = None,
-                 log_requests: bool = False, router: DpRouter | None = None):
+                 log_requests: bool = False, router: DpRouter | None = None, chat_template: str | None = None):
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # --chat-template (its text); None: the tokenizer's
         self.log_requests = log_requests  # --log-requests: one INFO line at arrival and one at the end
         self.router = router  # --dp-size > 1: picks each request's replica
         self._replica_pushes: dict = {}  # replicas 1 and up; replica 0's socket is _push
@@ -213,13 +228,26 @@ class TokenizerManager:
         """A completions prompt: encoded with the tokenizer's special tokens (BOS where it adds one)."""
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Render the chat template as text, then encode it without adding special tokens again: the
-        template already writes BOS where the model wants one (vLLM and SGLang do the same)."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        template already writes BOS where the model wants one (vLLM and SGLang do the same).
+
+        tools: the functions' definitions, passed to the template as `tools` (OpenAI's function objects
+        wrapped as {"type": "function", "function": ...}, the shape HF templates expect)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ApiError(400, "this model has no chat template; use /v1/completions (or start the server "
+                                "with --chat-template)", "messages")
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+        if tools:
+            extra["tools"] = [{"type": "function", "function": t} for t in tools]
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, chat_template=template, **extra)
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -230,15 +258,15 @@ class TokenizerManager:
             return [self.encode_prompt(t) for t in texts]
         return await asyncio.to_thread(lambda: [self.encode_prompt(t) for t in texts])
 
-    async def encode_chat_async(self, messages: list[dict]) -> list[int]:
-        if sum(len(m["content"]) for m in messages) < THREAD_TOKENIZE_CHARS:
-            return self.encode_chat(messages)
-        return await asyncio.to_thread(self.encode_chat, messages)
+    async def encode_chat_async(self, messages: list[dict], **kwargs) -> list[int]:
+        if sum(len(m.get("content") or "") for m in messages) < THREAD_TOKENIZE_CHARS:
+            return self.encode_chat(messages, **kwargs)
+        return await asyncio.to_thread(functools.partial(self.encode_chat, messages, **kwargs))
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is out of range [0, {self.vocab_size})", param)
+            raise ApiError(400, f"{param}: token id {bad} is out of range [0, {self.vocab_size})", param)
 
     @property
     def max_total_len(self) -> int:

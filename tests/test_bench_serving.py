@@ -567,3 +567,17 @@ def test_plot_serving_and_one_batch(tmp_path, monkeypatch):
     assert series["eager"] == (sizes + [64], [5 + b * 0.1 for b in sizes] + [12.0])
     assert series["graph"] == (sizes, [2 + b * 0.08 for b in sizes])  # the row without graph_ms is left out
     assert series["floor"][0] == sizes
+
+
+def test_json_schema_ratio_marks_a_seeded_share():
+    from benchmarks.bench_serving import SampledRequest, mark_json_schema
+
+    reqs = [SampledRequest(prompt=[1, 2], prompt_len=2, output_len=4) for _ in range(10)]
+    assert mark_json_schema(reqs, 0.5, seed=0) == 5
+    marked = [i for i, r in enumerate(reqs) if r.extra_body]
+    assert len(marked) == 5 and all(reqs[i].extra_body["response_format"]["type"] == "json_schema" for i in marked)
+    again = [SampledRequest(prompt=[1, 2], prompt_len=2, output_len=4) for _ in range(10)]
+    mark_json_schema(again, 0.5, seed=0)
+    assert [i for i, r in enumerate(again) if r.extra_body] == marked
+    with pytest.raises(ValueError):
+        mark_json_schema(reqs, 1.5, seed=0)

@@ -326,8 +326,10 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
         # ---- malformed JSON
         ("nested lists 100k deep", C, f'{{"prompt": {_nested(100_000)}}}'.encode(), {400}, None),
         ("nested objects 100k deep", C, f'{{"prompt": {_nested(100_000, kind="dict")}}}'.encode(), {400}, None),
-        ("nested 500 deep in an ignored field", C,
-         f'{{"prompt": "x", "max_tokens": 1, "extra": {_nested(500)}}}'.encode(), {200}, None),
+        ("nested 500 deep in a no-op field", C,
+         f'{{"prompt": "x", "max_tokens": 1, "metadata": {_nested(500)}}}'.encode(), {200}, None),
+        ("nested 500 deep in an unknown field", C,
+         f'{{"prompt": "x", "max_tokens": 1, "extra": {_nested(500)}}}'.encode(), {400}, "extra"),
         ("invalid UTF-8", C, b'{"prompt": "\xff\xfe\xc3", "max_tokens": 1}', {400}, None),
         ("truncated UTF-8 sequence", C, b'{"prompt": "caf\xc3", "max_tokens": 1}', {400}, None),
         ("NaN literal", C, b'{"prompt": "x", "temperature": NaN}', {400}, None),
@@ -347,7 +349,7 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
         ("lone surrogate generate", G, b'{"text": "\\ud800"}', {400}, None),
         ("lone surrogate model", C, b'{"prompt": "x", "model": "\\ud800"}', {400}, None),
         ("lone surrogate stop", C, b'{"prompt": "x", "max_tokens": 1, "stop": ["\\ud800"]}', {400}, None),
-        ("lone surrogate in an unknown field (ignored)", C, b'{"prompt": "x", "max_tokens": 1, "user": "\\ud800"}',
+        ("lone surrogate in a no-op field (accepted)", C, b'{"prompt": "x", "max_tokens": 1, "user": "\\ud800"}',
          {200}, None),
         ("surrogate pair is fine", C, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}', {200}, None),
         # ---- empty prompts
@@ -443,29 +445,36 @@ def output_text(path: str, body: dict) -> str:
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
-def test_unknown_fields_are_ignored_everywhere(server, model):
-    """Unknown fields (top level and nested) are ignored the same way on every endpoint: same output."""
-    extra = {"user": "u", "logit_bias": {"1": 5}, "frequency_penalty": 0.5, "zzz": [1, {"x": None}]}
+def test_noop_fields_are_accepted_and_unknown_ones_refused_everywhere(server, model):
+    """No-op fields (user, metadata...) change nothing; an unknown field, top level or nested, is a 400
+    naming it on every endpoint (nothing is silently ignored)."""
+    noop = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
     base = {"model": model, "prompt": "The sky is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
             "ignore_eos": True}
     gen = {"text": "The sky is", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
     pairs = [
-        ("/v1/completions", base, dict(base, **extra, stream_options=None)),
-        ("/v1/chat/completions", chat, dict(chat, **extra, messages=[
-            {"role": "user", "content": "hi", "name": "bob", "zz": 1}])),
-        ("/generate", gen, dict(gen, **extra, sampling_params=dict(gen["sampling_params"], repetition_penalty=2))),
+        ("/v1/completions", base, dict(base, **noop, stream_options=None)),
+        ("/v1/chat/completions", chat, dict(chat, **noop)),
     ]
     for path, plain, decorated in pairs:
         a = httpx.post(f"{server.url}{path}", json=plain, timeout=60)
         b = httpx.post(f"{server.url}{path}", json=decorated, timeout=60)
         assert a.status_code == b.status_code == 200, (path, b.text)
         assert output_text(path, a.json()) == output_text(path, b.json()), path
-    # In a stream too: an unknown field inside stream_options.
-    body = dict(base, stream=True, stream_options={"include_usage": True, "zzz": 1})
-    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
-    assert response_problem(resp.status_code, resp.headers, resp.content, True) is None
-    assert '"completion_tokens": 4' in resp.text
+    unknown = [
+        ("/v1/completions", dict(base, zzz=[1, {"x": None}]), "zzz"),
+        ("/v1/completions", dict(base, stream=True, stream_options={"include_usage": True, "zzz": 1}),
+         "stream_options.zzz"),
+        ("/v1/chat/completions", dict(chat, messages=[{"role": "user", "content": "hi", "zz": 1}]), "messages.0.zz"),
+        ("/generate", dict(gen, sampling_params=dict(gen["sampling_params"], typical_p=0.5)),
+         "sampling_params.typical_p"),
+        ("/generate", dict(gen, zzz=1), "zzz"),
+    ]
+    for path, body, param in unknown:
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert r.status_code == 400 and error_problem(400, r.content) is None, (path, r.text)
+        assert r.json()["error"]["param"] == param, r.text
 
 
 def test_request_size_limit(server):

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from server.http_server import _build_params
+from server.protocol_convert import build_params as _build_params
 from tests.fake_scheduler import ServerProcess, build_tiny_model_folder
 
 MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}

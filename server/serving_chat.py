@@ -1,0 +1,314 @@
+"""/v1/chat/completions: messages through the chat template (with tools and chat_template_kwargs), n choices,
+structured outputs, tool calls (`tool_choice` none/auto/required/named) and reasoning content.
+
+Tool calls: `auto` reads the calls the model wrote with the `--tool-call-parser`; `required` and a named
+function are enforced with a grammar built from the functions' parameters (vLLM's way): named, the output is
+the arguments object; required, a JSON array of {"name", "parameters"} objects, so the calls always parse.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from model_executor.sampling_params import MAX_TOP_LOGPROBS
+from server.protocol import ApiError, ChatCompletionRequest, ChatMessage
+from server.protocol_convert import (
+    build_params,
+    check_n,
+    choices_params,
+    json_schema_spec,
+    logit_bias_pairs,
+    request_grammar,
+)
+from server.reasoning_parser import ReasoningStream
+from server.serving_common import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ServingContext,
+    UsageTracker,
+    chat_logprobs,
+    check_stream_options,
+    sse,
+    unless_disconnected,
+)
+from server.tokenizer_manager import GenRequest
+from server.tool_parsers import (
+    ParsedToolCall,
+    ToolCallStream,
+    calls_from_required,
+    make_tool_parser,
+    tool_call_schema,
+)
+
+
+def _arguments_for_template(arguments: str):
+    """Templates render arguments with `tojson`: give them the object, not its JSON text (else it is
+    encoded twice)."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def convert_messages(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"content parts of type {kind!r} are not supported; only text",
+                                   f"messages.{i}.content")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ApiError(400, "only assistant messages may carry tool_calls", f"messages.{i}.tool_calls")
+            msg["tool_calls"] = [{"id": c.id or f"call_{k}", "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": _arguments_for_template(c.function.arguments)}}
+                                 for k, c in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise ApiError(400, "a tool message needs tool_call_id", f"messages.{i}.tool_call_id")
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # "none" | "auto" | "required" | "named"
+    tools: list[dict] | None = None  # for the chat template
+    name: str | None = None  # the named function
+
+
+def plan_tools(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan:
+    tools = [t.function.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice == "none":
+        return ToolPlan("none", tools)
+    if not tools:
+        raise ApiError(400, "tool_choice needs tools", "tool_choice")
+    if len({t["name"] for t in tools}) != len(tools):
+        raise ApiError(400, "tool function names must be unique", "tools")
+    if choice == "auto":
+        if ctx.args.tool_call_parser is None:
+            raise ApiError(400, 'tool_choice "auto" needs a tool-call parser: start the server with '
+                                "--tool-call-parser (hermes, llama3 or mistral)", "tool_choice")
+        return ToolPlan("auto", tools)
+    if not ctx.grammar_enabled:
+        raise ApiError(400, f"tool_choice {choice if isinstance(choice, str) else 'with a named function'} is "
+                            "enforced with a grammar; structured outputs are off (--grammar-backend none)",
+                       "tool_choice")
+    if choice == "required":
+        return ToolPlan("required", tools)
+    name = choice.function.name
+    if name not in {t["name"] for t in tools}:
+        raise ApiError(400, f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
+    return ToolPlan("named", tools, name)
+
+
+@dataclass
+class _ChoiceOutput:
+    """One choice's reply assembled from its text: reasoning, content and tool calls."""
+
+    plan: ToolPlan
+    reasoning_kind: str | None
+    parser_name: str | None
+    reasoning: ReasoningStream | None = None
+    tool_stream: ToolCallStream | None = None
+    reasoning_text: str = ""
+    content: str = ""
+    raw: str = ""  # the constrained reply of required/named
+    calls: list[ParsedToolCall] = field(default_factory=list)
+    named_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def __post_init__(self):
+        if self.reasoning_kind is not None and self.plan.mode in ("none", "auto"):
+            self.reasoning = ReasoningStream(self.reasoning_kind)
+        if self.plan.mode == "auto":
+            self.tool_stream = ToolCallStream(make_tool_parser(self.parser_name))
+
+    def feed(self, text: str) -> dict:
+        """The delta fields to send now for this text."""
+        delta: dict = {}
+        if self.plan.mode in ("required", "named"):
+            first = not self.raw
+            self.raw += text
+            if self.plan.mode == "named" and text:
+                call = {"index": 0, "function": {"arguments": text}}
+                if first:
+                    call.update(id=self.named_id, type="function")
+                    call["function"]["name"] = self.plan.name
+                delta["tool_calls"] = [call]
+            return delta
+        reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
+        self._add(delta, reasoning, content)
+        return delta
+
+    def _add(self, delta: dict, reasoning: str, content: str) -> None:
+        if reasoning:
+            self.reasoning_text += reasoning
+            delta["reasoning_content"] = reasoning
+        if self.tool_stream is not None and content:
+            content = self.tool_stream.feed(content)
+        if content:
+            self.content += content
+            delta["content"] = content
+
+    def finish(self) -> dict:
+        """The last delta fields (held-back text, the parsed calls)."""
+        delta: dict = {}
+        if self.plan.mode == "named":
+            if not self.raw:  # an empty reply still names the call
+                delta["tool_calls"] = [{"index": 0, "id": self.named_id, "type": "function",
+                                        "function": {"name": self.plan.name, "arguments": ""}}]
+            self.calls = [ParsedToolCall(self.plan.name, self.raw, self.named_id)]
+            return delta
+        if self.plan.mode == "required":
+            self.calls = calls_from_required(self.raw) or []
+            if self.calls:
+                delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(self.calls)]
+            else:  # cut short (max_tokens): what was written is all there is
+                self.content = self.raw
+                delta["content"] = self.raw
+            return delta
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.finish()
+            self._add(delta, reasoning, content)
+        if self.tool_stream is not None:
+            rest, self.calls = self.tool_stream.finish()
+            if rest:
+                self.content += rest
+                delta["content"] = delta.get("content", "") + rest
+            if self.calls:
+                delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(self.calls)]
+        return delta
+
+    def message(self) -> dict:
+        msg = {"role": "assistant", "content": self.content if (self.content or not self.calls) else None}
+        if self.calls and self.plan.mode == "auto" and not self.content.strip():
+            msg["content"] = None
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning_text or None
+        if self.calls:
+            msg["tool_calls"] = [c.to_openai() for c in self.calls]
+        return msg
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.calls and reason == "stop" and self.plan.mode != "named" else reason
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request):
+    tm = ctx.tm
+    model = ctx.check_model(req.model)
+    check_stream_options(req)
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
+                           "top_logprobs")
+        if not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    check_n(req.n)
+    messages = convert_messages(req.messages)
+    plan = plan_tools(ctx, req)
+    grammar, grammar_param = request_grammar(req, ctx.grammar_enabled)
+    if plan.mode in ("required", "named"):
+        if grammar is not None:
+            raise ApiError(400, f"{grammar_param} cannot be combined with tool_choice {plan.mode}", grammar_param)
+        grammar = json_schema_spec(tool_call_schema(plan.tools, plan.name, req.parallel_tool_calls), "tools")
+    input_ids = await tm.encode_chat_async(messages, tools=plan.tools, template_kwargs=req.chat_template_kwargs)
+    if req.max_completion_tokens is not None:
+        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    elif req.max_tokens is not None:
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+    else:
+        max_tokens, max_param = tm.default_max_tokens(len(input_ids), "messages"), "max_tokens"
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_params(defaults=ctx.sampling, max_tokens=max_tokens, temperature=req.temperature,
+                          top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
+                          stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                          min_tokens=req.min_tokens, top_logprobs=num_top,
+                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                          repetition_penalty=req.repetition_penalty, logit_bias=logit_bias_pairs(req.logit_bias),
+                          grammar=grammar, param_names={"max_tokens": max_param})
+    tm.check_token_ids(params.stop_token_ids, "stop_token_ids")
+    tm.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
+    tm.check_length(len(input_ids), max_tokens, "messages", max_param)
+    tm.check_alive()
+    n = req.n
+    gen = [GenRequest(input_ids, p) for p in choices_params(params, n)]
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    outs = [_ChoiceOutput(plan, ctx.args.reasoning_parser, ctx.args.tool_call_parser) for _ in range(n)]
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def stream() -> AsyncIterator[str]:
+            usage = UsageTracker(n, 1)
+
+            def chunk(index: int, delta: dict, logprobs=None, finish=None) -> str:
+                return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                            "model": model, "choices": [{"index": index, "delta": delta,
+                                                         "logprobs": logprobs, "finish_reason": finish}],
+                            "usage": None})
+            try:
+                for i in range(n):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+                async for c in tm.generate(gen, rid):
+                    usage.update(c)
+                    out = outs[c.index]
+                    lp = None
+                    if num_top is not None and c.logprobs:
+                        lp = {"content": chat_logprobs(tm, c.logprobs, num_top)}
+                    delta = out.feed(c.text) if c.text else {}
+                    finish = None
+                    if c.finish:
+                        delta.update(out.finish())
+                        finish = out.finish_reason(c.finish.openai_reason)
+                    if delta or lp or finish:
+                        yield chunk(c.index, delta, lp, finish)
+                if include_usage:
+                    yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                               "model": model, "choices": [], "usage": usage.body()})
+            except ApiError as e:
+                yield sse(e.body())
+            yield SSE_DONE
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def collect():
+        usage = UsageTracker(n, 1)
+        lps: list[list] = [[] for _ in range(n)]
+        finish = [None] * n
+        async for c in tm.generate(gen, rid):
+            usage.update(c)
+            out = outs[c.index]
+            if c.text:
+                out.feed(c.text)
+            if num_top is not None and c.logprobs:
+                lps[c.index].extend(chat_logprobs(tm, c.logprobs, num_top))
+            if c.finish:
+                out.finish()
+                finish[c.index] = out.finish_reason(c.finish.openai_reason)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": i, "message": outs[i].message(),
+                             "logprobs": {"content": lps[i]} if num_top is not None else None,
+                             "finish_reason": finish[i]} for i in range(n)],
+                "usage": usage.body()}
+
+    return await unless_disconnected(request, collect())

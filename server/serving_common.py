@@ -1,0 +1,121 @@
+"""What the serving modules share: the per-app context (tokenizer manager, defaults, model names), SSE
+framing, client-disconnect handling, usage over choices and the logprob formatting of both OpenAI shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from server.args import ServerArgs
+from server.ipc import TokenLogprob
+from server.protocol import ApiError
+from server.tokenizer_manager import GenChunk, TokenizerManager
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServingContext:
+    tm: TokenizerManager
+    args: ServerArgs
+    sampling: dict  # --sampling-defaults resolved: what unset temperature/top_p/top_k/min_p become
+    served_model_name: str
+
+    @property
+    def grammar_enabled(self) -> bool:
+        return self.args.grammar_backend != "none"
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in (self.served_model_name, str(self.args.model_path)):
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+                                f"'{self.served_model_name}'.", "model", "NotFoundError")
+        return self.served_model_name
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, coro):
+    """Run coro; if the client goes away first, cancel it (which aborts its scheduler requests)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class UsageTracker:
+    """Usage over all choices: each prompt's tokens count once however many choices it has."""
+
+    def __init__(self, n: int, num_prompts: int):
+        self.n = n
+        self.prompt = [0] * num_prompts
+        self.cached = [0] * num_prompts
+        self.completion: dict[int, int] = {}
+
+    def update(self, chunk: GenChunk) -> None:
+        p = chunk.index // self.n
+        self.prompt[p] = chunk.prompt_tokens
+        self.cached[p] = max(self.cached[p], min(chunk.cached_tokens, chunk.prompt_tokens))
+        self.completion[chunk.index] = chunk.completion_tokens
+
+    def body(self) -> dict:
+        return usage_body(sum(self.prompt), sum(self.completion.values()), sum(self.cached))
+
+
+def completion_logprobs(tm: TokenizerManager, lps: list[TokenLogprob], offset: int) -> tuple[dict, int]:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        s = tm.token_str(lp.token_id)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp.logprob)
+        top = {s: lp.logprob}
+        for tid, val in lp.top:
+            top.setdefault(tm.token_str(tid), val)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out, offset
+
+
+def chat_logprobs(tm: TokenizerManager, lps: list[TokenLogprob], num_top: int) -> list[dict]:
+    return [{"token": tm.token_str(lp.token_id), "logprob": lp.logprob,
+             "bytes": list(tm.token_bytes(lp.token_id)),
+             "top_logprobs": [{"token": tm.token_str(t), "logprob": v, "bytes": list(tm.token_bytes(t))}
+                              for t, v in lp.top[:num_top]]}
+            for lp in lps]
+
+
+def check_stream_options(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed together with stream=true", "stream_options")

@@ -1,0 +1,78 @@
+"""The scheduler's grammar path (scheduler/grammar.py) on the default model, in process: constrained and
+unconstrained requests batched together equal each alone (greedy), the grammar's end ends the request
+(even with ignore_eos), a grammar that cannot compile fails only its request, and an abort in the grammar
+queue frees it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from model_executor.sampling_params import GrammarSpec, SamplingParams
+from tests.test_scheduler import make_scheduler, run_all
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["ok", "n"]}
+REGEX = r"(yes|no), [0-9]{2}"
+
+
+@pytest.fixture(scope="module")
+def setup(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return model_dir, tok
+
+
+def requests(tok):
+    def chat(text):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False)
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    return {
+        "schema": (chat("Reply in JSON."), SamplingParams(max_new_tokens=40, **greedy,
+                   grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))),
+        "regex": (chat("Is water wet?"), SamplingParams(max_new_tokens=12, **greedy, grammar=GrammarSpec("regex", REGEX))),
+        "plain": (chat("Is water wet?"), SamplingParams(max_new_tokens=8, **greedy)),
+        "plain2": (tok.encode("Once upon a time"), SamplingParams(max_new_tokens=6, **greedy)),
+    }
+
+
+def test_mixed_batch_equals_each_alone(setup):
+    path, tok = setup
+    reqs = requests(tok)
+    s = make_scheduler(path, tokenizer=tok, slots=2048, disable_radix_cache=True)
+    alone = {}
+    for rid, (ids, params) in reqs.items():
+        s.add_request(rid, ids, params)
+        alone[rid] = run_all(s)[rid]
+    for rid, (ids, params) in reqs.items():
+        s.add_request(rid, ids, params)
+    together = run_all(s)
+    assert together == alone
+    text = {rid: tok.decode(ids, skip_special_tokens=True) for rid, (ids, _) in alone.items()}
+    # The grammar's end finished them (ignore_eos is set, and max_new_tokens was not reached).
+    assert alone["schema"][1] == alone["regex"][1] == "stop"
+    json.loads(text["schema"])
+    assert re.fullmatch(REGEX, text["regex"]), text["regex"]
+    assert alone["plain"][1] == "length"
+
+
+def test_bad_grammar_fails_alone_and_abort_in_the_queue(setup):
+    path, tok = setup
+    s = make_scheduler(path, tokenizer=tok, slots=2048)
+    s.add_request("bad", [1, 2, 3], SamplingParams(max_new_tokens=4, grammar=GrammarSpec("ebnf", "root ::= (")))
+    s.add_request("ok", [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+    out = run_all(s)
+    assert out["bad"][1] == "error" and out["ok"] == (out["ok"][0], "length") and len(out["ok"][0]) == 3
+    s.add_request("queued", [1, 2, 3], SamplingParams(max_new_tokens=4, grammar=GrammarSpec("regex", "[a-z]{3}x")))
+    assert len(s.grammars) == 1 and s.has_work()
+    s.abort("queued")
+    assert len(s.grammars) == 0
+    outs = s.step()
+    assert [(o.rid, o.finish_reason.kind) for o in outs] == [("queued", "abort")]
+    assert not s.has_work()
+    s.check_invariant()
