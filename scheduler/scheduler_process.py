@@ -17,6 +17,7 @@ import zmq
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import ReqOutput, Scheduler, SchedulerConfig
 from server.args import ServerArgs
+from server.cpu_threads import configure_scheduler_threads
 from server.ipc import (
     AbortReq,
     BatchTokenOut,
@@ -64,8 +65,9 @@ def runner_config(args: ServerArgs) -> RunnerConfig:
         max_prefill_tokens=min(args.max_prefill_tokens, chunk or args.max_prefill_tokens),
         random_weights=args.load_format == "dummy",
         seed=args.random_seed,
-        disable_cuda_graph=args.disable_cuda_graph or not graphs,
-        cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs else (),
+        # CPU: the decode list is compiled by inductor (runners/cpu_graph_runner.py).
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_bs=resolve_decode_capture_list(args, max_running),
         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         enable_torch_compile=args.enable_torch_compile,
@@ -130,6 +132,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn) -> None:
     try:
         from transformers import AutoTokenizer
 
+        configure_scheduler_threads(args.device)
         runner = ModelRunner(runner_config(args))
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         scheduler = Scheduler(runner, scheduler_config(args), tokenizer=tokenizer)
