@@ -57,7 +57,9 @@ class CpuGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         self.dynamic = dynamic
         self.attention_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
-        self.buffers = GraphInputBuffers.allocate(self.max_bs, model_runner.model_config.vocab_size,
+        # One spare row: every batch is then a strict view of the buffers. A batch that is the whole buffer
+        # makes dynamo guard on "the view is its base", and the next, smaller batch would recompile.
+        self.buffers = GraphInputBuffers.allocate(self.max_bs + 1, model_runner.model_config.vocab_size,
                                                   self.backend.get_cuda_graph_seq_len_fill_value(),
                                                   model_runner.device)
         self.cache_dir = use_duet_inductor_cache()
