@@ -32,7 +32,7 @@ from runners.cuda_graph_runner import GraphInputBuffers
 
 logger = logging.getLogger("duet.cpu_graph_runner")
 
-WARMUP_RUNS = 2
+WARMUP_RUNS = 1  # the first call at a size compiles (or checks that no compile is needed)
 
 
 def use_duet_inductor_cache() -> str:
