@@ -1,6 +1,6 @@
 """CPU quick-start benchmark: HF transformers vs duet (through HTTP) on the default model, in one run.
 
-    python -m benchmarks.bench_cpu [--json out.json] [--quantization int8] [--server-args="--disable-cuda-graph"]
+    python -m benchmarks.bench_cpu [--json out.json] [--quantization int8] [--server-args="--enable-torch-compile"]
 
 Same model folder (the converted default model, float32), same greedy decoding, same token-id prompt:
 

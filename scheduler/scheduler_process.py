@@ -65,9 +65,10 @@ def runner_config(args: ServerArgs) -> RunnerConfig:
         max_prefill_tokens=min(args.max_prefill_tokens, chunk or args.max_prefill_tokens),
         random_weights=args.load_format == "dummy",
         seed=args.random_seed,
-        # CPU: the decode list is compiled by inductor (runners/cpu_graph_runner.py).
-        disable_cuda_graph=args.disable_cuda_graph,
-        cuda_graph_bs=resolve_decode_capture_list(args, max_running),
+        # CPU: --enable-torch-compile compiles the decode list with inductor (runners/cpu_graph_runner.py);
+        # off by default, eager measured faster end to end (docs/benchmarks.md).
+        disable_cuda_graph=args.disable_cuda_graph or not (graphs or args.enable_torch_compile),
+        cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs or args.enable_torch_compile else (),
         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         enable_torch_compile=args.enable_torch_compile,

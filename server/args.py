@@ -68,7 +68,8 @@ class ServerArgs:
                                                            "(default: the chunked-prefill size, at most 2048)")
     piecewise_cuda_graph_tokens: tuple[int, ...] | None = _f(None, "explicit extend token levels", nargs="+")
     disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
-    enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up)")
+    enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up); "
+                                                 "on CPU, compile decode with inductor")
     tp_size: int = _f(1, "tensor-parallel size (only 1 is supported yet)")
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
                                    "DUET_API_KEY in the environment sets it too, out of sight of ps")

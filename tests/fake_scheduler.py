@@ -380,10 +380,6 @@ class ServerProcess:
             launcher = ["tests.fake_server", "--test-scheduler", test_scheduler]
         else:
             launcher = ["tests.fake_server" if fake else "server.launch_server"]
-        if not fake and not any(a.startswith("--cuda-graph") or a == "--disable-cuda-graph" for a in extra_args):
-            # The compiled CPU decode (the default) costs a compile per server start; it is tested against
-            # eager in tests/test_cpu_graph_runner.py, so these servers decode eagerly.
-            extra_args = (*extra_args, "--disable-cuda-graph")
         cmd = [sys.executable, "-m", *launcher, "--host", "127.0.0.1", "--port", str(self.port),
                "--model-path", str(self.model_dir), "--device", "cpu", "--log-level", "warning", *extra_args]
         full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
