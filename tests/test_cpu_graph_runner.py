@@ -74,3 +74,20 @@ def test_disable_flag_runs_eager(tiny_llama):
     runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), max_running_requests=2, max_total_tokens=64,
                                       cuda_graph_bs=SIZES, disable_cuda_graph=True))
     assert runner.decode_graph_runner is None and runner.graph_info()["cuda_graph_bs"] == []
+
+
+def test_server_flags_choose_the_cpu_decode_path(tiny_llama):
+    """Eager by default on CPU; --enable-torch-compile compiles the decode list; --disable-cuda-graph wins."""
+    from scheduler.scheduler_process import runner_config
+    from server.args import parse_args
+
+    def config(*flags):
+        return runner_config(parse_args(["--model-path", str(tiny_llama[0]), "--device", "cpu",
+                                         "--max-running-requests", "16", *flags]))
+
+    assert config().cuda_graph_bs == () and config().disable_cuda_graph
+    compiled = config("--enable-torch-compile")
+    assert compiled.cuda_graph_bs == (1, 2, 4, 8, 12, 16) and not compiled.disable_cuda_graph
+    assert config("--enable-torch-compile", "--cuda-graph-bs", "1", "3").cuda_graph_bs == (1, 3)
+    off = config("--enable-torch-compile", "--disable-cuda-graph")
+    assert off.cuda_graph_bs == () and off.disable_cuda_graph
