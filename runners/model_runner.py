@@ -42,9 +42,11 @@ class RunnerConfig:
     max_prefill_tokens: int = 16384  # the largest eager extend: its activation peak is profiled (GPU)
     random_weights: bool = False  # benchmarks / GPU tests: real shapes, random weights
     seed: int = 0
-    # Graph runners (GPU only; ignored on CPU).
+    # Graph runners. On CPU the decode list is compiled by inductor (runners/cpu_graph_runner.py) and the
+    # piecewise extend settings are ignored.
     disable_cuda_graph: bool = False
     cuda_graph_bs: tuple[int, ...] = ()  # resolved capture list; empty = no decode graphs
+    cpu_graph_dynamic: bool = True  # CPU: one trace with a symbolic batch instead of one per size
     disable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_tokens: tuple[int, ...] = ()
     enable_torch_compile: bool = False
@@ -121,8 +123,8 @@ class ModelRunner:
         self.path_counts: Counter[str] = Counter()
         self.decode_graph_runner = None
         self.extend_graph_runner = None
+        self.init_graph_runners()
         if cuda:
-            self.init_graph_runners()
             captured = sum(r.capture_bytes for r in (self.decode_graph_runner, self.extend_graph_runner) if r)
             self.memory_split = replace(self.memory_split, graphs_measured=captured)
         logger.info(self.memory_split.line())
@@ -130,6 +132,12 @@ class ModelRunner:
     def init_graph_runners(self) -> None:
         """Capture decode graphs, then extend pieces; each is skipped when disabled or unsupported."""
         cfg = self.config
+        if self.device.type == "cpu":  # the CPU analogue: decode compiled by inductor; no extend pieces
+            if not cfg.disable_cuda_graph and cfg.cuda_graph_bs:
+                from runners.cpu_graph_runner import CpuGraphRunner
+
+                self.decode_graph_runner = CpuGraphRunner(self, list(cfg.cuda_graph_bs), dynamic=cfg.cpu_graph_dynamic)
+            return
         if not cfg.disable_cuda_graph and cfg.cuda_graph_bs:
             if self.attn_backend.supports_cuda_graph:
                 from runners.cuda_graph_runner import CudaGraphRunner

@@ -19,6 +19,7 @@ from model_executor.distributed import parallel_state as ps
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import ReqOutput, Scheduler, SchedulerConfig
 from server.args import ServerArgs
+from server.cpu_threads import configure_scheduler_threads
 from server.ipc import (
     AbortReq,
     BatchTokenOut,
@@ -67,8 +68,10 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         max_prefill_tokens=min(args.max_prefill_tokens, chunk or args.max_prefill_tokens),
         random_weights=args.load_format == "dummy",
         seed=args.random_seed,
-        disable_cuda_graph=args.disable_cuda_graph or not graphs,
-        cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs else (),
+        # CPU: --enable-torch-compile compiles the decode list with inductor (runners/cpu_graph_runner.py);
+        # off by default, eager measured faster end to end (docs/benchmarks.md).
+        disable_cuda_graph=args.disable_cuda_graph or not (graphs or args.enable_torch_compile),
+        cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs or args.enable_torch_compile else (),
         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         enable_torch_compile=args.enable_torch_compile,
@@ -144,6 +147,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: Sch
     try:
         from transformers import AutoTokenizer
 
+        configure_scheduler_threads(args.device)
         runner = ModelRunner(runner_config(args, rank))
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         scheduler = Scheduler(runner, scheduler_config(args), tokenizer=tokenizer)

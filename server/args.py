@@ -73,7 +73,8 @@ class ServerArgs:
                                                            "(default: the chunked-prefill size, at most 2048)")
     piecewise_cuda_graph_tokens: tuple[int, ...] | None = _f(None, "explicit extend token levels", nargs="+")
     disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
-    enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up)")
+    enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up); "
+                                           "on CPU, compile decode with inductor")
     quantization: str | None = _f(None, "weight quantization: fp8 (online, GPU sm89+), int8 (weight-only, CPU), "
                                         "none; default: the checkpoint's (an FP8 checkpoint runs as FP8)",
                                   choices=("none", "fp8", "int8"))

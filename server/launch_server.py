@@ -270,6 +270,9 @@ def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
         parts.append(f"extend_graph_tokens={_fmt_sizes(info.get('piecewise_cuda_graph_tokens'))}")
         parts.append(f"capture={float(info.get('capture_seconds') or 0):.1f}s/"
                      f"{float(info.get('capture_gib') or 0):.2f}GiB")
+    else:  # the CPU's decode is compiled by inductor (runners/cpu_graph_runner.py)
+        parts.append(f"compiled_decode_bs={_fmt_sizes(info.get('cuda_graph_bs'))}")
+        parts.append(f"compile={float(info.get('capture_seconds') or 0):.1f}s")
     return "duet ready: " + " ".join(parts) + f" url=http://{host}:{args.port}"
 
 

