@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import statistics
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import torch
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler_process import _batch_out
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -48,16 +50,23 @@ def main(argv=None) -> int:
                           SamplingParams(max_new_tokens=args.steps + 4, temperature=0.0, ignore_eos=True))
     sched.step()  # one extend admits everyone
     assert len(sched.running) == n, len(sched.running)
-    times = []
+    times, ipc = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        sched.step()
+        outputs = sched.step()
         times.append((time.perf_counter() - t0) * 1e3)
+        # What the scheduler process sends per step: pickled by zmq's send_pyobj (the unpickling happens in
+        # the detokenizer process).
+        t0 = time.perf_counter()
+        frame = pickle.dumps(_batch_out(outputs), pickle.HIGHEST_PROTOCOL)
+        ipc.append((time.perf_counter() - t0) * 1e3)
     result = {"running": n, "median_step_ms": round(statistics.median(times), 3),
               "p90_step_ms": round(sorted(times)[int(0.9 * len(times))], 3), "steps": args.steps,
+              "median_ipc_pickle_ms": round(statistics.median(ipc), 3), "ipc_frame_bytes": len(frame),
               "torch_threads": torch.get_num_threads()}
     print(f"{n} running requests: scheduler step (forward stubbed) median {result['median_step_ms']} ms, "
-          f"p90 {result['p90_step_ms']} ms over {args.steps} decode steps")
+          f"p90 {result['p90_step_ms']} ms over {args.steps} decode steps; pickling the step's output message "
+          f"median {result['median_ipc_pickle_ms']} ms ({len(frame)} bytes)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return 0

@@ -393,8 +393,7 @@ class Scheduler:
                 and len(req.input_ids) + req.num_sampled < self.runner.context_len)
 
     def _launch_decode(self) -> list[LaunchedSample]:
-        self._make_room_for_decode()
-        reqs = [r for r in self.running if self._may_continue(r)]
+        reqs = self._make_room_for_decode()
         if not reqs:
             return []
         return [sample for _, sample in self._run_isolated(self._decode_forward, reqs)]
@@ -413,10 +412,14 @@ class Scheduler:
             self._roll_back(reqs, positions, out_loc)
             raise
 
-    def _make_room_for_decode(self) -> None:
-        """Each running request needs one slot; evict cached prefixes, then retract the partly-prefilled
-        request (it has no output yet; with the radix cache its chunks stay cached), then the newest."""
-        while self._short_after_evicting() > 0:
+    def _make_room_for_decode(self) -> list[Req]:
+        """Each running request that decodes needs one slot; evict cached prefixes, then retract the
+        partly-prefilled request (it has no output yet; with the radix cache its chunks stay cached), then the
+        newest. Returns the requests that decode this step."""
+        while True:
+            reqs = [r for r in self.running if self._may_continue(r)]
+            if self._short_after_evicting(len(reqs)) <= 0:
+                return reqs
             if self.chunked_req is not None:
                 req, self.chunked_req = self.chunked_req, None
                 self._retract(req)
@@ -428,9 +431,8 @@ class Scheduler:
                 req = self.running.pop()
                 self._finish(req, FinishReason("error", message="out of KV cache memory"))
 
-    def _short_after_evicting(self) -> int:
-        """Slots the running requests' next decode step still lacks after evicting cached prefixes."""
-        need = sum(1 for r in self.running if self._may_continue(r))
+    def _short_after_evicting(self, need: int) -> int:
+        """Slots `need` decoding requests still lack after evicting cached prefixes."""
         short = need - self.allocator.available_size()
         if short > 0 and self.tree is not None:
             self.tree.evict(short)
@@ -458,12 +460,12 @@ class Scheduler:
         are also kept for the next decode step) and the copy of the results to the host."""
         self._mask_early_stops(logits, reqs)
         # hook (b): logit bias and penalties, then the grammar mask (last: it must have the final say).
-        self.penalties.apply(logits, [r.req_pool_idx for r in reqs], [r.params for r in reqs])
+        params = [r.params for r in reqs]
+        self.penalties.apply(logits, [r.req_pool_idx for r in reqs], params)
         self.grammars.apply_mask(logits, reqs)
-        out = self.runner.sample(logits, [r.params for r in reqs], [r.num_sampled for r in reqs], rows)
+        out = self.runner.sample(logits, params, [r.num_sampled for r in reqs], rows)
         # The penalties count the new tokens on the device, before the host reads them (overlap).
-        self.penalties.count_sampled(rows, out.next_token_ids, [i for i, r in enumerate(reqs)
-                                                                 if r.params.has_penalties])
+        self.penalties.count_sampled(rows, out.next_token_ids, [i for i, p in enumerate(params) if p.has_penalties])
         for r in reqs:
             r.num_sampled += 1
         return LaunchedSample(reqs, [r.num_retractions for r in reqs], out.to_host())
