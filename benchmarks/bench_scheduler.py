@@ -21,9 +21,9 @@ from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.scheduler_process import _batch_out
 
-TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
-            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, eos_token_id=2)
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "eos_token_id": 2}
 
 
 def main(argv=None) -> int:
