@@ -140,8 +140,11 @@ def ready_info(args: ServerArgs, runner: ModelRunner) -> dict:
     }
 
 
-def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: SchedulerRank | None = None) -> None:
-    """rank: this process's place among the data/tensor-parallel ranks (None: the only scheduler)."""
+def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: SchedulerRank | None = None,
+                          heartbeat=None) -> None:
+    """rank: this process's place among the data/tensor-parallel ranks (None: the only scheduler).
+    heartbeat: a shared double the loop sets to time.monotonic() after every iteration (the launcher's
+    watchdog for hung tensor-parallel ranks)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
     _exit_with_parent()
     try:
@@ -157,7 +160,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: Sch
         return
     if rank is not None and not rank.talks_to_clients:  # a TP follower: rank 0 relays its messages
         ready_conn.send({"ok": True, "info": ready_info(args, runner)})
-        SchedulerLoop(scheduler, BroadcastInbox(None), _NullSink(), _NullSink()).run()
+        SchedulerLoop(scheduler, BroadcastInbox(None), _NullSink(), _NullSink(), heartbeat=heartbeat).run()
         return
     ctx = zmq.Context()
     recv = bind_pull(ctx, ipc.scheduler_input_of(rank.dp_rank if rank else 0))
@@ -165,7 +168,8 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: Sch
     to_http = connect_push(ctx, ipc.http_input)
     ready_conn.send({"ok": True, "info": ready_info(args, runner)})
     inbox = ZmqInbox(recv) if ps.get_tp_size() == 1 else BroadcastInbox(ZmqInbox(recv))
-    SchedulerLoop(scheduler, inbox, to_detokenizer, to_http, StatusLine(args.status_interval)).run()
+    SchedulerLoop(scheduler, inbox, to_detokenizer, to_http, StatusLine(args.status_interval),
+                  heartbeat=heartbeat).run()
 
 
 class ZmqInbox:
@@ -241,8 +245,10 @@ class StatusLine:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, inbox, to_detokenizer, to_http, status: StatusLine | None = None):
+    def __init__(self, scheduler: Scheduler, inbox, to_detokenizer, to_http, status: StatusLine | None = None,
+                 heartbeat=None):
         self.scheduler = scheduler
+        self.heartbeat = heartbeat
         self.inbox = inbox
         self.to_detokenizer = to_detokenizer
         self.to_http = to_http
@@ -263,6 +269,8 @@ class SchedulerLoop:
                 self.status.after_step(self.scheduler, outputs)
             elif busy:
                 self.scheduler.check_invariant()  # just went idle: every slot must be accounted for
+            if self.heartbeat is not None:
+                self.heartbeat.value = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
 
     def _handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):

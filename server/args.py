@@ -94,6 +94,9 @@ class ServerArgs:
     dist_init_addr: str | None = _f(None, "HOST:PORT where the ranks' torch.distributed groups meet (needed "
                                           "with --nnodes > 1; replica d uses PORT + d; default: a free "
                                           "local port)")
+    watchdog_timeout: float = _f(60.0, "with --tp-size > 1: seconds a rank's scheduler loop may go without "
+                                       "finishing an iteration before the server stops, naming the rank (a hung "
+                                       "rank stalls its peers in their next collective); 0: off")
     dist_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the rank "
                                     "fails (a hung rank brings the server down instead of stalling it)")
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
@@ -180,6 +183,8 @@ class ServerArgs:
                 split_host_port(self.dist_init_addr)
             except ValueError as e:
                 raise ArgsError(f"--dist-init-addr: {e}") from None
+        if not self.watchdog_timeout >= 0:
+            raise ArgsError(f"--watchdog-timeout must be >= 0 seconds, got {self.watchdog_timeout}")
         if not self.dist_timeout > 0:
             raise ArgsError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
     def _validate_quantization(self) -> None:

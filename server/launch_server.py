@@ -311,7 +311,8 @@ def _run_follower_node(args: ServerArgs, ctx, ranks: list, scheduler_entrypoint:
         _stop_children(procs)
 
 
-def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, sock: socket.socket) -> int:
+def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, sock: socket.socket,
+           heartbeats: dict | None = None) -> int:
     import asyncio
 
     import uvicorn
@@ -331,7 +332,8 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
     from server.dp_router import DpRouter
 
     metrics = ServerMetrics()
-    tm = TokenizerManager(tokenizer, ipc, info, metrics, processes=procs, on_fatal=on_fatal,
+    tm = TokenizerManager(tokenizer, ipc, info, metrics, processes=procs, on_fatal=on_fatal, heartbeats=heartbeats,
+                          watchdog_timeout=args.watchdog_timeout,
                           log_requests=args.log_requests,
                           router=DpRouter(args.dp_size, args.dp_routing, metrics) if args.dp_size > 1 else None,
                           chat_template=load_chat_template(args.chat_template) if args.chat_template else None)
@@ -391,9 +393,12 @@ def run(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHED
         sock = bind_http_socket(args.host, args.port)
         ipc = IpcPaths.create()
         parallel = args.tp_size > 1 or args.dp_size > 1  # the scheduler entry point takes rank= only then
+        # Tensor-parallel ranks report each loop iteration: a hung rank (alive, stuck) is caught by the
+        # watchdog in seconds, not by the collective timeout.
+        heartbeats = {r.name: ctx.Value("d", 0.0, lock=False) for r in ranks} if args.tp_size > 1 else {}
         children = {
             r.name: _start_child(ctx, r.name, scheduler_entrypoint, args.log_level, (args, ipc),
-                                 entry_kwargs={"rank": r} if parallel else None)
+                                 entry_kwargs={"rank": r, "heartbeat": heartbeats.get(r.name)} if parallel else None)
             for r in ranks
         }
         children["detokenizer"] = _start_child(ctx, "detokenizer", DETOKENIZER_ENTRYPOINT, args.log_level,
@@ -406,7 +411,7 @@ def run(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHED
         info = combine_infos(args, _wait_ready(children), ranks, procs)
         for _, conn in children.values():
             conn.close()
-        return _serve(args, ipc, info, tokenizer, procs, sock)
+        return _serve(args, ipc, info, tokenizer, procs, sock, heartbeats)
     except UsageError as e:
         print(f"launch_server: error: {e}", file=sys.stderr, flush=True)
         return 2

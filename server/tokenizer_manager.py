@@ -163,6 +163,7 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 class TokenizerManager:
     def __init__(self, tokenizer, ipc: IpcPaths, info: dict, metrics: ServerMetrics,
                  processes: dict | None = None, on_fatal: Callable[[str], None] | None = None,
+                 heartbeats: dict | None = None, watchdog_timeout: float = 0.0,
                  log_requests: bool = False, router: DpRouter | None = None, chat_template: str | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # --chat-template (its text); None: the tokenizer's
@@ -173,6 +174,9 @@ class TokenizerManager:
         self.info = info
         self.metrics = metrics
         self.processes = processes or {}  # name -> multiprocessing Process, watched for liveness
+        # name -> shared double: the rank's last finished loop iteration (time.monotonic()); 0: not yet
+        self.heartbeats = heartbeats or {}
+        self.watchdog_timeout = watchdog_timeout
         self.on_fatal = on_fatal
         self.context_len = int(info["context_len"])
         self.num_kv_slots = int(info["num_kv_slots"])
@@ -526,6 +530,27 @@ class TokenizerManager:
                     self.fail_all(f"the {name} process died (exit code {proc.exitcode}); "
                                   "the server is shutting down")
                     return
+            hung = self._hung_rank()
+            if hung is not None:
+                self.fail_all(hung)
+                return
+
+    def _hung_rank(self) -> str | None:
+        """The message for ranks whose loop has not finished an iteration for watchdog_timeout seconds, else
+        None. When one rank hangs, its peers stop too, waiting for it in their next collective, so every
+        stalled rank is named (the ages cannot tell the culprit: the ranks step in lock-step)."""
+        if not self.watchdog_timeout:
+            return None
+        now = time.monotonic()
+        ages = {name: now - hb.value for name, hb in self.heartbeats.items() if hb.value}
+        stalled = sorted((name for name, age in ages.items() if age > self.watchdog_timeout), key=ages.get,
+                         reverse=True)
+        if not stalled:
+            return None
+        names = ", ".join(f"the {name} process ({ages[name]:.0f} s)" for name in stalled)
+        return (f"tensor-parallel ranks stopped making progress: {names} finished no scheduler step for longer "
+                f"than --watchdog-timeout {self.watchdog_timeout:g} s (one hung; its peers wait for it in a "
+                "collective); the server is shutting down")
 
     def fail_all(self, message: str, fatal: bool = True) -> None:
         """Fail every in-flight request and control call with a 503 and turn /health to 503.

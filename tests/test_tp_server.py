@@ -5,6 +5,7 @@ bringing the server down with an error that names it."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import time
@@ -98,4 +99,28 @@ def test_a_dead_tp_rank_stops_the_server_with_its_name(model_path):
         assert saw_503
         assert "the scheduler (tp rank 1) process died" in srv.output()
     finally:
+        srv.stop()
+
+
+def test_a_hung_tp_rank_stops_the_server_with_its_name(model_path):
+    """A rank that stops making progress (alive, stuck: SIGSTOP) is caught by the watchdog within its
+    timeout, not by the collective timeout: the server exits non-zero naming the rank."""
+    srv = ServerProcess("--tp-size", "2", "--watchdog-timeout", "3", model_dir=model_path, fake=False).wait_healthy()
+    pid = None
+    try:
+        pid = httpx.get(f"{srv.url}/server_info", timeout=10).json()["scheduler_info"]["scheduler_pids"][
+            "scheduler (tp rank 1)"]
+        stopped = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        rc = srv.proc.wait(30)
+        elapsed = time.monotonic() - stopped
+        assert rc != 0
+        assert elapsed < 3 + 10, f"the server took {elapsed:.1f} s to exit"
+        log = srv.output()
+        assert "tensor-parallel ranks stopped making progress" in log
+        assert "the scheduler (tp rank 1) process (" in log
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         srv.stop()
