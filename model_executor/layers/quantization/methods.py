@@ -40,15 +40,11 @@ def _scaled_mm_rowwise(x2: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor
     return out
 
 
-class Fp8OnlineMethod(LinearMethod):
-    """A bf16 checkpoint quantized as it loads: each shard's rows get per-output-channel scales, on the
-    device, as the shard arrives (peak memory: the FP8 weights plus one shard and its float32 copy)."""
+class _QuantizeOnLoad(LinearMethod):
+    """Weights quantized per output channel as each checkpoint shard arrives (`quantize` gives the quantized
+    rows and their scales); the scales are a buffer. Random weights for benchmarks take the same path."""
 
-    def create_weights(self, layer, input_size, output_size, bias):
-        _fp8_weight(layer, input_size, output_size, load_dtype=torch.bfloat16)
-        layer.register_buffer("weight_scale", torch.empty(output_size, dtype=torch.float32))
-        set_kept_dtype(layer, "weight_scale", torch.float32)
-        self._create_bias(layer, output_size, bias)
+    quantize = None  # staticmethod: float rows -> (quantized rows, per-row scales)
 
     def load(self, layer, param, loaded, offset, size):
         if param is not layer.weight:
@@ -56,7 +52,7 @@ class Fp8OnlineMethod(LinearMethod):
         dst = rows(param, offset, size)
         if dst.shape != loaded.shape:
             raise ValueError(f"shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(loaded.shape)}")
-        q, scale = fp8_math.quantize_fp8_per_channel(loaded.to(param.device))
+        q, scale = self.quantize(loaded.to(param.device))
         dst.copy_(q)
         rows(layer.weight_scale, offset, size).copy_(scale)
 
@@ -65,6 +61,19 @@ class Fp8OnlineMethod(LinearMethod):
         full = torch.empty(w.shape, dtype=w.load_dtype, device=w.device).normal_(0.0, std, generator=generator)
         self.load(layer, w, full, 0, w.shape[0])
         return {"weight"}
+
+
+class Fp8OnlineMethod(_QuantizeOnLoad):
+    """A bf16 checkpoint quantized as it loads: each shard's rows get per-output-channel scales, on the
+    device, as the shard arrives (peak memory: the FP8 weights plus one shard and its float32 copy)."""
+
+    quantize = staticmethod(fp8_math.quantize_fp8_per_channel)
+
+    def create_weights(self, layer, input_size, output_size, bias):
+        _fp8_weight(layer, input_size, output_size, load_dtype=torch.bfloat16)
+        layer.register_buffer("weight_scale", torch.empty(output_size, dtype=torch.float32))
+        set_kept_dtype(layer, "weight_scale", torch.float32)
+        self._create_bias(layer, output_size, bias)
 
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
@@ -192,9 +201,11 @@ class Fp8BlockMethod(LinearMethod):
         return {"weight", "weight_scale_inv"}
 
 
-class Int8WeightOnlyMethod(LinearMethod):
+class Int8WeightOnlyMethod(_QuantizeOnLoad):
     """CPU weight-only int8: int8 weights with per-output-channel scales in the model dtype, quantized as
     they load; the GEMM is ATen's `_weight_int8pack_mm` (activations stay in the model dtype)."""
+
+    quantize = staticmethod(fp8_math.quantize_int8_per_channel)
 
     def create_weights(self, layer, input_size, output_size, bias):
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.int8), requires_grad=False)
@@ -203,22 +214,6 @@ class Int8WeightOnlyMethod(LinearMethod):
         set_kept_dtype(layer, "weight", torch.int8)
         layer.register_buffer("weight_scale", torch.empty(output_size))  # the model dtype (the kernel's rule)
         self._create_bias(layer, output_size, bias)
-
-    def load(self, layer, param, loaded, offset, size):
-        if param is not layer.weight:
-            return super().load(layer, param, loaded, offset, size)
-        dst = rows(param, offset, size)
-        if dst.shape != loaded.shape:
-            raise ValueError(f"shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(loaded.shape)}")
-        q, scale = fp8_math.quantize_int8_per_channel(loaded.to(param.device))
-        dst.copy_(q)
-        rows(layer.weight_scale, offset, size).copy_(scale)
-
-    def init_random(self, layer, generator, std):
-        w = layer.weight
-        full = torch.empty(w.shape, dtype=torch.float32, device=w.device).normal_(0.0, std, generator=generator)
-        self.load(layer, w, full, 0, w.shape[0])
-        return {"weight"}
 
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
