@@ -32,6 +32,7 @@ import httpx
 
 from benchmarks import bench_serving
 from benchmarks.make_dummy_model import make_dummy_model
+from benchmarks.serving_sweep import start_server
 from model_executor.configs import SHAPES
 
 CONFIGS = {"overlap": [], "no_overlap": ["--disable-overlap-schedule"]}
@@ -90,24 +91,6 @@ async def itl_run(port: int, vocab: int, streams: int, output_len: int, long_len
             "median_itl_during_long_prefill_ms": round(statistics.median(inside), 3),
             "max_itl_during_long_prefill_ms": round(max(inside), 3),
             "long_prompt_ms": round((t_long_done - t_long) * 1e3, 1), "num_itls": len(itls)}
-
-
-def start_server(folder: Path, port: int, extra: list[str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "server.launch_server", "--model-path", str(folder), "--load-format", "dummy",
-           "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=cwd)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -28,10 +28,11 @@ CONFIGS = {
 }
 
 
-def start_server(folder: Path, port: int, extra: list[str], log: Path) -> subprocess.Popen:
+def start_server(folder: Path, port: int, extra: list[str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """A dummy-weight server from this checkout (or the one at `cwd`), once /health answers."""
     cmd = [sys.executable, "-m", "server.launch_server", "--model-path", str(folder), "--load-format", "dummy",
            "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=cwd)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
