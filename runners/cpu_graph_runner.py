@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from model_executor.default_model import cache_dir
-from model_executor.forward_batch import ForwardBatch, ForwardMode
+from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.forward_context import forward_context
 from model_executor.layers.attention.radix_attention import RadixAttention
 from runners.capture_lists import pick_size
@@ -80,13 +80,7 @@ class CpuGraphRunner:
         self.capture()
 
     def _padded_batch(self, bs: int) -> ForwardBatch:
-        b = self.buffers
-        mr = self.model_runner
-        return ForwardBatch(
-            mode=ForwardMode.DECODE, batch_size=bs, input_ids=b.input_ids[:bs], positions=b.positions[:bs],
-            req_pool_indices=b.req_pool_indices[:bs], seq_lens=b.seq_lens[:bs], out_cache_loc=b.out_cache_loc[:bs],
-            req_to_token_pool=mr.req_to_token_pool, kv_cache=mr.kv_cache, attn_backend=self.backend,
-            seq_lens_cpu=[b.seq_len_fill] * bs)
+        return self.buffers.batch(bs, self.model_runner, self.backend)
 
     def _run(self, padded: ForwardBatch, real: ForwardBatch) -> torch.Tensor:
         self.backend.init_forward_metadata(real)

@@ -45,6 +45,14 @@ class GraphInputBuffers:
                    logits=torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device),
                    seq_len_fill=seq_len_fill)
 
+    def batch(self, bs: int, model_runner, backend) -> ForwardBatch:
+        """A decode batch over the first bs rows of the buffers (all padding until `load` fills them)."""
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], req_to_token_pool=model_runner.req_to_token_pool,
+            kv_cache=model_runner.kv_cache, attn_backend=backend, seq_lens_cpu=[self.seq_len_fill] * bs)
+
     def load(self, fb: ForwardBatch, padded_bs: int) -> None:
         """Copy the real rows in and reset rows bs..padded_bs to padding (token 0, slot 0, row 0)."""
         bs = fb.batch_size
@@ -78,13 +86,7 @@ class CudaGraphRunner:
         self.capture()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        b = self.buffers
-        mr = self.model_runner
-        return ForwardBatch(
-            mode=ForwardMode.DECODE, batch_size=bs, input_ids=b.input_ids[:bs], positions=b.positions[:bs],
-            req_pool_indices=b.req_pool_indices[:bs], seq_lens=b.seq_lens[:bs], out_cache_loc=b.out_cache_loc[:bs],
-            req_to_token_pool=mr.req_to_token_pool, kv_cache=mr.kv_cache, attn_backend=self.backend,
-            seq_lens_cpu=[b.seq_len_fill] * bs)
+        return self.buffers.batch(bs, self.model_runner, self.backend)
 
     def _forward(self, fb: ForwardBatch) -> None:
         logits = self.model(fb.input_ids, fb.positions, fb)
