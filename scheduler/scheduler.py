@@ -187,16 +187,19 @@ class Scheduler:
         self._admit_compiled_grammars()  # hook (a)
         if self._in_flight and self._needs_tokens_read():
             # A grammar's mask for the next token needs the previous token accepted: read it first.
-            launched, self._in_flight = self._in_flight, []
-            for batch in launched:
-                self._append_sampled(batch)
+            self._read(self._in_flight)
+            self._in_flight = []
         launched = self._launch()
         if self.config.enable_overlap:
             launched, self._in_flight = self._in_flight, launched
-        for batch in launched:
-            self._append_sampled(batch)
+        self._read(launched)
         self.running = [r for r in self.running if not r.is_finished]
         return self._collect_outputs()
+
+    def _read(self, batches: list[LaunchedSample]) -> None:
+        """Apply the launched batches' tokens to their requests (waiting for them if needed)."""
+        for batch in batches:
+            self._append_sampled(batch)
 
     def _needs_tokens_read(self) -> bool:
         return any(r.grammar is not None for r in self.running)
@@ -325,14 +328,15 @@ class Scheduler:
         """An extend batch; the requests marked `decoding` (last in the batch) are running ones taking their
         decode step in it (mixed chunk)."""
         launched = []
+        decoding_reqs = {r for r, dec in zip(reqs, decoding) if dec}  # already running
         for part, sample in self._run_isolated(self._extend_forward, reqs, lens, decoding):
             for req in part:
-                if req.num_uncomputed > 0 and not req.is_finished and req not in self.running:
+                if req.num_uncomputed > 0 and not req.is_finished and req not in decoding_reqs:
                     self.chunked_req = req
             if sample is not None:
                 launched.append(sample)
                 # They decode from the next step on, before this step's tokens are read.
-                self.running.extend(r for r in sample.reqs if r not in self.running and self._may_continue(r))
+                self.running.extend(r for r in sample.reqs if r not in decoding_reqs and self._may_continue(r))
         return launched
 
     def _extend_forward(self, reqs: list[Req], lens: list[int], decoding: list[bool]):
