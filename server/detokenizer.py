@@ -48,8 +48,9 @@ class IncrementalDetokenizer:
         self.backend = tokenizer.backend_tokenizer
         self.states: dict[str, DecodeState] = {}
 
-    def _new_state(self, context: list[int]) -> DecodeState:
-        return DecodeState(DecodeStream(ids=list(context), skip_special_tokens=True), list(context[-_WINDOW:]))
+    @staticmethod
+    def _stream(context: list[int]) -> DecodeStream:
+        return DecodeStream(ids=list(context), skip_special_tokens=True)
 
     def _flush(self, st: DecodeState) -> str:
         """The text of the held-back tokens, decoded after the recent ones."""
@@ -63,7 +64,7 @@ class IncrementalDetokenizer:
         `context`: the last prompt tokens, given with the request's first output."""
         st = self.states.get(rid)
         if st is None:
-            st = self.states[rid] = self._new_state(list(context))
+            st = self.states[rid] = DecodeState(self._stream(context), list(context)[-_WINDOW:])
         ids = list(new_ids)
         if (finish is not None and finish.kind == "stop" and isinstance(finish.matched, int)
                 and not isinstance(finish.matched, bool) and ids and ids[-1] == finish.matched):
@@ -79,7 +80,7 @@ class IncrementalDetokenizer:
             elif len(st.pending) >= _MAX_PENDING_TOKENS:
                 out.append(self._flush(st))
                 st.recent = (st.recent + st.pending)[-_WINDOW:]
-                st.stream, st.pending = self._new_state(st.recent).stream, []
+                st.stream, st.pending = self._stream(st.recent), []
         if finish is not None:
             del self.states[rid]
             if st.pending:
