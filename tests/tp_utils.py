@@ -3,8 +3,11 @@ ranks (torch.multiprocessing), and compare what rank 0 returns."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -67,8 +70,12 @@ def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | 
     runner = ModelRunner(RunnerConfig(**{"model_path": path, "max_running_requests": 4, "max_total_tokens": 256,
                                          "tp_rank": tp_rank, "tp_size": tp_size, "dist_init_method": init_method,
                                          **overrides}))
+    _phase(tp_rank, "runner ready")
     try:
-        logits, tokens = prefill_decode_logits(runner), greedy_tokens(runner)
+        logits = prefill_decode_logits(runner)
+        _phase(tp_rank, "prefill + decode logits")
+        tokens = greedy_tokens(runner)
+        _phase(tp_rank, "greedy tokens")
         torch.manual_seed(1000 + tp_rank)  # unseeded sampling draws differently on each rank ...
         sampled = greedy_tokens(runner, temperature=1.0)  # ... and rank 0's tokens must win everywhere
         return {"logits": logits, "tokens": tokens, "sampled": sampled,
@@ -78,8 +85,15 @@ def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | 
         ps.destroy_tensor_parallel()
 
 
+def _phase(rank: int, what: str) -> None:
+    """Progress of a (possibly hanging) multi-GPU run, seen with pytest -s."""
+    print(f"[tp rank {rank}] {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
+
 def _rank_main(rank: int, size: int, paths: list[str], out_dir: str, overrides: dict, per_rank: dict) -> None:
     torch.set_num_threads(1)
+    if os.environ.get("DUET_TEST_STACKS_AFTER"):  # a hang dumps every thread's stack of this rank, then exits
+        faulthandler.dump_traceback_later(int(os.environ["DUET_TEST_STACKS_AFTER"]), exit=True)
     for i, path in enumerate(paths):
         init = f"file://{out_dir}/init-{i}"
         result = run_model(path, rank, size, init, **{**overrides, **per_rank.get(rank, {})})
