@@ -300,17 +300,6 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
-    def release_graphs(self) -> None:
-        """Drop the captured graphs (decode and extend). Under tensor parallelism this must come before
-        `parallel_state.destroy_tensor_parallel`: destroying an NCCL group whose collectives live in captured
-        graphs hangs (pytorch/pytorch#115388). The runner then runs eager."""
-        import gc
-
-        self.decode_graph_runner = self.extend_graph_runner = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def graph_info(self) -> dict:
         """What was captured, for the start-up line and /server_info."""
         info = {"cuda_graph_bs": [], "piecewise_cuda_graph_tokens": []}

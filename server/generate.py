@@ -72,7 +72,6 @@ def _generate_ids(model_path: str, ids: list[int], params: SamplingParams, devic
                 if o.finish_reason is not None and o.finish_reason.kind == "error":
                     raise SystemExit(f"error: {o.finish_reason.message}")
     finally:
-        runner.release_graphs()
         ps.destroy_tensor_parallel()
     return out
 

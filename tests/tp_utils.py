@@ -82,7 +82,6 @@ def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | 
                 "kv_heads": runner.kv_cache.k_buffers[0].shape[1], "num_slots": runner.num_kv_slots,
                 "path_counts": dict(runner.path_counts)}
     finally:
-        runner.release_graphs()
         ps.destroy_tensor_parallel()
 
 
