@@ -75,8 +75,12 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
 
 
 def destroy_tensor_parallel() -> None:
+    """Leave the group. An NCCL group is left to the process's exit instead: destroying one whose
+    collectives were captured in CUDA graphs hangs forever (pytorch/pytorch#115388, seen on two H200s even
+    after the graphs were dropped), so a process that used NCCL cannot join another group; one that used
+    gloo (CPU) can."""
     global _STATE
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_backend(_STATE.device_group) != "nccl":
         dist.destroy_process_group()
     _STATE = _GroupState(rank=0, size=1, device_group=None, cpu_group=None)
 
