@@ -100,6 +100,37 @@ class _Fragment:
     cached_tokens: int
 
 
+    def merged(self, later: _Fragment) -> _Fragment:
+        """This fragment followed by `later` (same request) as one: the texts, tokens and logprobs joined,
+        the counts and finish of the later one."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            [*(self.logprobs or []), *(later.logprobs or [])]
+        return _Fragment(self.text + later.text, self.token_ids + later.token_ids, logprobs, later.finish,
+                         later.prompt_tokens, later.completion_tokens, later.cached_tokens)
+
+
+def _coalesce(items: list[tuple]) -> list[tuple]:
+    """Queued (state, item) pairs with each request's consecutive fragments joined into one, in order.
+
+    When the HTTP process falls behind the engine (many streams, a fast model), a stream's fragments pile
+    up in its queue; one chunk for all of them costs one response event instead of one per token, as
+    SGLang and vLLM stream. A fragment that finishes its request is never joined with a later item."""
+    out: list[tuple] = []
+    last: dict[int, int] = {}  # id(state) -> index in out of its fragment that may still grow
+    for st, item in items:
+        i = last.get(id(st))
+        if isinstance(item, _Fragment) and i is not None:
+            out[i] = (st, out[i][1].merged(item))
+        else:
+            out.append((st, item))
+            i = len(out) - 1
+        if isinstance(item, _Fragment) and item.finish is None:
+            last[id(st)] = i
+        else:
+            last.pop(id(st), None)
+    return out
+
+
 _FATAL = object()  # queued to every request when the engine died
 _ZERO_TOKENS = object()  # queued for max_tokens == 0: finished without asking the scheduler
 
@@ -362,16 +393,19 @@ class TokenizerManager:
                                                                                params=r.params))
             remaining = len(states)
             while remaining:
-                st, item = await queue.get()
-                if st.done:
-                    continue
-                chunk = self._apply(st, item)
-                if chunk is None:
-                    continue
-                if chunk.finish is not None:
-                    remaining -= 1
-                    self._finish(st, chunk.finish)
-                yield chunk
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for st, item in _coalesce(items):
+                    if st.done:
+                        continue
+                    chunk = self._apply(st, item)
+                    if chunk is None:
+                        continue
+                    if chunk.finish is not None:
+                        remaining -= 1
+                        self._finish(st, chunk.finish)
+                    yield chunk
         except ApiError:
             outcome = "error"
             raise

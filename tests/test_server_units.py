@@ -8,7 +8,7 @@ import pytest
 
 from model_executor.sampling_params import SamplingParams
 from server.detokenizer import IncrementalDetokenizer, load_tokenizer
-from server.ipc import AbortReq, BatchTokenOut, FinishReason
+from server.ipc import AbortReq, BatchStrOut, BatchTokenOut, FinishReason
 from server.metrics import ServerMetrics
 from server.protocol import ApiError
 from server.tokenizer_manager import TokenizerManager, _Fragment, _ReqState
@@ -236,3 +236,59 @@ def _gen(params):
     from server.tokenizer_manager import GenRequest
 
     return GenRequest([1, 2, 3], params)
+
+
+class _AsyncPush:
+    def __init__(self):
+        self.sent = []
+
+    async def send_pyobj(self, obj):
+        self.sent.append(obj)
+
+
+def _out(rid: str, text: str, token: int, n: int, finish=None, logprob=None) -> BatchStrOut:
+    return BatchStrOut(rids=[rid], text_deltas=[text], new_token_ids=[[token]], finished=[finish], prompt_tokens=[3],
+                       completion_tokens=[n], cached_tokens=[0], logprobs=[[logprob]] if logprob else [])
+
+
+def test_fragments_queued_while_the_consumer_is_busy_stream_as_one_chunk():
+    """An HTTP process behind the engine sends a stream's piled-up tokens as one chunk (texts, tokens and
+    logprobs joined, the last counts), never joining across a finished fragment."""
+    from server.ipc import TokenLogprob
+    from server.tokenizer_manager import GenRequest
+
+    async def main():
+        tm = _manager()
+        tm._push = _AsyncPush()
+        gen = tm.generate([GenRequest([1, 2, 3], SamplingParams(max_new_tokens=5))], "c")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the request is sent; the consumer waits on its queue
+        rid = tm._push.sent[0].rid
+        lp = [TokenLogprob(token_id=t, logprob=-0.5 * t) for t in (7, 8, 9)]
+        tm._dispatch(_out(rid, " a", 7, 1, logprob=lp[0]))
+        tm._dispatch(_out(rid, " b", 8, 2, logprob=lp[1]))
+        tm._dispatch(_out(rid, " c", 9, 3, FinishReason("length"), logprob=lp[2]))
+        chunks = [await first] + [c async for c in gen]
+        return chunks, lp
+
+    chunks, lp = asyncio.run(main())
+    assert len(chunks) == 1
+    (c,) = chunks
+    assert (c.text, c.token_ids, c.completion_tokens, c.finish.kind) == (" a b c", [7, 8, 9], 3, "length")
+    assert c.logprobs == lp
+
+
+def test_coalesce_keeps_order_and_never_joins_past_a_finish_or_a_marker():
+    from server.tokenizer_manager import _FATAL, _coalesce
+
+    a, b = object(), object()
+    f = [_Fragment(t, [i], None, None, 3, i + 1, 0) for i, t in enumerate("wxyz")]
+    done = _Fragment("!", [9], None, FinishReason("stop"), 3, 9, 0)
+    out = _coalesce([(a, f[0]), (b, f[1]), (a, f[2]), (a, done), (a, f[3]), (b, _FATAL), (b, f[3])])
+    assert [(s is a, x if not isinstance(x, _Fragment) else (x.text, x.token_ids, x.finish)) for s, x in out] == [
+        (True, ("wy!", [0, 2, 9], FinishReason("stop"))),
+        (False, ("x", [1], None)),
+        (True, ("z", [3], None)),
+        (False, _FATAL),
+        (False, ("z", [3], None)),
+    ]
