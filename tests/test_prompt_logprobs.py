@@ -39,7 +39,7 @@ def drive(s: Scheduler, reqs: dict[str, tuple[list[int], SamplingParams]]) -> di
     steps = 0
     while s.has_work():
         for o in s.step():
-            r = out[o.rid]
+            r = out.setdefault(o.rid, {"prompt": None, "tokens": [], "cached": 0, "reports": 0})
             r["tokens"] += o.new_token_ids
             r["cached"] = o.cached_tokens
             if o.prompt_logprobs is not None:
@@ -146,14 +146,20 @@ def test_mixed_batch_with_requests_that_want_none(tiny_llama, hf):
         assert out[rid]["tokens"] == alone[rid]["tokens"]
 
 
-def test_retraction_keeps_scored_positions(tiny_llama, hf):
-    """A pool too small for everyone retracts requests; the prompt logprobs still come once and whole."""
-    reqs = {f"r{i}": (prompt(40, 20 + i), params(0, max_new_tokens=30)) for i in range(4)}
-    s = make_scheduler(tiny_llama[0], overlap=True, slots=180, chunked_prefill_size=16, new_token_ratio=0.0)
-    out = drive(s, reqs)
-    assert s.num_retractions > 0
-    for rid, (ids, _) in reqs.items():
-        check(out[rid], hf, ids, 0)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_retraction_mid_prompt_keeps_scored_positions(tiny_llama, hf, overlap, caplog):
+    """A decoding request outgrows a small pool while a long prompt is prefilled in chunks: the partly
+    prefilled request is retracted, comes back later (its cached chunks matched only up to its next scored
+    position) and its prompt logprobs still come once, whole and right."""
+    long_ids = prompt(90, 30)
+    s = make_scheduler(tiny_llama[0], overlap=overlap, slots=120, chunked_prefill_size=16, new_token_ratio=0.0)
+    s.add_request("a", prompt(20, 31), params(None, max_new_tokens=60))
+    for _ in range(9):  # a holds 29 slots: b's 90 are admitted, but a outgrows the 1 left while b prefills
+        s.step()
+    with caplog.at_level("INFO", logger="duet.scheduler"):
+        out = drive(s, {"b": (long_ids, params(0, max_new_tokens=2))})
+    assert "retracting request b " in caplog.text
+    check(out["b"], hf, long_ids, 0)
 
 
 def test_block_wise_scoring_equals_one_block(tiny_llama):

@@ -130,6 +130,7 @@ def test_generate_input_token_logprobs(server, ref, start):
                                atol=1e-4, rtol=0)
     best_vals, best_ids = ref[start : len(PROMPT) - 1].topk(2, dim=-1)
     assert [[t for _, t, _ in row] for row in tops[1:]] == best_ids.tolist()
+    torch.testing.assert_close(torch.tensor([[v for v, _, _ in row] for row in tops[1:]]), best_vals, atol=1e-4, rtol=0)
     assert len(meta["output_token_logprobs"]) == 2 and isinstance(meta["output_token_logprobs"][0][2], str)
 
 
