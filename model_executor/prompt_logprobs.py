@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 # Rows are scored in blocks of at most this many bytes of float32 logits: a long prompt never makes a
-# [prompt, vocab] tensor. A block is far below the last-token logits and sampler temporaries of a full
-# batch that the memory plan profiled, so scoring needs no memory of its own in the plan.
+# [prompt, vocab] tensor. A block's logits, their log-softmax and the rank comparison take about three times
+# this; the head runs after the backbone has freed its activations, whose profiled peak over
+# --max-prefill-tokens tokens (the memory plan's activation reserve) is larger for any real model shape.
 BLOCK_BYTES = 64 * 2**20
 
 

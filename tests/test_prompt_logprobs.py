@@ -146,6 +146,21 @@ def test_mixed_batch_with_requests_that_want_none(tiny_llama, hf):
         assert out[rid]["tokens"] == alone[rid]["tokens"]
 
 
+def test_mixed_chunk_decodes_ride_along(tiny_llama, hf):
+    """With mixed chunks a running request decodes inside each prefill chunk of a prompt that is scored (its
+    decode row comes last in the batch); both come out as they do alone."""
+    ids = prompt(37, 13)
+    other = (prompt(6, 14), params(None, max_new_tokens=12))
+    s = make_scheduler(tiny_llama[0], overlap=True, chunked_prefill_size=8, enable_mixed_chunk=True)
+    s.add_request("x", *other)
+    s.step()
+    out = drive(s, {"a": (ids, params(0))})
+    assert s.runner.path_counts["decode_eager"] < 12  # x decoded inside extend batches
+    check(out["a"], hf, ids, 0)
+    alone = drive(make_scheduler(tiny_llama[0]), {"x": other})
+    assert out["x"]["tokens"] == alone["x"]["tokens"]
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_retraction_mid_prompt_keeps_scored_positions(tiny_llama, hf, overlap, caplog):
     """A decoding request outgrows a small pool while a long prompt is prefilled in chunks: the partly
