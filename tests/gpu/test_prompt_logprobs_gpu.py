@@ -79,9 +79,12 @@ def test_piecewise_scores_like_eager(runner):
             continue
         g, e = graphed["lps"][rid], eager["lps"][rid]
         assert g.first == e.first == start + 1 and g.token_ids == e.token_ids == ids[start + 1:]
-        diff = (torch.tensor(g.logprobs) - torch.tensor(e.logprobs)).abs().max().item()
-        print(f"{rid}: {len(g.logprobs)} positions, max |piecewise - eager| = {diff:.4f}")
-        assert diff < 0.05  # bf16: the padded GEMM shapes of a level may round differently
+        gv, ev = torch.tensor(g.logprobs), torch.tensor(e.logprobs)
+        diff, shifted = (gv - ev).abs(), (gv[1:] - ev[:-1]).abs()
+        print(f"{rid}: {len(gv)} positions, |piecewise - eager| max {diff.max().item():.4f} mean "
+              f"{diff.mean().item():.5f}; against eager shifted by one: mean {shifted.mean().item():.4f}")
+        # bf16: a level's padded GEMM shapes may round differently; a misplaced row would be far off.
+        assert diff.max().item() < 0.1 and diff.mean().item() < 0.25 * shifted.mean().item()
         assert all(len(t) == top for t in g.top_ids)
 
 
