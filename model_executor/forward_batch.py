@@ -12,6 +12,7 @@ import torch
 if TYPE_CHECKING:
     from model_executor.layers.attention.base import AttentionBackend
     from model_executor.memory_pool import KVCache, ReqToTokenPool
+    from model_executor.prompt_logprobs import PromptLogprobPlan, PromptLogprobsOutput
 
 
 class ForwardMode(Enum):
@@ -44,6 +45,10 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] | None = None
     # Set by graph runners when the batch carries padding rows/tokens beyond the real ones.
     num_real_tokens: int | None = None
+    # Extend only: prompt rows to score besides the last tokens (set by the scheduler), and their scores
+    # (set by the logits head).
+    prompt_logprob_plan: PromptLogprobPlan | None = None
+    prompt_logprobs: PromptLogprobsOutput | None = None
 
     @property
     def num_tokens(self) -> int:

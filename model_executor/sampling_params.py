@@ -44,6 +44,11 @@ class SamplingParams:
     min_new_tokens: int = 0
     # None: no logprobs. N >= 0: logprob of the chosen token plus the top-N alternatives.
     top_logprobs: int | None = None
+    # Prompt logprobs: the prompt position from which they are reported (None: none). The token there is
+    # reported without a value (nothing before it is scored, as in SGLang); every later prompt token gets
+    # its logprob given the tokens before it, its rank, and the top `prompt_top_logprobs` alternatives.
+    prompt_logprob_start: int | None = None
+    prompt_top_logprobs: int = 0
     # OpenAI's penalties on output tokens (0: off) and the HF/vLLM repetition penalty on prompt and
     # output tokens (1: off); logit_bias: (token id, bias) pairs added to the logits.
     presence_penalty: float = 0.0
@@ -82,6 +87,10 @@ class SamplingParams:
             fail("min_tokens", f"min_tokens ({self.min_new_tokens}) must be <= max_tokens ({self.max_new_tokens})")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             fail("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.prompt_logprob_start is not None and self.prompt_logprob_start < 0:
+            fail("logprob_start_len", f"logprob_start_len must be >= 0, got {self.prompt_logprob_start}")
+        if not 0 <= self.prompt_top_logprobs <= MAX_TOP_LOGPROBS:
+            fail("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_top_logprobs}")
         if len(self.stop) > MAX_STOP_SEQUENCES:
             fail("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(self.stop)}")
         if any(not s for s in self.stop):

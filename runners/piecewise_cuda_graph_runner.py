@@ -7,7 +7,9 @@ pieces, attention runs eagerly on the real (unpadded) batch, which it reads from
 (model_executor/layers/attention/forward_context.py). A replay rounds the token count up to a level (bisect), copies ids and
 positions into static buffers and zeroes the padding (token 0, position 0), runs pieces and attention,
 slices the hidden states back to the real tokens, and runs the logits head eagerly on each request's
-last token. Above the largest level, or for requests that need prompt logprobs, the batch runs eagerly.
+last token. Above the largest level the batch runs eagerly. Prompt logprobs need no eager path: the head runs
+outside the graphs on the replayed hidden states of every token, so it scores the prompt rows the batch's
+PromptLogprobPlan names the same way as in an eager forward (model_executor/prompt_logprobs.py).
 
 Memory: a captured piece's outputs are kept only as weak references (tensors that alias the pool memory
 without owning it). Once a level's capture is done nothing holds its blocks, so the next (smaller) level
@@ -253,12 +255,8 @@ class PiecewiseCudaGraphRunner:
     def num_traces(self) -> int:
         return self.backend.num_traces
 
-    def needs_prompt_logprobs(self, fb: ForwardBatch) -> bool:
-        """Prompt logprobs need the head over every token: eager. (Not built yet: never.)"""
-        return False
-
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.mode.is_extend() and fb.num_tokens <= self.max_tokens and not self.needs_prompt_logprobs(fb)
+        return fb.mode.is_extend() and fb.num_tokens <= self.max_tokens
 
     @torch.inference_mode()
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
@@ -267,6 +265,8 @@ class PiecewiseCudaGraphRunner:
         self.buffers.load(fb, level)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self._run_backbone(fb, level, Phase.REPLAY)
+        # hidden aliases the pool (a weak reference): the head, prompt rows included, reads it before the
+        # next replay can overwrite it.
         return compute_logits(self.model.lm_head, hidden[:n], fb)
 
     def info(self) -> dict:

@@ -9,7 +9,7 @@ from enum import Enum, auto
 import torch
 
 from model_executor.sampling_params import SamplingParams
-from server.ipc import FinishReason, TokenLogprob
+from server.ipc import FinishReason, PromptLogprobs, TokenLogprob
 
 
 class ReqStatus(Enum):
@@ -45,6 +45,17 @@ class Req:
     # Structured output (scheduler/grammar.py): the compilation in flight, then this request's matcher.
     grammar_future: object | None = None
     grammar: object | None = None
+    # Prompt logprobs (scheduler/prompt_logprobs.py): the next prompt position whose hidden state is scored
+    # (its logits give the token after it); None when none are wanted or all are scored. What was scored and
+    # not yet reported goes out with the first output token.
+    prompt_logprob_next: int | None = field(init=False, default=None)
+    pending_prompt_logprobs: PromptLogprobs | None = None
+
+    def __post_init__(self):
+        start = self.params.prompt_logprob_start
+        # The last prompt position is the sampling row: scored rows end before it.
+        if start is not None and start < len(self.input_ids) - 1:
+            self.prompt_logprob_next = start
 
     @property
     def fill_ids(self) -> list[int]:

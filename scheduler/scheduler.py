@@ -38,9 +38,10 @@ from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
 from scheduler.grammar import GrammarCompilerPool, GrammarManager
 from scheduler.policy import order_waiting
+from scheduler.prompt_logprobs import LaunchedPromptLogprobs, plan_prompt_logprobs
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req, ReqStatus
-from server.ipc import DETOKENIZER_CONTEXT_TOKENS, FinishReason, TokenLogprob
+from server.ipc import DETOKENIZER_CONTEXT_TOKENS, FinishReason, PromptLogprobs, TokenLogprob
 
 logger = logging.getLogger("duet.scheduler")
 
@@ -64,11 +65,13 @@ class SchedulerConfig:
 @dataclass
 class LaunchedSample:
     """The tokens a launched batch samples for `reqs`, on their way to the host. `epochs` are the requests'
-    retraction counts at launch: a request retracted since then has its token discarded."""
+    retraction counts at launch: a request retracted since then has its token discarded. An extend batch also
+    brings the prompt logprobs it scored; one that completes no prompt samples nothing (result None)."""
 
     reqs: list[Req]
     epochs: list[int]
-    result: HostSample
+    result: HostSample | None
+    prompt_logprobs: LaunchedPromptLogprobs | None = None
 
 
 @dataclass
@@ -81,6 +84,7 @@ class ReqOutput:
     cached_tokens: int
     logprobs: list[TokenLogprob] | None
     context_ids: list[int] = dataclasses.field(default_factory=list)  # last prompt tokens, with the first output
+    prompt_logprobs: PromptLogprobs | None = None  # with the first output
 
 
 class Scheduler:
@@ -298,7 +302,10 @@ class Scheduler:
     def _match(self, req: Req):
         if self.tree is None:
             return torch.empty(0, dtype=torch.int64), None
-        return self.tree.match_prefix(req.fill_ids[:-1])  # keep >= 1 token to compute logits from
+        limit = len(req.fill_ids) - 1  # keep >= 1 token to compute logits from
+        if req.prompt_logprob_next is not None:
+            limit = min(limit, req.prompt_logprob_next)  # rows to score need their hidden states: no cache there
+        return self.tree.match_prefix(req.fill_ids[:limit])
 
     def _lock(self, node) -> None:
         if node is not None:
@@ -355,13 +362,21 @@ class Scheduler:
                 offset += n
             fb = self.runner.build_batch(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
                                          out_loc, extend_seq_lens=lens, num_decode_tail=sum(decoding))
+            scoring = plan_prompt_logprobs(reqs, lens, start, self.runner.device, self.runner.pin_memory)
+            fb.prompt_logprob_plan = scoring.plan if scoring is not None else None
             logits = self.runner.forward(fb)
+            scored = scoring.launched(fb.prompt_logprobs) if scoring is not None else None
             done = [i for i, r in enumerate(reqs) if decoding[i] or r.num_uncomputed == 0]
             if not done:
-                return None
-            if len(done) < len(reqs):
-                return self._sample(logits[done], [reqs[i] for i in done], fb.req_pool_indices[done])
-            return self._sample(logits, reqs, fb.req_pool_indices)
+                sample = None if scored is None else LaunchedSample([], [], None)
+            elif len(done) < len(reqs):
+                sample = self._sample(logits[done], [reqs[i] for i in done], fb.req_pool_indices[done])
+            else:
+                sample = self._sample(logits, reqs, fb.req_pool_indices)
+            if scoring is not None:
+                scoring.advance()
+                sample.prompt_logprobs = scored
+            return sample
         except BaseException:
             self._roll_back(reqs, start, out_loc)
             raise
@@ -476,6 +491,10 @@ class Scheduler:
 
     def _append_sampled(self, batch: LaunchedSample) -> None:
         """Read a launched batch's tokens (waiting for them if needed) and apply them to its requests."""
+        if batch.prompt_logprobs is not None:  # before the tokens: they follow the prompt
+            batch.prompt_logprobs.apply()
+        if batch.result is None:
+            return
         reqs = batch.reqs
         tokens, chosen, top_ids, top_vals = batch.result.lists()
         now = time.monotonic()
@@ -575,8 +594,9 @@ class Scheduler:
                 prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
                 cached_tokens=req.cached_tokens,
                 logprobs=req.pending_logprobs if req.wants_logprobs else None,
-                context_ids=req.input_ids[-DETOKENIZER_CONTEXT_TOKENS:] if first else []))
-            req.pending_ids, req.pending_logprobs = [], []
+                context_ids=req.input_ids[-DETOKENIZER_CONTEXT_TOKENS:] if first else [],
+                prompt_logprobs=req.pending_prompt_logprobs))
+            req.pending_ids, req.pending_logprobs, req.pending_prompt_logprobs = [], [], None
             if req.is_finished:
                 del self.reqs[req.rid]
         self._outbox = {}

@@ -120,6 +120,8 @@ def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
         cached_tokens=[o.cached_tokens for o in outputs],
         logprobs=[o.logprobs for o in outputs],
         context_ids=[o.context_ids for o in outputs],
+        prompt_logprobs=([o.prompt_logprobs for o in outputs]
+                         if any(o.prompt_logprobs is not None for o in outputs) else None),
     )
 
 

@@ -100,7 +100,7 @@ class IncrementalDetokenizer:
         return BatchStrOut(
             rids=batch.rids, text_deltas=deltas, new_token_ids=batch.new_token_ids, finished=batch.finished,
             prompt_tokens=batch.prompt_tokens, completion_tokens=batch.completion_tokens,
-            cached_tokens=batch.cached_tokens, logprobs=batch.logprobs,
+            cached_tokens=batch.cached_tokens, logprobs=batch.logprobs, prompt_logprobs=batch.prompt_logprobs,
         )
 
 

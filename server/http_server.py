@@ -324,9 +324,10 @@ def capabilities(args: ServerArgs) -> dict:
         "sampling": ["temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
                      "ignore_eos", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "logit_bias", "n"],
+        "prompt_logprobs": ["echo with logprobs", "prompt_logprobs", "logprob_start_len"],
         "accepted_without_effect": ["user", "store", "metadata", "service_tier", "safety_identifier",
                                     "prompt_cache_key"],
-        "not_supported": ["best_of > n", "suffix", "echo with logprobs (prompt logprobs)", "image/audio content",
+        "not_supported": ["best_of > n", "suffix", "image/audio content",
                           "functions/function_call (use tools)"],
     }
 

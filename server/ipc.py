@@ -63,6 +63,32 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # best alternatives, descending
 
 
+@dataclass
+class PromptLogprobs:
+    """Logprobs of the prompt tokens at positions first, first + 1, ..., each given the tokens before it, as
+    columns (compact for long prompts). rank: 1 for the most likely token. top: the best alternatives, best
+    first, as many as the request asked for."""
+
+    first: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend(self, other: PromptLogprobs) -> None:
+        """Append the positions that follow (the next chunk of the same prompt)."""
+        assert other.first == self.first + len(self), "prompt logprob chunks must be contiguous"
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+
+
 # Prompt tokens sent along with a request's first output tokens: the detokenizer decodes after them.
 DETOKENIZER_CONTEXT_TOKENS = 5
 
@@ -81,6 +107,8 @@ class BatchTokenOut:
     # The last prompt tokens of each request reporting its first output (else empty): the detokenizer's
     # context. None: no context for any request.
     context_ids: list[list[int]] | None = None
+    # Prompt logprobs, sent with a request's first output tokens (else None). None: none in this batch.
+    prompt_logprobs: list[PromptLogprobs | None] | None = None
 
 
 @dataclass
@@ -95,6 +123,7 @@ class BatchStrOut:
     completion_tokens: list[int]
     cached_tokens: list[int]
     logprobs: list[list[TokenLogprob] | None]
+    prompt_logprobs: list[PromptLogprobs | None] | None = None
 
 
 # ---- scheduler -> HTTP process (control replies) ----------------------------------------------

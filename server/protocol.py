@@ -65,7 +65,6 @@ UNSUPPORTED_HINTS = {
     "prediction": "predicted outputs are not implemented",
     "reasoning_effort": "use chat_template_kwargs (e.g. enable_thinking) for models that support it",
     "web_search_options": "no built-in tools are implemented",
-    "logprob_start_len": "prompt logprobs are not implemented",
 }
 
 
@@ -148,7 +147,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt tokens' logprobs come first (the first one None)
+    prompt_logprobs: int | None = None  # vLLM: each choice's prompt_logprobs, with this many alternatives
     best_of: int | None = None  # accepted when equal to n (the same thing); more is a 400
     suffix: str | None = None  # accepted when empty; insertion is not implemented
 
@@ -238,6 +238,9 @@ class GenerateRequest(_Request):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt logprobs from this prompt position on (-1: none), in meta_info.input_token_logprobs.
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False  # each logprob entry carries its token's text
 
 
 class TokenizeRequest(_Request):
@@ -297,6 +300,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict | None] | None = None  # vLLM's, when the request asks for them
 
 
 class CompletionResponse(_Response):

@@ -39,6 +39,7 @@ def build_params(*, defaults: dict, max_tokens: int, temperature, top_p, top_k, 
                  stop_token_ids, ignore_eos: bool, min_tokens: int, top_logprobs: int | None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                  logit_bias: tuple[tuple[int, float], ...] = (), grammar: GrammarSpec | None = None,
+                 prompt_logprob_start: int | None = None, prompt_top_logprobs: int = 0,
                  param_names: dict[str, str] | None = None) -> SamplingParams:
     """defaults: what a value the request leaves unset (None) becomes (--sampling-defaults)."""
     s = fill_unset({"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}, defaults)
@@ -59,6 +60,8 @@ def build_params(*, defaults: dict, max_tokens: int, temperature, top_p, top_k, 
         repetition_penalty=float(repetition_penalty),
         logit_bias=logit_bias,
         grammar=grammar,
+        prompt_logprob_start=prompt_logprob_start,
+        prompt_top_logprobs=prompt_top_logprobs,
     )
     try:
         params.validate()

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.args import ServerArgs
-from server.ipc import TokenLogprob
+from server.ipc import PromptLogprobs, TokenLogprob
 from server.protocol import ApiError
 from server.tokenizer_manager import GenChunk, TokenizerManager
 
@@ -106,6 +106,53 @@ def completion_logprobs(tm: TokenizerManager, lps: list[TokenLogprob], offset: i
         out["text_offset"].append(offset)
         offset += len(s)
     return out, offset
+
+
+# What -inf becomes in a JSON body (JSON has no infinities; OpenAI and vLLM use the same value).
+MIN_LOGPROB = -9999.0
+
+
+def prompt_completion_logprobs(tm: TokenizerManager, prompt_ids: list[int], lps: PromptLogprobs | None,
+                               num_top: int) -> dict:
+    """OpenAI's legacy shape for echoed prompt tokens: the first has no logprob (nothing precedes it: None, and
+    None for its alternatives); offsets run over the token strings from 0."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    values = {} if lps is None else {lps.first + i: i for i in range(len(lps))}
+    for pos, tid in enumerate(prompt_ids):
+        s = tm.token_str(tid)
+        out["tokens"].append(s)
+        out["text_offset"].append(offset)
+        offset += len(s)
+        i = values.get(pos)
+        if i is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        value = max(lps.logprobs[i], MIN_LOGPROB)
+        out["token_logprobs"].append(value)
+        top = {s: value}
+        for t, v in zip(lps.top_ids[i][:num_top], lps.top_logprobs[i][:num_top]):
+            top.setdefault(tm.token_str(t), max(v, MIN_LOGPROB))
+        out["top_logprobs"].append(top)
+    return out
+
+
+def vllm_prompt_logprobs(tm: TokenizerManager, prompt_ids: list[int], lps: PromptLogprobs | None,
+                         num_top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    for the prompt token and the best `num_top` alternatives."""
+    out: list[dict | None] = [None] * len(prompt_ids)
+    if lps is None:
+        return out
+    for i in range(len(lps)):
+        tid = lps.token_ids[i]
+        entry = {str(tid): {"logprob": max(lps.logprobs[i], MIN_LOGPROB), "rank": lps.ranks[i],
+                            "decoded_token": tm.token_str(tid)}}
+        for rank, (t, v) in enumerate(zip(lps.top_ids[i][:num_top], lps.top_logprobs[i][:num_top]), start=1):
+            entry.setdefault(str(t), {"logprob": max(v, MIN_LOGPROB), "rank": rank, "decoded_token": tm.token_str(t)})
+        out[lps.first + i] = entry
+    return out
 
 
 def chat_logprobs(tm: TokenizerManager, lps: list[TokenLogprob], num_top: int) -> list[dict]:

@@ -19,8 +19,10 @@ from server.serving_common import (
     UsageTracker,
     check_stream_options,
     completion_logprobs,
+    prompt_completion_logprobs,
     sse,
     unless_disconnected,
+    vllm_prompt_logprobs,
 )
 from server.tokenizer_manager import GenRequest
 
@@ -28,8 +30,13 @@ from server.tokenizer_manager import GenRequest
 def check_unsupported(req: CompletionRequest) -> None:
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")
-    if req.echo and req.logprobs is not None:
-        raise ApiError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}",
+                           "prompt_logprobs")
+        if req.stream:
+            raise ApiError(400, "prompt_logprobs is not available with stream=true (as in vLLM); use echo with "
+                                "logprobs to stream them", "prompt_logprobs")
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError(400, f"best_of must equal n (server-side best-of selection is not implemented), got "
                             f"best_of={req.best_of}, n={req.n}", "best_of")
@@ -56,13 +63,18 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     check_n(req.n, len(prompts))
     grammar, _ = request_grammar(req, ctx.grammar_enabled)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    # echo with logprobs scores the prompt (OpenAI's legacy shape); prompt_logprobs too (vLLM's field).
+    echo_lp = req.echo and req.logprobs is not None
+    want_prompt = echo_lp or req.prompt_logprobs is not None
+    prompt_top = max(req.logprobs or 0 if echo_lp else 0, req.prompt_logprobs or 0)
     params = build_params(defaults=ctx.sampling, max_tokens=max_tokens, temperature=req.temperature,
                           top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
                           stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                           min_tokens=req.min_tokens, top_logprobs=req.logprobs,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty, logit_bias=logit_bias_pairs(req.logit_bias),
-                          grammar=grammar)
+                          grammar=grammar, prompt_logprob_start=0 if want_prompt else None,
+                          prompt_top_logprobs=prompt_top)
     tm.check_token_ids(params.stop_token_ids, "stop_token_ids")
     tm.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
     for ids, _ in prompts:
@@ -71,6 +83,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     tm.check_alive()
     n = req.n
     gen = [GenRequest(ids, p) for ids, _ in prompts for p in choices_params(params, n)]
+    prompt_ids = [g.input_ids for g in gen]
     echoes = []
     if req.echo:
         for ids, text in prompts:
@@ -90,17 +103,25 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                 return sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish}], "usage": None})
+            # echo with logprobs: the prompt goes out with its logprobs, which come with the first output.
+            pending_echo = set(range(len(gen))) if echo_lp else set()
             try:
                 for i, e in enumerate(echoes):
-                    if e:
+                    if e and not echo_lp:
                         yield chunk(i, e)
                 async for c in tm.generate(gen, rid):
                     usage.update(c)
                     lp = None
+                    text = c.text
+                    if c.index in pending_echo:
+                        pending_echo.discard(c.index)
+                        text = echoes[c.index] + text
+                        lp = prompt_completion_logprobs(tm, prompt_ids[c.index], c.prompt_logprobs, req.logprobs)
                     if want_lp and c.logprobs:
-                        lp, offsets[c.index] = completion_logprobs(tm, c.logprobs, offsets[c.index])
-                    if c.text or lp or c.finish:
-                        yield chunk(c.index, c.text, lp, c.finish.openai_reason if c.finish else None)
+                        part, offsets[c.index] = completion_logprobs(tm, c.logprobs, offsets[c.index])
+                        lp = part if lp is None else {k: lp[k] + part[k] for k in lp}
+                    if text or lp or c.finish:
+                        yield chunk(c.index, text, lp, c.finish.openai_reason if c.finish else None)
                 if include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                "choices": [], "usage": usage.body()})
@@ -116,8 +137,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         lps = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in gen]
         offsets = [len(t) for t in texts]
         finish = [None] * len(gen)
+        prompt_lps: list = [None] * len(gen)
         async for c in tm.generate(gen, rid):
             usage.update(c)
+            if c.prompt_logprobs is not None:
+                prompt_lps[c.index] = c.prompt_logprobs
             texts[c.index] += c.text
             if want_lp and c.logprobs:
                 part, offsets[c.index] = completion_logprobs(tm, c.logprobs, offsets[c.index])
@@ -125,9 +149,16 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                     lps[c.index][k].extend(part[k])
             if c.finish:
                 finish[c.index] = c.finish.openai_reason
-        return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": i, "text": texts[i], "logprobs": lps[i] if want_lp else None,
-                             "finish_reason": finish[i]} for i in range(len(gen))],
+        choices = []
+        for i in range(len(gen)):
+            choice = {"index": i, "text": texts[i], "logprobs": lps[i] if want_lp else None, "finish_reason": finish[i]}
+            if echo_lp:
+                head = prompt_completion_logprobs(tm, prompt_ids[i], prompt_lps[i], req.logprobs)
+                choice["logprobs"] = {k: head[k] + lps[i][k] for k in head}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tm, prompt_ids[i], prompt_lps[i], req.prompt_logprobs)
+            choices.append(choice)
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": usage.body()}
 
     return await unless_disconnected(request, collect())

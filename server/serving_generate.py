@@ -22,6 +22,8 @@ class _Accumulator:
     output_ids: list[int] = field(default_factory=list)
     lps: list = field(default_factory=list)
     top: list = field(default_factory=list)
+    input_lps: list = field(default_factory=list)
+    input_top: list = field(default_factory=list)
 
 
 async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
@@ -36,6 +38,13 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
     sp = req.sampling_params
     if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs_num")
+    start = req.logprob_start_len
+    if start != -1:
+        if not req.return_logprob:
+            raise ApiError(400, "logprob_start_len needs return_logprob=true", "logprob_start_len")
+        if not 0 <= start < len(ids):
+            raise ApiError(400, f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
+                                f"[0, {len(ids)}), got {start}", "logprob_start_len")
     grammar, _ = request_grammar(sp, ctx.grammar_enabled, param_prefix="sampling_params.")
     params = build_params(defaults=ctx.sampling, max_tokens=sp.max_new_tokens, temperature=sp.temperature,
                           top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed, stop=sp.stop,
@@ -46,6 +55,8 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
                           repetition_penalty=sp.repetition_penalty,
                           logit_bias=logit_bias_pairs(sp.logit_bias, "sampling_params.logit_bias"),
                           grammar=grammar,
+                          prompt_logprob_start=None if start == -1 else start,
+                          prompt_top_logprobs=req.top_logprobs_num,
                           param_names={name: f"sampling_params.{name}" for name in (
                               "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")}
                           | {"max_tokens": "sampling_params.max_new_tokens",
@@ -57,17 +68,29 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
     rid = f"gen-{uuid.uuid4().hex}"
     gen = [GenRequest(ids, params)]
     acc = _Accumulator()
+    # SGLang's entries: [logprob, token id, its text (return_text_in_logprobs) or None].
+    text_of = tm.token_str if req.return_text_in_logprobs else (lambda _: None)
+    if start != -1:  # the token at the start has no logprob: nothing before it is scored (SGLang's None)
+        acc.input_lps.append([None, ids[start], text_of(ids[start])])
+        acc.input_top.append(None)
 
     def absorb(c: GenChunk) -> dict:
         acc.text += c.text
         acc.output_ids.extend(c.token_ids)
+        if c.prompt_logprobs is not None:
+            p = c.prompt_logprobs
+            acc.input_lps.extend([v, t, text_of(t)] for v, t in zip(p.logprobs, p.token_ids))
+            acc.input_top.extend([[v, t, text_of(t)] for t, v in zip(ids_, vals)]
+                                 for ids_, vals in zip(p.top_ids, p.top_logprobs))
         if req.return_logprob and c.logprobs:
-            acc.lps.extend([lp.logprob, lp.token_id, None] for lp in c.logprobs)
-            acc.top.extend([[v, t, None] for t, v in lp.top] for lp in c.logprobs)
+            acc.lps.extend([lp.logprob, lp.token_id, text_of(lp.token_id)] for lp in c.logprobs)
+            acc.top.extend([[v, t, text_of(t)] for t, v in lp.top] for lp in c.logprobs)
         meta = {"id": rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
                 "cached_tokens": c.cached_tokens,
                 "finish_reason": None if c.finish is None else {"type": c.finish.kind, "matched": c.finish.matched}}
         if req.return_logprob:
+            meta["input_token_logprobs"] = acc.input_lps
+            meta["input_top_logprobs"] = acc.input_top
             meta["output_token_logprobs"] = acc.lps
             meta["output_top_logprobs"] = acc.top
         return {"text": acc.text, "output_ids": list(acc.output_ids), "meta_info": meta}

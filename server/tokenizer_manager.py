@@ -37,6 +37,7 @@ from server.ipc import (
     ControlReply,
     FinishReason,
     IpcPaths,
+    PromptLogprobs,
     TokenizedGenerateReq,
     TokenLogprob,
     bind_pull,
@@ -87,6 +88,7 @@ class GenChunk:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    prompt_logprobs: PromptLogprobs | None = None  # with the first output tokens, when asked for
 
 
 @dataclass
@@ -98,6 +100,7 @@ class _Fragment:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    prompt_logprobs: PromptLogprobs | None = None
 
 
     def merged(self, later: _Fragment) -> _Fragment:
@@ -149,6 +152,7 @@ class _ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     replica: int | None = None  # the data-parallel replica serving it (None: not sent)
+    prompt_only: bool = False  # max_tokens 0 with prompt logprobs: one token is generated and dropped
     first_token_at: float | None = None
     last_token_at: float | None = None
     done: bool = False
@@ -384,13 +388,20 @@ class TokenizerManager:
                             _params_text(st.params))
         try:
             for st, r in zip(states, reqs):
-                if r.params.max_new_tokens == 0:
-                    queue.put_nowait((st, _ZERO_TOKENS))
-                    continue
+                params = r.params
+                if params.max_new_tokens == 0:
+                    if params.prompt_logprob_start is None:
+                        queue.put_nowait((st, _ZERO_TOKENS))
+                        continue
+                    # Scoring a prompt (echo with max_tokens 0, SGLang's max_new_tokens 0): the scheduler
+                    # prefills it for one token, which the client never sees (vLLM does the same).
+                    st.prompt_only = True
+                    params = dataclasses.replace(params, max_new_tokens=1, min_new_tokens=0, stop=(),
+                                                 grammar=None)
                 self._reqs[st.rid] = st
                 st.replica = self.router.choose(r.input_ids) if self.router else 0
                 await self._socket(st.replica).send_pyobj(TokenizedGenerateReq(rid=st.rid, input_ids=r.input_ids,
-                                                                               params=r.params))
+                                                                               params=params))
             remaining = len(states)
             while remaining:
                 items = [await queue.get()]
@@ -424,6 +435,12 @@ class TokenizerManager:
         if item is _ZERO_TOKENS:
             return GenChunk(st.index, "", [], None, FinishReason("length"), st.prompt_tokens, 0, 0)
         frag: _Fragment = item
+        if st.prompt_only:
+            finish = frag.finish
+            if finish is not None and finish.kind in ("stop", "length"):
+                finish = FinishReason("length")
+            frag = dataclasses.replace(frag, text="", token_ids=[], logprobs=None, completion_tokens=0,
+                                       finish=finish)
         now = time.monotonic()
         if frag.token_ids:
             if st.first_token_at is None:
@@ -463,10 +480,10 @@ class TokenizerManager:
             end = max(st.sent, len(st.text) - (st.max_stop_len - 1))
         text = st.text[st.sent:end]
         st.sent = end
-        if not text and not frag.token_ids and finish is None:
+        if not text and not frag.token_ids and finish is None and frag.prompt_logprobs is None:
             return None
         return GenChunk(st.index, text, frag.token_ids, frag.logprobs, finish, st.prompt_tokens,
-                        st.completion_tokens, st.cached_tokens)
+                        st.completion_tokens, st.cached_tokens, frag.prompt_logprobs)
 
     def _finish(self, st: _ReqState, finish: FinishReason) -> None:
         st.done = True
@@ -554,7 +571,8 @@ class TokenizerManager:
                 text=out.text_deltas[i], token_ids=out.new_token_ids[i],
                 logprobs=out.logprobs[i] if out.logprobs else None, finish=out.finished[i],
                 prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
-                cached_tokens=out.cached_tokens[i])))
+                cached_tokens=out.cached_tokens[i],
+                prompt_logprobs=out.prompt_logprobs[i] if out.prompt_logprobs else None)))
 
     async def _watch_loop(self) -> None:
         while self.healthy:

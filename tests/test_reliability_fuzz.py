@@ -134,7 +134,8 @@ def tame(body, vocab: int):
         "min_p": lambda v: _num_in(v, 0, 1), "max_tokens": lambda v: _int_in(v, 0, 8),
         "max_completion_tokens": lambda v: _int_in(v, 0, 8), "min_tokens": lambda v: _int_in(v, 0, 2),
         "logprobs": lambda v: isinstance(v, bool) or _int_in(v, 0, 20), "top_logprobs": lambda v: _int_in(v, 0, 20),
-        "top_logprobs_num": lambda v: _int_in(v, 0, 20), "seed": lambda v: _int_in(v, -(2**63), 2**63 - 1),
+        "top_logprobs_num": lambda v: _int_in(v, 0, 20), "prompt_logprobs": lambda v: _int_in(v, 0, 20),
+        "logprob_start_len": lambda v: _int_in(v, -1, 0), "seed": lambda v: _int_in(v, -(2**63), 2**63 - 1),
         "stop": lambda v: v is None or (isinstance(v, str) and v) or (isinstance(v, list) and len(v) <= 16
                                                                      and all(v)),
     }
@@ -167,8 +168,8 @@ def tame(body, vocab: int):
         b.setdefault("max_tokens", 8)
         if isinstance(b.get("logprobs"), bool):
             b.pop("logprobs")
-        if b.get("logprobs") is not None:
-            b.pop("echo", None)
+        if b.get("stream"):
+            b.pop("prompt_logprobs", None)
     else:  # /generate
         if "input_ids" in b and b["input_ids"] is not None and b.get("text") is None:
             b["input_ids"] = [abs(t) % vocab for t in b["input_ids"]][:20] or [1]
@@ -189,6 +190,8 @@ def tame(body, vocab: int):
         b["sampling_params"] = sp
         if "top_logprobs_num" not in b:
             b.pop("return_logprob", None)
+        if not b.get("return_logprob"):
+            b.pop("logprob_start_len", None)
     if not b.get("stream"):
         b.pop("stream_options", None)
     if "min_tokens" in b:

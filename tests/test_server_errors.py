@@ -67,7 +67,8 @@ BAD_COMPLETIONS = [
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"min_tokens": 10}, "min_tokens"),
     ({"seed": 2**70}, "seed"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": True, "logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ]
 
 

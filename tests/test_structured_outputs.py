@@ -185,7 +185,10 @@ CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", dict(CMPL, best_of=2), "best_of"),
     ("/v1/completions", dict(CMPL, suffix="end"), "suffix"),
-    ("/v1/completions", dict(CMPL, echo=True, logprobs=1), "echo"),
+    ("/v1/completions", dict(CMPL, echo=True, logprobs=21), "logprobs"),
+    ("/v1/completions", dict(CMPL, prompt_logprobs=21), "prompt_logprobs"),
+    ("/v1/completions", dict(CMPL, prompt_logprobs=-1), "prompt_logprobs"),
+    ("/v1/completions", dict(CMPL, prompt_logprobs=1, stream=True), "prompt_logprobs"),
     ("/v1/completions", dict(CMPL, zzz=1), "zzz"),
     ("/v1/completions", dict(CMPL, regex="[a-"), "regex"),
     ("/v1/completions", dict(CMPL, regex="a", ebnf='root ::= "a"'), "ebnf"),
@@ -206,7 +209,10 @@ CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     ("/v1/chat/completions", dict(CHAT, chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
     ("/v1/chat/completions", dict(CHAT, presence_penalty=3), "presence_penalty"),
     ("/v1/chat/completions", dict(CHAT, logit_bias={"999999": 1}), "logit_bias"),
-    ("/generate", {"text": "x", "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+    ("/generate", {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len"),
+    ("/generate", {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+    ("/generate", {"input_ids": [5, 6, 7], "logprob_start_len": 0}, "logprob_start_len"),
+    ("/generate", {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
     ("/generate", {"text": "x", "sampling_params": {"json_schema": "{not json"}}, "sampling_params.json_schema"),
 ])
 def test_unsupported_or_invalid_fields_are_a_400_naming_them(server, path, body, param):

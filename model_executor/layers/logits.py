@@ -1,4 +1,5 @@
-"""Logits head: picks each request's last hidden state and projects it onto the vocabulary."""
+"""Logits head: picks each request's last hidden state and projects it onto the vocabulary; scores the prompt
+rows an extend batch's PromptLogprobPlan names (model_executor/prompt_logprobs.py) on the way."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.embedding import ParallelLMHead
+from model_executor.prompt_logprobs import score_prompt_rows
 
 
 def last_token_hidden(hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -17,4 +19,8 @@ def last_token_hidden(hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
 
 
 def compute_logits(lm_head: ParallelLMHead, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """float32 logits [bs, vocab] of each request's last token. With a prompt-logprob plan, also scores the
+    plan's rows into fb.prompt_logprobs (here, outside any graph: the graph runners hand over the hidden states)."""
+    if fb.prompt_logprob_plan is not None:
+        fb.prompt_logprobs = score_prompt_rows(lm_head, hidden, fb.prompt_logprob_plan)
     return lm_head(last_token_hidden(hidden, fb)).float()
