@@ -203,9 +203,9 @@ def test_split_plan():
     assert f(4096, min_chunk=256) == 16 and f(4096, max_splits=8) == 8 and f(1000, min_chunk=256) == 4
     cap = decode_mod.decode_split_cap
     # Llama-3.2-1B (32 heads, 8 KV heads: one head block per KV head) on 132 SMs, 2 programs per SM
-    assert [cap(bs, 32, 8, 132, 16) for bs in (1, 2, 4, 8, 16, 32, 64)] == [16, 16, 8, 4, 2, 1, 1]
-    assert cap(1, 40, 2, 4, 16) == 2  # a group of 20: two head blocks per KV head, 4 programs a split
-    assert cap(3, 32, 8, 132, 5) == 5  # at most the workspace's splits
+    assert [cap(bs, 32, 8, 132, 16, 2) for bs in (1, 2, 4, 8, 16, 32, 64)] == [16, 16, 8, 4, 2, 1, 1]
+    assert cap(1, 40, 2, 4, 16, 2) == 2  # a group of 20: two head blocks per KV head, 4 programs a split
+    assert cap(3, 32, 8, 132, 5, 2) == 5  # at most the workspace's splits
     plan = decode_mod.decode_split_plan
     assert plan(8, 128, 128) == 1 and plan(8, 129, 128) == 8 and plan(1, 5000, 128) == 1
 

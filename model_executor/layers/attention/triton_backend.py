@@ -29,7 +29,7 @@ from model_executor.layers.rotary_store_kv import rotary_store_kv
 
 # Off CUDA (Triton's interpreter, in tests) there are no SMs to fill: a small stand-in count keeps the
 # plan logic (split caps above and at 1) exercised at small batch sizes.
-INTERPRETER_NUM_SMS = 2
+INTERPRETER_NUM_SMS = 1
 
 
 class TritonAttnBackend(AttentionBackend):

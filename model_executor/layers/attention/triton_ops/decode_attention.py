@@ -37,7 +37,7 @@ STAGE2_NUM_WARPS = 4
 # longest request that still takes the single-stage kernel at a batch size where splits would be used.
 MIN_CHUNK = 64
 MAX_KV_SPLITS = 16
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 4
 SINGLE_STAGE_MAX_LEN = 128
 
 _LOG2E = 1.4426950408889634
