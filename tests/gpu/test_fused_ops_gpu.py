@@ -151,7 +151,7 @@ def test_rotary_store_kv_bf16(shape, num_tokens):
     positions = torch.randint(0, 131072, (num_tokens,), generator=gen, device=DEV)
     loc = torch.randperm(4096, generator=gen, device=DEV)[:num_tokens] + 1
     nat_q, nat_k = rope.forward_native(positions, q, k)
-    rope(positions, q_ref, k_ref)
+    q_ref, k_ref = rope(positions, q_ref, k_ref)
     ref_pool.set_kv(0, loc, k_ref, v)
     rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, pool.k_buffers[0], pool.v_buffers[0], loc)
     # the same float32 arithmetic as the two kernels: equal up to how each compiles the multiply-adds
