@@ -4,6 +4,10 @@ Static GraphInputBuffers are allocated once at the largest size; graphs are capt
 one shared pool; a replay bisects to the smallest captured size >= bs, copies the real rows in, pads the
 rest (padding rows write KV slot 0 and have the backend's fill sequence length) and returns views of the
 real rows of a static logits buffer. Sampling runs after the graph.
+
+A backend whose decode kernels differ by batch (the triton backend's split count: one stage for short
+batches) names its plans per size (decode_graph_variants): each size gets one graph per plan, and a replay
+takes the one the backend picks from the batch's host lengths (decode_graph_variant).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class CudaGraphRunner:
                                                   model_runner.device)
         self.backend.init_cuda_graph_state(self.max_bs)
         self.static_batches = {bs: self._static_batch(bs) for bs in self.batch_sizes}
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[tuple[int, object], object] = {}  # by (batch size, the backend's plan)
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.capture()
@@ -102,13 +106,14 @@ class CudaGraphRunner:
             for bs in bar:  # largest first: smaller graphs reuse its pool memory
                 fb = self.static_batches[bs]
                 self.buffers.load(fb, bs)  # all rows padding: safe to run
-                self.backend.init_forward_metadata_capture_cuda_graph(fb)
-                for _ in range(WARMUP_RUNS):
-                    self._forward(fb)
-                self.capturer.synchronize()
-                # The forward reads the static batch and the backend: what a graph bakes in of them.
-                self.graphs[bs] = self.capturer.capture(lambda fb=fb: self._forward(fb),
-                                                        host_state=(fb, self.backend))
+                for variant in self.backend.decode_graph_variants(bs):
+                    self.backend.init_forward_metadata_capture_cuda_graph(fb, variant)
+                    for _ in range(WARMUP_RUNS):
+                        self._forward(fb)
+                    self.capturer.synchronize()
+                    # The forward reads the static batch and the backend: what a graph bakes in of them.
+                    self.graphs[bs, variant] = self.capturer.capture(lambda fb=fb: self._forward(fb),
+                                                                     host_state=(fb, self.backend))
                 used = (self.capturer.memory_in_use() - before) / 2**30
                 bar.set_postfix_str(f"bs={bs} mem={used:.2f} GiB")
         self.capturer.synchronize()
@@ -126,8 +131,9 @@ class CudaGraphRunner:
         static = self.static_batches[padded]
         self.buffers.load(fb, padded)
         static.seq_lens_cpu = fb.seq_lens_cpu + [self.buffers.seq_len_fill] * (padded - bs)
+        variant = self.backend.decode_graph_variant(static)
         self.backend.init_forward_metadata_replay_cuda_graph(static)
-        self.graphs[padded].replay()
+        self.graphs[padded, variant].replay()
         return self.buffers.logits[:bs]
 
     def info(self) -> dict:

@@ -15,6 +15,7 @@ import triton_mode
 from triton_mode import DEVICE, in_process
 
 from model_executor.forward_batch import ForwardMode
+from model_executor.layers.attention.torch_native import TorchNativeBackend
 from model_executor.layers.attention.triton_backend import TritonAttnBackend
 from runners.capture_lists import get_batch_sizes_to_capture, pick_size
 from runners.cuda_graph_runner import CudaGraphRunner
@@ -63,13 +64,14 @@ def runner(tiny_llama):
     return ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), max_running_requests=20, max_total_tokens=2048))
 
 
-def make_decode_batch(runner: ModelRunner, bs: int, seed: int, max_prompt: int = 30):
-    """bs requests with random prompts prefilled eagerly (one extend batch); returns the decode batch of
-    their next token, the request rows and the KV slots the decode step writes."""
+def make_decode_batch(runner: ModelRunner, bs: int, seed: int, max_prompt: int = 30, min_prompt: int = 2):
+    """bs requests with random prompts (min_prompt <= length < max_prompt) prefilled eagerly (one extend
+    batch); returns the decode batch of their next token, the request rows and the KV slots the decode step
+    writes."""
     g = torch.Generator().manual_seed(seed)
     rows, prompt_lens, prompt_ids, prompt_locs, last = [], [], [], [], []
     for _ in range(bs):
-        n = int(torch.randint(2, max_prompt, (1,), generator=g))
+        n = int(torch.randint(min_prompt, max_prompt, (1,), generator=g))
         ids = torch.randint(3, 320, (n,), generator=g).tolist()
         row = runner.req_to_token_pool.alloc()
         loc = runner.allocator.alloc(n)
@@ -239,3 +241,44 @@ def test_triton_replay_equals_eager(triton_runner, triton_graphs, decode_batch, 
     for after, ref, before in zip(_kv(runner), kv_eager, kv_before):
         torch.testing.assert_close(after[real], ref[real], rtol=1e-5, atol=1e-5)
         assert torch.equal(after[untouched], before[untouched])
+
+
+@in_process
+def test_triton_fused_rotary_decode_equals_unfused(triton_runner, decode_batch):
+    """The triton backend gets decode q/k unrotated and rotates them in its KV store kernel: logits and the
+    K/V it stores equal the unfused path's (the rotary as its own op, then the store: torch_native)."""
+    runner = triton_runner
+    fb, loc = decode_batch(runner, 3, seed=21, max_prompt=12)
+    assert runner.attn_backend.fuses_rotary(fb)
+    real = loc.to(DEVICE)
+    bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
+    fused = runner.forward_eager(fb).clone()
+    kv_fused = [buf[real].clone() for buf in bufs]
+    for buf in bufs:
+        buf[real] = float("nan")  # the unfused run must write them again
+    fb.attn_backend = TorchNativeBackend()
+    unfused = runner.model(fb.input_ids, fb.positions, fb)
+    torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4)
+    for ref, buf in zip(kv_fused, bufs):
+        torch.testing.assert_close(buf[real], ref, rtol=1e-5, atol=1e-5)
+
+
+@in_process
+@pytest.mark.parametrize("bs,min_prompt,max_prompt,plan", [(1, 2, 7, 1), (1, 8, 14, 2), (3, 8, 14, 1)])
+def test_triton_replay_takes_the_graph_of_the_batchs_split_plan(triton_runner, triton_graphs, decode_batch,
+                                                               monkeypatch, bs, min_prompt, max_prompt, plan):
+    """Batch size 1 may split (2 splits on the interpreter's stand-in SM count) and so has two graphs: the
+    split one for a batch whose longest request is over single_stage_max_len, the single-stage one else;
+    larger sizes have the single-stage graph only. The replay runs the graph of the plan eager would use."""
+    backend = triton_runner.attn_backend
+    monkeypatch.setattr(backend, "single_stage_max_len", 8)
+    assert sorted(triton_graphs.graphs) == [(1, 1), (1, 2), (2, 1), (4, 1)]
+    replayed = []
+    for key, graph in triton_graphs.graphs.items():
+        monkeypatch.setattr(graph, "replay", lambda key=key, replay=graph.replay: (replayed.append(key), replay()))
+    fb, _ = decode_batch(triton_runner, bs, seed=30 + min_prompt, min_prompt=min_prompt, max_prompt=max_prompt)
+    eager = triton_runner.forward_eager(fb).clone()
+    assert backend._decode_splits[1] == plan
+    graphed = triton_graphs.replay(fb)
+    assert replayed == [(pick_size(TRITON_SIZES, bs), plan)]
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)

@@ -60,9 +60,11 @@ def make_req_to_token(seq_lens, rows, num_slots, max_ctx, gen, device=DEVICE):
 
 
 def run_decode(mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits, sm_scale,
-               seq_dtype=torch.int32):
+               seq_dtype=torch.int32, min_chunk=None, workspace=None):
     bs, num_heads, head_dim = q.shape
-    attn_logits, attn_lse = mod.alloc_decode_workspace(bs + 2, num_heads, head_dim, num_kv_splits, q.device)
+    if workspace is None:
+        workspace = mod.alloc_decode_workspace(bs + 2, num_heads, head_dim, num_kv_splits, q.device)
+    attn_logits, attn_lse = workspace
     attn_logits.fill_(float("nan"))  # stale workspace must not leak into the result
     attn_lse.fill_(float("nan"))
     o = torch.full_like(q, float("nan"))
@@ -71,6 +73,7 @@ def run_decode(mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits
         torch.tensor(rows, dtype=torch.int64, device=q.device),
         torch.tensor(seq_lens, dtype=seq_dtype, device=q.device),
         attn_logits, attn_lse, num_kv_splits, sm_scale,
+        **({} if min_chunk is None else {"min_chunk": min_chunk}),
     )
     return o
 
@@ -158,10 +161,53 @@ def test_decode_half_precision():
 
 
 @in_process
-def test_get_num_kv_splits():
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 16])
+def test_decode_adaptive_splits_mixed_lengths(num_kv_splits):
+    """Short and long requests in one batch, each split by its own length (min_chunk 32: up to 16 chunks
+    here), one stage at num_kv_splits 1; lengths whose aligned chunks leave a last split empty (97 in 3)."""
+    gen = torch.Generator().manual_seed(4)
+    seq_lens = [1, 31, 33, 97, 250, 64, 515]
+    rows = [1, 2, 3, 4, 5, 6, 7]
+    req_to_token = make_req_to_token(seq_lens, rows, 1200, 600, gen)
+    k_buf, v_buf = make_pool(1200, 2, 64, torch.float32, gen)
+    q = torch.randn(len(rows), 8, 64, generator=gen).to(DEVICE)
+    o = run_decode(decode_mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits, 0.125, min_chunk=32)
+    ref = ref_decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, 0.125)
+    torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+
+
+@in_process
+def test_decode_splits_follow_each_requests_length():
+    """A request uses min(cdiv(len, min_chunk), num_kv_splits) splits: the workspace rows of its other
+    splits stay untouched (here NaN); one stage (num_kv_splits 1) touches no workspace at all."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, rows = [40, 100, 300], [1, 2, 3]
+    req_to_token = make_req_to_token(seq_lens, rows, 600, 320, gen)
+    k_buf, v_buf = make_pool(600, 1, 64, torch.float32, gen)
+    q = torch.randn(3, 2, 64, generator=gen).to(DEVICE)
+    ws = decode_mod.alloc_decode_workspace(3, 2, 64, 8, DEVICE)
+    run_decode(decode_mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, 8, 0.125, min_chunk=64, workspace=ws)
+    written = torch.isfinite(ws[1]).all(dim=1).cpu()  # [bs, splits]: lse written for every head
+    # 40 -> 1 split; 100 -> 2 (64 + 36); 300 -> 5 (cdiv(300, 5) = 60, aligned to 64: 64 x 4 + 44)
+    assert written.tolist() == [[i < n for i in range(8)] for n in (1, 2, 5)]
+    o = run_decode(decode_mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, 1, 0.125, workspace=ws)
+    assert torch.isnan(ws[0]).all() and torch.isnan(ws[1]).all()
+    torch.testing.assert_close(o, ref_decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, 0.125),
+                               atol=1e-4, rtol=1e-4)
+
+
+@in_process
+def test_split_plan():
     f = decode_mod.get_num_kv_splits
-    assert f(1) == 1 and f(256) == 1 and f(257) == 2 and f(1024) == 4 and f(4096) == 16 and f(131072) == 16
-    assert f(4096, max_splits=8) == 8
+    assert f(1) == 1 and f(64) == 1 and f(65) == 2 and f(1024) == 16 and f(131072) == 16
+    assert f(4096, min_chunk=256) == 16 and f(4096, max_splits=8) == 8 and f(1000, min_chunk=256) == 4
+    cap = decode_mod.decode_split_cap
+    # Llama-3.2-1B (32 heads, 8 KV heads: one head block per KV head) on 132 SMs, 2 programs per SM
+    assert [cap(bs, 32, 8, 132, 16, 2) for bs in (1, 2, 4, 8, 16, 32, 64)] == [16, 16, 8, 4, 2, 1, 1]
+    assert cap(1, 40, 2, 4, 16, 2) == 2  # a group of 20: two head blocks per KV head, 4 programs a split
+    assert cap(3, 32, 8, 132, 5, 2) == 5  # at most the workspace's splits
+    plan = decode_mod.decode_split_plan
+    assert plan(8, 128, 128) == 1 and plan(8, 129, 128) == 8 and plan(1, 5000, 128) == 1
 
 
 # ---------------------------------------------------------------- extend

@@ -48,7 +48,10 @@ class LlamaAttention(nn.Module):
                                           bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size)
         self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
-        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, hd**-0.5)
+        # Without q/k norms the attention layer applies the rotary (fused with the KV store where the
+        # backend can); Qwen3's norms and rotary run here, as one kernel on CUDA.
+        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, hd**-0.5,
+                                   rotary_emb=None if cfg.qk_norm else rotary_emb)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -56,15 +59,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if not self.qk_norm:
+            return self.o_proj(self.attn(q, k, v, fb, positions))
         t, hd = x.shape[0], self.attn.head_dim
         q, k = q.view(t, -1, hd), k.view(t, -1, hd)
-        if self.qk_norm and q.is_cuda:  # per head, then the rotary: one kernel, in place in the qkv output
+        if q.is_cuda:  # per head, then the rotary: one kernel, in place in the qkv output
             q, k = qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                 self.rotary_emb.cos_sin_cache)
-        elif self.qk_norm:
-            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
         else:
-            q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, fb)
         return self.o_proj(out)
 

@@ -1,5 +1,6 @@
 """Decode CUDA graphs on the GPU: replay equals eager at every size of the default capture list and at padded
-sizes between them; the shared pool."""
+sizes between them, with short prompts (the triton backend's single-stage decode graphs) and long ones (its
+split graphs, at the sizes that split); the shared pool."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from model_executor.configs import shape_path
-from runners.capture_lists import get_batch_sizes_to_capture
+from runners.capture_lists import get_batch_sizes_to_capture, pick_size
 from runners.cuda_graph_runner import CudaGraphRunner
 from runners.graph_seam import CudaGraphCapturer
 from runners.model_runner import ModelRunner, RunnerConfig
@@ -16,13 +17,18 @@ pytestmark = pytest.mark.gpu
 
 SIZES = get_batch_sizes_to_capture(256)  # the default list on an 80+ GiB GPU
 PADDED = [3, 5, 13, 31, 100, 255]  # between captured sizes: padding rows
+# Prompt lengths: short batches take the single-stage decode graph; long ones (over the backend's
+# single_stage_max_len) the split graph at the sizes where the split cap is above 1 (smaller batches).
+PROMPTS = {"short": (2, 30), "long": (130, 300)}
+LONG_SIZES = [s for s in SIZES if s <= 32] + [3, 5, 13, 31]
+CASES = [(bs, "short") for bs in SIZES + PADDED] + [(bs, "long") for bs in LONG_SIZES]
 
 
 @pytest.fixture(scope="module")
 def runner():
     # Rows and slots for the largest batch (prompts under 30 tokens) with room to spare.
     cfg = RunnerConfig(model_path=str(shape_path("smollm2-135m")), device="cuda", attention_backend="triton",
-                       max_running_requests=SIZES[-1] + 8, max_total_tokens=(SIZES[-1] + 8) * 40,
+                       max_running_requests=SIZES[-1] + 8, max_total_tokens=(SIZES[-1] + 8) * 64,
                        context_length=512, random_weights=True, disable_cuda_graph=True,
                        disable_piecewise_cuda_graph=True)
     return ModelRunner(cfg)
@@ -40,8 +46,8 @@ def decode_batch(runner):
 
     made = []
 
-    def make(bs, seed):
-        fb, rows, loc = make_decode_batch(runner, bs, seed)
+    def make(bs, seed, **kw):
+        fb, rows, loc = make_decode_batch(runner, bs, seed, **kw)
         made.append((rows, fb))
         return fb, loc
 
@@ -54,9 +60,10 @@ def _kv(runner) -> list[torch.Tensor]:
     return [buf.clone() for buf in runner.kv_cache.k_buffers + runner.kv_cache.v_buffers]
 
 
-@pytest.mark.parametrize("bs", SIZES + PADDED)
-def test_graph_replay_equals_eager(runner, graph_runner, decode_batch, bs):
-    fb, loc = decode_batch(bs, seed=100 + bs)
+@pytest.mark.parametrize("bs,prompts", CASES)
+def test_graph_replay_equals_eager(runner, graph_runner, decode_batch, bs, prompts):
+    low, high = PROMPTS[prompts]
+    fb, loc = decode_batch(bs, seed=100 + bs, min_prompt=low, max_prompt=high)
     with torch.inference_mode():
         kv_before = _kv(runner)
         eager = runner.forward_eager(fb).clone()
@@ -64,6 +71,9 @@ def test_graph_replay_equals_eager(runner, graph_runner, decode_batch, bs):
         graphed = graph_runner.replay(fb).clone()
     # Eager runs bs rows, the graph the padded size: bfloat16 GEMMs may pick other kernels and round apart.
     torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2)
+    # The plan the replay picked its graph by: single stage for short batches, else the padded size's cap.
+    backend = runner.attn_backend
+    assert backend._decode_splits[1] == (1 if prompts == "short" else backend.split_cap(pick_size(SIZES, bs)))
     real = loc.to(runner.device)
     untouched = torch.ones(kv_before[0].shape[0], dtype=torch.bool, device=runner.device)
     untouched[real] = False

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.layers.rotary_store_kv import rotary_store_kv
 from model_executor.memory_pool import KVCache
 
 pytestmark = pytest.mark.gpu
@@ -134,6 +135,34 @@ def test_store_kv_bf16(shape, num_tokens):
     assert torch.equal(pool.k_buffers[1], k_ref) and torch.equal(pool.v_buffers[1], v_ref)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_rotary_store_kv_bf16(shape, num_tokens):
+    """The decode rotary + KV store kernel against the rotary then the store (both fused ops), and against
+    the PyTorch path."""
+    _, _, num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    gen = torch.Generator(device=DEV).manual_seed(num_tokens)
+    rope = make_rope(head_dim)
+    pool, ref_pool = (KVCache(4096, 1, num_kv_heads, head_dim, BF16, DEV) for _ in range(2))
+    pool.k_buffers[0].normal_(generator=gen)
+    ref_pool.k_buffers[0].copy_(pool.k_buffers[0])
+    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    q_ref, k_ref = q.clone(), k.clone()
+    positions = torch.randint(0, 131072, (num_tokens,), generator=gen, device=DEV)
+    loc = torch.randperm(4096, generator=gen, device=DEV)[:num_tokens] + 1
+    nat_q, nat_k = rope.forward_native(positions, q, k)
+    q_ref, k_ref = rope(positions, q_ref, k_ref)
+    ref_pool.set_kv(0, loc, k_ref, v)
+    rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, pool.k_buffers[0], pool.v_buffers[0], loc)
+    # the same float32 arithmetic as the two kernels: equal up to how each compiles the multiply-adds
+    assert mismatch_fraction(q, q_ref) < 0.01 and mismatch_fraction(pool.k_buffers[0], ref_pool.k_buffers[0]) < 0.01
+    torch.testing.assert_close(q, q_ref, **LOOSE)
+    torch.testing.assert_close(pool.k_buffers[0], ref_pool.k_buffers[0], **LOOSE)
+    assert torch.equal(pool.v_buffers[0], ref_pool.v_buffers[0])
+    torch.testing.assert_close(q, nat_q, **LOOSE)
+    torch.testing.assert_close(pool.k_buffers[0][loc], nat_k, **LOOSE)
+
+
 def test_opcheck_cuda():
     gen = torch.Generator(device=DEV).manual_seed(0)
     x, res, w = randn(5, 576, gen=gen), randn(5, 576, gen=gen), randn(576, gen=gen)
@@ -179,6 +208,7 @@ def test_one_kernel_per_layer_call():
         "rotary": lambda: rope(positions, q, k),
         "silu_and_mul": lambda: act(gate_up),
         "set_kv": lambda: pool.set_kv(0, loc, k, v),
+        "rotary_store_kv": lambda: rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc),
     }
     if not _kernels_launched(lambda: x.add(1)):
         pytest.skip("the profiler sees no CUDA kernels here (no CUPTI?)")
@@ -217,9 +247,14 @@ def test_cuda_graph_replay(shape, num_tokens):
     loc = torch.zeros(num_tokens, dtype=torch.int64, device=DEV)
     gate_up = randn(num_tokens, 2 * inter, gen=gen)
 
+    fused_pool = KVCache(1024, 1, num_kv_heads, head_dim, BF16, DEV)
+    q_fused = torch.empty_like(q)
+
     def step():
         out_plain = norm(x)
         out, res_out = norm(x, residual)
+        q_fused.copy_(q)  # (the unrotated q, before the rotary below rotates q in place)
+        rotary_store_kv(positions, q_fused, k, v, rope.cos_sin_cache, *fused_pool.get_kv(0), loc)
         rope(positions, q, k)
         pool.set_kv(0, loc, k, v)
         return out_plain, out, res_out, act(gate_up)
@@ -250,6 +285,9 @@ def test_cuda_graph_replay(shape, num_tokens):
         kv_before[loc_new] = k  # the rotated k, written at the new slots
         assert torch.equal(pool.k_buffers[0], kv_before), replay
         assert torch.equal(pool.v_buffers[0][loc_new], v)
+        torch.testing.assert_close(q_fused, q, **LOOSE)  # the fused decode rotary + store, in the same graph
+        torch.testing.assert_close(fused_pool.k_buffers[0][loc_new], k, **LOOSE)
+        assert torch.equal(fused_pool.v_buffers[0][loc_new], v)
 
 
 # ---------------------------------------------------------------- timings (printed)
@@ -281,11 +319,18 @@ def _timing_pairs(shape, num_tokens, gen):
         pool.k_buffers[0][loc] = k.to(BF16)
         pool.v_buffers[0][loc] = v.to(BF16)
 
+    def rotary_then_set_kv():
+        rope(positions, q, k)
+        pool.set_kv(0, loc, k, v)
+
     return {
         "add+rmsnorm": (lambda: norm(x, residual), lambda: norm.forward_native(x, residual)),
         "rotary": (lambda: rope(positions, q, k), lambda: rope.forward_native(positions, q, k)),
         "silu_and_mul": (lambda: act(gate_up), lambda: act.forward_native(gate_up)),
         "set_kv": (lambda: pool.set_kv(0, loc, k, v), native_set_kv),
+        # the decode rotary + store kernel against the two fused ops it replaces (not PyTorch)
+        "rot+set_kv": (lambda: rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc),
+                       rotary_then_set_kv),
     }
 
 

@@ -127,7 +127,8 @@ def cuda_time_ms(fn, iters=20):
 
 @pytest.mark.parametrize("heads", HEAD_CONFIGS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
 @pytest.mark.parametrize("context", ["short", "long"])
-def test_decode_bf16(heads, context):
+@pytest.mark.parametrize("split", ["split", "one_stage", "min_chunk32"])
+def test_decode_bf16(heads, context, split):
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(1)
     if context == "short":
@@ -137,13 +138,15 @@ def test_decode_bf16(heads, context):
     pool = Pool(lens, num_kv_heads, head_dim)
     rows = list(range(1, len(lens) + 1))
     bs = len(lens)
-    splits = get_num_kv_splits(max(lens))
+    min_chunk = 32 if split == "min_chunk32" else decode_mod.MIN_CHUNK
+    splits = 1 if split == "one_stage" else get_num_kv_splits(max(lens), min_chunk=min_chunk)
     q = torch.randn(bs, num_heads, head_dim, device=DEV).to(torch.bfloat16)
     o = torch.empty_like(q)
     logits, lse = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
     sm_scale = 1.0 / math.sqrt(head_dim)
     decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, torch.tensor(rows, device=DEV),
-                         torch.tensor(lens, dtype=torch.int32, device=DEV), logits, lse, splits, sm_scale)
+                         torch.tensor(lens, dtype=torch.int32, device=DEV), logits, lse, splits, sm_scale,
+                         min_chunk=min_chunk)
     ref = decode_ref(pool, q, rows, lens, sm_scale)
     assert torch.isfinite(o).all()
     assert rel_err(o, ref) < 1e-2
@@ -151,14 +154,15 @@ def test_decode_bf16(heads, context):
         assert rel_err(o[b], ref[b]) < 1e-2, f"row {b} (len {lens[b]})"
 
 
-def test_decode_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("splits", [get_num_kv_splits(4096), 5, 1])
+def test_decode_cuda_graph_replay_matches_eager(splits):
     num_heads, num_kv_heads, head_dim = 32, 8, 128
     max_bs = 16
     gen = torch.Generator().manual_seed(2)
     lens = torch.randint(1, 4097, (max_bs,), generator=gen).tolist()
     lens[0] = 4096
+    lens[1] = 70  # a short request among long ones: few of the splits
     pool = Pool(lens, num_kv_heads, head_dim)
-    splits = get_num_kv_splits(4096)
     sm_scale = 1.0 / math.sqrt(head_dim)
 
     # static buffers, as a graph runner keeps them; padding rows: seq_len 1, request row 0 (slot 0)
@@ -242,10 +246,22 @@ def test_extend_bf16(heads, prefix_lens, extend_lens):
 # ---------------------------------------------------------------- timings (printed, for tuning)
 
 
-def _time_decode(bs, ctx, heads, monkeypatch, lines):
+def _decode_plan(bs, ctx, heads):
+    """The split count the triton backend would launch for this batch (decode_split_plan)."""
+    num_heads, num_kv_heads, _ = heads
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cap = decode_mod.decode_split_cap(bs, num_heads, num_kv_heads, sms, get_num_kv_splits(131072))
+    return decode_mod.decode_split_plan(cap, ctx)
+
+
+def _time_decode(bs, ctx, heads, monkeypatch, lines, splits=None, min_chunk=None, graph=False):
+    """One line: the decode kernels (both stages) at this batch, timed in a loop or inside a CUDA graph (the
+    graph leaves out launch overhead, as the decode graphs do)."""
     num_heads, num_kv_heads, head_dim = heads
     pool = Pool([ctx] * bs, num_kv_heads, head_dim, seed=4)
-    splits = get_num_kv_splits(ctx)
+    plan = _decode_plan(bs, ctx, heads)
+    splits = plan if splits is None else splits
+    min_chunk = decode_mod.MIN_CHUNK if min_chunk is None else min_chunk
     q = torch.randn(bs, num_heads, head_dim, device=DEV).to(torch.bfloat16)
     o = torch.empty_like(q)
     logits, lse = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
@@ -254,13 +270,15 @@ def _time_decode(bs, ctx, heads, monkeypatch, lines):
 
     def run():
         decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, rows, lens, logits, lse, splits,
-                             1.0 / math.sqrt(head_dim))
+                             1.0 / math.sqrt(head_dim), min_chunk=min_chunk)
 
-    ms = cuda_time_ms(run)
+    ms = graph_time_ms(run) if graph else cuda_time_ms(run)
     kv_bytes = 2 * bs * ctx * num_kv_heads * head_dim * 2
+    used = min(splits, -(-ctx // min_chunk))
     lines.append(f"decode {num_heads}q/{num_kv_heads}kv/{head_dim}d bs={bs:<4} ctx={ctx:<5} splits={splits:<2} "
-                 f"{ms * 1e3:8.1f} us  {kv_bytes / ms / 1e9:6.2f} TB/s of KV read")
-    if (bs, ctx) == (32, 4096):  # tile sweep
+                 f"(used {used:<2}) min_chunk={min_chunk:<4}{' [plan]' if splits == plan else '       '} "
+                 f"{'graph' if graph else 'loop '} {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e9:6.2f} TB/s of KV read")
+    if (bs, ctx) == (32, 4096) and not graph and splits == plan:  # tile sweep
         for block_n, warps, stages in [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (16, 4, 2)]:
             monkeypatch.setattr(decode_mod, "BLOCK_N", block_n)
             monkeypatch.setattr(decode_mod, "STAGE1_NUM_WARPS", warps)
@@ -298,6 +316,34 @@ def _time_extend(n_tok, heads, configs, lines):
     ms = cuda_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
         qs, ks, vs, is_causal=True, enable_gqa=True))
     lines.append(f"extend tokens={n_tok:<5} torch SDPA (contiguous K/V, no gather): {ms * 1e3:8.1f} us")
+
+
+def graph_time_ms(fn, calls=20, replays=20):
+    """ms per fn call, fn captured `calls` times in one CUDA graph (no launch overhead, as in decode graphs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(graph.replay, iters=replays) / calls
+
+
+def test_report_decode_split_plans(monkeypatch):
+    """Prints (run with -s) decode attention inside CUDA graphs, for the split plan the backend picks and
+    for other split counts and min_chunk values, at the Llama-3.2-1B and 8B head shapes: the numbers to tune
+    MIN_CHUNK, PROGRAMS_PER_SM and SINGLE_STAGE_MAX_LEN by (decode_attention.py). Asserts nothing."""
+    lines = []
+    for heads in [(32, 8, 64), (32, 8, 128)]:
+        for bs, ctx in [(1, 65), (1, 129), (1, 520), (1, 2048), (8, 520), (32, 520), (64, 520), (256, 520)]:
+            plan = _decode_plan(bs, ctx, heads)
+            for splits in sorted({1, 2, 4, 8, 16, plan}):
+                for min_chunk in ([32, 64, 128, 256] if splits > 1 else [decode_mod.MIN_CHUNK]):
+                    _time_decode(bs, ctx, heads, monkeypatch, lines, splits=splits, min_chunk=min_chunk, graph=True)
+    print("\n" + "\n".join(lines))
 
 
 def test_report_timings(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,10 +20,17 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Prepare per-batch metadata for an eager forward (default: nothing to prepare)."""
 
+    def fuses_rotary(self, fb: ForwardBatch) -> bool:
+        """Whether forward() takes this batch's q and k unrotated, with their positions, and applies the
+        layer's rotary itself while it stores K/V (`rotary_store_kv`): one kernel instead of two."""
+        return False
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
-                fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+                fb: ForwardBatch, out: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hk*D]. Stores the new K/V in the pool and attends into `out` [T, Hq*D]
-        (allocated when not given; the piecewise runner passes the buffer its next piece reads) and returns it."""
+        (allocated when not given; the piecewise runner passes the buffer its next piece reads) and returns it.
+        positions: given only where fuses_rotary(fb): q and k are then still to be rotated."""
         num_tokens = q.shape[0]
         if out is None:
             out = torch.empty_like(q)
@@ -30,12 +38,23 @@ class AttentionBackend(ABC):
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         o = out.view(num_tokens, layer.num_heads, layer.head_dim)
-        if fb.mode.is_decode():
+        if positions is not None:
+            if not fb.mode.is_decode():
+                raise ValueError("unrotated q/k reach the attention backend only in decode batches")
+            self.rotary_store_kv(positions, q, k, v, layer, fb)
+            self.forward_decode(q, layer, fb, o)
+        elif fb.mode.is_decode():
             fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
             self.forward_decode(q, layer, fb, o)
         else:
             self.forward_extend(q, k, v, layer, fb, o)
         return out
+
+    def rotary_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        layer: RadixAttention, fb: ForwardBatch) -> None:
+        """q: [bs, Hq, D] rotated in place; k rotated and stored with v at fb.out_cache_loc (backends whose
+        fuses_rotary can be True)."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary into its KV store")
 
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
@@ -55,8 +74,19 @@ class AttentionBackend(ABC):
         """Device bytes init_cuda_graph_state(max_bs) will allocate (reserved before the KV cache is sized)."""
         return 0
 
-    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
-        """Fill static metadata for a capture at fb.batch_size (fb holds the static buffers)."""
+    def decode_graph_variants(self, bs: int) -> tuple[Hashable, ...]:
+        """The decode kernel plans this backend may launch at batch size bs. A graph fixes its kernels'
+        grids, so the decode graph runner captures one graph per plan and replays the one
+        decode_graph_variant picks."""
+        return (None,)
+
+    def decode_graph_variant(self, fb: ForwardBatch) -> Hashable:
+        """The plan for a (padded) batch about to replay, from host values only (fb.seq_lens_cpu)."""
+        return None
+
+    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch, variant: Hashable = None) -> None:
+        """Fill static metadata for a capture at fb.batch_size (fb holds the static buffers) of the plan
+        `variant` (one of decode_graph_variants(fb.batch_size))."""
         self.init_forward_metadata(fb)
 
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:

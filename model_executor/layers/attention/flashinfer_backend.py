@@ -104,7 +104,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.graph_indices = torch.zeros(max_indices, dtype=torch.int32, device=self.device)
         self.graph_last_page = torch.ones(max_bs, dtype=torch.int32, device=self.device)
 
-    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
+    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch, variant=None) -> None:
         bs = fb.batch_size
         wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.graph_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,

@@ -1,5 +1,10 @@
 """RadixAttention: the model's attention layer; it holds the layer's shape and calls the backend.
 
+Given the model's RotaryEmbedding, it also applies the rotary: q and k come in unrotated. A backend that
+fuses the rotary into its KV store for the batch (AttentionBackend.fuses_rotary: triton, decode) gets
+them so, with the positions; everywhere else (other backends, extend batches, inside a piecewise pass)
+the rotary runs first, as its own op, and attention gets rotated q and k.
+
 While a piecewise extend pass runs (model_executor/layers/attention/forward_context.py), it calls the `duet::attention` op instead,
 which torch.compile sees as opaque and the piecewise runner splits the traced graph at; the op runs the
 same backend call on the real tokens. Otherwise: the plain backend call.
@@ -13,18 +18,33 @@ from torch import nn
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention import forward_context
 from model_executor.layers.attention.attention_op import unified_attention
+from model_executor.layers.rotary import RotaryEmbedding
 
 
 class RadixAttention(nn.Module):
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float):
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+                 rotary_emb: RotaryEmbedding | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+        self.rotary_emb = rotary_emb  # the model's shared table (a module registered here too, held once)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq*D], k, v: [T, Hk*D] -> [T, Hq*D]. With a rotary embedding, q and k are unrotated and
+        positions [T] is required."""
+        if self.rotary_emb is not None:
+            if positions is None:
+                raise ValueError("this attention layer applies the rotary embedding: positions are required")
+            # (inside a piecewise pass the op below is opaque to tracing: the rotary stays in the pieces)
+            if not forward_context.is_active() and fb.attn_backend.fuses_rotary(fb):
+                return fb.attn_backend.forward(q, k, v, self, fb, positions=positions)
+            t = q.shape[0]
+            q, k = self.rotary_emb(positions, q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim))
+            q, k = q.reshape(t, -1), k.reshape(t, -1)
         if forward_context.is_active():
             return unified_attention(q, k, v, self.layer_id)
         return fb.attn_backend.forward(q, k, v, self, fb)

@@ -6,11 +6,16 @@ before attention runs) are gathered from `k_buffer` / `v_buffer` through `req_to
 Stage 1 (grid `(bs, num_kv_heads * head_blocks, num_kv_splits)`): one program takes every query head of a
 KV head (GQA-grouped, up to BLOCK_H query heads per program) and one chunk of the positions; it writes the
 chunk's normalised partial output and its log-sum-exp into the workspace. Stage 2 (grid `(bs, num_heads)`)
-merges the chunks. The chunk bounds come from `seq_lens` read on the device, so the grid, the workspace and
-every launch argument are fixed for a batch size: the call is CUDA-graph capturable.
+merges the chunks. With num_kv_splits == 1 there is one stage: each program walks all its request's
+positions and writes the output itself (no workspace, no second launch).
 
-Chunking: a request of length L uses chunks of `round_up(cdiv(L, num_kv_splits), BLOCK_N)` positions, so
-short requests use fewer, fuller chunks; chunks past the end are empty and their programs only exit.
+Chunking, from `seq_lens` read on the device: a request of length L uses n = min(cdiv(L, min_chunk),
+num_kv_splits) chunks of `round_up(cdiv(L, n), BLOCK_N)` positions, so a short request uses few splits
+and their programs do real work; the programs of splits past a request's last chunk only exit, and stage 2
+merges only the chunks that were written. The grid, the workspace and every launch argument depend on the
+batch size and num_kv_splits alone: the call is CUDA-graph capturable, and a graph replays correctly for
+any lengths (`decode_split_plan` picks num_kv_splits from the batch size and, on the host, the longest
+request).
 """
 
 from __future__ import annotations
@@ -26,18 +31,42 @@ STAGE1_NUM_WARPS = 4
 STAGE1_NUM_STAGES = 2
 STAGE2_NUM_WARPS = 4
 
+# The split plan (decode_split_plan). Tunables, measured on the H200 by tests/gpu/test_triton_ops_gpu.py's
+# timing report: the fewest positions a split is given; the most splits a request may use (the workspace
+# size); the stage-1 programs per SM at which splitting stops paying (the GPU is full without it); the
+# longest request that still takes the single-stage kernel at a batch size where splits would be used.
+MIN_CHUNK = 64
+MAX_KV_SPLITS = 16
+PROGRAMS_PER_SM = 4
+SINGLE_STAGE_MAX_LEN = 128
+
 _LOG2E = 1.4426950408889634
 
 
-def get_num_kv_splits(max_context_len: int, min_chunk: int = 256, max_splits: int = 16) -> int:
-    """The split count for a pool whose requests may reach `max_context_len` tokens.
+def get_num_kv_splits(max_context_len: int, min_chunk: int = MIN_CHUNK, max_splits: int = MAX_KV_SPLITS) -> int:
+    """The most splits a request reaching `max_context_len` tokens can use: the workspace's split count.
 
-    A power of two such that a full-length request's chunks hold at least `min_chunk` positions, clamped
-    to [1, max_splits]: 1 up to 256 tokens, 4 at 1024, 16 from 4096 on. Shorter requests in the batch
-    simply leave the tail splits empty. Allocate the workspace with the same number.
+    cdiv(max_context_len, min_chunk) clamped to [1, max_splits].
     """
-    splits = triton.next_power_of_2(max(1, triton.cdiv(max_context_len, min_chunk)))
-    return max(1, min(splits, max_splits))
+    return max(1, min(triton.cdiv(max_context_len, min_chunk), max_splits))
+
+
+def stage1_programs_per_split(batch_size: int, num_heads: int, num_kv_heads: int) -> int:
+    return batch_size * num_kv_heads * triton.cdiv(num_heads // num_kv_heads, BLOCK_H)
+
+
+def decode_split_cap(batch_size: int, num_heads: int, num_kv_heads: int, num_sms: int, max_splits: int,
+                     programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """The split count (grid size) for a batch of this size: splits until the stage-1 grid fills the GPU
+    (programs_per_sm programs per SM), at most max_splits, at least 1 (one stage)."""
+    per_split = stage1_programs_per_split(batch_size, num_heads, num_kv_heads)
+    return max(1, min(max_splits, programs_per_sm * num_sms // per_split))
+
+
+def decode_split_plan(cap: int, max_seq_len: int, single_stage_max_len: int = SINGLE_STAGE_MAX_LEN) -> int:
+    """num_kv_splits for a batch whose decode_split_cap is `cap` and whose longest request has
+    max_seq_len tokens: 1 (one stage) when the batch is short, else cap."""
+    return 1 if max_seq_len <= single_stage_max_len else cap
 
 
 def alloc_decode_workspace(max_bs: int, num_heads: int, head_dim: int, num_kv_splits: int,
@@ -49,30 +78,33 @@ def alloc_decode_workspace(max_bs: int, num_heads: int, head_dim: int, num_kv_sp
 
 
 @triton.jit
-def _split_bounds(seq_len, split_id, NUM_KV_SPLITS: tl.constexpr, SPLIT_ALIGN: tl.constexpr):
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), SPLIT_ALIGN) * SPLIT_ALIGN
+def _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, SPLIT_ALIGN: tl.constexpr):
+    """Positions [start, end) of chunk split_id of a request of seq_len tokens (empty past its last chunk)."""
+    num_chunks = tl.minimum(tl.cdiv(seq_len, min_chunk), num_kv_splits)
+    per_split = tl.cdiv(tl.cdiv(seq_len, tl.maximum(num_chunks, 1)), SPLIT_ALIGN) * SPLIT_ALIGN
     start = per_split * split_id
     end = tl.minimum(start + per_split, seq_len)
-    return start, end
+    return start, end, num_chunks
 
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse,
-    qk_scale, v_scale,
+    Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse, O,
+    qk_scale, v_scale, num_kv_splits, min_chunk,
     stride_qb, stride_qh,
     stride_kbs, stride_kh,
     stride_vbs, stride_vh,
     stride_req_b,
     stride_mid_ob, stride_mid_oh, stride_mid_os,
     stride_lse_b, stride_lse_h,
+    stride_ob, stride_oh,
     KV_GROUP_NUM: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr,
+    SINGLE_STAGE: tl.constexpr,
     IN_PRECISION: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
@@ -92,9 +124,15 @@ def _decode_stage1_kernel(
 
     seq_len = tl.load(Seq_lens + cur_batch).to(tl.int32)
     req_row = tl.load(Req_pool_indices + cur_batch).to(tl.int64)
-    split_start, split_end = _split_bounds(seq_len, split_id, NUM_KV_SPLITS, BLOCK_N)
+    if SINGLE_STAGE:  # every position; a request of no tokens still writes its output (zeros)
+        split_start = seq_len * 0
+        split_end = seq_len
+        has_work = split_end >= split_start
+    else:
+        split_start, split_end, _ = _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, BLOCK_N)
+        has_work = split_end > split_start
 
-    if split_end > split_start:
+    if has_work:
         q = tl.load(Q + cur_batch.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -119,22 +157,28 @@ def _decode_stage1_kernel(
             e_sum = e_sum * re_scale + tl.sum(p, 1)
             e_max = n_e_max
 
-        mid_o = (cur_batch * stride_mid_ob + heads[:, None] * stride_mid_oh + split_id * stride_mid_os
-                 + offs_d[None, :])
-        tl.store(Att_Out + mid_o, acc * (v_scale / e_sum)[:, None], mask=mask_h[:, None] & mask_d[None, :])
-        mid_lse = cur_batch * stride_lse_b + heads * stride_lse_h + split_id
-        tl.store(Att_Lse + mid_lse, e_max + tl.log2(e_sum), mask=mask_h)
+        mask_hd = mask_h[:, None] & mask_d[None, :]
+        if SINGLE_STAGE:
+            out = acc * (v_scale / tl.maximum(e_sum, 1e-30))[:, None]
+            tl.store(O + cur_batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(O.dtype.element_ty), mask=mask_hd)
+        else:
+            mid_o = (cur_batch * stride_mid_ob + heads[:, None] * stride_mid_oh + split_id * stride_mid_os
+                     + offs_d[None, :])
+            tl.store(Att_Out + mid_o, acc * (v_scale / e_sum)[:, None], mask=mask_hd)
+            mid_lse = cur_batch * stride_lse_b + heads * stride_lse_h + split_id
+            tl.store(Att_Lse + mid_lse, e_max + tl.log2(e_sum), mask=mask_h)
 
 
 @triton.jit
 def _decode_stage2_kernel(
     Att_Out, Att_Lse, O, Seq_lens,
+    num_kv_splits, min_chunk,
     stride_mid_ob, stride_mid_oh, stride_mid_os,
     stride_lse_b, stride_lse_h,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
@@ -151,9 +195,10 @@ def _decode_stage2_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     mid_o = Att_Out + cur_batch * stride_mid_ob + cur_head * stride_mid_oh + offs_d
     mid_lse = Att_Lse + cur_batch * stride_lse_b + cur_head * stride_lse_h
-    for split_id in range(NUM_KV_SPLITS):
-        split_start, split_end = _split_bounds(seq_len, split_id, NUM_KV_SPLITS, SPLIT_ALIGN)
-        if split_end > split_start:  # empty splits wrote nothing: their workspace is stale
+    _, _, num_chunks = _split_bounds(seq_len, 0, num_kv_splits, min_chunk, SPLIT_ALIGN)
+    for split_id in range(num_chunks):  # the request's own chunks only: the rest of the workspace is stale
+        split_start, split_end, _ = _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, SPLIT_ALIGN)
+        if split_end > split_start:  # rounding to SPLIT_ALIGN can leave a last chunk empty: it wrote nothing
             part = tl.load(mid_o + split_id * stride_mid_os, mask=mask_d, other=0.0)
             lse = tl.load(mid_lse + split_id)
             n_e_max = tl.maximum(lse, e_max)
@@ -183,6 +228,7 @@ def decode_attention_fwd(
     sm_scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    min_chunk: int = MIN_CHUNK,
 ) -> None:
     """Decode attention; writes `o` in place.
 
@@ -190,10 +236,13 @@ def decode_attention_fwd(
     k_buffer, v_buffer: [num_slots + 1, num_kv_heads, head_dim] (last dim contiguous).
     req_to_token: int32 [num_rows, max_context_len]; req_pool_indices: [bs] row of each request;
     seq_lens: [bs] int32/int64 KV length of each request, the new token included (read on the device).
-    attn_logits: float32 [>= bs, num_heads, num_kv_splits, head_dim]; attn_lse: float32
-    [>= bs, num_heads, num_kv_splits] - workspace, contents need not be initialised.
-    num_kv_splits: fixed split count (see `get_num_kv_splits`); sm_scale: softmax scale.
-    k_scale, v_scale: the pool's dequantization scales (an FP8 pool holds K / k_scale, V / v_scale).
+    attn_logits: float32 [>= bs, num_heads, >= num_kv_splits, head_dim]; attn_lse: float32
+    [>= bs, num_heads, >= num_kv_splits] - workspace, contents need not be initialised (unused when
+    num_kv_splits is 1).
+    num_kv_splits: the most chunks a request is split into (the grid; see decode_split_plan); 1: one stage.
+    min_chunk: a request of L tokens uses min(cdiv(L, min_chunk), num_kv_splits) chunks.
+    sm_scale: softmax scale; k_scale, v_scale: the pool's dequantization scales (an FP8 pool holds
+    K / k_scale, V / v_scale).
     No host reads of device data, no allocations: safe to capture in a CUDA graph.
     """
     bs, num_heads, head_dim = q.shape
@@ -202,6 +251,7 @@ def decode_attention_fwd(
     assert k_buffer.shape[2] == head_dim and v_buffer.shape[2] == head_dim and o.shape == q.shape
     assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
     assert req_to_token.stride(-1) == 1
+    assert num_kv_splits >= 1 and min_chunk >= 1
     assert attn_logits.dtype == torch.float32 and attn_lse.dtype == torch.float32
     assert attn_logits.shape[0] >= bs and attn_logits.shape[1] == num_heads
     assert attn_logits.shape[2] >= num_kv_splits and attn_logits.shape[3] == head_dim
@@ -214,35 +264,39 @@ def decode_attention_fwd(
     head_blocks = triton.cdiv(group, BLOCK_H)
     block_d = triton.next_power_of_2(head_dim)
     in_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy
+    single_stage = num_kv_splits == 1
 
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse,
-        sm_scale * k_scale * _LOG2E, v_scale,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse, o,
+        sm_scale * k_scale * _LOG2E, v_scale, num_kv_splits, min_chunk,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
+        o.stride(0), o.stride(1),
         KV_GROUP_NUM=group,
         HEAD_BLOCKS=head_blocks,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,
-        NUM_KV_SPLITS=num_kv_splits,
+        SINGLE_STAGE=single_stage,
         IN_PRECISION=in_precision,
         num_warps=STAGE1_NUM_WARPS,
         num_stages=STAGE1_NUM_STAGES,
     )
+    if single_stage:
+        return
     _decode_stage2_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens,
+        num_kv_splits, min_chunk,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        NUM_KV_SPLITS=num_kv_splits,
         SPLIT_ALIGN=BLOCK_N,
         num_warps=STAGE2_NUM_WARPS,
     )
