@@ -78,6 +78,6 @@ def _(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights):
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, renormalize: bool = False, round_weights: bool = False) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] float32
-    (or x's dtype); topk_ids: [T, k] int64. Returns [T, H] in x's dtype."""
+    (or x's dtype); topk_ids: [T, k] int32 or int64. Returns [T, H] in x's dtype."""
     op = torch.ops.duet.fused_experts if _tracing() else _fused_experts_impl
     return op(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights)

@@ -90,6 +90,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
 
 def _align_torch(flat: torch.Tensor, block_m: int, num_experts: int, max_padded: int, max_blocks: int):
     """The same result from torch ops of fixed sizes (no host sync): for large batches."""
+    flat = flat.long()  # the fused router's ids are int32; scatter indices are int64
     numel, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))

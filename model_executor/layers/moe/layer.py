@@ -14,18 +14,9 @@ from torch import nn
 
 from model_executor.layers.linear import LinearBase, _copy_into
 from model_executor.layers.moe.fused_moe import fused_experts
+from model_executor.layers.moe.router import select_experts
 
 GATE, UP, DOWN = 0, 1, 2
-
-
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in float32, the top_k of them (torch.topk, as HF: ties resolve the same
-    way), renormalised to sum to one when the model does. Returns (weights float32 [T, k], ids int64 [T, k])."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 class FusedMoE(nn.Module):
@@ -59,9 +50,9 @@ class FusedMoE(nn.Module):
         return [f"{e}/{p}" for e in range(self.num_experts) for p in projs]
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        # The renormalisation and the rounding happen inside fused_experts (in the Triton GEMM on CUDA).
-        weights, ids = select_experts(router_logits, self.top_k, renormalize=False)
-        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, self.renormalize,
+        # The router renormalises (one kernel on CUDA); the rounding happens inside fused_experts.
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, False,
                              self.router_weights_in_model_dtype)
 
 
