@@ -26,7 +26,7 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_exper
     j = tl.arange(0, TOP_K_P2)
     weights = tl.zeros((BLOCK_T, TOP_K_P2), dtype=tl.float32)
     ids = tl.zeros((BLOCK_T, TOP_K_P2), dtype=tl.int32)
-    free = e_valid[None, :] & (x == x)  # not yet taken
+    free = e_valid[None, :] & (t_safe[:, None] >= 0)  # [BLOCK_T, BLOCK_E]: not taken yet
     for slot in tl.static_range(TOP_K):
         # The largest logit left; of equal ones the lowest expert index.
         best = tl.max(tl.where(free, x, float("-inf")), axis=1)
