@@ -161,7 +161,8 @@ def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
 
     calls = []
 
-    def triton_path(x, w13, w2, weights, ids, renormalize, round_weights):
+    def triton_path(x, w13, w2, weights, ids, renormalize, round_weights, w13_scale, w2_scale, block_n, block_k):
+        assert w13_scale is None and not block_n
         calls.append(x.shape[0])
         return kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize, round_weights,
                                             config=dict(SMALL, BLOCK_N=64, BLOCK_K=64))
