@@ -236,8 +236,8 @@ def test_random_fp8_experts_and_the_start_up_line(tiny_moe, caplog):
     with caplog.at_level("INFO", logger="duet.moe"):
         model = init_random_weights(build_model(cfg, torch.bfloat16, "cpu", quant=QuantConfig("fp8")))
     lines = [r.getMessage() for r in caplog.records if r.name == "duet.moe"]
-    assert lines == ["MoE under fp8: experts FP8 weight-only, per-output-channel scales quantized at load; the "
-                     "router's gate unquantized (model dtype)"]
+    assert lines == [("MoE under fp8: experts FP8 weight-only, per-output-channel scales quantized at load; the "
+                      "router's gate unquantized (model dtype)")]
     experts = model.model.layers[1].mlp.experts
     deq = experts.w13_weight[2].float() * experts.w13_weight_scale[2][:, None]
     assert 0.015 < deq.std().item() < 0.025  # std 0.02, as the bf16 draw
