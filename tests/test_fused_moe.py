@@ -192,3 +192,35 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
         assert tuning.get_config(8, 96, 128, 40, "cpu") == tuning.default_config(40)  # no table for this shape
     finally:
         tuning.load_table.cache_clear()
+
+
+def test_tuned_fp8_table_and_fallback(tmp_path, monkeypatch, caplog):
+    """FP8 experts read their own table (`,dtype=fp8_w8`), else the shape's bf16 table; with neither, the
+    default configs, said once per shape on a GPU. The names are the tuner's (tuning.table_path)."""
+    import json
+
+    from model_executor.layers.moe import tuning
+
+    bf16 = {k: 1 for k in tuning.KEYS}
+    fp8 = {k: 3 for k in tuning.KEYS}
+    name = tuning.table_path(8, 96, 64, "NVIDIA_H200", "fp8_w8").name
+    assert name == "E=8,N=96,K=64,device=NVIDIA_H200,dtype=fp8_w8.json"
+    (tmp_path / tuning.table_path(8, 96, 64, "cpu").name).write_text(json.dumps({"1": bf16}))
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    tuning.load_table.cache_clear()
+    tuning._no_table.cache_clear()
+    try:
+        assert tuning.get_config(8, 96, 64, 1, "cpu", "fp8_w8") == bf16  # no FP8 table: the bf16 one
+        (tmp_path / tuning.table_path(8, 96, 64, "cpu", "fp8_w8").name).write_text(json.dumps({"1": fp8}))
+        tuning.load_table.cache_clear()
+        assert tuning.get_config(8, 96, 64, 1, "cpu", "fp8_w8") == fp8
+        assert tuning.get_config(8, 96, 64, 1, "cpu") == bf16
+        monkeypatch.setattr(tuning, "device_name", lambda device: "NVIDIA_H200")
+        with caplog.at_level("WARNING", logger="duet.moe"):
+            assert tuning.get_config(8, 96, 64, 1, "cuda") == tuning.default_config(1)
+            tuning.get_config(8, 96, 64, 2, "cuda")
+        said = [r.getMessage() for r in caplog.records if r.name == "duet.moe"]
+        assert len(said) == 1 and "E=8,N=96,K=64,device=NVIDIA_H200.json" in said[0]
+    finally:
+        tuning.load_table.cache_clear()
+        tuning._no_table.cache_clear()
