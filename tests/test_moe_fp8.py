@@ -260,3 +260,25 @@ def test_block_moe_intermediate_not_a_block_multiple_is_refused(tiny_moe):
     with pytest.raises(QuantizationError, match="intermediate size 48 is not a multiple of the block 32"):
         build_model(ModelConfig.from_pretrained(path), torch.bfloat16, "meta",
                     quant=QuantConfig("fp8_block", block=(32, 32)))
+
+
+def test_fp8_moe_block_and_router_op_trace_as_one_graph():
+    """The FP8 experts' scales pass through the opaque duet::fused_experts op under dynamo (the piecewise
+    runner traces the backbone fullgraph), and so does the router op (what CUDA calls while tracing)."""
+    from model_executor.layers.moe.layer import SparseMoeBlock
+    from model_executor.layers.quantization import quantization_context
+
+    with quantization_context(QuantConfig("fp8")):
+        block = SparseMoeBlock(4, 2, 32, 32, renormalize=True)
+    init_random_weights(block, std=0.2)
+    x = torch.randn(5, 32)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(block, backend="eager", fullgraph=True, dynamic=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), block(x))
+        router = torch.compile(lambda t: torch.ops.duet.topk_softmax(t, 2, True), backend="eager", fullgraph=True)
+        w, ids = router(x[:, :4])
+        assert ids.tolist() == select_experts(x[:, :4], 2, True)[1].tolist()
+    finally:
+        torch._dynamo.reset()

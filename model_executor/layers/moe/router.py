@@ -36,7 +36,8 @@ def _topk_softmax_impl(router_logits: torch.Tensor, top_k: int, renormalize: boo
         from model_executor.layers.moe import router_kernel
 
         return router_kernel.topk_softmax(router_logits, top_k, renormalize)
-    return select_experts_torch(router_logits, top_k, renormalize)
+    weights, ids = select_experts_torch(router_logits, top_k, renormalize)
+    return weights, ids.to(torch.int32)  # the op's ids are int32 on every device (its fake impl says so)
 
 
 _topk_softmax_op = torch.library.custom_op("duet::topk_softmax", _topk_softmax_impl, mutates_args=())
