@@ -278,7 +278,7 @@ def test_fp8_moe_block_and_router_op_trace_as_one_graph():
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), block(x))
         router = torch.compile(lambda t: torch.ops.duet.topk_softmax(t, 2, True), backend="eager", fullgraph=True)
-        w, ids = router(x[:, :4])
+        _, ids = router(x[:, :4])
         assert ids.tolist() == select_experts(x[:, :4], 2, True)[1].tolist()
     finally:
         torch._dynamo.reset()
