@@ -224,3 +224,36 @@ def test_tuned_fp8_table_and_fallback(tmp_path, monkeypatch, caplog):
     finally:
         tuning.load_table.cache_clear()
         tuning._no_table.cache_clear()
+
+
+def test_tuner_writes_the_tables_tuning_reads(tmp_path, monkeypatch):
+    """tune_fused_moe's tables land in --out under the names moe/tuning.py looks up (bf16 and FP8), each token
+    count mapped to its fastest config (the default when nothing beats it). Timing is stubbed: no GPU here."""
+    import json
+
+    from benchmarks import tune_fused_moe as tuner
+    from model_executor.layers.moe import tuning
+    from model_executor.model_config import ModelConfig
+
+    tiny = ModelConfig.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "moe_intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True})
+    monkeypatch.setattr(tuner, "DEVICE", "cpu")
+    monkeypatch.setattr(tuner.ModelConfig, "from_pretrained", staticmethod(lambda path: tiny))
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    seen = []
+
+    def fake_time(x, w13, w2, weights, ids, config, flags, scales):
+        seen.append((w13.dtype, scales[0] is not None, flags))
+        return 10.0 if config == tuning.default_config(x.shape[0]) else 5.0 + config["BLOCK_N"] / config["BLOCK_K"]
+
+    monkeypatch.setattr(tuner, "time_config", fake_time)
+    assert tuner.main(["--model", "qwen3-30b-a3b", "--dtype", "bf16", "fp8", "--quick", "--batch-size", "1", "64",
+                       "--out", str(tmp_path)]) == 0
+    for dtype in (None, "fp8_w8"):
+        table = json.loads((tmp_path / tuning.table_path(8, 32, 32, "cpu", dtype).name).read_text())
+        assert list(table) == ["1", "64"]
+        assert table["1"]["BLOCK_N"] == 32 and table["1"]["BLOCK_K"] == 256  # the stub's fastest
+    assert {s[:2] for s in seen} == {(torch.bfloat16, False), (torch.float8_e4m3fn, True)}
+    assert {s[2] for s in seen} == {(False, True)}  # the router renormalises; Qwen3-MoE rounds in the GEMM

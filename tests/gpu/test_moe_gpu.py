@@ -25,7 +25,7 @@ from model_executor.configs import shape_path
 from model_executor.layers.moe import kernels, router_kernel
 from model_executor.layers.moe.fused_moe import fused_experts_torch
 from model_executor.layers.moe.router import select_experts, select_experts_torch
-from model_executor.layers.quantization.fp8_math import quantize_fp8_per_channel
+from model_executor.layers.quantization.fp8_math import quantize_fp8_block, quantize_fp8_per_channel
 from runners.capture_lists import get_batch_sizes_to_capture, get_token_levels
 from runners.cuda_graph_runner import CudaGraphRunner
 from runners.model_runner import ModelRunner, RunnerConfig
@@ -37,24 +37,27 @@ DECODE_BS = [1, 2, 3, 4, 7, 8, 16, 24, 32, 48, 64, 96, 128, 160, 200, 256]
 LEVELS = get_token_levels(2048)
 
 
-WEIGHTS = ["bf16", "fp8"]
+WEIGHTS = ["bf16", "fp8", "fp8_block"]
+BLOCK = (128, 128)  # the Qwen3 -FP8 checkpoints' tile
 
 
-def _quantize(w):
-    pairs = [quantize_fp8_per_channel(e) for e in w]
+def _quantize(w, block=None):
+    pairs = [quantize_fp8_block(e, block) if block else quantize_fp8_per_channel(e) for e in w]
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 @pytest.fixture(scope="module", params=WEIGHTS)
 def experts(request):
-    """(w13, w2, scales): bf16 experts, or the same experts in FP8 with per-row scales."""
+    """(w13, w2, fp8 args): bf16 experts, or the same experts in FP8 with per-row scales (online
+    quantization) or 128x128 tile scales (block-quantized checkpoints)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.02).bfloat16()
     w2 = (torch.randn(E, H, I, device="cuda", generator=g) * 0.02).bfloat16()
     if request.param == "bf16":
         return w13, w2, {}
-    (w13, s13), (w2, s2) = _quantize(w13), _quantize(w2)
-    return w13, w2, {"w13_scale": s13, "w2_scale": s2}
+    block = BLOCK if request.param == "fp8_block" else None
+    (w13, s13), (w2, s2) = _quantize(w13, block), _quantize(w2, block)
+    return w13, w2, {"w13_scale": s13, "w2_scale": s2, "block": block}
 
 
 def routed(num_tokens, seed):
@@ -70,7 +73,8 @@ def test_fused_moe_matches_torch(experts, num_tokens):
     """FP8: the torch path dequantizes each expert to bf16 first, the kernel scales the float32 products."""
     w13, w2, scales = experts
     x, weights, ids = routed(num_tokens, seed=num_tokens)
-    ref = fused_experts_torch(x, w13, w2, weights, ids, True, True, scales.get("w13_scale"), scales.get("w2_scale"))
+    ref = fused_experts_torch(x, w13, w2, weights, ids, True, True, scales.get("w13_scale"), scales.get("w2_scale"),
+                              scales.get("block"))
     out = kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize=True, round_weights=True, **scales)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=5e-3)  # outputs ~0.1: a bug is off by O(0.1)
 
