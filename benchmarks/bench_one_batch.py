@@ -9,8 +9,8 @@ distinct experts under uniform routing), each expert's w13 and w2.
     python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
     python -m benchmarks.bench_one_batch --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 ...
 
-With --quantization fp8 the floor is the FP8 weights' read time (FP8 linears and their scales, the
-embedding and LM head in bf16).
+With --quantization fp8 the floor is the FP8 weights' read time (FP8 linears and MoE experts and their
+scales; the embedding, LM head and MoE routers' gates in bf16).
 
 --tp-size N runs N spawned ranks (one GPU each, NCCL; gloo on CPU), every rank timing the same batches;
 rank 0 reports. The weight floor is then one rank's shard over one GPU's bandwidth.
