@@ -54,8 +54,7 @@ def fp8_experts(num_experts, hidden, inter, block, seed):
 
 @in_process
 @pytest.mark.parametrize("block", [None, (16, 32)])
-@pytest.mark.parametrize("num_tokens,dtype", [(1, torch.float32), (5, torch.float32), (33, torch.float32),
-                                              (17, torch.bfloat16)])
+@pytest.mark.parametrize("num_tokens,dtype", [(1, torch.float32), (33, torch.float32), (17, torch.bfloat16)])
 def test_fp8_expert_gemm_matches_dequantized_reference(block, num_tokens, dtype):
     """Weight-only FP8 experts (E=8, H=64, I=48, top 3): the Triton GEMMs (FP8 tiles converted in registers;
     per-row scales in the epilogue, tile scales on each tile) equal the torch path on the dequantized weights."""
@@ -140,17 +139,17 @@ def _runner(path, monkeypatch, quant: QuantConfig | None):
 
 def test_fp8_moe_model_logits_close_to_bf16(tiny_moe, monkeypatch):
     """The tiny Qwen3-MoE under --quantization fp8 (reference path: W8A8 linears, weight-only FP8 experts)
-    against HF float32: logits of a prefill and 4 decode steps within 20% relative (measured: 0.156; with
-    only the linears in FP8 0.154, only the experts 0.023, bf16 alone 0.017: the linears' per-token FP8
+    against HF float32: logits of a prefill and 2 decode steps within 20% relative (measured: 0.156; with
+    only the linears in FP8 0.154, only the experts 0.023, bf16 alone 0.016: the linears' per-token FP8
     activations dominate). Wrong scales or rows are off by O(1) or more."""
     from test_model_vs_hf import run_prefill_and_decode
 
     path, hf_model = tiny_moe
     prompts = [[5, 9, 200, 31, 7, 64, 12], [40, 41]]
-    bf16 = run_prefill_and_decode(_runner(path, monkeypatch, None), hf_model, prompts, decode_steps=4)
+    bf16 = run_prefill_and_decode(_runner(path, monkeypatch, None), hf_model, prompts, decode_steps=2)
     runner = _runner(path, monkeypatch, QuantConfig("fp8"))
     assert runner.model.model.layers[2].mlp.experts.w2_weight.dtype == FP8
-    fp8 = run_prefill_and_decode(runner, hf_model, prompts, decode_steps=4)
+    fp8 = run_prefill_and_decode(runner, hf_model, prompts, decode_steps=2)
     print(f"rel err vs HF float32: bf16 {max(bf16):.4f}, fp8 {max(fp8):.4f}")
     assert max(bf16) < 0.02, bf16
     assert max(fp8) < 0.2, fp8
