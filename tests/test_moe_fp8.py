@@ -281,3 +281,14 @@ def test_fp8_moe_block_and_router_op_trace_as_one_graph():
         assert ids.tolist() == select_experts(x[:, :4], 2, True)[1].tolist()
     finally:
         torch._dynamo.reset()
+
+
+def test_bench_floor_counts_fp8_experts_and_their_scales(tiny_moe):
+    """bench_one_batch's MoE floor with FP8 experts: one byte per expert weight, the scales of the experts a
+    step reads (not all of them)."""
+    from benchmarks.bench_one_batch import step_read_bytes, weight_bytes
+
+    path, _ = tiny_moe
+    model = build_model(ModelConfig.from_pretrained(path), torch.bfloat16, "cpu", quant=QuantConfig("fp8"))
+    per_expert = (2 * 48 * 64 + 64 * 48) * 1 + (2 * 48 + 64) * 4  # FP8 codes, float32 per-row scales
+    assert step_read_bytes(model, 1) == weight_bytes(model) - 2 * (8 - 3) * per_expert  # two MoE layers, top 3
