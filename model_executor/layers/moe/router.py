@@ -8,7 +8,7 @@ returns int64 ids as torch.topk does.
 
 Ties: the kernel ranks the float32 logits (softmax is monotonic) and gives an exact tie to the lower expert
 index, as sorting the probabilities stably would. torch.topk documents no tie order and on the CPU does not
-keep the lower index (it may pick expert 5 over expert 2 of equal logits), so at an exact tie on the k-th
+keep the lower index (of equal logits it may take the higher expert), so at an exact tie on the k-th
 place the two paths may choose different experts of equal weight; without ties they choose the same ones.
 
 While something traces (dynamo, FakeTensorMode) the CUDA call goes through the registered
