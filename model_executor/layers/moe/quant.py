@@ -52,15 +52,14 @@ def _param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dty
 class UnquantizedExperts:
     """w13_weight [E, 2I, H] (gate rows, then up rows) and w2_weight [E, H, I] in the model dtype."""
 
-    block: tuple[int, int] | None = None
+    block: tuple[int, int] | None = None  # the tile of block scales (None: per-row scales, or none)
+    weight_dtype: torch.dtype | None = None  # None: the model dtype
+    load_dtype: torch.dtype | None = None  # what checkpoint tensors are converted to before load()
 
     def create_weights(self, layer: nn.Module) -> None:
         e, i, h = layer.num_experts, layer.intermediate_size, layer.hidden_size
         _param(layer, "w13_weight", (e, 2 * i, h), self.weight_dtype, self.load_dtype)
         _param(layer, "w2_weight", (e, h, i), self.weight_dtype, self.load_dtype)
-
-    weight_dtype: torch.dtype | None = None  # None: the model dtype
-    load_dtype: torch.dtype | None = None
 
     @staticmethod
     def rows(layer: nn.Module, t: torch.Tensor, expert: int, proj: int, per: int = 1) -> torch.Tensor:
