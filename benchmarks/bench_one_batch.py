@@ -98,7 +98,9 @@ def step_read_bytes(model: torch.nn.Module, bs: int) -> int:
 
     total = weight_bytes(model)
     for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
-        per_expert = (moe.w13_weight[0].numel() + moe.w2_weight[0].numel()) * moe.w13_weight.element_size()
+        # w13 and w2 (and FP8 experts' scales: every tensor of the layer is indexed by expert first)
+        own = (*moe.parameters(recurse=False), *moe.buffers(recurse=False))
+        per_expert = sum(t.numel() * t.element_size() for t in own) // moe.num_experts
         distinct = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** bs)
         total += round(distinct * per_expert) - moe.num_experts * per_expert
     return total

@@ -36,6 +36,7 @@ from model_executor.model_config import ModelConfig
 DEFAULT_BS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]  # decode; add extend sizes by --batch-size
 QUICK_BS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 REPEAT = 10
+DEVICE = "cuda"  # (a CPU test swaps it, with a stand-in for time_config)
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory a config may plan for (an H100/H200 SM has 227 KiB)
 DTYPES = {"bf16": None, "fp8": "fp8_w8"}  # --dtype -> the table's dtype key (tuning.table_path)
 
@@ -53,7 +54,9 @@ def candidates(num_tokens: int, quick: bool = False) -> list[dict]:
     for bm, bn, bk, (warps, stages) in grid:
         if stages * (bm * bk + 2 * bk * bn) * 2 > SMEM_BUDGET:
             continue  # the gated GEMM's A tile and two B tiles per stage would not fit (compiling it fails)
-        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1 if num_tokens <= 64 else 8,
+        # GROUP_M only orders the programs (few M blocks at decode sizes); quick keeps fewer distinct compiles
+        group_m = (8 if bm >= 64 else 1) if quick else (1 if num_tokens <= 64 else 8)
+        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
                     "num_warps": warps, "num_stages": stages})
     return out
 
@@ -93,9 +96,9 @@ def tune(model: str, dtype: str, batch_sizes: list[int], quick: bool, out_dir: P
     cfg = ModelConfig.from_pretrained(shape_path(model))
     num_experts, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     top_k = cfg.num_experts_per_tok
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=g) * 0.02).bfloat16()
-    w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=g) * 0.02).bfloat16()
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=g) * 0.02).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, device=DEVICE, generator=g) * 0.02).bfloat16()
     scales = (None, None)
     if dtype == "fp8":  # quantized per row, expert by expert (as the online loader does)
         w13, s13 = quantize_experts(w13)
@@ -103,7 +106,7 @@ def tune(model: str, dtype: str, batch_sizes: list[int], quick: bool, out_dir: P
         scales = (s13, s2)
     table, timings = {}, {}
     t0 = time.perf_counter()
-    print(f"{model} {dtype}: E={num_experts} N={2 * inter} K={hidden} top_k={top_k} on {torch.cuda.get_device_name()}")
+    print(f"{model} {dtype}: E={num_experts} N={2 * inter} K={hidden} top_k={top_k} on {device_name(DEVICE)}")
     per_expert = 3 * inter * hidden * w13.element_size()
     print(f"{'tokens':>7} {'default us':>11} {'best us':>9} {'speedup':>8} {'best TB/s':>9} {'elapsed s':>9}  best "
           f"config (TB/s: the routed experts' bytes per call / time)")
@@ -113,8 +116,8 @@ def tune(model: str, dtype: str, batch_sizes: list[int], quick: bool, out_dir: P
         if time.perf_counter() > deadline:
             print(f"time limit: stopped before {bs} tokens; the table holds {', '.join(table)} only")
             break
-        x = torch.randn(bs, hidden, device="cuda", generator=g).bfloat16()
-        logits = torch.randn(bs, num_experts, device="cuda", generator=g)
+        x = torch.randn(bs, hidden, device=DEVICE, generator=g).bfloat16()
+        logits = torch.randn(bs, num_experts, device=DEVICE, generator=g)
         weights, ids = select_experts(logits, top_k, cfg.norm_topk_prob)
         default_us = time_config(x, w13, w2, weights, ids, default_config(bs), flags, scales)
         results = []
@@ -132,7 +135,7 @@ def tune(model: str, dtype: str, batch_sizes: list[int], quick: bool, out_dir: P
                             "expert_bytes": expert_bytes, "all": [[round(us, 2), c] for us, c in results]}
         print(f"{bs:>7} {default_us:>11.1f} {best_us:>9.1f} {default_us / best_us:>8.2f} "
               f"{expert_bytes / best_us / 1e6:>9.2f} {time.perf_counter() - t0:>9.0f}  {best}")
-    name = table_path(num_experts, 2 * inter, hidden, device_name("cuda"), DTYPES[dtype]).name
+    name = table_path(num_experts, 2 * inter, hidden, device_name(DEVICE), DTYPES[dtype]).name
     out = out_dir / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
