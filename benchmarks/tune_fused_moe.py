@@ -2,7 +2,9 @@
 fastest as a table per model shape and weight dtype (moe/tuning.py reads it at start-up from
 model_executor/layers/moe/configs/: `E=..,N=..,K=..,device=<GPU>[,dtype=fp8_w8].json`).
 
-    python -m benchmarks.tune_fused_moe --model qwen3-30b-a3b mixtral-8x7b --dtype bf16 fp8 --quick --out $OUT
+    python -m benchmarks.tune_fused_moe --model qwen3-30b-a3b mixtral-8x7b --dtype bf16 fp8 --quick --out $OUT \
+        --json $OUT/tune.json
+    python -m benchmarks.tune_fused_moe --install tune.json   # elsewhere: its tables into moe/configs/
 
 --out is a folder: the tables are written there under the names tuning.py looks for (default: the configs
 folder itself), so they can be copied into model_executor/layers/moe/configs/ and committed. --quick
@@ -11,7 +13,7 @@ tunes fewer token counts on a smaller grid (a few minutes per model on an H200, 
 Each config is timed in a CUDA graph of REPEAT calls (the align kernel, both GEMMs and the combine: what a
 decode step runs), median of a few replays, on random experts (bf16, or FP8 with per-row scales as
 --quantization fp8 loads them) and softmax-top-k routing of random logits (uniform-ish routing, as in
-serving). Prints a table and writes JSON (with --json, the timings too).
+serving). Prints a table and writes the tables (with --json, also one JSON file of the tables and timings).
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ def tune(model: str, dtype: str, batch_sizes: list[int], quick: bool, out_dir: P
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
-    return timings
+    return {"table_name": name, "table": table, "timings": timings}
 
 
 def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,10 +159,14 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer token counts, a smaller grid")
     p.add_argument("--out", "--out-dir", dest="out", default=str(CONFIG_DIR),
                    help="folder the tables are written to (under the names moe/tuning.py reads)")
-    p.add_argument("--json", dest="json_out", help="also write every timing here")
+    p.add_argument("--json", dest="json_out", help="also write the tables and every timing here")
+    p.add_argument("--install", metavar="JSON", help="write the tables of a --json file into --out and exit (no "
+                   "GPU needed: for a file brought back from the GPU host, whose table names may not travel)")
     p.add_argument("--time-limit-s", type=float, default=float("inf"),
                    help="start no token count after this many seconds (tables keep what is done)")
     args = p.parse_args(argv)
+    if args.install:
+        return install(Path(args.install), Path(args.out))
     if not torch.cuda.is_available():
         print("tune_fused_moe needs a CUDA device", file=sys.stderr)
         return 2
@@ -175,8 +181,25 @@ def main(argv=None) -> int:
         for dtype in args.dtype:
             results[f"{model}/{dtype}"] = tune(model, dtype, batch_sizes, args.quick, Path(args.out), deadline)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                                   "quick": args.quick, "timings": results}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"gpu": device_name(DEVICE), "torch": torch.__version__,
+                                                   "quick": args.quick, "results": results}, indent=1))
+    return 0
+
+
+def install(json_file: Path, out_dir: Path) -> int:
+    try:
+        results = json.loads(json_file.read_text())["results"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"--install {json_file}: not a tune_fused_moe --json file ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for result in results.values():
+        name = result["table_name"]
+        if "/" in name or not name.startswith("E="):
+            print(f"--install {json_file}: unexpected table name {name!r}", file=sys.stderr)
+            return 2
+        (out_dir / name).write_text(json.dumps(result["table"], indent=1) + "\n")
+        print(f"wrote {out_dir / name}")
     return 0
 
 

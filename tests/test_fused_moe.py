@@ -250,10 +250,13 @@ def test_tuner_writes_the_tables_tuning_reads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tuner, "time_config", fake_time)
     assert tuner.main(["--model", "qwen3-30b-a3b", "--dtype", "bf16", "fp8", "--quick", "--batch-size", "1", "64",
-                       "--out", str(tmp_path)]) == 0
-    for dtype in (None, "fp8_w8"):
-        table = json.loads((tmp_path / tuning.table_path(8, 32, 32, "cpu", dtype).name).read_text())
-        assert list(table) == ["1", "64"]
-        assert table["1"]["BLOCK_N"] == 32 and table["1"]["BLOCK_K"] == 256  # the stub's fastest
+                       "--out", str(tmp_path / "out"), "--json", str(tmp_path / "tune.json")]) == 0
+    # --install: the same tables from the --json file (what comes back from the GPU host)
+    assert tuner.main(["--install", str(tmp_path / "tune.json"), "--out", str(tmp_path / "installed")]) == 0
+    for folder in ("out", "installed"):
+        for dtype in (None, "fp8_w8"):
+            table = json.loads((tmp_path / folder / tuning.table_path(8, 32, 32, "cpu", dtype).name).read_text())
+            assert list(table) == ["1", "64"]
+            assert table["1"]["BLOCK_N"] == 32 and table["1"]["BLOCK_K"] == 256  # the stub's fastest
     assert {s[:2] for s in seen} == {(torch.bfloat16, False), (torch.float8_e4m3fn, True)}
     assert {s[2] for s in seen} == {(False, True)}  # the router renormalises; Qwen3-MoE rounds in the GEMM
