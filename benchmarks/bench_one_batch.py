@@ -9,8 +9,8 @@ distinct experts under uniform routing), each expert's w13 and w2.
     python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
     python -m benchmarks.bench_one_batch --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 ...
 
-With --quantization fp8 the floor is the FP8 weights' read time (FP8 linears and their scales, the
-embedding and LM head in bf16).
+With --quantization fp8 the floor is the FP8 weights' read time (FP8 linears and MoE experts and their
+scales; the embedding, LM head and MoE routers' gates in bf16).
 
 --tp-size N runs N spawned ranks (one GPU each, NCCL; gloo on CPU), every rank timing the same batches;
 rank 0 reports. The weight floor is then one rank's shard over one GPU's bandwidth.
@@ -98,7 +98,9 @@ def step_read_bytes(model: torch.nn.Module, bs: int) -> int:
 
     total = weight_bytes(model)
     for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
-        per_expert = (moe.w13_weight[0].numel() + moe.w2_weight[0].numel()) * moe.w13_weight.element_size()
+        # w13 and w2 (and FP8 experts' scales: every tensor of the layer is indexed by expert first)
+        own = (*moe.parameters(recurse=False), *moe.buffers(recurse=False))
+        per_expert = sum(t.numel() * t.element_size() for t in own) // moe.num_experts
         distinct = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** bs)
         total += round(distinct * per_expert) - moe.num_experts * per_expert
     return total

@@ -223,7 +223,8 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02
         for i, (prefix, module) in enumerate(model.named_modules()):
             method = getattr(module, "quant_method", None)
             if method is not None:
-                gen = torch.Generator(device=module.weight.device).manual_seed(seed + 100_000 + i)
+                device = next(module.parameters()).device  # (FusedMoE has no `weight`)
+                gen = torch.Generator(device=device).manual_seed(seed + 100_000 + i)
                 done |= {f"{prefix}.{name}" for name in method.init_random(module, gen, std)}
         for i, (name, p) in enumerate(model.named_parameters()):
             if name in done:

@@ -161,7 +161,8 @@ def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
 
     calls = []
 
-    def triton_path(x, w13, w2, weights, ids, renormalize, round_weights):
+    def triton_path(x, w13, w2, weights, ids, renormalize, round_weights, w13_scale, w2_scale, block_n, block_k):
+        assert w13_scale is None and not block_n
         calls.append(x.shape[0])
         return kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize, round_weights,
                                             config=dict(SMALL, BLOCK_N=64, BLOCK_K=64))
@@ -191,3 +192,71 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
         assert tuning.get_config(8, 96, 128, 40, "cpu") == tuning.default_config(40)  # no table for this shape
     finally:
         tuning.load_table.cache_clear()
+
+
+def test_tuned_fp8_table_and_fallback(tmp_path, monkeypatch, caplog):
+    """FP8 experts read their own table (`,dtype=fp8_w8`), else the shape's bf16 table; with neither, the
+    default configs, said once per shape on a GPU. The names are the tuner's (tuning.table_path)."""
+    import json
+
+    from model_executor.layers.moe import tuning
+
+    bf16 = {k: 1 for k in tuning.KEYS}
+    fp8 = {k: 3 for k in tuning.KEYS}
+    name = tuning.table_path(8, 96, 64, "NVIDIA_H200", "fp8_w8").name
+    assert name == "E=8,N=96,K=64,device=NVIDIA_H200,dtype=fp8_w8.json"
+    (tmp_path / tuning.table_path(8, 96, 64, "cpu").name).write_text(json.dumps({"1": bf16}))
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    tuning.load_table.cache_clear()
+    tuning._no_table.cache_clear()
+    try:
+        assert tuning.get_config(8, 96, 64, 1, "cpu", "fp8_w8") == bf16  # no FP8 table: the bf16 one
+        (tmp_path / tuning.table_path(8, 96, 64, "cpu", "fp8_w8").name).write_text(json.dumps({"1": fp8}))
+        tuning.load_table.cache_clear()
+        assert tuning.get_config(8, 96, 64, 1, "cpu", "fp8_w8") == fp8
+        assert tuning.get_config(8, 96, 64, 1, "cpu") == bf16
+        monkeypatch.setattr(tuning, "device_name", lambda device: "NVIDIA_H200")
+        with caplog.at_level("WARNING", logger="duet.moe"):
+            assert tuning.get_config(8, 96, 64, 1, "cuda") == tuning.default_config(1)
+            tuning.get_config(8, 96, 64, 2, "cuda")
+        said = [r.getMessage() for r in caplog.records if r.name == "duet.moe"]
+        assert len(said) == 1 and "E=8,N=96,K=64,device=NVIDIA_H200.json" in said[0]
+    finally:
+        tuning.load_table.cache_clear()
+        tuning._no_table.cache_clear()
+
+
+def test_tuner_writes_the_tables_tuning_reads(tmp_path, monkeypatch):
+    """tune_fused_moe's tables land in --out under the names moe/tuning.py looks up (bf16 and FP8), each token
+    count mapped to its fastest config (the default when nothing beats it). Timing is stubbed: no GPU here."""
+    import json
+
+    from benchmarks import tune_fused_moe as tuner
+    from model_executor.layers.moe import tuning
+    from model_executor.model_config import ModelConfig
+
+    tiny = ModelConfig.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "moe_intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True})
+    monkeypatch.setattr(tuner, "DEVICE", "cpu")
+    monkeypatch.setattr(tuner.ModelConfig, "from_pretrained", staticmethod(lambda path: tiny))
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    seen = []
+
+    def fake_time(x, w13, w2, weights, ids, config, flags, scales):
+        seen.append((w13.dtype, scales[0] is not None, flags))
+        return 10.0 if config == tuning.default_config(x.shape[0]) else 5.0 + config["BLOCK_N"] / config["BLOCK_K"]
+
+    monkeypatch.setattr(tuner, "time_config", fake_time)
+    assert tuner.main(["--model", "qwen3-30b-a3b", "--dtype", "bf16", "fp8", "--quick", "--batch-size", "1", "64",
+                       "--out", str(tmp_path / "out"), "--json", str(tmp_path / "tune.json")]) == 0
+    # --install: the same tables from the --json file (what comes back from the GPU host)
+    assert tuner.main(["--install", str(tmp_path / "tune.json"), "--out", str(tmp_path / "installed")]) == 0
+    for folder in ("out", "installed"):
+        for dtype in (None, "fp8_w8"):
+            table = json.loads((tmp_path / folder / tuning.table_path(8, 32, 32, "cpu", dtype).name).read_text())
+            assert list(table) == ["1", "64"]
+            assert table["1"]["BLOCK_N"] == 32 and table["1"]["BLOCK_K"] == 256  # the stub's fastest
+    assert {s[:2] for s in seen} == {(torch.bfloat16, False), (torch.float8_e4m3fn, True)}
+    assert {s[2] for s in seen} == {(False, True)}  # the router renormalises; Qwen3-MoE rounds in the GEMM

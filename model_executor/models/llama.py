@@ -175,7 +175,9 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if shard_id is None else f"{target}#{_shard_str(shard_id)}")
         return loaded
 
-    _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+    # `.weight`, and a block-quantized checkpoint's `.weight_scale_inv`
+    _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$")
+    _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(w13|w2)_(weight|weight_scale_inv)$")
 
     def _target(self, name: str) -> tuple[str, object]:
         """Our parameter and shard id for a checkpoint tensor name."""
@@ -184,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
         m = self._EXPERT.match(name)
         if m is not None and m.group(3) in self.expert_projections:
             proj = self.expert_projections[m.group(3)]
-            return f"{m.group(1)}.{'w2_weight' if proj == DOWN else 'w13_weight'}", (int(m.group(2)), proj)
+            fused = "w2" if proj == DOWN else "w13"
+            return f"{m.group(1)}.{fused}_{m.group(4)}", (int(m.group(2)), proj)
         for hf_frag, our_frag, shard_id in self.stacked_params:
             if hf_frag in name:
                 return name.replace(hf_frag, our_frag), shard_id
@@ -208,10 +211,11 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_name(self, name: str) -> str:
         """The HF tensor name behind one of expected_weight_names' names (for error messages)."""
         target, _, shard = name.partition("#")
-        if target.endswith(("experts.w13_weight", "experts.w2_weight")):
+        m = self._FUSED_EXPERTS.match(target)
+        if m is not None:
             expert, proj = shard.split("/")
             hf_proj = next(k for k, v in self.expert_projections.items() if v == int(proj))
-            target = f"{target.rpartition('.')[0]}.{expert}.{hf_proj}.weight"
+            target = f"{m.group(1)}.{expert}.{hf_proj}.{m.group(3)}"
         for hf_frag, our_frag, shard_id in self.stacked_params:
             if our_frag in target and str(shard_id) == shard:
                 target = target.replace(our_frag, hf_frag)

@@ -5,7 +5,11 @@
 w is topk_weights, divided by its row's sum with renormalize, rounded to x's dtype with round_weights (the
 router's last steps, which the Triton path does inside its second GEMM instead of three small kernels).
 
-One function for every caller (an FP8 variant of the expert GEMMs goes behind it too). On CUDA it runs the
+One function for every caller. FP8 expert weights (weight-only: the activations stay in x's dtype) come
+with their scales: per output row (w13_scale [E, 2I], w2_scale [E, H]; online quantization) or per
+block_n x block_k tile (w13_scale [E, 2I / bn, H / bk], w2_scale [E, H / bn, I / bk]; block-quantized
+checkpoints). The Triton GEMMs convert each FP8 tile in registers (per-row scales in the epilogue, tile
+scales on the tile); the torch path dequantizes each expert's weights and runs the unquantized math. On CUDA it runs the
 Triton path (moe/kernels.py: align the token -> expert assignments to the GEMM block, a grouped GEMM with
 SiLU-and-mul, a grouped GEMM scaled by the routing weights, a sum over the k experts of each token): fixed
 shapes for a given token count and no host sync, so it runs inside decode graphs and the piecewise pieces.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_executor.layers.quantization import fp8_math
 from model_executor.layers.triton_ops.ops import _tracing
 
 
@@ -32,10 +37,23 @@ def routing_weights(topk_weights: torch.Tensor, renormalize: bool, round_weights
     return weights.to(dtype) if round_weights else weights
 
 
+def dequantize_expert(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """One expert's weight [rows, K] in `dtype`: FP8 codes times their scales (per row, or per tile)."""
+    if scale is None:
+        return w
+    if block is not None:
+        return fp8_math.dequantize_fp8_block(w, scale, block, dtype)
+    return (w.float() * scale.float()[:, None]).to(dtype)
+
+
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, renormalize: bool = False, round_weights: bool = False) -> torch.Tensor:
+                        topk_ids: torch.Tensor, renormalize: bool = False, round_weights: bool = False,
+                        w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                        block: tuple[int, int] | None = None) -> torch.Tensor:
     """The reference: each expert's tokens gathered, its MLP in x's dtype (as HF's experts loop), the
-    weighted outputs summed per token in float32, rounded once to x's dtype."""
+    weighted outputs summed per token in float32, rounded once to x's dtype. FP8 experts: each expert's
+    weights dequantized to x's dtype first."""
     topk_weights = routing_weights(topk_weights, renormalize, round_weights, x.dtype)
     num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
@@ -51,33 +69,45 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         picked = order[start : start + n]
         start += n
         tokens = picked // top_k
-        gate_up = F.linear(x[tokens], w13[expert])
+        e13 = dequantize_expert(w13[expert], None if w13_scale is None else w13_scale[expert], block, x.dtype)
+        e2 = dequantize_expert(w2[expert], None if w2_scale is None else w2_scale[expert], block, x.dtype)
+        gate_up = F.linear(x[tokens], e13)
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(act, w2[expert])
+        y = F.linear(act, e2)
         out.index_add_(0, tokens, y.float() * weights[picked, None].float())
     return out.to(x.dtype)
 
 
 def _fused_experts_impl(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, renormalize: bool, round_weights: bool) -> torch.Tensor:
+                        topk_ids: torch.Tensor, renormalize: bool, round_weights: bool,
+                        w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                        block_n: int = 0, block_k: int = 0) -> torch.Tensor:
+    block = (block_n, block_k) if block_n else None
     if x.is_cuda:
         from model_executor.layers.moe import kernels
 
-        return kernels.fused_experts_triton(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights)
-    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights)
+        return kernels.fused_experts_triton(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights,
+                                            w13_scale=w13_scale, w2_scale=w2_scale, block=block)
+    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights, w13_scale, w2_scale,
+                               block)
 
 
 _fused_experts_op = torch.library.custom_op("duet::fused_experts", _fused_experts_impl, mutates_args=())
 
 
 @_fused_experts_op.register_fake
-def _(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights):
+def _(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights, w13_scale=None, w2_scale=None, block_n=0,
+      block_k=0):
     return torch.empty_like(x)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, renormalize: bool = False, round_weights: bool = False) -> torch.Tensor:
+                  topk_ids: torch.Tensor, renormalize: bool = False, round_weights: bool = False,
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  block: tuple[int, int] | None = None) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] float32
-    (or x's dtype); topk_ids: [T, k] int64. Returns [T, H] in x's dtype."""
+    (or x's dtype); topk_ids: [T, k] int32 or int64; FP8 weights' scales and tile (see above). Returns [T, H]
+    in x's dtype."""
     op = torch.ops.duet.fused_experts if _tracing() else _fused_experts_impl
-    return op(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights)
+    block_n, block_k = block or (0, 0)
+    return op(x, w13, w2, topk_weights, topk_ids, renormalize, round_weights, w13_scale, w2_scale, block_n, block_k)

@@ -90,6 +90,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
 
 def _align_torch(flat: torch.Tensor, block_m: int, num_experts: int, max_padded: int, max_blocks: int):
     """The same result from torch ops of fixed sizes (no host sync): for large batches."""
+    flat = flat.long()  # the fused router's ids are int32; scatter indices are int64
     numel, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -107,11 +108,11 @@ def _align_torch(flat: torch.Tensor, block_m: int, num_experts: int, max_padded:
 
 @triton.jit
 def _fused_moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, total_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, total_ptr, b_scale_ptr,
     N, K, numel, max_padded,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn, stride_sk,
     A_ROWS_PER_ASSIGNMENT: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_F32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, WEIGHT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -120,7 +121,12 @@ def _fused_moe_gemm_kernel(
     GATED: B has 2N rows (gate, then up); C = silu(gate) * up, each rounded to C's dtype where the torch
     path rounds. MUL_WEIGHT: C = (A @ B.T rounded) * w[a], w[a] = weights[a], divided by the sum of its
     token's TOP_K weights with RENORMALIZE, then rounded to WEIGHT_DTYPE (the router's epilogue done here:
-    no kernels of its own)."""
+    no kernels of its own).
+
+    W_SCALE: B holds FP8 codes (weight-only: A stays in its dtype, each B tile is converted to A's dtype
+    before the dot). 1: one scale per output row, b_scale[e, n], multiplied into the accumulator after the
+    K loop (before the activation). 2: one scale per SCALE_BN x SCALE_BK tile, b_scale[e, n // SCALE_BN,
+    k // SCALE_BK], multiplied into each B tile (BLOCK_K divides SCALE_BK: one scale column per tile)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_padded, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -141,23 +147,38 @@ def _fused_moe_gemm_kernel(
     rows = assignment // A_ROWS_PER_ASSIGNMENT
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    s_ptrs = b_scale_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn  # W_SCALE: this tile's scales
+    s_up_ptrs = b_scale_ptr + expert * stride_se + ((N + offs_n) // SCALE_BN) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if W_SCALE == 2:
+            b = (b.to(tl.float32) * tl.load(s_ptrs + (k0 // SCALE_BK) * stride_sk, mask=n_mask)[None, :]).to(a.dtype)
+        elif W_SCALE == 1:
+            b = b.to(a.dtype)
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if W_SCALE == 2:
+                s_up = tl.load(s_up_ptrs + (k0 // SCALE_BK) * stride_sk, mask=n_mask)
+                b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a.dtype)
+            elif W_SCALE == 1:
+                b_up = b_up.to(a.dtype)
             if DOT_F32:
                 b_up = b_up.to(tl.float32)
             acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if W_SCALE == 1:
+        acc = acc * tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(s_up_ptrs, mask=n_mask, other=0.0)[None, :]
     out_dtype = c_ptr.dtype.element_ty
     if GATED:
         gate = acc.to(out_dtype).to(tl.float32)
@@ -178,30 +199,48 @@ def _fused_moe_gemm_kernel(
 
 
 def _gemm(a, b, c, weights, sorted_ids, expert_ids, total, n, k, numel, rows_per_assignment, gated, mul_weight,
-          config: dict, top_k: int = 1, renormalize: bool = False, weight_dtype: torch.dtype = torch.float32) -> None:
+          config: dict, top_k: int = 1, renormalize: bool = False, weight_dtype: torch.dtype = torch.float32,
+          b_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
+    """b_scale: FP8 B's scales, [E, rows] per output row, or [E, rows / bn, K / bk] per tile with block=(bn, bk)."""
     max_padded = sorted_ids.numel()
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if b_scale is None:
+        w_scale, scale, strides, scale_bn, scale_bk = 0, b, (0, 0, 0), 1, 1
+    elif block is None:
+        w_scale, scale, scale_bn, scale_bk = 1, b_scale, 1, 1
+        strides = (b_scale.stride(0), b_scale.stride(1), 0)
+    else:
+        w_scale, scale, (scale_bn, scale_bk) = 2, b_scale, block
+        strides = b_scale.stride()
+        bk = min(bk, scale_bk)  # a B tile within one scale column
+        if scale_bk % bk:
+            raise ValueError(f"BLOCK_K {bk} does not divide the weight scales' block {scale_bk}")
     grid = (triton.cdiv(max_padded, bm) * triton.cdiv(n, bn),)
     _fused_moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, total,
+        a, b, c, weights, sorted_ids, expert_ids, total, scale,
         n, k, numel, max_padded,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1), *strides,
         A_ROWS_PER_ASSIGNMENT=rows_per_assignment, GATED=gated, MUL_WEIGHT=mul_weight,
+        W_SCALE=w_scale, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         # Triton's CPU interpreter computes bfloat16 tl.dot wrongly (garbage): it gets float32 operands
         DOT_F32=a.device.type == "cpu" and a.dtype == torch.bfloat16,
         # float32 models (tests) get float32 products, not TF32, as torch's matmul (TF32 off by default)
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         WEIGHT_DTYPE=_TL_DTYPES[weight_dtype],
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, renormalize: bool = False, round_weights: bool = False,
-                         config: dict | None = None, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         config: dict | None = None, weight_dtype: torch.dtype | None = None,
+                         w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                         block: tuple[int, int] | None = None) -> torch.Tensor:
     """fused_moe.fused_experts on the Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+
+    w13_scale, w2_scale: with FP8 w13 / w2, their scales (fused_moe.fused_experts says the layouts).
 
     weight_dtype: what round_weights rounds the routing weights to (x's dtype unless given; a test picks
     float16 with float32 activations, where the rounding stands far above the float32 noise)."""
@@ -214,14 +253,16 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     if num_tokens == 0:
         return out
     if config is None:
-        config = get_config(num_experts, 2 * inter, hidden, num_tokens, str(x.device))
+        config = get_config(num_experts, 2 * inter, hidden, num_tokens, str(x.device),
+                            "fp8_w8" if w13_scale is not None else None)
     x = x if x.stride(-1) == 1 else x.contiguous()
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids.contiguous(), config["BLOCK_M"], num_experts)
     act = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, act, topk_weights, sorted_ids, expert_ids, total, inter, hidden, numel, top_k, True, False, config)
+    _gemm(x, w13, act, topk_weights, sorted_ids, expert_ids, total, inter, hidden, numel, top_k, True, False, config,
+          b_scale=w13_scale, block=block)
     down = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.contiguous()
     _gemm(act, w2, down, weights, sorted_ids, expert_ids, total, hidden, inter, numel, 1, False, True, config,
-          top_k, renormalize, weight_dtype)
+          top_k, renormalize, weight_dtype, b_scale=w2_scale, block=block)
     torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out

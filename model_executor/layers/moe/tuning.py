@@ -1,8 +1,10 @@
 """Block-size configs of the fused MoE kernels: a tuned table per (E, N, K) and GPU, else a default.
 
 Tables are JSON files in moe/configs/ named `E=<experts>,N=<2*I>,K=<H>,device=<GPU name>.json` (N, K: the
-w13 GEMM's shape), mapping a token count to the kernel config measured fastest at it (written by
-benchmarks/tune_fused_moe.py). A lookup takes the entry of the nearest token count; read once per file.
+w13 GEMM's shape; the GPU name as torch.cuda.get_device_name gives it, spaces as underscores: `NVIDIA_H200`),
+with `,dtype=fp8_w8` before `.json` for FP8 expert weights, mapping a token count to the kernel config
+measured fastest at it (written by benchmarks/tune_fused_moe.py). A lookup takes the entry of the nearest
+token count; FP8 weights without a table of their own use the shape's bf16 table. Read once per file.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ def device_name(device: str) -> str:
     return "cpu"
 
 
-def table_path(num_experts: int, n: int, k: int, device: str) -> Path:
-    return CONFIG_DIR / f"E={num_experts},N={n},K={k},device={device}.json"
+def table_path(num_experts: int, n: int, k: int, device: str, dtype: str | None = None) -> Path:
+    suffix = f",dtype={dtype}" if dtype else ""
+    return CONFIG_DIR / f"E={num_experts},N={n},K={k},device={device}{suffix}.json"
 
 
 @functools.cache
-def load_table(num_experts: int, n: int, k: int, device: str) -> dict[int, dict] | None:
-    path = table_path(num_experts, n, k, device)
+def load_table(num_experts: int, n: int, k: int, device: str, dtype: str | None = None) -> dict[int, dict] | None:
+    path = table_path(num_experts, n, k, device, dtype)
     if not path.is_file():
         return None
     table = {int(m): {key: int(cfg[key]) for key in KEYS} for m, cfg in json.loads(path.read_text()).items()}
@@ -51,8 +54,19 @@ def load_table(num_experts: int, n: int, k: int, device: str) -> dict[int, dict]
     return table or None
 
 
-def get_config(num_experts: int, n: int, k: int, num_tokens: int, device: str = "cuda") -> dict:
-    table = load_table(num_experts, n, k, device_name(device))
+@functools.cache
+def _no_table(num_experts: int, n: int, k: int, device: str, dtype: str | None) -> None:
+    if device != "cpu":  # said once per shape: the kernels run untuned block sizes
+        logger.warning("no tuned fused MoE table %s: default block sizes (benchmarks/tune_fused_moe.py makes "
+                       "one)", table_path(num_experts, n, k, device, dtype).name)
+
+
+def get_config(num_experts: int, n: int, k: int, num_tokens: int, device: str = "cuda",
+               dtype: str | None = None) -> dict:
+    """dtype: None for weights in the activations' dtype, "fp8_w8" for FP8 weights."""
+    table = dtype and load_table(num_experts, n, k, device_name(device), dtype)
+    table = table or load_table(num_experts, n, k, device_name(device))
     if table is None:
+        _no_table(num_experts, n, k, device_name(device), dtype)
         return default_config(num_tokens)
     return table[min(table, key=lambda m: abs(m - num_tokens))]

@@ -74,6 +74,11 @@ def quantization_context(quant) -> Iterator[None]:
         _current[0] = previous
 
 
+def current_quant_config():
+    """The QuantConfig of the model being built (None: unquantized); for layers other than the linears."""
+    return _current[0]
+
+
 def current_linear_method() -> LinearMethod:
     quant = _current[0]
     if quant is None:
