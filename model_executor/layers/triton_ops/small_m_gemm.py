@@ -75,7 +75,8 @@ class GemmConfig:
 # ---------------------------------------------------------------- kernels
 
 
-@triton.jit
+# M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count.
+@triton.jit(do_not_specialize=["M", "stride_yk"])
 def _small_m_gemm_kernel(
     X, W, S, BIAS, Y, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym, stride_sn, stride_yk,
