@@ -72,7 +72,11 @@ def test_kernel_matches_float32_reference(kind, m, n, k, bias, cfg):
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
-    out = run(x, w, s, b, block, cfg)
+    # x as the first K columns of wider rows of NaN: a read past K (or a wrong row stride) poisons the output
+    wide = torch.full((m, k + 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :k] = x.to(DEVICE)
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    out = sm.small_m_linear(wide[:, :k], dev(w), dev(s), dev(b), block, config=cfg).cpu()
     assert out.shape == (m, n)
     assert_matches_reference(out, reference(x, w_deq, b), torch.bfloat16)
 
@@ -226,9 +230,10 @@ def test_custom_op_traces_under_torch_compile():
     w, s, block, _ = make_weight("fp8_block", 40, 64, seed=8)
     w, s = w.to(DEVICE), s.to(DEVICE)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.bfloat16)
-    fn = torch.compile(lambda x: sm.small_m_linear(x, w, s, None, block) * 2, fullgraph=True, backend="eager")
+    offset = torch.arange(40, dtype=torch.bfloat16, device=DEVICE)  # broadcasts only over a [M, N] output
+    fn = torch.compile(lambda x: sm.small_m_linear(x, w, s, None, block) + offset, fullgraph=True, backend="eager")
     torch._dynamo.reset()
     try:
-        assert torch.equal(fn(x), sm.small_m_linear(x, w, s, None, block) * 2)
+        assert torch.equal(fn(x), sm.small_m_linear(x, w, s, None, block) + offset)
     finally:
         torch._dynamo.reset()
