@@ -57,6 +57,8 @@ def assert_matches_reference(out, ref, dtype):
 
 SPLIT = sm.GemmConfig(BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2)
 NO_SPLIT = sm.GemmConfig(BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
+GEMV = sm.GemmConfig(BLOCK_N=8, BLOCK_K=32, SPLIT_K=1, GEMV=True)
+GEMV_SPLIT = sm.GemmConfig(BLOCK_N=4, BLOCK_K=32, SPLIT_K=3, GEMV=True)
 
 
 @in_process
@@ -66,6 +68,8 @@ NO_SPLIT = sm.GemmConfig(BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_sta
     (7, 72, 200, True, SPLIT),  # odd M; K not a multiple of BLOCK_K: the last split is short
     (16, 33, 96, False, SPLIT),  # the full row limit; N not a multiple of the scale block
     (3, 64, 128, True, NO_SPLIT),  # even shapes: the unmasked K loop
+    (1, 40, 160, True, GEMV),  # one row without tl.dot
+    (1, 70, 200, False, GEMV_SPLIT),
 ])
 def test_kernel_matches_float32_reference(kind, m, n, k, bias, cfg):
     w, s, block, w_deq = make_weight(kind, n, k, seed=m + n)
@@ -119,6 +123,10 @@ def test_refuses_bad_inputs():
         sm.small_m_linear(x[:4], q, torch.ones(1, 1, device=DEVICE), block=(32, 32), config=NO_SPLIT)
     with pytest.raises(ValueError, match="power of two"):
         sm.GemmConfig(BLOCK_N=24, BLOCK_K=64)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        sm.GemmConfig(BLOCK_N=8, BLOCK_K=64)  # tl.dot's minimum, unless GEMV
+    with pytest.raises(ValueError, match="GEMV config runs one row"):
+        sm.small_m_linear(x[:2], w, config=GEMV)
 
 
 @pytest.fixture
@@ -144,7 +152,9 @@ TUNED = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8, "num_stage
 
 @in_process
 def test_table_lookup_selects_tuned_config_and_falls_back(table):
-    table({"bf16": {"32,64": {"1": "cublas", "4": TUNED}}, "fp8": {"32,64": {"16": TUNED}}})
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 64, "GEMV": True}
+    table({"bf16": {"32,64": {"1": "cublas", "4": TUNED}}, "fp8": {"32,64": {"16": TUNED}},
+           "fp8_block": {"32,64": {"1": gemv, "2": gemv}}})
     assert sm.choose_config(3, 32, 64, "bf16", "cpu") == sm.GemmConfig(**TUNED)  # M 3 -> bucket 4
     assert sm.choose_config(1, 32, 64, "bf16", "cpu") is None  # "cublas"
     assert sm.choose_config(9, 32, 64, "bf16", "cpu") is None  # bucket 16 not in the table
@@ -152,6 +162,8 @@ def test_table_lookup_selects_tuned_config_and_falls_back(table):
     assert sm.choose_config(16, 32, 64, "fp8", "cpu") == sm.GemmConfig(**TUNED)
     assert sm.choose_config(2, 32, 64, "fp8", "cpu") == sm.default_config(2, 32, 64, "fp8")  # FP8: default
     assert sm.choose_config(17, 32, 64, "fp8", "cpu") is None  # above the row limit: the other path
+    assert sm.choose_config(1, 32, 64, "fp8_block", "cpu") == sm.GemmConfig(8, 64, GEMV=True)
+    assert not sm.choose_config(2, 32, 64, "fp8_block", "cpu").GEMV  # a GEMV entry for 2 rows is ignored
 
 
 @in_process

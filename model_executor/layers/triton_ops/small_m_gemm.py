@@ -19,12 +19,16 @@ kernel computes y^T tiles: acc[BLOCK_N, 16] = W_tile[BLOCK_N, BLOCK_K] @ x_tile^
 tile is the left operand (the large dimension, where the MMA shapes want it) and x's rows are padded to 16
 by re-reading row 0 (loads stay unmasked; padding rows are never stored).
 
+For one row a config may instead ask for GEMV: CUDA-core products of a [BLOCK_N, BLOCK_K] weight tile and
+the x row, summed over K at the end (no padding to 16 rows, narrower column tiles); the tuner picks
+whichever is faster at M = 1.
+
 Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
 writes its fp32 partial to a workspace [splits, M, N] and a second kernel adds the splits in order 0..S-1,
 adds the bias and casts; no atomics, so the same inputs give the same bits (graph replay equals eager).
 The workspace is allocated per call with a size fixed by (splits, M, N): no host sync, CUDA-graph safe.
 
-Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) come from a table tuned per GPU by
+Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, GEMV) come from a table tuned per GPU by
 benchmarks/tune_small_m_gemm.py (configs/small_m_gemm_<GPU>.json, read once at start-up): per weight kind
 ("bf16", "fp16", "fp8", "fp8_block"), (N, K) and M bucket, a config or "cublas" (F.linear is faster there).
 Without an entry, bf16/fp16 weights keep F.linear and FP8 weights use `default_config`: weight-only FP8
@@ -62,12 +66,14 @@ class GemmConfig:
     SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    GEMV: bool = False  # one row only: CUDA-core dot products instead of tl.dot (BLOCK_N may be below 16)
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
             v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+            least = 1 if name == "BLOCK_N" and self.GEMV else 16
+            if v < least or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
         if self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"bad small-M GEMM config {self}")
 
@@ -83,12 +89,13 @@ def _small_m_gemm_kernel(
     SCALE: tl.constexpr,  # 0: none, 1: per output channel, 2: per (SCALE_BN x SCALE_BK) block
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
     PARTIAL: store fp32 sums to Y + s * stride_yk (the workspace; bias and cast left to the reduce);
-    otherwise add the bias and store in Y's dtype."""
+    otherwise add the bias and store in Y's dtype. GEMV (one row, BLOCK_M == 1): no tensor cores, the
+    products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile summed over K once at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,10 +107,14 @@ def _small_m_gemm_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = W + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
-    x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+    if GEMV:
+        x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SCALE == 2:
         s_ptrs = S + (rows_n // SCALE_BN) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -111,17 +122,28 @@ def _small_m_gemm_kernel(
         else:
             k_mask = (k + offs_k) < k_end
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=k_mask[:, None], other=0.0)
-        w = w.to(xt.dtype)  # float8 -> bf16/fp16 is exact; a no-op for unquantized weights
-        if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; float32 operands give the same products
-            w = w.to(tl.float32)
-            xt = xt.to(tl.float32)
-        if SCALE == 2:  # BLOCK_K divides SCALE_BK and steps are aligned: one scale column per step
-            acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+            if GEMV:
+                xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            else:
+                xt = tl.load(x_ptrs, mask=k_mask[:, None], other=0.0)
+        if GEMV:
+            prod = w.to(tl.float32) * xt.to(tl.float32)
+            if SCALE == 2:
+                prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+            acc += prod
         else:
-            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+            w = w.to(xt.dtype)  # float8 -> bf16/fp16 is exact; a no-op for unquantized weights
+            if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; float32 operands give the same products
+                w = w.to(tl.float32)
+                xt = xt.to(tl.float32)
+            if SCALE == 2:  # BLOCK_K divides SCALE_BK and steps are aligned: one scale column per step
+                acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+            else:
+                acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if GEMV:
+        acc = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
     if SCALE == 1:
         acc = acc * tl.load(S + rows_n)[:, None]
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
@@ -193,6 +215,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
             block: tuple[int, int] | None, cfg: GemmConfig) -> torch.Tensor:
     _check(x, weight, scale, bias, block)
+    if cfg.GEMV and x.shape[0] > 1:
+        raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -216,7 +240,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0,
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
-        BLOCK_M=MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GEMV=cfg.GEMV, BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
         reduce_block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, reduce_block))](
@@ -296,7 +320,7 @@ def choose_config(m: int, n: int, k: int, kind: str, device: str) -> GemmConfig 
     tuned = tuned_configs(device, kind, n, k)
     if tuned is not None:
         bucket = m_bucket(m)
-        if bucket in tuned:
+        if bucket in tuned and (tuned[bucket] is None or not tuned[bucket].GEMV or m == 1):
             return tuned[bucket]
     return default_config(m, n, k, kind) if kind.startswith("fp8") else None
 
