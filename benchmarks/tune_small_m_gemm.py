@@ -12,13 +12,15 @@ and "fp8_block" (128x128 block scales, against activation quantization + the blo
 Timing: every call of a measurement reads its own copy of the weight, enough copies that together they
 exceed the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode
 step is a graph replay: no launch overhead); the median of a few replays over the number of calls.
-Search, per (kind, N, K, M): column/K tiles at a split count that gives about two programs per SM, then the
-split count for the best tile, then warps/stages for the best of those (skipped with --quick).
+Search, per (kind, N, K, M): column/K tiles (at M = 1 also the one-row GEMV variant's) at a split count
+that gives about two programs per SM, then the split count for the best tile, then warps/stages for the
+best of those (skipped with --quick).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -130,6 +132,14 @@ def tile_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
     return [(bn, bk) for bn in (16, 32, 64) for bk in bks]
 
 
+def gemv_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
+    """(BLOCK_N, BLOCK_K) of the one-row GEMV configs: narrow column tiles over long K tiles."""
+    if kind == "fp8_block":
+        return [(8, 128), (16, 128)] if quick else [(4, 128), (8, 128), (16, 128)]
+    bk = 1024 if kind == "fp8" else 512
+    return [(8, bk)] if quick else [(4, bk), (8, bk), (16, bk // 2)]
+
+
 def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bool, log: list) -> dict:
     """Best config for one (kind, N, K, M) and the baseline's time; every timing goes to `log`."""
     x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
@@ -151,18 +161,21 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
         return split
 
     results = []
-    for bn, bk in tile_grid(kind, quick):
-        cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_for(bn, bk), num_warps=4, num_stages=4)
+    tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick)]
+    if m == 1:
+        tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick)]
+    for bn, bk, gemv in tiles:
+        cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_for(bn, bk), num_warps=4, num_stages=4, GEMV=gemv)
         results.append((measure(cfg), cfg))
     best_us, best = min(results, key=lambda r: r[0])
     for split in (1, 2, 4, 8, 16):
         if split != best.SPLIT_K and k // split >= best.BLOCK_K:
-            cfg = sm.GemmConfig(best.BLOCK_N, best.BLOCK_K, split, best.num_warps, best.num_stages)
+            cfg = dataclasses.replace(best, SPLIT_K=split)
             results.append((measure(cfg), cfg))
     best_us, best = min(results, key=lambda r: r[0])
     if not quick:
         for warps, stages in ((4, 3), (8, 4)):
-            cfg = sm.GemmConfig(best.BLOCK_N, best.BLOCK_K, best.SPLIT_K, warps, stages)
+            cfg = dataclasses.replace(best, num_warps=warps, num_stages=stages)
             results.append((measure(cfg), cfg))
         best_us, best = min(results, key=lambda r: r[0])
     default = sm.default_config(m, n, k, kind)
