@@ -55,6 +55,11 @@ def linear_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
+def lm_head_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """One rank's LM head GEMM (layers/embedding.py: the vocabulary split in equal blocks)."""
+    return (-(-cfg.vocab_size // tp), cfg.hidden_size)
+
+
 def time_calls(calls: list[Callable[[], object]]) -> float:
     """Median microseconds per call over REPLAYS replays of one CUDA graph holding every call."""
     calls[0]()  # compile / pick kernels outside the capture
@@ -192,8 +197,8 @@ def table_entry(kind: str, result: dict):
 
 
 def model_summary(models, tps, kinds, ms, results) -> list[str]:
-    """Per model, tp, kind and M: the decoder linears' time per step (layers x the four GEMMs), today's path
-    vs the table's choice."""
+    """Per model, tp, kind and M: the decoder linears' time per step (layers x the four GEMMs, plus the LM
+    head for bf16 when it was tuned), today's path vs the table's choice."""
     lines = []
     for name in models:
         cfg = ModelConfig.from_pretrained(shape_path(name))
@@ -204,11 +209,13 @@ def model_summary(models, tps, kinds, ms, results) -> list[str]:
                     rs = [results.get((kind, n, k, m)) for n, k in shapes]
                     if None in rs:
                         continue
-                    base = sum(r["base_us"] for r in rs) * cfg.num_hidden_layers
-                    chosen = sum(r["base_us"] if table_entry(kind, r) == "cublas" else r["best_us"]
-                                 for r in rs) * cfg.num_hidden_layers
-                    lines.append(f"{name:>13} tp{tp} {kind:>9} M={m:<2} linears per step: today {base / 1e3:.3f} ms, "
-                                 f"table {chosen / 1e3:.3f} ms ({base / chosen:.2f}x)")
+                    rs = rs * cfg.num_hidden_layers
+                    head = results.get((kind, *lm_head_shape(cfg, tp), m))
+                    rs += [head] if head is not None else []
+                    base = sum(r["base_us"] for r in rs)
+                    chosen = sum(r["base_us"] if table_entry(kind, r) == "cublas" else r["best_us"] for r in rs)
+                    lines.append(f"{name:>13} tp{tp} {kind:>9} M={m:<2} GEMMs per step{' + head' if head else ''}: "
+                                 f"today {base / 1e3:.3f} ms, table {chosen / 1e3:.3f} ms ({base / chosen:.2f}x)")
     return lines
 
 
@@ -219,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--kind", nargs="+", default=list(KINDS), choices=KINDS, help="weight kinds")
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], choices=(1, 2, 4, 8, 16),
                    help="row counts: the table's M buckets (a batch uses the next one up)")
+    p.add_argument("--no-lm-head", dest="lm_head", action="store_false",
+                   help="skip the LM heads (bf16 only: the head is never quantized)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (tiles, no warps/stages pass)")
     p.add_argument("--out", help="the table file (default: the one the server reads, for this GPU)")
     p.add_argument("--json", dest="json_out", help="also write every timing here")
@@ -231,20 +240,22 @@ def main(argv=None) -> int:
     ms = sorted(set(args.m))
     if "fp8" in "".join(args.kind) and torch.cuda.get_device_capability() < (8, 9):
         p.error("FP8 kinds need an sm89+ GPU; pass --kind bf16")
-    shapes = sorted({s for name in args.model for tp in args.tp
-                     for s in linear_shapes(ModelConfig.from_pretrained(shape_path(name)), tp).values()})
+    cfgs = [ModelConfig.from_pretrained(shape_path(name)) for name in args.model]
+    shapes = sorted({s for cfg in cfgs for tp in args.tp for s in linear_shapes(cfg, tp).values()})
+    heads = sorted({lm_head_shape(cfg, tp) for cfg in cfgs for tp in args.tp}) if args.lm_head else []
     dev = sm.device_name("cuda")
     out = Path(args.out) if args.out else sm.table_path(dev)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.perf_counter()
-    print(f"{len(shapes)} (N, K) shapes x {args.kind} x M {ms} on {torch.cuda.get_device_name()}"
+    print(f"{len(shapes)} (N, K) shapes x {args.kind} (+ {len(heads)} LM heads, bf16) x M {ms} on "
+          f"{torch.cuda.get_device_name()}"
           f"{' (quick)' if args.quick else ''}")
     print(f"{'kind':>9} {'N':>6} {'K':>6} {'M':>3} {'today us':>9} {'default':>8} {'best us':>8} {'vs today':>8} "
           f"{'TB/s':>5}  table entry (today: F.linear for bf16, act-quant + W8A8 GEMM for fp8)")
     table: dict = {kind: {} for kind in args.kind}
     results, timings = {}, {}
     for kind in args.kind:
-        for n, k in shapes:
+        for n, k in shapes + (heads if kind == "bf16" else []):
             wts = Weights(kind, n, k, gen)
             entries = table[kind].setdefault(f"{n},{k}", {})
             for m in ms:

@@ -226,6 +226,25 @@ def test_linear_methods_take_the_kernel_at_small_m(quant, table, monkeypatch):
 
 
 @in_process
+def test_lm_head_takes_the_kernel_where_the_table_says(table, monkeypatch):
+    from model_executor.layers.embedding import ParallelLMHead
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    head = ParallelLMHead(50, 64, tp_rank=0, tp_size=1).to(torch.bfloat16)
+    head.weight.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ref = reference(hidden, head.weight.float(), None)
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2, "num_stages": 2}
+    table({"bf16": {"50,64": {"4": cfg}}})
+    with torch.no_grad():
+        out = head(hidden)
+        assert torch.equal(out, sm.small_m_linear(hidden, head.weight, config=sm.GemmConfig(**cfg)))
+        assert_matches_reference(out, ref, torch.bfloat16)
+        table({})
+        assert torch.equal(head(hidden), torch.nn.functional.linear(hidden, head.weight))
+
+
+@in_process
 def test_cpu_path_does_not_take_the_kernel(table):
     """Without the opt-in, CPU tensors keep F.linear / the FP8 reference (the server's CPU path)."""
     layer, _ = _linear("fp8", 48, 96, bias=False)

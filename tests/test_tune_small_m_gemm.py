@@ -39,3 +39,7 @@ def test_model_summary_counts_every_layer():
     (line,) = tune.model_summary(["llama-3.2-1b"], [1], ["bf16"], [1], results)
     today = 4 * 10.0 * cfg.num_hidden_layers / 1e3
     assert f"today {today:.3f} ms" in line and f"table {today / 2:.3f} ms" in line and math.isclose(today, 0.64)
+    assert tune.lm_head_shape(cfg, 2) == (64128, 2048)
+    results[("bf16", 128256, 2048, 1)] = {"base_us": 100.0, "best_us": 200.0, "best": object()}  # cuBLAS wins
+    (line,) = tune.model_summary(["llama-3.2-1b"], [1], ["bf16"], [1], results)
+    assert "+ head" in line and f"today {today + 0.1:.3f} ms" in line and f"table {today / 2 + 0.1:.3f} ms" in line
