@@ -1,6 +1,7 @@
 """Profile one decode graph replay and one piecewise extend replay; print where the time goes.
 
     python -m benchmarks.profile_step --model llama-3.2-1b --decode-bs 1 --extend-tokens 128
+    python -m benchmarks.profile_step --model llama-3.1-8b --quantization fp8 --decode-bs 1
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def main(argv=None) -> int:
     p.add_argument("--decode-bs", type=int, default=1)
     p.add_argument("--extend-tokens", type=int, default=128)
     p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--quantization", default=None, choices=("none", "fp8"), help="weight quantization")
     args = p.parse_args(argv)
     cfg = RunnerConfig(model_path=str(shape_path(args.model)), device="cuda", attention_backend=args.attention_backend,
                        max_running_requests=64, max_total_tokens=64 * 1024, context_length=4096, random_weights=True,
-                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True)
+                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True, quantization=args.quantization)
     runner = ModelRunner(cfg)
     decode = CudaGraphRunner(runner, [args.decode_bs])
     batches, _, _ = prepare(runner, args.decode_bs, 512, 4)

@@ -304,7 +304,7 @@ def default_config(m: int, n: int, k: int, kind: str, device: str = "cuda") -> G
     """Untuned: narrow column tiles, split K until there are about two programs per SM (bounded so each
     split still streams several K steps)."""
     block_n = 32
-    block_k = 128
+    block_k = 256 if kind == "fp8" else 128  # rows of 256 bytes per step (block scales: one scale block)
     tiles = triton.cdiv(n, block_n)
     split = 1
     while tiles * split < 2 * _sm_count(device) and k // (split * 2) >= 4 * block_k:
