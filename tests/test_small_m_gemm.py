@@ -153,7 +153,7 @@ TUNED = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8, "num_stage
 @in_process
 def test_table_lookup_selects_tuned_config_and_falls_back(table):
     gemv = {"BLOCK_N": 8, "BLOCK_K": 64, "GEMV": True}
-    table({"bf16": {"32,64": {"1": "cublas", "4": TUNED}}, "fp8": {"32,64": {"16": TUNED}},
+    table({"bf16": {"32,64": {"1": "cublas", "4": TUNED}}, "fp8": {"32,64": {"16": TUNED, "8": "w8a8"}},
            "fp8_block": {"32,64": {"1": gemv, "2": gemv}}})
     assert sm.choose_config(3, 32, 64, "bf16", "cpu") == sm.GemmConfig(**TUNED)  # M 3 -> bucket 4
     assert sm.choose_config(1, 32, 64, "bf16", "cpu") is None  # "cublas"
@@ -161,6 +161,7 @@ def test_table_lookup_selects_tuned_config_and_falls_back(table):
     assert sm.choose_config(4, 48, 64, "bf16", "cpu") is None  # shape not in the table: F.linear
     assert sm.choose_config(16, 32, 64, "fp8", "cpu") == sm.GemmConfig(**TUNED)
     assert sm.choose_config(2, 32, 64, "fp8", "cpu") == sm.default_config(2, 32, 64, "fp8")  # FP8: default
+    assert sm.choose_config(5, 32, 64, "fp8", "cpu") is None  # "w8a8": the method's other path
     assert sm.choose_config(17, 32, 64, "fp8", "cpu") is None  # above the row limit: the other path
     assert sm.choose_config(1, 32, 64, "fp8_block", "cpu") == sm.GemmConfig(8, 64, GEMV=True)
     assert not sm.choose_config(2, 32, 64, "fp8_block", "cpu").GEMV  # a GEMV entry for 2 rows is ignored
@@ -168,6 +169,8 @@ def test_table_lookup_selects_tuned_config_and_falls_back(table):
 
 @in_process
 def test_no_table_keeps_cublas_for_bf16_and_uses_kernel_for_fp8(table):
+    with pytest.raises(ValueError, match="unknown entry"):
+        sm.parse_entry("cuBLAS")
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     assert not sm.use_small_m(x, torch.zeros(32, 64, dtype=torch.bfloat16))
     assert sm.use_small_m(x, torch.zeros(32, 64, dtype=FP8))

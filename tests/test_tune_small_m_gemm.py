@@ -19,11 +19,12 @@ def test_linear_shapes_are_one_ranks_gemms(tp, expected):
     assert tune.linear_shapes(ModelConfig.from_pretrained(shape_path("llama-3.1-8b")), tp) == expected
 
 
-def test_table_entry_keeps_cublas_unless_the_kernel_wins_for_bf16():
+def test_table_entry_keeps_the_other_path_only_where_it_measured_faster():
     best = object()
     assert tune.table_entry("bf16", {"best": best, "best_us": 9.9, "base_us": 10.0}) == "cublas"  # within margin
     assert tune.table_entry("bf16", {"best": best, "best_us": 9.0, "base_us": 10.0}) is best
-    assert tune.table_entry("fp8", {"best": best, "best_us": 11.0, "base_us": 10.0}) is best  # FP8: always
+    assert tune.table_entry("fp8", {"best": best, "best_us": 10.1, "base_us": 10.0}) is best  # within margin
+    assert tune.table_entry("fp8_block", {"best": best, "best_us": 11.0, "base_us": 10.0}) == "w8a8"
 
 
 def test_refuses_without_cuda(monkeypatch, capsys):

@@ -30,9 +30,11 @@ The workspace is allocated per call with a size fixed by (splits, M, N): no host
 
 Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, GEMV) come from a table tuned per GPU by
 benchmarks/tune_small_m_gemm.py (configs/small_m_gemm_<GPU>.json, read once at start-up): per weight kind
-("bf16", "fp16", "fp8", "fp8_block"), (N, K) and M bucket, a config or "cublas" (F.linear is faster there).
-Without an entry, bf16/fp16 weights keep F.linear and FP8 weights use `default_config`: weight-only FP8
-reads half the bytes of bf16 and skips the activation-quantization kernel, so it needs no table to win.
+("bf16", "fp16", "fp8", "fp8_block"), (N, K) and M bucket, a config, or the name of the path the layer
+takes otherwise where that measured faster: "cublas" (F.linear) for bf16/fp16, "w8a8" (activation
+quantization + the FP8 GEMM) for FP8. Without an entry, bf16/fp16 weights keep F.linear and FP8 weights
+use `default_config`: weight-only FP8 reads half the bytes of bf16 and skips the activation-quantization
+kernel, so it needs no table to win.
 
 `small_m_linear` is the entry point. While something traces (dynamo, a dispatch mode) it goes through the
 `duet::small_m_gemm` custom op (a fake implementation gives the output's shape), otherwise it calls the
@@ -285,9 +287,16 @@ def _table(device: str) -> dict:
     return table
 
 
+OTHER_PATHS = {"bf16": "cublas", "fp16": "cublas", "fp8": "w8a8", "fp8_block": "w8a8"}
+
+
 def parse_entry(entry) -> GemmConfig | None:
-    """A table value: "cublas" -> None (F.linear), else a config."""
-    return None if entry == "cublas" else GemmConfig(**entry)
+    """A table value: the other path's name ("cublas", "w8a8") -> None, else a config."""
+    if isinstance(entry, str):
+        if entry not in OTHER_PATHS.values():
+            raise ValueError(f"small-M GEMM table: unknown entry {entry!r}")
+        return None
+    return GemmConfig(**entry)
 
 
 @functools.cache
@@ -325,8 +334,8 @@ def choose_config(m: int, n: int, k: int, kind: str, device: str) -> GemmConfig 
     return default_config(m, n, k, kind) if kind.startswith("fp8") else None
 
 
-def config_to_json(cfg: GemmConfig | None):
-    return "cublas" if cfg is None else asdict(cfg)
+def config_to_json(cfg: GemmConfig | None, kind: str = "bf16"):
+    return OTHER_PATHS[kind] if cfg is None else asdict(cfg)
 
 
 # ---------------------------------------------------------------- entry points
