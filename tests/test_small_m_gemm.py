@@ -175,6 +175,8 @@ def test_no_table_keeps_cublas_for_bf16_and_uses_kernel_for_fp8(table):
     assert not sm.use_small_m(x, torch.zeros(32, 64, dtype=torch.bfloat16))
     assert sm.use_small_m(x, torch.zeros(32, 64, dtype=FP8))
     assert not sm.use_small_m(torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=FP8))
+    assert sm.use_small_m(x, torch.zeros(32, 64, dtype=FP8), block=(128, 32))
+    assert not sm.use_small_m(x, torch.zeros(32, 64, dtype=FP8), block=(128, 96))  # K steps cannot tile it
 
 
 def _linear(quant, n: int, k: int, bias: bool):

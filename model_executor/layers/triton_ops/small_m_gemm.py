@@ -184,6 +184,11 @@ def weight_kind(weight: torch.Tensor, block: tuple[int, int] | None) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, str(weight.dtype))
 
 
+def _kernel_block_k(block_k: int) -> bool:
+    """Whether K steps (powers of two >= 16, at most block_k) can tile a scale block of block_k columns."""
+    return block_k >= 16 and not block_k & (block_k - 1)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
            block: tuple[int, int] | None) -> None:
     m, k = x.shape
@@ -205,7 +210,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
             want = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
             if tuple(scale.shape) != want or scale.stride(-1) != 1:
                 raise ValueError(f"small-M GEMM: block scales must be {list(want)}, got {tuple(scale.shape)}")
-            if block[1] < 16 or block[1] & (block[1] - 1):
+            if not _kernel_block_k(block[1]):
                 raise ValueError(f"small-M GEMM: the scale block's K size must be a power of two >= 16, "
                                  f"got {block[1]}")
     elif weight.dtype != x.dtype or scale is not None:
@@ -388,6 +393,8 @@ def use_small_m(x2: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] |
         return False
     m = x2.shape[0]
     if m == 0 or m > MAX_M:
+        return False
+    if block is not None and not _kernel_block_k(block[1]):  # steps must not straddle two scale blocks
         return False
     n, k = weight.shape
     return choose_config(m, n, k, weight_kind(weight, block), _device_key(x2)) is not None
