@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = RunnerConfig(model_path=str(shape_path(args.model)), device="cuda", attention_backend=args.attention_backend,
                        max_running_requests=64, max_total_tokens=64 * 1024, context_length=4096, random_weights=True,
-                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True, quantization=args.quantization)
+                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
+                       quantization=args.quantization)
     runner = ModelRunner(cfg)
     decode = CudaGraphRunner(runner, [args.decode_bs])
     batches, _, _ = prepare(runner, args.decode_bs, 512, 4)

@@ -40,8 +40,9 @@ KINDS = ("bf16", "fp8", "fp8_block")
 ROTATE_BYTES = 128 << 20  # weight copies per measurement: over twice an H100/H200 L2 (50 MB)
 MIN_COPIES = 2
 REPLAYS = 5
-OTHER_MARGIN = 0.98  # the kernel replaces cuBLAS (bf16) only when this much faster; FP8's other path needs to be
-# this much faster than the kernel to keep its place: no flips on noise
+# The kernel replaces cuBLAS (bf16) only when this much faster; FP8's other path must be this much faster
+# than the kernel to keep its place: no flips on noise.
+OTHER_MARGIN = 0.98
 BLOCK = (128, 128)  # the block-wise FP8 checkpoints' scale block
 DEVICE = "cuda"  # (a CPU smoke run of the search logic swaps it)
 
@@ -105,7 +106,8 @@ class Weights:
 
 
 def kernel_calls(sm, x: torch.Tensor, wts: Weights, cfg) -> list[Callable[[], object]]:
-    return [lambda w=w, s=s: sm.small_m_linear(x, w, s, None, wts.block, config=cfg) for w, s in zip(wts.w, wts.s)]
+    return [lambda w=w, s=s: sm.small_m_linear(x, w, s, None, wts.block, config=cfg)
+            for w, s in zip(wts.w, wts.s)]
 
 
 def baseline_calls(kind: str, x: torch.Tensor, wts: Weights) -> list[Callable[[], object]]:
@@ -129,7 +131,8 @@ def baseline_calls(kind: str, x: torch.Tensor, wts: Weights) -> list[Callable[[]
 
 
 def tile_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
-    """(BLOCK_N, BLOCK_K): K tiles of 256-512 bytes of a weight row (block-wise FP8: at most the scale block)."""
+    """(BLOCK_N, BLOCK_K): K tiles of 256-512 bytes of a weight row (block-wise FP8: at most the scale
+    block)."""
     if kind == "fp8_block":
         bks = (128,)
     elif kind == "fp8":
@@ -172,7 +175,8 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     if m == 1:
         tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick)]
     for bn, bk, gemv in tiles:
-        cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_for(bn, bk), num_warps=4, num_stages=4, GEMV=gemv)
+        cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_for(bn, bk), num_warps=4, num_stages=4,
+                            GEMV=gemv)
         results.append((measure(cfg), cfg))
     best_us, best = min(results, key=lambda r: r[0])
     for split in (1, 2, 4, 8, 16):
@@ -220,16 +224,20 @@ def model_summary(models, tps, kinds, ms, results) -> list[str]:
                     head = results.get((kind, *lm_head_shape(cfg, tp), m))
                     rs += [head] if head is not None else []
                     base = sum(r["base_us"] for r in rs)
-                    chosen = sum(r["base_us"] if isinstance(table_entry(kind, r), str) else r["best_us"] for r in rs)
-                    lines.append(f"{name:>13} tp{tp} {kind:>9} M={m:<2} GEMMs per step{' + head' if head else ''}: "
-                                 f"today {base / 1e3:.3f} ms, table {chosen / 1e3:.3f} ms ({base / chosen:.2f}x)")
+                    chosen = sum(r["base_us"] if isinstance(table_entry(kind, r), str) else r["best_us"]
+                                 for r in rs)
+                    what = "GEMMs per step" + (" + head" if head else "")
+                    lines.append(f"{name:>13} tp{tp} {kind:>9} M={m:<2} {what}: today {base / 1e3:.3f} ms, "
+                                 f"table {chosen / 1e3:.3f} ms ({base / chosen:.2f}x)")
     return lines
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tune_small_m_gemm", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tune_small_m_gemm",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--model", nargs="+", default=list(DEFAULT_MODELS), choices=SHAPES, help="model shapes")
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (one rank's shapes)")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2],
+                   help="tensor-parallel sizes (one rank's shapes)")
     p.add_argument("--kind", nargs="+", default=list(KINDS), choices=KINDS, help="weight kinds")
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], choices=(1, 2, 4, 8, 16),
                    help="row counts: the table's M buckets (a batch uses the next one up)")
@@ -259,8 +267,9 @@ def main(argv=None) -> int:
     print(f"{len(shapes)} (N, K) shapes x {args.kind} (+ {len(heads)} LM heads, bf16) x M {ms} on "
           f"{torch.cuda.get_device_name()}"
           f"{' (quick)' if args.quick else ''}")
-    print(f"{'kind':>9} {'N':>6} {'K':>6} {'M':>3} {'today us':>9} {'default':>8} {'best us':>8} {'vs today':>8} "
-          f"{'TB/s':>5}  table entry (today: F.linear = cublas for bf16, act-quant + W8A8 GEMM = w8a8 for fp8)")
+    print(f"{'kind':>9} {'N':>6} {'K':>6} {'M':>3} {'today us':>9} {'default':>8} {'best us':>8} "
+          f"{'vs today':>8} {'TB/s':>5}  table entry (today: F.linear = cublas for bf16, "
+          f"act-quant + W8A8 GEMM = w8a8 for fp8)")
     table: dict = {kind: {} for kind in args.kind}
     results, timings = {}, {}
     over_budget = False
@@ -273,17 +282,19 @@ def main(argv=None) -> int:
                 quick = args.quick or time.perf_counter() - t0 > args.budget_s
                 if quick and not args.quick and not over_budget:
                     over_budget = True
-                    print(f"  (past --budget-s {args.budget_s:.0f}: the remaining cases get the --quick grid)")
+                    print(f"  (past --budget-s {args.budget_s:.0f}: "
+                          "the remaining cases get the --quick grid)")
                 r = tune_one(sm, kind, n, k, m, wts, gen, quick, log)
                 results[(kind, n, k, m)] = r
                 entry = table_entry(kind, r)
                 entries[str(m)] = sm.config_to_json(None if isinstance(entry, str) else entry, kind)
-                timings[f"{kind},{n},{k},{m}"] = {"base_us": round(r["base_us"], 2), "best_us": round(r["best_us"], 2),
-                                                  "default_us": round(r["default_us"], 2), "all": log}
+                timings[f"{kind},{n},{k},{m}"] = {key: round(r[key], 2)
+                                                  for key in ("base_us", "best_us", "default_us")}
+                timings[f"{kind},{n},{k},{m}"]["all"] = log
                 chosen = r["base_us"] if isinstance(entry, str) else r["best_us"]
                 print(f"{kind:>9} {n:>6} {k:>6} {m:>3} {r['base_us']:>9.1f} {r['default_us']:>8.1f} "
-                      f"{r['best_us']:>8.1f} {r['base_us'] / chosen:>7.2f}x {wts.bytes / chosen / 1e6:>5.2f}  "
-                      f"{entries[str(m)]}")
+                      f"{r['best_us']:>8.1f} {r['base_us'] / chosen:>7.2f}x "
+                      f"{wts.bytes / chosen / 1e6:>5.2f}  {entries[str(m)]}")
             del wts
             torch.cuda.empty_cache()
     for line in model_summary(args.model, args.tp, args.kind, ms, results):

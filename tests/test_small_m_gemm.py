@@ -262,12 +262,13 @@ def test_cpu_path_does_not_take_the_kernel(table):
 
 @in_process
 def test_custom_op_traces_under_torch_compile():
-    """The registered op: dynamo traces through it (fullgraph) and the compiled call returns the eager bits."""
+    """The registered op: dynamo traces through it (fullgraph); the compiled call returns the eager bits."""
     w, s, block, _ = make_weight("fp8_block", 40, 64, seed=8)
     w, s = w.to(DEVICE), s.to(DEVICE)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.bfloat16)
     offset = torch.arange(40, dtype=torch.bfloat16, device=DEVICE)  # broadcasts only over a [M, N] output
-    fn = torch.compile(lambda x: sm.small_m_linear(x, w, s, None, block) + offset, fullgraph=True, backend="eager")
+    fn = torch.compile(lambda x: sm.small_m_linear(x, w, s, None, block) + offset, fullgraph=True,
+                       backend="eager")
     torch._dynamo.reset()
     try:
         assert torch.equal(fn(x), sm.small_m_linear(x, w, s, None, block) + offset)

@@ -50,7 +50,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         kernel = small_m_kernel(hidden, self.weight)  # decode-sized CUDA batches, where the table says so
-        logits = F.linear(hidden, self.weight) if kernel is None else kernel.small_m_linear(hidden, self.weight)
+        logits = kernel.small_m_linear(hidden, self.weight) if kernel else F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         return ps.tensor_model_parallel_all_gather(logits)[:, : self.vocab_size]

@@ -15,7 +15,8 @@ from model_executor.layers.triton_ops import small_m_gemm as sm
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(3072, 2048), (2048, 8192), (28672, 4096), (4096, 14336), (1536, 2048)]  # 1B qkv/down, 8B gate_up/down
+# 1B qkv and down, 8B gate_up and down, 1B qkv at tp 2
+SHAPES = [(3072, 2048), (2048, 8192), (28672, 4096), (4096, 14336), (1536, 2048)]
 SPLIT_CFG = sm.GemmConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=4)
 
 

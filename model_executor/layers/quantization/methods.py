@@ -1,10 +1,11 @@
 """The quantized LinearMethods: online FP8, pre-quantized FP8 (block-wise, per-channel/per-tensor), int8.
 
 The FP8 GEMMs run on CUDA (sm89+): torch._scaled_mm with row-wise scales, or the Triton block-scaled
-GEMM; decode-sized batches (M <= 16) instead run the weight-only small-M kernel (triton_ops/small_m_gemm.py:
-x stays in the model dtype, the FP8 weight is dequantized in the kernel), which reads the weight once and
-skips the activation-quantization kernel. On the CPU they compute `fp8_linear_reference` (the same quantized math in float32): the CPU tests
-load and run FP8 models through it, while the server refuses FP8 on a CPU (config.check_device).
+GEMM; decode-sized batches instead run the weight-only small-M kernel (triton_ops/small_m_gemm.py: x stays
+in the model dtype, the FP8 weight is dequantized in the kernel), which reads the weight once and skips the
+activation-quantization kernel. On the CPU they compute `fp8_linear_reference` (the same quantized math in
+float32): the CPU tests load and run FP8 models through it, while the server refuses FP8 on a CPU
+(config.check_device).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ class Fp8BlockMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         kernel = small_m_kernel(x2, layer.weight, self.block)
         if kernel is not None:  # decode-sized: weight-only FP8 with the block scales
-            out = kernel.small_m_linear(x2, layer.weight, layer.weight_scale_inv, layer.bias, block=self.block)
+            out = kernel.small_m_linear(x2, layer.weight, layer.weight_scale_inv, layer.bias, self.block)
         elif not x.is_cuda:
             out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale_inv, layer.bias,
                                                 block=self.block)

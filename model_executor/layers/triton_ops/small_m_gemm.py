@@ -7,8 +7,8 @@ BLOCK_N output columns for every row of x and walks its K range once, so each we
 Layouts (row-major, unit stride in the last dim):
     x      [M, K]  bfloat16 / float16, M <= MAX_M
     W      [N, K]  x's dtype, or float8_e4m3fn dequantized in the kernel (weight-only: x stays in its dtype,
-                   no activation quantization; e4m3 values are exact in bf16/fp16, so the only rounding is
-                   the fp32 accumulation and the final cast)
+                   no activation quantization; e4m3 values are exact in bf16/fp16, so the only roundings
+                   are fp32's, in the sums and the scale products, and the final cast)
     scale  per output channel [N] float32, or per (bn x bk) block [ceil(N / bn), ceil(K / bk)] float32
            (Fp8BlockMethod's `weight_scale_inv`): real weight = W x scale
     bias   [N] (any float dtype; added in fp32)
@@ -29,7 +29,8 @@ adds the bias and casts; no atomics, so the same inputs give the same bits (grap
 The workspace is allocated per call with a size fixed by (splits, M, N): no host sync, CUDA-graph safe.
 
 Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, GEMV) come from a table tuned per GPU by
-benchmarks/tune_small_m_gemm.py (configs/small_m_gemm_<GPU>.json, read once at start-up): per weight kind
+benchmarks/tune_small_m_gemm.py (configs/small_m_gemm_<GPU>.json, read once, at the first decode-sized
+GEMM: the warm-up before graph capture; never tuned while serving): per weight kind
 ("bf16", "fp16", "fp8", "fp8_block"), (N, K) and M bucket, a config, or the name of the path the layer
 takes otherwise where that measured faster: "cublas" (F.linear) for bf16/fp16, "w8a8" (activation
 quantization + the FP8 GEMM) for FP8. Without an entry, bf16/fp16 weights keep F.linear and FP8 weights
@@ -161,7 +162,8 @@ def _small_m_gemm_kernel(
 @triton.jit
 def _split_k_reduce_kernel(WS, BIAS, Y, N, splits, stride_wsk, stride_wsm, stride_ym,
                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """y[m, n] = sum over s = 0, 1, .., splits - 1 (in that order) of ws[s, m, n] (+ bias), cast to y's dtype."""
+    """y[m, n] = the sum over s = 0, 1, .., splits - 1 (in that order) of ws[s, m, n] (+ bias), in y's
+    dtype."""
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -202,8 +204,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
     if weight.stride(-1) != 1:
         raise ValueError("small-M GEMM: the weight needs unit stride in K")
     if weight.dtype == FP8:
-        if scale is None or scale.dtype != torch.float32:
-            raise ValueError("small-M GEMM: an FP8 weight needs float32 scales")
+        if scale is None or scale.dtype != torch.float32 or scale.stride(-1) != 1:
+            raise ValueError("small-M GEMM: an FP8 weight needs float32 scales (unit stride in the last dim)")
         if block is None and scale.shape != (n,):
             raise ValueError(f"small-M GEMM: per-channel scales must be [{n}], got {tuple(scale.shape)}")
         if block is not None:
@@ -214,7 +216,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
                 raise ValueError(f"small-M GEMM: the scale block's K size must be a power of two >= 16, "
                                  f"got {block[1]}")
     elif weight.dtype != x.dtype or scale is not None:
-        raise ValueError(f"small-M GEMM: weight {weight.dtype} with x {x.dtype} (scales only with FP8 weights)")
+        raise ValueError(f"small-M GEMM: weight {weight.dtype} with x {x.dtype} "
+                         "(scales only with FP8 weights)")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"small-M GEMM: bias must be [{n}], got {tuple(bias.shape)}")
 
@@ -226,6 +229,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -242,12 +247,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     dot_f32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
-        x, weight, scale if scale is not None else x, bias if bias is not None else x, out, m, n, k, k_per_split,
+        x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
+        m, n, k, k_per_split,
         x.stride(0), weight.stride(0), n, scale.stride(0) if scale_mode == 2 else 0, m * n,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
-        HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0,
+        HAS_BIAS=bias is not None, PARTIAL=partial,
+        EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
-        GEMV=cfg.GEMV, BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GEMV=cfg.GEMV, BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
         reduce_block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, reduce_block))](
