@@ -94,6 +94,21 @@ def test_fp16_activations(kind):
 
 
 @in_process
+@pytest.mark.parametrize("kind", ["fp8", "fp8_block"])
+def test_fp8_weights_keep_bf16_range_of_x(kind):
+    """FP8 weights run the dot in fp16: bf16 activations far outside fp16's range (large and tiny) still
+    give the float32 reference's result (x is rescaled by a power of two, not clipped or flushed)."""
+    w, s, block, w_deq = make_weight(kind, 40, 128, seed=11)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(12))
+    x[:, ::9] *= 3e5  # past fp16's max
+    x[:, 1::9] *= 1e-6  # fp16 subnormals
+    x = x.to(torch.bfloat16)
+    out = run(x, w, s, None, block, SPLIT)
+    assert torch.isfinite(out).all()
+    assert_matches_reference(out, reference(x, w_deq, None), torch.bfloat16)
+
+
+@in_process
 def test_split_k_is_deterministic_and_each_split_count_is_right():
     """Two runs give the same bits; split counts 1 and 4 both match the reference (their bits may differ:
     fp32 sums in another order)."""

@@ -14,6 +14,10 @@ Layouts (row-major, unit stride in the last dim):
     bias   [N] (any float dtype; added in fp32)
     y      [M, N]  x's dtype, fp32 accumulation
 
+With FP8 weights the tensor-core dot runs in fp16 (see X_PRESCALE: bf16 x is rescaled into fp16's range
+by a power of two, losslessly in practice), because converting e4m3 to bf16 costs a second instruction per
+value, enough to make the kernel conversion-bound below memory bandwidth.
+
 Why the dot is "swapped": tl.dot needs every dimension >= 16, and the row count is the small one, so the
 kernel computes y^T tiles: acc[BLOCK_N, 16] = W_tile[BLOCK_N, BLOCK_K] @ x_tile^T[BLOCK_K, 16]. The weight
 tile is the left operand (the large dimension, where the MMA shapes want it) and x's rows are padded to 16
@@ -60,6 +64,11 @@ MAX_M = 16  # rows of x: the padded dot dimension (tl.dot's minimum)
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16)  # the row counts the tuner times; a batch uses the next bucket up
 FP8 = torch.float8_e4m3fn
+# FP8 weights: the dot runs in fp16 (e4m3 -> fp16 is one packed instruction per two values; e4m3 -> bf16
+# needs a second conversion per value, which caps the kernel below bandwidth), so bf16 x goes to fp16
+# times this power of two: exact for |x| from about 2^-13 up to fp16's max / X_PRESCALE (~1e6), far wider
+# than a linear's inputs; below it the error is under 2^-21 absolute, less than bf16's own spacing there.
+X_PRESCALE = 2.0**-4
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,7 @@ def _small_m_gemm_kernel(
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
+    F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
@@ -135,7 +145,10 @@ def _small_m_gemm_kernel(
                 prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
             acc += prod
         else:
-            w = w.to(xt.dtype)  # float8 -> bf16/fp16 is exact; a no-op for unquantized weights
+            if F16_DOT:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16 costs another per value)
+                w = w.to(tl.float16)
+                if xt.dtype != tl.float16:  # bf16 x, scaled by a power of two into fp16's range: exact there
+                    xt = (xt.to(tl.float32) * X_PRESCALE).to(tl.float16)
             if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; float32 operands give the same products
                 w = w.to(tl.float32)
                 xt = xt.to(tl.float32)
@@ -147,6 +160,8 @@ def _small_m_gemm_kernel(
         x_ptrs += BLOCK_K
     if GEMV:
         acc = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
+    elif F16_DOT and X_PRESCALE != 1.0:
+        acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
     if SCALE == 1:
         acc = acc * tl.load(S + rows_n)[:, None]
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
@@ -245,6 +260,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     scale_mode = 0 if scale is None else 2 if block is not None else 1
     partial = splits > 1
     dot_f32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    f16_dot = weight.dtype == FP8
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
@@ -254,7 +270,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
-        GEMV=cfg.GEMV, BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
+        GEMV=cfg.GEMV, F16_DOT=f16_dot, X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
+        BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
         reduce_block = min(1024, triton.next_power_of_2(n))
