@@ -139,7 +139,9 @@ def tile_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
         bks = (256,) if quick else (256, 512)
     else:
         bks = (128,) if quick else (128, 256)
-    return [(bn, bk) for bn in (16, 32, 64) for bk in bks]
+    tiles = [(bn, bk) for bn in (16, 32, 64) for bk in bks]
+    # FP8: wide column tiles spread the conversion of x to fp16 (once per program and step) over more rows
+    return tiles + [(128, bks[0])] if kind.startswith("fp8") else tiles
 
 
 def gemv_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
@@ -164,18 +166,13 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
         log.append([round(us, 2), sm.config_to_json(cfg)])
         return us
 
-    def split_for(bn, bk):
-        split, tiles = 1, -(-n // bn)
-        while tiles * split < 2 * sms and k // (2 * split) >= 2 * bk:
-            split *= 2
-        return split
 
     results = []
     tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick)]
     if m == 1:
         tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick)]
     for bn, bk, gemv in tiles:
-        cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_for(bn, bk), num_warps=4, num_stages=4,
+        cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sm.split_for(n, k, bn, bk, sms), num_warps=4, num_stages=4,
                             GEMV=gemv)
         results.append((measure(cfg), cfg))
     best_us, best = min(results, key=lambda r: r[0])

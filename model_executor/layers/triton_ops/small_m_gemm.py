@@ -344,11 +344,16 @@ def default_config(m: int, n: int, k: int, kind: str, device: str = "cuda") -> G
     split still streams several K steps)."""
     block_n = 32
     block_k = 256 if kind == "fp8" else 128  # rows of 256 bytes per step (block scales: one scale block)
-    tiles = triton.cdiv(n, block_n)
-    split = 1
-    while tiles * split < 2 * _sm_count(device) and k // (split * 2) >= 4 * block_k:
-        split *= 2
+    split = split_for(n, k, block_n, block_k, _sm_count(device))
     return GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=4)
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """Split K (doubling) until there are about two programs per SM, each split keeping two K steps."""
+    split, tiles = 1, triton.cdiv(n, block_n)
+    while tiles * split < 2 * sms and k // (2 * split) >= 2 * block_k:
+        split *= 2
+    return split
 
 
 def choose_config(m: int, n: int, k: int, kind: str, device: str) -> GemmConfig | None:
