@@ -185,6 +185,7 @@ def test_table_lookup_selects_tuned_config_and_falls_back(table):
 
 @in_process
 def test_no_table_keeps_cublas_for_bf16_and_uses_kernel_for_fp8(table):
+    assert qbase.SMALL_M_MAX == sm.MAX_M  # the linear methods' pre-check before importing the kernel
     with pytest.raises(ValueError, match="unknown entry"):
         sm.parse_entry("cuBLAS")
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
