@@ -1,6 +1,7 @@
 """Profile one decode graph replay and one piecewise extend replay; print where the time goes.
 
     python -m benchmarks.profile_step --model llama-3.2-1b --decode-bs 1 --extend-tokens 128 [--input-len 512]
+    python -m benchmarks.profile_step --model llama-3.1-8b --quantization fp8 --decode-bs 1
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ def main(argv=None) -> int:
     p.add_argument("--extend-tokens", type=int, default=128)
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--input-len", type=int, default=512, help="the decode requests' context (prompt) length")
+    p.add_argument("--quantization", default=None, choices=("none", "fp8"), help="weight quantization")
     args = p.parse_args(argv)
     if not 1 <= args.input_len <= 4000:
         p.error(f"--input-len must be between 1 and 4000 (the profile's context is 4096), got {args.input_len}")
     cfg = RunnerConfig(model_path=str(shape_path(args.model)), device="cuda", attention_backend=args.attention_backend,
                        max_running_requests=64, max_total_tokens=64 * 1024, context_length=4096, random_weights=True,
-                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True)
+                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
+                       quantization=args.quantization)
     runner = ModelRunner(cfg)
     decode = CudaGraphRunner(runner, [args.decode_bs])
     batches, _, _ = prepare(runner, args.decode_bs, args.input_len, 4)

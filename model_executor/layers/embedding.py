@@ -13,6 +13,7 @@ from torch import nn
 
 from model_executor.distributed import parallel_state as ps
 from model_executor.layers.linear import _copy_into, _tp
+from model_executor.layers.quantization.base import small_m_kernel
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -48,7 +49,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; shares the embedding's weight when the model ties them."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        kernel = small_m_kernel(hidden, self.weight)  # decode-sized CUDA batches, where the table says so
+        logits = kernel.small_m_linear(hidden, self.weight) if kernel else F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         return ps.tensor_model_parallel_all_gather(logits)[:, : self.vocab_size]

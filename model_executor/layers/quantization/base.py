@@ -57,7 +57,34 @@ class LinearMethod:
         return set()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        kernel = small_m_kernel(x, layer.weight)
+        if kernel is not None:
+            out = kernel.small_m_linear(x.reshape(-1, x.shape[-1]), layer.weight, bias=layer.bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, layer.weight, layer.bias)
+
+
+# Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
+SMALL_M_DEVICES = ("cuda",)
+SMALL_M_MAX = 16  # the kernel's row limit (small_m_gemm.MAX_M), checked here before importing it
+_small_m_module = None
+
+
+def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None):
+    """The small_m_gemm module when this GEMM (x [..., K] rows times `weight`) should run it: a decode-sized
+    batch on a CUDA device, not under dynamo, and a table entry (FP8: always); else None. Triton is
+    imported on the first such call, never on a CPU path."""
+    global _small_m_module
+    if x.device.type not in SMALL_M_DEVICES or torch.compiler.is_compiling():
+        return None
+    if x.numel() > SMALL_M_MAX * x.shape[-1]:
+        return None
+    if _small_m_module is None:
+        from model_executor.layers.triton_ops import small_m_gemm
+
+        _small_m_module = small_m_gemm
+    x2 = x.reshape(-1, x.shape[-1])
+    return _small_m_module if _small_m_module.use_small_m(x2, weight, block) else None
 
 
 UNQUANTIZED = LinearMethod()

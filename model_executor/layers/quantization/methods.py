@@ -1,8 +1,11 @@
 """The quantized LinearMethods: online FP8, pre-quantized FP8 (block-wise, per-channel/per-tensor), int8.
 
 The FP8 GEMMs run on CUDA (sm89+): torch._scaled_mm with row-wise scales, or the Triton block-scaled
-GEMM. On the CPU they compute `fp8_linear_reference` (the same quantized math in float32): the CPU tests
-load and run FP8 models through it, while the server refuses FP8 on a CPU (config.check_device).
+GEMM; decode-sized batches instead run the weight-only small-M kernel (triton_ops/small_m_gemm.py: x stays
+in the model dtype, the FP8 weight is dequantized in the kernel), which reads the weight once and skips the
+activation-quantization kernel. On the CPU they compute `fp8_linear_reference` (the same quantized math in
+float32): the CPU tests load and run FP8 models through it, while the server refuses FP8 on a CPU
+(config.check_device).
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ import torch
 from torch import nn
 
 from model_executor.layers.quantization import fp8_math
-from model_executor.layers.quantization.base import LinearMethod, copy_into, rows, set_kept_dtype
+from model_executor.layers.quantization.base import (
+    LinearMethod,
+    copy_into,
+    rows,
+    set_kept_dtype,
+    small_m_kernel,
+)
 from model_executor.layers.quantization.config import QuantConfig, QuantizationError
 
 try:  # the FP8 GPU kernels (Triton is optional: a CPU install never runs FP8, see config.check_device)
@@ -77,7 +86,10 @@ class Fp8OnlineMethod(_QuantizeOnLoad):
 
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
-        if not x.is_cuda:
+        kernel = small_m_kernel(x2, layer.weight)
+        if kernel is not None:  # decode-sized: weight-only FP8 (x stays in its dtype)
+            out = kernel.small_m_linear(x2, layer.weight, layer.weight_scale, layer.bias)
+        elif not x.is_cuda:
             out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale, layer.bias)
         else:
             xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
@@ -128,7 +140,10 @@ class Fp8ChannelMethod(LinearMethod):
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
         input_scale = getattr(layer, "input_scale", None)
-        if not x.is_cuda:
+        kernel = small_m_kernel(x2, layer.weight)
+        if kernel is not None:  # decode-sized: weight-only FP8 (no activation quantization, static or not)
+            out = kernel.small_m_linear(x2, layer.weight, layer.weight_scale, layer.bias)
+        elif not x.is_cuda:
             out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale, layer.bias,
                                                 input_scale=input_scale)
         else:
@@ -136,7 +151,7 @@ class Fp8ChannelMethod(LinearMethod):
                 xq = (x2 / input_scale).clamp(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(FP8)
                 xs = input_scale.view(1, 1).expand(x2.shape[0], 1).contiguous()
             else:
-                    xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
+                xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
             out = _scaled_mm_rowwise(x2, xq, xs, layer)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -184,7 +199,10 @@ class Fp8BlockMethod(LinearMethod):
 
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
-        if not x.is_cuda:
+        kernel = small_m_kernel(x2, layer.weight, self.block)
+        if kernel is not None:  # decode-sized: weight-only FP8 with the block scales
+            out = kernel.small_m_linear(x2, layer.weight, layer.weight_scale_inv, layer.bias, self.block)
+        elif not x.is_cuda:
             out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale_inv, layer.bias,
                                                 block=self.block)
         else:

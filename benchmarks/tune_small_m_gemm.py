@@ -1,0 +1,311 @@
+"""tune_small_m_gemm: time the small-M GEMM kernel's configs on this GPU for the linear layers of the model
+shapes (M = 1 .. 16 rows) and write the fastest per (weight kind, N, K, M bucket) as the table that
+model_executor/layers/triton_ops/small_m_gemm.py reads at start-up.
+
+    python -m benchmarks.tune_small_m_gemm                      # all shapes, tp 1 and 2; writes the table
+    python -m benchmarks.tune_small_m_gemm --quick --out $OUT/small_m_gemm_NVIDIA_H200.json
+
+Weight kinds: "bf16" (against F.linear, i.e. cuBLAS: the table says "cublas" where that is faster), "fp8"
+(per-channel scales, against the W8A8 path it replaces: per-token activation quantization + _scaled_mm)
+and "fp8_block" (128x128 block scales, against activation quantization + the block-scaled Triton GEMM);
+for both FP8 kinds the table says "w8a8" where the path it replaces is faster.
+
+Timing: every call of a measurement reads its own copy of the weight, enough copies that together they
+exceed the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode
+step is a graph replay: no launch overhead); the median of a few replays over the number of calls.
+Search, per (kind, N, K, M): column/K tiles (at M = 1 also the one-row GEMV variant's) at a split count
+that gives about two programs per SM, then the split count for the best tile, then warps/stages for the
+best of those (skipped with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from model_executor.configs import SHAPES, shape_path
+from model_executor.model_config import ModelConfig
+
+DEFAULT_MODELS = ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
+KINDS = ("bf16", "fp8", "fp8_block")
+ROTATE_BYTES = 128 << 20  # weight copies per measurement: over twice an H100/H200 L2 (50 MB)
+MIN_COPIES = 2
+REPLAYS = 5
+# The kernel replaces cuBLAS (bf16) only when this much faster; FP8's other path must be this much faster
+# than the kernel to keep its place: no flips on noise.
+OTHER_MARGIN = 0.98
+BLOCK = (128, 128)  # the block-wise FP8 checkpoints' scale block
+DEVICE = "cuda"  # (a CPU smoke run of the search logic swaps it)
+
+
+def linear_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
+    """One rank's (N, K) of each linear of a decoder layer (as models/llama.py builds them)."""
+    from model_executor.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
+
+    h, d = cfg.hidden_size, cfg.head_dim
+    q = heads_per_rank(cfg.num_attention_heads, tp) * d
+    kv = kv_heads_per_rank(cfg.num_key_value_heads, tp) * d
+    inter = cfg.intermediate_size // tp
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
+
+
+def lm_head_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """One rank's LM head GEMM (layers/embedding.py: the vocabulary split in equal blocks)."""
+    return (-(-cfg.vocab_size // tp), cfg.hidden_size)
+
+
+def time_calls(calls: list[Callable[[], object]]) -> float:
+    """Median microseconds per call over REPLAYS replays of one CUDA graph holding every call."""
+    calls[0]()  # compile / pick kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+class Weights:
+    """Copies of one random weight of a kind (and its scales), rotating so the set exceeds the L2 cache."""
+
+    def __init__(self, kind: str, n: int, k: int, gen: torch.Generator):
+        from model_executor.layers.quantization import fp8_math as fm
+
+        w = (torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).bfloat16()
+        self.block = BLOCK if kind == "fp8_block" else None
+        if kind == "bf16":
+            w_q, scale = w, None
+        elif kind == "fp8":
+            w_q, scale = fm.quantize_fp8_per_channel(w)
+        else:
+            w_q, scale = fm.quantize_fp8_block(w, BLOCK)
+        self.bytes = w_q.numel() * w_q.element_size()
+        copies = max(MIN_COPIES, math.ceil(ROTATE_BYTES / self.bytes))
+        self.w = [w_q.clone() for _ in range(copies)]
+        self.s = [None if scale is None else scale.clone() for _ in range(copies)]
+
+
+def kernel_calls(sm, x: torch.Tensor, wts: Weights, cfg) -> list[Callable[[], object]]:
+    return [lambda w=w, s=s: sm.small_m_linear(x, w, s, None, wts.block, config=cfg)
+            for w, s in zip(wts.w, wts.s)]
+
+
+def baseline_calls(kind: str, x: torch.Tensor, wts: Weights) -> list[Callable[[], object]]:
+    """What runs today at this M: F.linear (bf16), or activation quantization + the W8A8 GEMM (FP8)."""
+    import torch.nn.functional as F
+
+    from model_executor.layers.quantization import fp8_ops
+
+    if kind == "bf16":
+        return [lambda w=w: F.linear(x, w) for w in wts.w]
+    if kind == "fp8":
+        def rowwise(w, s):
+            xq, xs = fp8_ops.per_token_group_quant_fp8(x, x.shape[-1])
+            return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=x.dtype)
+        return [lambda w=w, s=s: rowwise(w, s) for w, s in zip(wts.w, wts.s)]
+
+    def block(w, s):
+        xq, xs = fp8_ops.per_token_group_quant_fp8(x, BLOCK[1])
+        return fp8_ops.w8a8_block_fp8_matmul(xq, w, xs, s, BLOCK, x.dtype)
+    return [lambda w=w, s=s: block(w, s) for w, s in zip(wts.w, wts.s)]
+
+
+def tile_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
+    """(BLOCK_N, BLOCK_K): K tiles of 256-512 bytes of a weight row (block-wise FP8: at most the scale
+    block)."""
+    if kind == "fp8_block":
+        bks = (128,)
+    elif kind == "fp8":
+        bks = (256,) if quick else (256, 512)
+    else:
+        bks = (128,) if quick else (128, 256)
+    tiles = [(bn, bk) for bn in (16, 32, 64) for bk in bks]
+    # FP8: wide column tiles spread the conversion of x to fp16 (once per program and step) over more rows
+    return tiles + [(128, bks[0])] if kind.startswith("fp8") else tiles
+
+
+def gemv_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
+    """(BLOCK_N, BLOCK_K) of the one-row GEMV configs: narrow column tiles over long K tiles."""
+    if kind == "fp8_block":
+        return [(8, 128)] if quick else [(8, 128), (16, 128)]
+    bk = 1024 if kind == "fp8" else 512
+    return [(8, bk)] if quick else [(8, bk), (16, bk // 2)]
+
+
+def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bool, log: list) -> dict:
+    """Best config for one (kind, N, K, M) and the baseline's time; every timing goes to `log`."""
+    x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def measure(cfg):
+        try:
+            us = time_calls(kernel_calls(sm, x, wts, cfg))
+        except Exception as e:  # noqa: BLE001 (over the GPU's resources: skip it, say so)
+            print(f"    skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
+            return math.inf
+        log.append([round(us, 2), sm.config_to_json(cfg)])
+        return us
+
+
+    results = []
+    tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick)]
+    if m == 1:
+        tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick)]
+    for bn, bk, gemv in tiles:
+        cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sm.split_for(n, k, bn, bk, sms), num_warps=4, num_stages=4,
+                            GEMV=gemv)
+        results.append((measure(cfg), cfg))
+    best_us, best = min(results, key=lambda r: r[0])
+    for split in (1, 2, 4, 8, 16):
+        if split != best.SPLIT_K and k // split >= best.BLOCK_K:
+            cfg = dataclasses.replace(best, SPLIT_K=split)
+            results.append((measure(cfg), cfg))
+    best_us, best = min(results, key=lambda r: r[0])
+    if not quick:
+        for warps, stages in ((4, 3), (8, 4)):
+            cfg = dataclasses.replace(best, num_warps=warps, num_stages=stages)
+            results.append((measure(cfg), cfg))
+        best_us, best = min(results, key=lambda r: r[0])
+    default = sm.default_config(m, n, k, kind)
+    default_us = next((us for us, c in results if c == default), None) or measure(default)
+    base_us = time_calls(baseline_calls(kind, x, wts))
+    return {"best": best, "best_us": best_us, "default_us": default_us, "base_us": base_us}
+
+
+def table_entry(kind: str, result: dict):
+    """The kernel's best config, or the other path's name ("cublas", "w8a8") where the kernel is not
+    faster by the margin (bf16) or where the other path is faster by it (FP8: weight-only should win)."""
+    from model_executor.layers.triton_ops.small_m_gemm import OTHER_PATHS
+
+    if kind.startswith("fp8"):
+        other_wins = result["base_us"] < OTHER_MARGIN * result["best_us"]
+    else:
+        other_wins = result["best_us"] > OTHER_MARGIN * result["base_us"]
+    return OTHER_PATHS[kind] if other_wins else result["best"]
+
+
+def model_summary(models, tps, kinds, ms, results) -> list[str]:
+    """Per model, tp, kind and M: the decoder linears' time per step (layers x the four GEMMs, plus the LM
+    head for bf16 when it was tuned), today's path vs the table's choice."""
+    lines = []
+    for name in models:
+        cfg = ModelConfig.from_pretrained(shape_path(name))
+        for tp in tps:
+            shapes = linear_shapes(cfg, tp).values()
+            for kind in kinds:
+                for m in ms:
+                    rs = [results.get((kind, n, k, m)) for n, k in shapes]
+                    if None in rs:
+                        continue
+                    rs = rs * cfg.num_hidden_layers
+                    head = results.get((kind, *lm_head_shape(cfg, tp), m))
+                    rs += [head] if head is not None else []
+                    base = sum(r["base_us"] for r in rs)
+                    chosen = sum(r["base_us"] if isinstance(table_entry(kind, r), str) else r["best_us"]
+                                 for r in rs)
+                    what = "GEMMs per step" + (" + head" if head else "")
+                    lines.append(f"{name:>13} tp{tp} {kind:>9} M={m:<2} {what}: today {base / 1e3:.3f} ms, "
+                                 f"table {chosen / 1e3:.3f} ms ({base / chosen:.2f}x)")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tune_small_m_gemm",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--model", nargs="+", default=list(DEFAULT_MODELS), choices=SHAPES, help="model shapes")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2],
+                   help="tensor-parallel sizes (one rank's shapes)")
+    p.add_argument("--kind", nargs="+", default=list(KINDS), choices=KINDS, help="weight kinds")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], choices=(1, 2, 4, 8, 16),
+                   help="row counts: the table's M buckets (a batch uses the next one up)")
+    p.add_argument("--no-lm-head", dest="lm_head", action="store_false",
+                   help="skip the LM heads (bf16 only: the head is never quantized)")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (tiles, no warps/stages pass)")
+    p.add_argument("--budget-s", type=float, default=150.0,
+                   help="past this many seconds the remaining cases are tuned as with --quick")
+    p.add_argument("--out", help="the table file (default: the one the server reads, for this GPU)")
+    p.add_argument("--json", dest="json_out", help="also write every timing here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_small_m_gemm needs a CUDA device", file=sys.stderr)
+        return 2
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    ms = sorted(set(args.m))
+    if "fp8" in "".join(args.kind) and torch.cuda.get_device_capability() < (8, 9):
+        p.error("FP8 kinds need an sm89+ GPU; pass --kind bf16")
+    cfgs = [ModelConfig.from_pretrained(shape_path(name)) for name in args.model]
+    shapes = sorted({s for cfg in cfgs for tp in args.tp for s in linear_shapes(cfg, tp).values()})
+    heads = sorted({lm_head_shape(cfg, tp) for cfg in cfgs for tp in args.tp}) if args.lm_head else []
+    dev = sm.device_name("cuda")
+    out = Path(args.out) if args.out else sm.table_path(dev)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.perf_counter()
+    print(f"{len(shapes)} (N, K) shapes x {args.kind} (+ {len(heads)} LM heads, bf16) x M {ms} on "
+          f"{torch.cuda.get_device_name()}"
+          f"{' (quick)' if args.quick else ''}")
+    print(f"{'kind':>9} {'N':>6} {'K':>6} {'M':>3} {'today us':>9} {'default':>8} {'best us':>8} "
+          f"{'vs today':>8} {'TB/s':>5}  table entry (today: F.linear = cublas for bf16, "
+          f"act-quant + W8A8 GEMM = w8a8 for fp8)")
+    table: dict = {kind: {} for kind in args.kind}
+    results, timings = {}, {}
+    over_budget = False
+    for kind in args.kind:
+        for n, k in shapes + (heads if kind == "bf16" else []):
+            wts = Weights(kind, n, k, gen)
+            entries = table[kind].setdefault(f"{n},{k}", {})
+            for m in ms:
+                log: list = []
+                quick = args.quick or time.perf_counter() - t0 > args.budget_s
+                if quick and not args.quick and not over_budget:
+                    over_budget = True
+                    print(f"  (past --budget-s {args.budget_s:.0f}: "
+                          "the remaining cases get the --quick grid)")
+                r = tune_one(sm, kind, n, k, m, wts, gen, quick, log)
+                results[(kind, n, k, m)] = r
+                entry = table_entry(kind, r)
+                entries[str(m)] = sm.config_to_json(None if isinstance(entry, str) else entry, kind)
+                timings[f"{kind},{n},{k},{m}"] = {key: round(r[key], 2)
+                                                  for key in ("base_us", "best_us", "default_us")}
+                timings[f"{kind},{n},{k},{m}"]["all"] = log
+                chosen = r["base_us"] if isinstance(entry, str) else r["best_us"]
+                print(f"{kind:>9} {n:>6} {k:>6} {m:>3} {r['base_us']:>9.1f} {r['default_us']:>8.1f} "
+                      f"{r['best_us']:>8.1f} {r['base_us'] / chosen:>7.2f}x "
+                      f"{wts.bytes / chosen / 1e6:>5.2f}  {entries[str(m)]}")
+            del wts
+            torch.cuda.empty_cache()
+    for line in model_summary(args.model, args.tp, args.kind, ms, results):
+        print(line)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "quick": args.quick,
+            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"_meta": meta, **table}, indent=1) + "\n")
+    print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({**meta, "timings": timings}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""Small-M GEMM: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for decode-sized M, streaming W at memory bandwidth.
+
+At a handful of rows a linear layer is a read of its weight and nothing else; cuBLAS's small-N kernels
+leave bandwidth unused (split-K plus a separate reduce, tiles shaped for larger M). Here each program owns
+BLOCK_N output columns for every row of x and walks its K range once, so each weight byte is read once.
+
+Layouts (row-major, unit stride in the last dim):
+    x      [M, K]  bfloat16 / float16, M <= MAX_M
+    W      [N, K]  x's dtype, or float8_e4m3fn dequantized in the kernel (weight-only: x stays in its dtype,
+                   no activation quantization; e4m3 values are exact in bf16/fp16, so the only roundings
+                   are fp32's, in the sums and the scale products, and the final cast)
+    scale  per output channel [N] float32, or per (bn x bk) block [ceil(N / bn), ceil(K / bk)] float32
+           (Fp8BlockMethod's `weight_scale_inv`): real weight = W x scale
+    bias   [N] (any float dtype; added in fp32)
+    y      [M, N]  x's dtype, fp32 accumulation
+
+With FP8 weights the tensor-core dot runs in fp16 (see X_PRESCALE: bf16 x is rescaled into fp16's range
+by a power of two, losslessly in practice), because converting e4m3 to bf16 costs a second instruction per
+value, enough to make the kernel conversion-bound below memory bandwidth.
+
+Why the dot is "swapped": tl.dot needs every dimension >= 16, and the row count is the small one, so the
+kernel computes y^T tiles: acc[BLOCK_N, 16] = W_tile[BLOCK_N, BLOCK_K] @ x_tile^T[BLOCK_K, 16]. The weight
+tile is the left operand (the large dimension, where the MMA shapes want it) and x's rows are padded to 16
+by re-reading row 0 (loads stay unmasked; padding rows are never stored).
+
+For one row a config may instead ask for GEMV: CUDA-core products of a [BLOCK_N, BLOCK_K] weight tile and
+the x row, summed over K at the end (no padding to 16 rows, narrower column tiles); the tuner picks
+whichever is faster at M = 1.
+
+Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
+writes its fp32 partial to a workspace [splits, M, N] and a second kernel adds the splits in order 0..S-1,
+adds the bias and casts; no atomics, so the same inputs give the same bits (graph replay equals eager).
+The workspace is allocated per call with a size fixed by (splits, M, N): no host sync, CUDA-graph safe.
+
+Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, GEMV) come from a table tuned per GPU by
+benchmarks/tune_small_m_gemm.py (configs/small_m_gemm_<GPU>.json, read once, at the first decode-sized
+GEMM: the warm-up before graph capture; never tuned while serving): per weight kind
+("bf16", "fp16", "fp8", "fp8_block"), (N, K) and M bucket, a config, or the name of the path the layer
+takes otherwise where that measured faster: "cublas" (F.linear) for bf16/fp16, "w8a8" (activation
+quantization + the FP8 GEMM) for FP8. Without an entry, bf16/fp16 weights keep F.linear and FP8 weights
+use `default_config`: weight-only FP8 reads half the bytes of bf16 and skips the activation-quantization
+kernel, so it needs no table to win.
+
+`small_m_linear` is the entry point. While something traces (dynamo, a dispatch mode) it goes through the
+`duet::small_m_gemm` custom op (a fake implementation gives the output's shape), otherwise it calls the
+implementation directly, as triton_ops/ops.py does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+logger = logging.getLogger("duet.small_m_gemm")
+
+MAX_M = 16  # rows of x: the padded dot dimension (tl.dot's minimum)
+CONFIG_DIR = Path(__file__).parent / "configs"
+M_BUCKETS = (1, 2, 4, 8, 16)  # the row counts the tuner times; a batch uses the next bucket up
+FP8 = torch.float8_e4m3fn
+# FP8 weights: the dot runs in fp16 (e4m3 -> fp16 is one packed instruction per two values; e4m3 -> bf16
+# needs a second conversion per value, which caps the kernel below bandwidth), so bf16 x goes to fp16
+# times this power of two: exact for |x| from about 2^-13 up to fp16's max / X_PRESCALE (~1e6), far wider
+# than a linear's inputs; below it the error is under 2^-21 absolute, less than bf16's own spacing there.
+X_PRESCALE = 2.0**-4
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    GEMV: bool = False  # one row only: CUDA-core dot products instead of tl.dot (BLOCK_N may be below 16)
+
+    def __post_init__(self):
+        for name in ("BLOCK_N", "BLOCK_K"):
+            v = getattr(self, name)
+            least = 1 if name == "BLOCK_N" and self.GEMV else 16
+            if v < least or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
+        if self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"bad small-M GEMM config {self}")
+
+
+# ---------------------------------------------------------------- kernels
+
+
+# M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count.
+@triton.jit(do_not_specialize=["M", "stride_yk"])
+def _small_m_gemm_kernel(
+    X, W, S, BIAS, Y, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym, stride_sn, stride_yk,
+    SCALE: tl.constexpr,  # 0: none, 1: per output channel, 2: per (SCALE_BN x SCALE_BK) block
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
+    F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
+    PARTIAL: store fp32 sums to Y + s * stride_yk (the workspace; bias and cast left to the reduce);
+    otherwise add the bias and store in Y's dtype. GEMV (one row, BLOCK_M == 1): no tensor cores, the
+    products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile summed over K once at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Out-of-range rows / columns re-read a valid one (loads need no mask; their results are not stored).
+    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    rows_m = tl.where(offs_m < M, offs_m, 0)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = W + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    if GEMV:
+        x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if SCALE == 2:
+        s_ptrs = S + (rows_n // SCALE_BN) * stride_sn
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs)
+        else:
+            k_mask = (k + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            if GEMV:
+                xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            else:
+                xt = tl.load(x_ptrs, mask=k_mask[:, None], other=0.0)
+        if GEMV:
+            prod = w.to(tl.float32) * xt.to(tl.float32)
+            if SCALE == 2:
+                prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+            acc += prod
+        else:
+            if F16_DOT:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16 costs another per value)
+                w = w.to(tl.float16)
+                if xt.dtype != tl.float16:  # bf16 x, scaled by a power of two into fp16's range: exact there
+                    xt = (xt.to(tl.float32) * X_PRESCALE).to(tl.float16)
+            if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; float32 operands give the same products
+                w = w.to(tl.float32)
+                xt = xt.to(tl.float32)
+            if SCALE == 2:  # BLOCK_K divides SCALE_BK and steps are aligned: one scale column per step
+                acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+            else:
+                acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if GEMV:
+        acc = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
+    elif F16_DOT and X_PRESCALE != 1.0:
+        acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
+    if SCALE == 1:
+        acc = acc * tl.load(S + rows_n)[:, None]
+    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    y_ptrs = offs_m[None, :] * stride_ym + offs_n[:, None]
+    if PARTIAL:
+        tl.store(Y + pid_k * stride_yk + y_ptrs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rows_n).to(tl.float32)[:, None]
+        tl.store(Y + y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(WS, BIAS, Y, N, splits, stride_wsk, stride_wsm, stride_ym,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, n] = the sum over s = 0, 1, .., splits - 1 (in that order) of ws[s, m, n] (+ bias), in y's
+    dtype."""
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    ptrs = WS + m * stride_wsm + offs
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(ptrs + s * stride_wsk, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- launch
+
+
+def weight_kind(weight: torch.Tensor, block: tuple[int, int] | None) -> str:
+    """The table's key for a weight: "bf16", "fp16", "fp8" (per-channel scales) or "fp8_block"."""
+    if weight.dtype == FP8:
+        return "fp8_block" if block is not None else "fp8"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, str(weight.dtype))
+
+
+def _kernel_block_k(block_k: int) -> bool:
+    """Whether K steps (powers of two >= 16, at most block_k) can tile a scale block of block_k columns."""
+    return block_k >= 16 and not block_k & (block_k - 1)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+           block: tuple[int, int] | None) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"small-M GEMM takes at most {MAX_M} rows, got {m}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"small-M GEMM: x must be bfloat16 or float16, got {x.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"small-M GEMM: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if weight.stride(-1) != 1:
+        raise ValueError("small-M GEMM: the weight needs unit stride in K")
+    if weight.dtype == FP8:
+        if scale is None or scale.dtype != torch.float32 or scale.stride(-1) != 1:
+            raise ValueError("small-M GEMM: an FP8 weight needs float32 scales (unit stride in the last dim)")
+        if block is None and scale.shape != (n,):
+            raise ValueError(f"small-M GEMM: per-channel scales must be [{n}], got {tuple(scale.shape)}")
+        if block is not None:
+            want = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+            if tuple(scale.shape) != want or scale.stride(-1) != 1:
+                raise ValueError(f"small-M GEMM: block scales must be {list(want)}, got {tuple(scale.shape)}")
+            if not _kernel_block_k(block[1]):
+                raise ValueError(f"small-M GEMM: the scale block's K size must be a power of two >= 16, "
+                                 f"got {block[1]}")
+    elif weight.dtype != x.dtype or scale is not None:
+        raise ValueError(f"small-M GEMM: weight {weight.dtype} with x {x.dtype} "
+                         "(scales only with FP8 weights)")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"small-M GEMM: bias must be [{n}], got {tuple(bias.shape)}")
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+            block: tuple[int, int] | None, cfg: GemmConfig) -> torch.Tensor:
+    _check(x, weight, scale, bias, block)
+    if cfg.GEMV and x.shape[0] > 1:
+        raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    block_k = cfg.BLOCK_K
+    if block is not None:  # one scale column per K step
+        block_k = min(block_k, block[1])
+    # K per split: whole BLOCK_K steps (and so aligned to the scale blocks); the split count follows from it.
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.SPLIT_K), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    scale_mode = 0 if scale is None else 2 if block is not None else 1
+    partial = splits > 1
+    dot_f32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    f16_dot = weight.dtype == FP8
+    out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
+    _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
+        x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
+        m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), n, scale.stride(0) if scale_mode == 2 else 0, m * n,
+        SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
+        HAS_BIAS=bias is not None, PARTIAL=partial,
+        EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
+        DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
+        GEMV=cfg.GEMV, F16_DOT=f16_dot, X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
+        BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if partial:
+        reduce_block = min(1024, triton.next_power_of_2(n))
+        _split_k_reduce_kernel[(m, triton.cdiv(n, reduce_block))](
+            out, bias if bias is not None else out, y, n, splits, m * n, n, n,
+            HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4)
+    return y
+
+
+# ---------------------------------------------------------------- configs
+
+
+def m_bucket(m: int) -> int:
+    return next(b for b in M_BUCKETS if b >= m)
+
+
+@functools.cache
+def device_name(device: str = "cuda") -> str:
+    """The GPU's name as the config files spell it (the MoE tables' convention); "cpu" without CUDA."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device)).replace(" ", "_")
+    return "cpu"
+
+
+@functools.cache
+def _sm_count(device: str) -> int:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 4  # the interpreter: a few splits keep the split-K path exercised
+
+
+def table_path(device: str) -> Path:
+    return CONFIG_DIR / f"small_m_gemm_{device}.json"
+
+
+@functools.cache
+def _table(device: str) -> dict:
+    path = table_path(device)
+    if not path.is_file():
+        return {}
+    table = json.loads(path.read_text())
+    logger.info("small-M GEMM configs for %s: %s", device, path.name)
+    return table
+
+
+OTHER_PATHS = {"bf16": "cublas", "fp16": "cublas", "fp8": "w8a8", "fp8_block": "w8a8"}
+
+
+def parse_entry(entry) -> GemmConfig | None:
+    """A table value: the other path's name ("cublas", "w8a8") -> None, else a config."""
+    if isinstance(entry, str):
+        if entry not in OTHER_PATHS.values():
+            raise ValueError(f"small-M GEMM table: unknown entry {entry!r}")
+        return None
+    return GemmConfig(**entry)
+
+
+@functools.cache
+def tuned_configs(device: str, kind: str, n: int, k: int) -> dict[int, GemmConfig | None] | None:
+    """The table's entries for one weight shape: M bucket -> config (None: cuBLAS), or None if absent."""
+    entries = _table(device).get(kind, {}).get(f"{n},{k}")
+    if not entries:
+        return None
+    return {int(m): parse_entry(e) for m, e in entries.items()}
+
+
+@functools.cache
+def default_config(m: int, n: int, k: int, kind: str, device: str = "cuda") -> GemmConfig:
+    """Untuned: narrow column tiles, split K until there are about two programs per SM (bounded so each
+    split still streams several K steps)."""
+    block_n = 32
+    block_k = 256 if kind == "fp8" else 128  # rows of 256 bytes per step (block scales: one scale block)
+    split = split_for(n, k, block_n, block_k, _sm_count(device))
+    return GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=4)
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """Split K (doubling) until there are about two programs per SM, each split keeping two K steps."""
+    split, tiles = 1, triton.cdiv(n, block_n)
+    while tiles * split < 2 * sms and k // (2 * split) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+def choose_config(m: int, n: int, k: int, kind: str, device: str) -> GemmConfig | None:
+    """The config for an (M, N, K) GEMM on `device` (a name as device_name gives it), or None: use cuBLAS.
+    Tuned entries first (the next M bucket up); otherwise the default for FP8 and cuBLAS for the rest."""
+    if m > MAX_M:
+        return None
+    tuned = tuned_configs(device, kind, n, k)
+    if tuned is not None:
+        bucket = m_bucket(m)
+        if bucket in tuned and (tuned[bucket] is None or not tuned[bucket].GEMV or m == 1):
+            return tuned[bucket]
+    return default_config(m, n, k, kind) if kind.startswith("fp8") else None
+
+
+def config_to_json(cfg: GemmConfig | None, kind: str = "bf16"):
+    return OTHER_PATHS[kind] if cfg is None else asdict(cfg)
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def _device_key(x: torch.Tensor) -> str:
+    return device_name(str(x.device)) if x.is_cuda else "cpu"
+
+
+def _impl(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+          block_n: int, block_k: int) -> torch.Tensor:
+    block = (block_n, block_k) if block_n > 0 else None
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    kind = weight_kind(weight, block)
+    cfg = choose_config(m, n, k, kind, _device_key(x)) or default_config(m, n, k, kind)
+    return _launch(x, weight, scale, bias, block, cfg)
+
+
+_op = torch.library.custom_op("duet::small_m_gemm", _impl, mutates_args=())
+
+
+@_op.register_fake
+def _(x, weight, scale, bias, block_n, block_k):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_M) @ dequantized weight^T (+ bias) -> [M, N] in x's dtype; see the module
+    docstring for the layouts. `config` overrides the table (the tuner and tests); otherwise the config is
+    chosen per call from the table (cheap: cached), or the default when the table has none."""
+    if config is not None:
+        return _launch(x, weight, scale, bias, block, config)
+    block_n, block_k = block if block is not None else (0, 0)
+    if _tracing():
+        return _op(x, weight, scale, bias, block_n, block_k)
+    return _impl(x, weight, scale, bias, block_n, block_k)
+
+
+def use_small_m(x2: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
+    """Whether a CUDA linear with these rows takes the kernel: 1 <= M <= MAX_M and a table entry (FP8
+    weights: always). Not while dynamo compiles: the piecewise runner traces a symbolic token count once
+    for every size (a branch on it would add a guard and a recompile), so its pieces keep the other path."""
+    if torch.compiler.is_compiling():
+        return False
+    m = x2.shape[0]
+    if m == 0 or m > MAX_M:
+        return False
+    if block is not None and not _kernel_block_k(block[1]):  # steps must not straddle two scale blocks
+        return False
+    n, k = weight.shape
+    return choose_config(m, n, k, weight_kind(weight, block), _device_key(x2)) is not None

@@ -1,0 +1,293 @@
+"""The small-M GEMM kernel (triton_ops/small_m_gemm.py) against a float32 reference of the dequantized weight,
+its split-K determinism, its refusals, the config table lookup, and the linear methods' use of it.
+
+Without CUDA the kernel runs in Triton's CPU interpreter (tests/triton_mode.py); shapes are tiny and not
+multiples of the blocks (masked K tails, partial column tiles, padding rows).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import triton_mode
+from triton_mode import DEVICE, in_process
+
+if not triton_mode.RERUN_IN_SUBPROCESS:
+    from model_executor.layers.quantization import base as qbase
+    from model_executor.layers.quantization import fp8_math as fm
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+test_in_subprocess = triton_mode.subprocess_test(__file__)
+FP8 = torch.float8_e4m3fn
+
+
+def make_weight(kind: str, n: int, k: int, seed: int, dtype=torch.bfloat16):
+    """(weight as the kernel takes it, scale or None, block or None, the dequantized weight in float32)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    if kind == "fp8":
+        q, s = fm.quantize_fp8_per_channel(w)
+        return q, s, None, q.float() * s[:, None]
+    if kind == "fp8_block":
+        block = (32, 32)
+        q, s = fm.quantize_fp8_block(w, block)
+        return q, s, block, fm.dequantize_fp8_block(q, s, block)
+    w = w.to(dtype)
+    return w, None, None, w.float()
+
+
+def reference(x: torch.Tensor, w_deq: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ w_deq.t()
+    return out + bias.float() if bias is not None else out
+
+
+def run(x, w, s, bias, block, cfg):
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    return sm.small_m_linear(dev(x), dev(w), dev(s), dev(bias), block, config=sm.GemmConfig(**cfg)).cpu()
+
+
+def assert_matches_reference(out, ref, dtype):
+    # One rounding to the output dtype: up to an ulp (the interpreter truncates float32 -> bfloat16 where a
+    # GPU rounds to nearest), 2^-7 relative for bf16, 2^-10 for fp16; plus float32 summation order.
+    rtol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=1e-4)
+
+
+# Configs as dicts (GemmConfig(**c)): the module must collect without importing the kernel (triton_mode).
+SPLIT = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3, "num_warps": 4, "num_stages": 2}
+NO_SPLIT = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+GEMV = {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 1, "GEMV": True}
+GEMV_SPLIT = {"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 3, "GEMV": True}
+
+
+@in_process
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("m,n,k,bias,cfg", [
+    (1, 40, 160, False, NO_SPLIT),  # K tail inside the one split, a partial column tile
+    (7, 72, 200, True, SPLIT),  # odd M; K not a multiple of BLOCK_K: the last split is short
+    (16, 33, 96, False, SPLIT),  # the full row limit; N not a multiple of the scale block
+    (3, 64, 128, True, NO_SPLIT),  # even shapes: the unmasked K loop
+    (1, 40, 160, True, GEMV),  # one row without tl.dot
+    (1, 70, 200, False, GEMV_SPLIT),
+])
+def test_kernel_matches_float32_reference(kind, m, n, k, bias, cfg):
+    w, s, block, w_deq = make_weight(kind, n, k, seed=m + n)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    # x as the first K columns of wider rows of NaN: a read past K (or a wrong row stride) poisons the output
+    wide = torch.full((m, k + 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :k] = x.to(DEVICE)
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    out = sm.small_m_linear(wide[:, :k], dev(w), dev(s), dev(b), block, config=sm.GemmConfig(**cfg)).cpu()
+    assert out.shape == (m, n)
+    assert_matches_reference(out, reference(x, w_deq, b), torch.bfloat16)
+
+
+@in_process
+@pytest.mark.parametrize("kind", ["fp16", "fp8"])
+def test_fp16_activations(kind):
+    w, s, block, w_deq = make_weight("fp8" if kind == "fp8" else "bf16", 48, 96, seed=3, dtype=torch.float16)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    assert_matches_reference(run(x, w, s, None, block, SPLIT), reference(x, w_deq, None), torch.float16)
+
+
+@in_process
+@pytest.mark.parametrize("kind", ["fp8", "fp8_block"])
+def test_fp8_weights_keep_bf16_range_of_x(kind):
+    """FP8 weights run the dot in fp16: bf16 activations far outside fp16's range (large and tiny) still
+    give the float32 reference's result (x is rescaled by a power of two, not clipped or flushed)."""
+    w, s, block, w_deq = make_weight(kind, 40, 128, seed=11)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(12))
+    x[:, ::9] *= 3e5  # past fp16's max
+    x[:, 1::9] *= 1e-6  # fp16 subnormals
+    x = x.to(torch.bfloat16)
+    out = run(x, w, s, None, block, SPLIT)
+    assert torch.isfinite(out).all()
+    assert_matches_reference(out, reference(x, w_deq, None), torch.bfloat16)
+
+
+@in_process
+def test_split_k_is_deterministic_and_each_split_count_is_right():
+    """Two runs give the same bits; split counts 1 and 4 both match the reference (their bits may differ:
+    fp32 sums in another order)."""
+    w, s, block, w_deq = make_weight("fp8_block", 64, 256, seed=5)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    b = torch.randn(64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    ref = reference(x, w_deq, b)
+    for split in (1, 4):
+        cfg = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split, "num_stages": 2}
+        first, second = run(x, w, s, b, block, cfg), run(x, w, s, b, block, cfg)
+        assert torch.equal(first, second)
+        assert_matches_reference(first, ref, torch.bfloat16)
+
+
+@in_process
+def test_refuses_bad_inputs():
+    x = torch.zeros(17, 64, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(32, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        sm.small_m_linear(x, w, config=sm.GemmConfig(**NO_SPLIT))
+    with pytest.raises(ValueError, match="does not match"):
+        sm.small_m_linear(x[:4, :48], w, config=sm.GemmConfig(**NO_SPLIT))
+    q = w.to(FP8)
+    with pytest.raises(ValueError, match="float32 scales"):
+        sm.small_m_linear(x[:4], q, config=sm.GemmConfig(**NO_SPLIT))
+    with pytest.raises(ValueError, match="block scales must be"):
+        sm.small_m_linear(x[:4], q, torch.ones(1, 1, device=DEVICE), block=(32, 32), config=sm.GemmConfig(**NO_SPLIT))
+    with pytest.raises(ValueError, match="power of two"):
+        sm.GemmConfig(BLOCK_N=24, BLOCK_K=64)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        sm.GemmConfig(BLOCK_N=8, BLOCK_K=64)  # tl.dot's minimum, unless GEMV
+    with pytest.raises(ValueError, match="GEMV config runs one row"):
+        sm.small_m_linear(x[:2], w, config=sm.GemmConfig(**GEMV))
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """write(dict) puts a config table for this device ("cpu" here) where the loader looks."""
+    monkeypatch.setattr(sm, "CONFIG_DIR", tmp_path)
+
+    def clear():
+        sm._table.cache_clear()
+        sm.tuned_configs.cache_clear()
+
+    def write(content: dict):
+        (tmp_path / f"small_m_gemm_{sm.device_name('cpu')}.json").write_text(json.dumps(content))
+        clear()
+
+    clear()
+    yield write
+    clear()
+
+
+TUNED = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3}
+
+
+@in_process
+def test_table_lookup_selects_tuned_config_and_falls_back(table):
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 64, "GEMV": True}
+    table({"bf16": {"32,64": {"1": "cublas", "4": TUNED}}, "fp8": {"32,64": {"16": TUNED, "8": "w8a8"}},
+           "fp8_block": {"32,64": {"1": gemv, "2": gemv}}})
+    assert sm.choose_config(3, 32, 64, "bf16", "cpu") == sm.GemmConfig(**TUNED)  # M 3 -> bucket 4
+    assert sm.choose_config(1, 32, 64, "bf16", "cpu") is None  # "cublas"
+    assert sm.choose_config(9, 32, 64, "bf16", "cpu") is None  # bucket 16 not in the table
+    assert sm.choose_config(4, 48, 64, "bf16", "cpu") is None  # shape not in the table: F.linear
+    assert sm.choose_config(16, 32, 64, "fp8", "cpu") == sm.GemmConfig(**TUNED)
+    assert sm.choose_config(2, 32, 64, "fp8", "cpu") == sm.default_config(2, 32, 64, "fp8")  # FP8: default
+    assert sm.choose_config(5, 32, 64, "fp8", "cpu") is None  # "w8a8": the method's other path
+    assert sm.choose_config(17, 32, 64, "fp8", "cpu") is None  # above the row limit: the other path
+    assert sm.choose_config(1, 32, 64, "fp8_block", "cpu") == sm.GemmConfig(8, 64, GEMV=True)
+    assert not sm.choose_config(2, 32, 64, "fp8_block", "cpu").GEMV  # a GEMV entry for 2 rows is ignored
+
+
+@in_process
+def test_no_table_keeps_cublas_for_bf16_and_uses_kernel_for_fp8(table):
+    assert qbase.SMALL_M_MAX == sm.MAX_M  # the linear methods' pre-check before importing the kernel
+    with pytest.raises(ValueError, match="unknown entry"):
+        sm.parse_entry("cuBLAS")
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert not sm.use_small_m(x, torch.zeros(32, 64, dtype=torch.bfloat16))
+    assert sm.use_small_m(x, torch.zeros(32, 64, dtype=FP8))
+    assert not sm.use_small_m(torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=FP8))
+    assert sm.use_small_m(x, torch.zeros(32, 64, dtype=FP8), block=(128, 32))
+    assert not sm.use_small_m(x, torch.zeros(32, 64, dtype=FP8), block=(128, 96))  # K steps cannot tile it
+
+
+def _linear(quant, n: int, k: int, bias: bool):
+    from model_executor.layers.linear import ColumnParallelLinear
+    from model_executor.layers.quantization import QuantConfig, quantization_context, restore_kept_dtypes
+
+    with quantization_context(None if quant is None else QuantConfig(quant, block=(32, 32)
+                                                                      if quant == "fp8_block" else None)):
+        layer = ColumnParallelLinear(k, n, bias=bias, tp_rank=0, tp_size=1).to(torch.bfloat16)
+    restore_kept_dtypes(layer)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.1
+    if quant == "fp8_block":
+        q, s = fm.quantize_fp8_block(w, (32, 32))
+        layer.weight.data.copy_(q)
+        layer.weight_scale_inv.data.copy_(s)
+        w_deq = fm.dequantize_fp8_block(q, s, (32, 32))
+    elif quant == "fp8":
+        layer.weight_loader(layer.weight, w.to(torch.bfloat16))
+        w_deq = layer.weight.float() * layer.weight_scale[:, None]
+    else:
+        layer.weight.data.copy_(w)
+        w_deq = layer.weight.float()
+    if bias:
+        layer.bias.data.copy_(torch.randn(n))
+    return layer, w_deq
+
+
+@in_process
+@pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
+def test_linear_methods_take_the_kernel_at_small_m(quant, table, monkeypatch):
+    """With the kernel allowed on this device (the interpreter's CPU tensors stand in for CUDA): M <= 16 runs
+    it (FP8 weight-only: x is not quantized, so the result matches x @ dequantized W, not the W8A8 reference);
+    M = 17 keeps the method's other path. bf16 takes it only where the table says so."""
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    n, k = 48, 96
+    table({"bf16": {f"{n},{k}": {"4": {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2, "num_stages": 2}}}})
+    layer, w_deq = _linear(quant, n, k, bias=True)
+    calls = []
+    real = sm.small_m_linear
+    monkeypatch.setattr(sm, "small_m_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    x = torch.randn(2, 2, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)  # 4 rows
+    with torch.no_grad():
+        out = layer(x)
+        assert calls == [4] and out.shape == (2, 2, n)
+        ref = reference(x.reshape(4, k), w_deq, layer.bias).reshape(2, 2, n)
+        assert_matches_reference(out, ref, torch.bfloat16)
+        layer(torch.randn(17, k).to(torch.bfloat16))
+        assert calls == [4]
+        if quant is None:  # no table entry for 8 rows (bucket 8): F.linear
+            layer(torch.randn(8, k).to(torch.bfloat16))
+            assert calls == [4]
+
+
+@in_process
+def test_lm_head_takes_the_kernel_where_the_table_says(table, monkeypatch):
+    from model_executor.layers.embedding import ParallelLMHead
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    head = ParallelLMHead(50, 64, tp_rank=0, tp_size=1).to(torch.bfloat16)
+    head.weight.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ref = reference(hidden, head.weight.float(), None)
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2, "num_stages": 2}
+    table({"bf16": {"50,64": {"4": cfg}}})
+    with torch.no_grad():
+        out = head(hidden)
+        assert torch.equal(out, sm.small_m_linear(hidden, head.weight, config=sm.GemmConfig(**cfg)))
+        assert_matches_reference(out, ref, torch.bfloat16)
+        table({})
+        assert torch.equal(head(hidden), torch.nn.functional.linear(hidden, head.weight))
+
+
+@in_process
+def test_cpu_path_does_not_take_the_kernel(table):
+    """Without the opt-in, CPU tensors keep F.linear / the FP8 reference (the server's CPU path)."""
+    layer, _ = _linear("fp8", 48, 96, bias=False)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    assert qbase.small_m_kernel(x, layer.weight) is None
+    with torch.no_grad():
+        ref = fm.fp8_linear_reference(x, layer.weight, layer.weight_scale, None)
+        assert torch.equal(layer(x), ref)
+
+
+@in_process
+def test_custom_op_traces_under_torch_compile():
+    """The registered op: dynamo traces through it (fullgraph); the compiled call returns the eager bits."""
+    w, s, block, _ = make_weight("fp8_block", 40, 64, seed=8)
+    w, s = w.to(DEVICE), s.to(DEVICE)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.bfloat16)
+    offset = torch.arange(40, dtype=torch.bfloat16, device=DEVICE)  # broadcasts only over a [M, N] output
+    fn = torch.compile(lambda x: sm.small_m_linear(x, w, s, None, block) + offset, fullgraph=True,
+                       backend="eager")
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(fn(x), sm.small_m_linear(x, w, s, None, block) + offset)
+    finally:
+        torch._dynamo.reset()
