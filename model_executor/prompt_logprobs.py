@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model_executor.sampler import start_host_copy
+
 # Rows are scored in blocks of at most this many bytes of float32 logits: a long prompt never makes a
 # [prompt, vocab] tensor. A block's logits, their log-softmax and the rank comparison take about three times
 # this; the head runs after the backbone has freed its activations, whose profiled peak over
@@ -58,13 +60,7 @@ class PromptLogprobsOutput:
     def to_host(self) -> HostPromptLogprobs:
         """Start the copy to the host without waiting (pinned buffers and an event on a GPU), like
         SampleOutput.to_host: the scheduler reads it after launching the next step."""
-        tensors = (self.logprobs, self.ranks, self.top_ids, self.top_values)
-        if not self.logprobs.is_cuda:
-            return HostPromptLogprobs(*tensors, event=None)
-        host = [None if t is None else
-                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
-        event = torch.cuda.Event()
-        event.record()
+        host, event = start_host_copy((self.logprobs, self.ranks, self.top_ids, self.top_values))
         return HostPromptLogprobs(*host, event=event)
 
 

@@ -150,6 +150,19 @@ class SamplingBatchInfo:
         )
 
 
+def start_host_copy(tensors: tuple) -> tuple[tuple, torch.cuda.Event | None]:
+    """Device tensors (or None) copied to pinned host buffers without waiting, and the event that marks the
+    copies done (None: CPU tensors, returned as they are)."""
+    first = next(t for t in tensors if t is not None)
+    if not first.is_cuda:
+        return tensors, None
+    host = tuple(None if t is None else
+                 torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 @dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # [bs] int64
@@ -164,13 +177,8 @@ class SampleOutput:
     def to_host(self) -> HostSample:
         """Start copying the results to the host without waiting for them (pinned buffers + an event on a
         GPU), so the scheduler can launch the next step before it reads this one's tokens."""
-        tensors = (self.next_token_ids, self.logprobs, self.top_logprob_ids, self.top_logprob_values)
-        if not self.next_token_ids.is_cuda:
-            return HostSample(*tensors, event=None)
-        host = [None if t is None else
-                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
-        event = torch.cuda.Event()
-        event.record()
+        host, event = start_host_copy(
+            (self.next_token_ids, self.logprobs, self.top_logprob_ids, self.top_logprob_values))
         return HostSample(*host, event=event)
 
 
