@@ -61,6 +61,31 @@ class Stream:
         self.runner.req_to_token_pool.free(self.row)
 
 
+def teacher_forced_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """float32 logits [len(ids), vocab] at every position of one extend of `ids` (the model's layers, then
+    the LM head on every hidden state, not only the last): a quantized model's error along a fixed text."""
+    row = runner.req_to_token_pool.alloc()
+    loc = runner.allocator.alloc(len(ids))
+    try:
+        runner.req_to_token_pool.write(row, 0, loc)
+        fb = runner.build_batch(ForwardMode.EXTEND, ids, [row], [len(ids)], loc, extend_seq_lens=[len(ids)])
+        with torch.inference_mode():
+            runner.attn_backend.init_forward_metadata(fb)
+            hidden = runner.model.model(fb.input_ids, fb.positions, fb)
+            return runner.model.lm_head(hidden).float()
+    finally:
+        runner.allocator.free(loc)
+        runner.req_to_token_pool.free(row)
+
+
+def logits_error(ref: torch.Tensor, quant: torch.Tensor) -> dict:
+    """Per-position relative error (max, mean), the largest absolute difference, and argmax agreement."""
+    rel = (quant - ref).norm(dim=-1) / ref.norm(dim=-1)
+    return {"positions": ref.shape[0], "rel_err_max": rel.max().item(), "rel_err_mean": rel.mean().item(),
+            "max_abs_diff": (quant - ref).abs().max().item(),
+            "argmax_equal": int((quant.argmax(-1) == ref.argmax(-1)).sum())}
+
+
 def checkpoint_tensors(model: torch.nn.Module):
     """The model's weights under their HF checkpoint names (fused q/k/v and gate/up split again): feeding
     them to another model's load_weights loads the same weights, quantizing them if that model does."""

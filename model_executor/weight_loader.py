@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from model_executor.checkpoint_files import checkpoint_files, read_header
 from model_executor.distributed import parallel_state as ps
+from model_executor.layers.embedding import VocabParallelEmbedding
 from model_executor.layers.quantization import (
     QuantConfig,
     QuantizationError,
@@ -225,6 +226,9 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02
             if method is not None:
                 gen = torch.Generator(device=module.weight.device).manual_seed(seed + 100_000 + i)
                 done |= {f"{prefix}.{name}" for name in method.init_random(module, gen, std)}
+            elif isinstance(module, VocabParallelEmbedding):  # an int8 table quantizes what it draws
+                gen = torch.Generator(device=module.weight.device).manual_seed(seed + 100_000 + i)
+                done |= {f"{prefix}.{name}" for name in module.init_random(gen, std)}
         for i, (name, p) in enumerate(model.named_parameters()):
             if name in done:
                 continue

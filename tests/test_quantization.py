@@ -4,6 +4,7 @@ quantization config and its refusals, and the FP8 KV cache sizing."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -84,14 +85,17 @@ def test_fp8_linear_reference_is_close_to_the_float_product():
 
 
 def test_int8_weight_only_gemm():
-    """`_weight_int8pack_mm` with our per-channel int8 weights equals x @ dequantized(w)^T, which is within
-    int8's rounding of the float product."""
+    """`int8_weight_only_mm` (`_weight_int8pack_mm` on bfloat16 activations) with our per-channel int8
+    weights equals x @ dequantized(w)^T within bfloat16's rounding, and that is within int8's rounding of
+    the float product; the output keeps x's dtype."""
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 128, generator=gen), torch.randn(96, 128, generator=gen)
-    q, s = fm.quantize_int8_per_channel(w)
-    assert q.dtype == torch.int8 and s.shape == (96,) and (q.abs().amax(1) == 127).all()
-    out = torch.ops.aten._weight_int8pack_mm(x, q, s)
-    torch.testing.assert_close(out, x @ (q.float() * s[:, None]).t(), rtol=1e-4, atol=1e-4)
+    q, s = fm.quantize_int8_per_channel(w, scale_dtype=torch.bfloat16)
+    assert q.dtype == torch.int8 and s.shape == (96,) and s.dtype == torch.bfloat16
+    assert (q.abs().amax(1) >= 126).all()  # each row spans the int8 range (its scale rounded to bfloat16)
+    out = fm.int8_weight_only_mm(x, q, s)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x @ (q.float() * s.float()[:, None]).t(), rtol=0.02, atol=0.05)
     assert rel_err(out, x @ w.t()) < 0.01
 
 
@@ -116,7 +120,8 @@ def test_online_quantization_per_shard(tiny_llama, method):
     dtype = torch.bfloat16 if method == "fp8" else torch.float32
     model = load_model(path, cfg, dtype, "cpu", quant=QuantConfig(method))
     hf = _hf_tensors(path)
-    quantize = fm.quantize_fp8_per_channel if method == "fp8" else fm.quantize_int8_per_channel
+    quantize = (fm.quantize_fp8_per_channel if method == "fp8"
+                else functools.partial(fm.quantize_int8_per_channel, scale_dtype=torch.bfloat16))
     for fused, parts in FUSED.items():
         layer = _layer(model, fused)
         group = "self_attn" if fused == "qkv_proj" else "mlp"
@@ -131,22 +136,49 @@ def test_online_quantization_per_shard(tiny_llama, method):
         assert rel_err(_layer(model, name)(x), _layer(ref, name)(x)) < (0.06 if method == "fp8" else 0.01)
 
 
-def test_int8_runner_logits_on_the_default_model(model_dir):
-    """The default model with --quantization int8 on CPU: last-token logits of a prompt within a few percent
-    of float32 and the same greedy token (bench_quant reports the 64-step agreement and speed)."""
-    from benchmarks.bench_quant import Stream
+# Real text (prose, code, a chat turn): teacher-forced, every position's logits come from one extend.
+TEXTS = (
+    "The quick brown fox jumps over the lazy dog. In the beginning of the twentieth century, the city of Paris was",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n    return',
+    "<|im_start|>user\nWhat is the capital of France? Explain briefly.<|im_end|>\n<|im_start|>assistant\n",
+)
+# Bounds on the default model, about twice what was measured (docs/benchmarks.md, "CPU weight formats"):
+# int8 measured relative error max 0.13 / mean 0.043, argmax 68 of 71 positions equal.
+QUANT_BOUNDS = {"int8": {"rel_err_max": 0.25, "rel_err_mean": 0.09, "argmax_min_fraction": 0.9}}
+
+
+@pytest.fixture(scope="module")
+def default_model_fp32(model_dir):
     from runners.model_runner import ModelRunner, RunnerConfig
 
-    common = {"model_path": str(model_dir), "max_running_requests": 2, "max_total_tokens": 256, "context_length": 128}
-    ref = ModelRunner(RunnerConfig(**common))
-    int8 = ModelRunner(RunnerConfig(**common, quantization="int8"))
-    prompt = torch.randint(10, ref.model_config.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
-    a, b = Stream(ref, prompt, 32), Stream(int8, prompt, 32)
-    err = rel_err(b.logits, a.logits)
-    assert err < 0.05, err
-    assert int(a.logits.argmax()) == int(b.logits.argmax())
-    layer = int8.model.model.layers[0].mlp.gate_up_proj
-    assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
+    return ModelRunner(RunnerConfig(model_path=str(model_dir), max_running_requests=2, max_total_tokens=256,
+                                    context_length=128))
+
+
+@pytest.mark.parametrize("method", ["int8"])
+def test_quantized_default_model_logits(model_dir, default_model_fp32, method):
+    """The default model quantized (linear layers and the tied embedding / LM head table) against float32 on
+    real text: the table stays one tensor with one scale per vocabulary row, and every position's logits
+    stay within the measured bounds (bench_quant reports the free-running 64-token greedy agreement)."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.bench_quant import logits_error, teacher_forced_logits
+    from runners.model_runner import ModelRunner, RunnerConfig
+
+    quant = ModelRunner(RunnerConfig(model_path=str(model_dir), max_running_requests=2, max_total_tokens=256,
+                                     context_length=128, quantization=method))
+    model = quant.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.int8
+    assert model.model.embed_tokens.weight_scale.shape == (model.lm_head.weight.shape[0],)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = [tok.encode(t).ids for t in TEXTS]
+    ref = torch.cat([teacher_forced_logits(default_model_fp32, i) for i in ids])
+    got = torch.cat([teacher_forced_logits(quant, i) for i in ids])
+    err = logits_error(ref, got)
+    bounds = QUANT_BOUNDS[method]
+    assert err["rel_err_max"] < bounds["rel_err_max"], err
+    assert err["rel_err_mean"] < bounds["rel_err_mean"], err
+    assert err["argmax_equal"] >= bounds["argmax_min_fraction"] * err["positions"], err
 
 
 # ---- pre-quantized checkpoints --------------------------------------------------------------------------

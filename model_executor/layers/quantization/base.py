@@ -74,6 +74,11 @@ def quantization_context(quant) -> Iterator[None]:
         _current[0] = previous
 
 
+def current_quant_config():
+    """The QuantConfig of the model being built (None: unquantized); the vocabulary layers read it."""
+    return _current[0]
+
+
 def current_linear_method() -> LinearMethod:
     quant = _current[0]
     if quant is None:
@@ -92,14 +97,18 @@ def set_kept_dtype(layer: nn.Module, name: str, dtype: torch.dtype) -> None:
 
 def restore_kept_dtypes(model: nn.Module) -> None:
     """After `model.to(dtype)` on the meta device: give quantized tensors their own dtype back (the cast
-    turned fp8 weights and float32 scales into the model dtype). Parameters keep their attributes."""
+    turned fp8 weights and float32 scales into the model dtype). Parameters keep their attributes and their
+    sharing (a tied int8 vocabulary table stays one parameter)."""
+    new_params: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, dtype in getattr(module, "kept_dtypes", {}).items():
             if name in module._parameters:
                 old = module._parameters[name]
-                new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
-                new.__dict__.update(old.__dict__)
-                module._parameters[name] = new
+                if id(old) not in new_params:
+                    new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
+                    new.__dict__.update(old.__dict__)
+                    new_params[id(old)] = new
+                module._parameters[name] = new_params[id(old)]
             elif name in module._buffers:
                 old = module._buffers[name]
                 module._buffers[name] = torch.empty(old.shape, dtype=dtype, device=old.device)

@@ -99,8 +99,25 @@ def fp8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tens
     return out.to(x.dtype).reshape(*x.shape[:-1], w_q.shape[0])
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight-only int8: w [N, K] -> (int8 [N, K], scale [N] in w's dtype), symmetric per output channel."""
-    scale = w.abs().amax(dim=-1).float().clamp(min=_MIN_AMAX) / INT8_MAX
-    q = torch.round(w.float() / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale.to(w.dtype)
+def quantize_int8_per_channel(w: torch.Tensor, scale_dtype: torch.dtype | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8: w [N, K] -> (int8 [N, K], scale [N] in scale_dtype, default w's), symmetric per
+    output channel. The codes are rounded against the scale as stored, so q * scale is the weight the
+    kernel multiplies by (a bfloat16 scale's rounding is not added on top of int8's)."""
+    scale = (w.abs().amax(dim=-1).float().clamp(min=_MIN_AMAX) / INT8_MAX).to(scale_dtype or w.dtype)
+    q = torch.round(w.float() / scale.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+# The dtype `_weight_int8pack_mm` computes in: its vectorized CPU kernels take bfloat16 (or float16)
+# activations; with float32 ones it runs a scalar loop, slower than the float32 GEMM it replaces
+# (docs/benchmarks.md, bench_cpu_step --kernels).
+INT8_COMPUTE_DTYPE = torch.bfloat16
+
+
+def int8_weight_only_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q [N, K] * scale [N, 1])^T in INT8_COMPUTE_DTYPE (scale must be in it), out in x's dtype."""
+    xc = x.to(INT8_COMPUTE_DTYPE)
+    if not xc.is_contiguous():
+        xc = xc.contiguous()
+    return torch.ops.aten._weight_int8pack_mm(xc, q, scale).to(x.dtype)

@@ -202,24 +202,25 @@ class Fp8BlockMethod(LinearMethod):
 
 
 class Int8WeightOnlyMethod(_QuantizeOnLoad):
-    """CPU weight-only int8: int8 weights with per-output-channel scales in the model dtype, quantized as
-    they load; the GEMM is ATen's `_weight_int8pack_mm` (activations stay in the model dtype)."""
+    """CPU weight-only int8: int8 weights with per-output-channel scales, quantized as they load; the GEMM
+    is ATen's `_weight_int8pack_mm` on bfloat16 activations (fp8_math.int8_weight_only_mm: the kernel is
+    vectorized for those only), its output cast back to the model dtype."""
 
-    quantize = staticmethod(fp8_math.quantize_int8_per_channel)
+    quantize = staticmethod(functools.partial(fp8_math.quantize_int8_per_channel,
+                                              scale_dtype=fp8_math.INT8_COMPUTE_DTYPE))
 
     def create_weights(self, layer, input_size, output_size, bias):
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.int8), requires_grad=False)
         layer.weight.weight_loader = layer.weight_loader
         layer.weight.load_dtype = torch.float32  # quantized from float32 whatever the checkpoint dtype
         set_kept_dtype(layer, "weight", torch.int8)
-        layer.register_buffer("weight_scale", torch.empty(output_size))  # the model dtype (the kernel's rule)
+        layer.register_buffer("weight_scale", torch.empty(output_size))
+        set_kept_dtype(layer, "weight_scale", fp8_math.INT8_COMPUTE_DTYPE)  # the kernel's rule: x's dtype
         self._create_bias(layer, output_size, bias)
 
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
+        out = fp8_math.int8_weight_only_mm(x2, layer.weight, layer.weight_scale)
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
