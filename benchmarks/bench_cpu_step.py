@@ -1,6 +1,6 @@
 """bench_cpu_step: the CPU decode step in-process, per weight format, against this machine's memory bandwidth.
 
-    python -m benchmarks.bench_cpu_step [--quantization none int8] [--batch-size 1 16] [--kernels] [--json out.json]
+    python -m benchmarks.bench_cpu_step [--quantization none int8 int4] [--batch-size 1 16] [--kernels] [--json out.json]
 
 A bs=1 decode step of a small dense model reads every weight once, so its floor is (bytes read) / (read
 bandwidth). This measures, in one process:
@@ -8,6 +8,8 @@ bandwidth). This measures, in one process:
 * the read and copy bandwidth of a 500 MB tensor (`sum`, `copy_`) at 1 thread and at torch's threads;
 * the eager decode step (`ModelRunner.forward_eager`, no HTTP, no scheduler) of each --quantization variant
   at each batch size: ms per step, weight bytes read per step, implied GB/s and the step over its floor;
+* one extend of --prefill-len tokens per variant (the weight-only kernels are made for few rows: a long
+  prompt's GEMMs are compute-bound, where they may lose to float32);
 * with --kernels, the linear layers alone (the model's GEMM shapes, every layer's own weights so the last
   level cache does not hold them) in each weight-only format this CPU offers, at each batch size.
 
@@ -37,10 +39,11 @@ BANDWIDTH_BYTES = 500 * 10**6
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_cpu_step", description=__doc__.splitlines()[0])
     p.add_argument("--model-path", help="HF folder (default: the converted default model)")
-    p.add_argument("--quantization", nargs="+", default=["none", "int8"], choices=("none", "int8"))
+    p.add_argument("--quantization", nargs="+", default=["none", "int8", "int4"], choices=("none", "int8", "int4"))
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16])
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per measurement (median)")
+    p.add_argument("--prefill-len", type=int, default=1024, help="tokens of the timed extend (0: none)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kernels", action="store_true", help="also time the linear layers alone per weight format")
     p.add_argument("--json", dest="json_out", help="write the results here")
@@ -85,7 +88,7 @@ def step_read_bytes(model: torch.nn.Module) -> int:
 
 def build_runner(args, quantization: str) -> ModelRunner:
     max_bs = max(args.batch_size)
-    ctx = args.input_len + args.steps + 8
+    ctx = max(args.input_len + args.steps, args.prefill_len + 1) + 8
     return ModelRunner(RunnerConfig(model_path=args.model_path, device="cpu", max_running_requests=max_bs,
                                     max_total_tokens=max_bs * ctx + 16, context_length=ctx,
                                     quantization=quantization, disable_cuda_graph=True))
@@ -99,6 +102,15 @@ def time_step(runner: ModelRunner, bs: int, args) -> float:
         runner.allocator.free(loc)
         for row in rows:
             runner.req_to_token_pool.free(row)
+
+
+def time_prefill(runner: ModelRunner, n: int) -> float:
+    """ms of one eager extend of n tokens (one request)."""
+    _, prefill_ms, (rows, loc) = prepare(runner, 1, n, 1, seed=1)
+    runner.allocator.free(loc)
+    for row in rows:
+        runner.req_to_token_pool.free(row)
+    return prefill_ms
 
 
 # ---- the linear layers alone, per weight format -----------------------------------------------------------
@@ -195,11 +207,14 @@ def main(argv=None) -> int:
     runners = {q: build_runner(args, q) for q in args.quantization}
     read_bytes = {q: step_read_bytes(r.model) for q, r in runners.items()}
     times: dict[tuple[str, int], list[float]] = {(q, bs): [] for q in runners for bs in args.batch_size}
+    prefill: dict[str, list[float]] = {q: [] for q in runners}
     for rep in range(args.repeats):
         order = list(runners) if rep % 2 == 0 else list(reversed(runners))  # neither always goes first
         for q in order:
             for bs in args.batch_size:
                 times[(q, bs)].append(time_step(runners[q], bs, args))
+            if args.prefill_len:
+                prefill[q].append(time_prefill(runners[q], args.prefill_len))
     rows = []
     for (q, bs), ts in times.items():
         ms = statistics.median(ts)
@@ -218,6 +233,15 @@ def main(argv=None) -> int:
         print(f"{r['quantization']:>12} {r['batch_size']:>4} {r['read_bytes'] / 1e6:>8.1f} {r['ms']:>8.2f} "
               f"{r['tok_s']:>7.1f} {r['implied_gb_s']:>6.1f} {r['floor_ms']:>9.2f} {r['over_floor']:>8.2f} "
               f"{r['speedup_vs_first']:>8.2f}")
+    prefill_rows = []
+    if args.prefill_len:
+        base_ms = statistics.median(prefill[args.quantization[0]])
+        print(f"extend of {args.prefill_len} tokens (one request), median of {args.repeats}:")
+        for q, ts in prefill.items():
+            ms = statistics.median(ts)
+            prefill_rows.append({"quantization": q, "tokens": args.prefill_len, "ms": round(ms, 1),
+                                 "ms_runs": [round(t, 1) for t in ts], "speedup_vs_first": round(base_ms / ms, 2)})
+            print(f"{q:>12} {ms:>9.1f} ms {base_ms / ms:>6.2f}x")
     kernels = None
     if args.kernels:
         del runners
@@ -229,7 +253,8 @@ def main(argv=None) -> int:
     report = {"benchmark": "bench_cpu_step", "model": args.model_path, "threads": threads,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
               "load_average": {"before": load_before, "after": load_after}, "bandwidth": bw,
-              "args": vars(args), "steps": rows, "kernels": kernels}
+              "args": vars(args), "steps": rows, "prefill": prefill_rows,
+              "kernels": kernels}
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)

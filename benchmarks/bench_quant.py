@@ -26,14 +26,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", choices=SHAPES, help="a model shape with random weights (GPU benchmarks)")
     src.add_argument("--model-path", help="an HF folder (default: the converted default model)")
-    p.add_argument("--quantization", required=True, choices=("fp8", "int8"))
+    p.add_argument("--quantization", required=True, choices=("fp8", "int8", "int4"))
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model and args.quantization == "int4":  # its packed weights load once: no second load_weights
+        p.error("--quantization int4 compares a real model (--model-path, or the default model), not --model")
+    return args
 
 
 class Stream:

@@ -25,6 +25,7 @@ from model_executor.layers.quantization import (
     QuantConfig,
     QuantizationError,
     checkpoint_quant_config,
+    finish_loading,
     quantization_context,
     restore_kept_dtypes,
 )
@@ -204,6 +205,7 @@ def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, dev
         found: dict[tuple[int, int], torch.Tensor] = {}
         loaded = model.load_weights(_take_kv_scales(_iter_safetensors(files), found))
     _check_complete(model, loaded, path)
+    finish_loading(model)
     model.kv_scales = kv_scales_from(found, cfg.num_hidden_layers)  # for an FP8 KV cache
     return model
 
@@ -237,4 +239,5 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02
             else:
                 gen = torch.Generator(device=p.device).manual_seed(seed + i)
                 p.normal_(0.0, std, generator=gen)
+    finish_loading(model)
     return model

@@ -99,6 +99,53 @@ def test_int8_weight_only_gemm():
     assert rel_err(out, x @ w.t()) < 0.01
 
 
+def test_int4_groups_keep_a_q4_1_weight():
+    """A weight on llama.cpp's Q4_1 grid (each block of 32 inputs: d * q + m, q in 0..15 with both ends used,
+    as the default model's linear layers were published) re-quantizes to the same codes, and dequantizes
+    within the rounding of its block's zero to bfloat16; the kernel computes x @ that weight^T."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 48, 128
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    q[:, ::32], q[:, 1::32] = 0, 15  # every block spans the whole code range, as Q4_1's quantizer makes it
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02 + 0.001).half().float()  # Q4_1 keeps d, m in fp16
+    m = (torch.randn(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    w = (q.float().reshape(n, k // 32, 32) * d + m).reshape(n, k)
+    codes, sz = fm.quantize_int4_groups(w)
+    assert codes.dtype == torch.uint8 and sz.shape == (k // 32, n, 2) and sz.dtype == torch.bfloat16
+    assert torch.equal(codes.long(), q)
+    # bfloat16's unit roundoff 2^-8: on the scale (times a code of up to 15) and on the zero
+    bound = (((m + 8 * d).abs() + 16 * d) * 2**-8).expand(n, k // 32, 32).reshape(n, k)
+    assert ((fm.dequantize_int4_groups(codes, sz) - w).abs() <= bound).all()
+    x = torch.randn(3, k, generator=gen)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    out = fm.int4_weight_only_mm(x, packed, sz)
+    assert out.dtype == torch.float32
+    assert rel_err(out, x @ fm.dequantize_int4_groups(codes, sz).t()) < 0.01
+
+
+def test_int4_per_shard_then_packed_and_int8_vocabulary(tiny_llama):
+    """int4: each checkpoint tensor is quantized in its own groups into its rows of the fused layer, and the
+    layer is packed once every shard is in: its output is x @ the pieces' dequantized weights. The untied
+    embedding and LM head are int8 tables with one scale per vocabulary row."""
+    path, _ = tiny_llama
+    cfg = ModelConfig.from_pretrained(path)
+    model = load_model(path, cfg, torch.float32, "cpu", quant=QuantConfig("int4"))
+    hf = _hf_tensors(path)
+    x = torch.randn(4, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    for fused, parts in FUSED.items():
+        layer = _layer(model, fused)
+        group = "self_attn" if fused == "qkv_proj" else "mlp"
+        w = torch.cat([fm.dequantize_int4_groups(*fm.quantize_int4_groups(hf[f"model.layers.0.{group}.{p}.weight"]))
+                       for p in parts])
+        assert layer.weight.dtype == torch.uint8 and layer.int4_packed
+        assert rel_err(layer(x), x @ w.t()) < 0.01
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert head.weight is not embed.weight and head.weight.dtype == embed.weight.dtype == torch.int8
+    assert rel_err(head(x), x @ hf["lm_head.weight"].t()) < 0.02
+    ids = torch.tensor([0, 5, 319])
+    assert rel_err(embed(ids), hf["model.embed_tokens.weight"][ids]) < 0.01
+
+
 # ---- online quantization at load time -------------------------------------------------------------------
 
 
@@ -144,7 +191,9 @@ TEXTS = (
 )
 # Bounds on the default model, about twice what was measured (docs/benchmarks.md, "CPU weight formats"):
 # int8 measured relative error max 0.13 / mean 0.043, argmax 68 of 71 positions equal.
-QUANT_BOUNDS = {"int8": {"rel_err_max": 0.25, "rel_err_mean": 0.09, "argmax_min_fraction": 0.9}}
+# int4 (int8 table) measured max 0.061 / mean 0.025, argmax 70 of 71.
+QUANT_BOUNDS = {"int8": {"rel_err_max": 0.25, "rel_err_mean": 0.09, "argmax_min_fraction": 0.9},
+                "int4": {"rel_err_max": 0.12, "rel_err_mean": 0.05, "argmax_min_fraction": 0.95}}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +204,7 @@ def default_model_fp32(model_dir):
                                     context_length=128))
 
 
-@pytest.mark.parametrize("method", ["int8"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_default_model_logits(model_dir, default_model_fp32, method):
     """The default model quantized (linear layers and the tied embedding / LM head table) against float32 on
     real text: the table stays one tensor with one scale per vocabulary row, and every position's logits

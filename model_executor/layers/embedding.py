@@ -32,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.per_rank
         self.vocab_end = min(self.vocab_start + self.per_rank, vocab_size)  # real rows of this rank end here
         quant = current_quant_config()
-        self.int8 = quant is not None and quant.method == "int8"
+        self.int8 = quant is not None and quant.method in ("int8", "int4")  # the table is int8 for both
         if self.int8:  # quantized as it loads (quantized models run without tensor parallelism)
             self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size, dtype=torch.int8),
                                        requires_grad=False)

@@ -56,8 +56,19 @@ class LinearMethod:
         rest)."""
         return set()
 
+    def finish_loading(self, layer: nn.Module) -> None:
+        """After every shard is in: the last step of a layout that cannot be built shard by shard."""
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Each quantized layer's finish_loading, once the checkpoint (or random init) has filled the model."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.finish_loading(module)
 
 
 UNQUANTIZED = LinearMethod()

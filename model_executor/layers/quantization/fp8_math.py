@@ -121,3 +121,42 @@ def int8_weight_only_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
     if not xc.is_contiguous():
         xc = xc.contiguous()
     return torch.ops.aten._weight_int8pack_mm(xc, q, scale).to(x.dtype)
+
+
+# Weight-only int4 (CPU): asymmetric, one scale and zero per group of INT4_GROUP input columns, the layout
+# of ATen's `_weight_int4pack_mm_for_cpu`. A group of 32 is llama.cpp's Q4_0 / Q4_1 block: the default
+# model's linear layers were published as Q4_1, so their float32 conversion re-quantizes to the same codes.
+INT4_GROUP = 32
+
+
+def quantize_int4_groups(w: torch.Tensor, group: int = INT4_GROUP, dtype: torch.dtype = INT8_COMPUTE_DTYPE
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (codes [N, K] uint8 in 0..15, scales_and_zeros [K / group, N, 2] in dtype) with
+    w ~ (codes - 8) * scale + zero per group: the group's minimum is code 0, its maximum code 15. The codes
+    are rounded against the scale and zero as stored."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=_MIN_AMAX).to(dtype)
+    zero = (lo + 8 * scale.float()).to(dtype)
+    codes = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    codes = codes.clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return codes, torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+
+
+def dequantize_int4_groups(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] the int4 kernel multiplies by."""
+    n, k = codes.shape
+    groups = scales_and_zeros.shape[0]
+    scale = scales_and_zeros[..., 0].t().float()[..., None]
+    zero = scales_and_zeros[..., 1].t().float()[..., None]
+    return ((codes.float().reshape(n, groups, k // groups) - 8) * scale + zero).reshape(n, k)
+
+
+def int4_weight_only_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                        group: int = INT4_GROUP) -> torch.Tensor:
+    """x [M, K] @ dequantized(packed)^T in the scales' dtype, out in x's dtype."""
+    xc = x.to(scales_and_zeros.dtype)
+    if not xc.is_contiguous():
+        xc = xc.contiguous()
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(xc, packed, group, scales_and_zeros).to(x.dtype)
