@@ -210,7 +210,8 @@ def main(argv=None) -> int:
         (f"{args.long_prompt_len}-token prompt s", f"{hf['long_forward_s']:.2f} (forward)",
          f"{duet['long_prompt_s']:.2f} (max_tokens 1)", f"{ratios['long_prompt']:.2f}x", "<= 1.5x"),
     ]
-    print(f"HF: float32; duet: quantization {info.get('quantization') or 'none'}, dtype {info.get('dtype')}")
+    engine = info.get("scheduler_info", {})
+    print(f"HF: float32; duet: quantization {engine.get('quantization') or 'none'}, dtype {engine.get('dtype')}")
     header = ("", "HF transformers", "duet", "duet / HF", "target")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
     for r in [header, *rows]:
