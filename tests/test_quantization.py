@@ -398,3 +398,22 @@ def test_checkpoint_kv_scales_are_read_per_layer(tiny_llama, tmp_path):
     save_file(tensors, str(file))
     with pytest.raises(CheckpointMismatchError, match="none for layer 1's V"):
         load_model(path, cfg, torch.float32, "cpu")
+
+
+def test_weight_only_gemms_compile_with_inductor():
+    """The CPU decode compile (--enable-torch-compile) traces the int8 / int4 GEMMs with their bfloat16
+    casts (the LM head casts its float32 scales in the graph); inductor's own lowering of the ATen kernel
+    rejects such a fused input, so they are opaque ops there. Compiled equals eager."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 64, generator=gen)
+    q8, s8 = fm.quantize_int8_per_channel(w, scale_dtype=torch.float32)
+    codes, sz = fm.quantize_int4_groups(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+
+    def f(x):
+        h = fm.int8_weight_only_mm(x * 2, q8, s8.to(torch.bfloat16))
+        return fm.int4_weight_only_mm(h.relu(), packed, sz)
+
+    x = torch.randn(3, 64, generator=gen)
+    compiled = torch.compile(f, backend="inductor", fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), f(x))

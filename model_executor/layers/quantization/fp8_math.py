@@ -115,12 +115,33 @@ def quantize_int8_per_channel(w: torch.Tensor, scale_dtype: torch.dtype | None =
 INT8_COMPUTE_DTYPE = torch.bfloat16
 
 
+# Under torch.compile the weight-only GEMMs are opaque ops: inductor's own lowering of the ATen kernels
+# rejects an input it fused (the cast to bfloat16). Eager calls ATen directly (no custom-op dispatch cost).
+@torch.library.custom_op("duet::int8_weight_only_mm", mutates_args=())
+def _int8_mm_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, q, scale)
+
+
+@_int8_mm_op.register_fake
+def _(x, q, scale):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+@torch.library.custom_op("duet::int4_weight_only_mm", mutates_args=())
+def _int4_mm_op(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
+
+
+@_int4_mm_op.register_fake
+def _(x, packed, group, scales_and_zeros):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
 def int8_weight_only_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (q [N, K] * scale [N, 1])^T in INT8_COMPUTE_DTYPE (scale must be in it), out in x's dtype."""
-    xc = x.to(INT8_COMPUTE_DTYPE)
-    if not xc.is_contiguous():
-        xc = xc.contiguous()
-    return torch.ops.aten._weight_int8pack_mm(xc, q, scale).to(x.dtype)
+    xc = x.to(INT8_COMPUTE_DTYPE).contiguous()
+    mm = _int8_mm_op if torch.compiler.is_compiling() else torch.ops.aten._weight_int8pack_mm
+    return mm(xc, q, scale).to(x.dtype)
 
 
 # Weight-only int4 (CPU): asymmetric, one scale and zero per group of INT4_GROUP input columns, the layout
@@ -156,7 +177,6 @@ def dequantize_int4_groups(codes: torch.Tensor, scales_and_zeros: torch.Tensor) 
 def int4_weight_only_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                         group: int = INT4_GROUP) -> torch.Tensor:
     """x [M, K] @ dequantized(packed)^T in the scales' dtype, out in x's dtype."""
-    xc = x.to(scales_and_zeros.dtype)
-    if not xc.is_contiguous():
-        xc = xc.contiguous()
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(xc, packed, group, scales_and_zeros).to(x.dtype)
+    xc = x.to(scales_and_zeros.dtype).contiguous()
+    mm = _int4_mm_op if torch.compiler.is_compiling() else torch.ops.aten._weight_int4pack_mm_for_cpu
+    return mm(xc, packed, group, scales_and_zeros).to(x.dtype)
