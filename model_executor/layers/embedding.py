@@ -4,10 +4,10 @@ The vocabulary is padded to a multiple of tp_size; rank r holds rows [r * per_ra
 (padding rows zero). The embedding looks up the ids in its block (others read as zero) and all-reduces;
 the LM head computes its block of logits and all-gathers them, dropping the padding columns.
 
-With weight-only int8 (`--quantization int8`, CPU) the table is int8 with one scale per vocabulary row:
-that is the LM head's per-output-channel scale and the embedding's per-row one, so a tied table stays one
-int8 tensor and one scale vector; the head runs the int8 GEMM, a lookup dequantizes its rows. The head is
-the largest single weight of a small model (a quarter of SmolLM2-135M's bytes).
+With weight-only quantization (`--quantization int8` or `int4`, CPU) the table is int8 with one scale per
+vocabulary row: that is the LM head's per-output-channel scale and the embedding's per-row one, so a tied
+table stays one int8 tensor and one scale vector; the head runs the int8 GEMM, a lookup dequantizes its
+rows. The head is the largest single weight of a small model, read whole at every step.
 """
 
 from __future__ import annotations

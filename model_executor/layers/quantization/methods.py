@@ -227,8 +227,8 @@ class Int8WeightOnlyMethod(_QuantizeOnLoad):
 
 
 class Int4WeightOnlyMethod(LinearMethod):
-    """CPU weight-only int4: asymmetric codes with a bfloat16 scale and zero per group of 32 input columns
-    (fp8_math.quantize_int4_groups), quantized as each shard loads; the GEMM is ATen's
+    """CPU weight-only int4: asymmetric codes with a bfloat16 scale and zero per group of INT4_GROUP input
+    columns (fp8_math.quantize_int4_groups), quantized as each shard loads; the GEMM is ATen's
     `_weight_int4pack_mm_for_cpu` on bfloat16 activations. Its packed layout interleaves blocks of output
     rows, so the codes load unpacked (a byte each) and are packed once all shards are in (finish_loading)."""
 
