@@ -2,7 +2,9 @@
 
     python -m benchmarks.bench_cpu [--json out.json] [--quantization int8] [--server-args="--enable-torch-compile"]
 
-Same model folder (the converted default model, float32), same greedy decoding, same token-id prompt:
+Same model folder (the converted default model), same greedy decoding, same token-id prompt. HF runs the
+float32 weights; duet runs what its server runs by default (for the default model on a CPU: int4 weights,
+`--quantization none` for float32; the start-up line and the JSON's server_info say which):
 
 * single stream: HF `generate` tok/s vs one duet streaming completion (`ignore_eos`);
 * 16 concurrent streams: duet's aggregate tok/s vs HF's single stream;
@@ -42,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--long-prompt-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quantization", help="passed to the server as --quantization (e.g. int8)")
+    p.add_argument("--quantization", help="passed to the server as --quantization (none, int8, int4; default: "
+                                           "the server's default)")
     p.add_argument("--server-args", default="", help="extra launch_server arguments, one shell-quoted string")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for the server")
     p.add_argument("--json", dest="json_out", help="write the results here")
@@ -104,7 +107,7 @@ def get_json(url: str, timeout: float = 5.0) -> dict:
 def start_server(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "server.launch_server", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", "--log-level", "warning"]
-    if args.model_path:
+    if args.model_path_given:  # else the server's default model, with its default quantization
         cmd += ["--model-path", args.model_path]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
@@ -173,6 +176,8 @@ def bench_duet(args, base: str, vocab: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.model_path_given = args.model_path is not None
+    load_before = os.getloadavg()[0]
     if args.model_path is None:
         from model_executor.default_model import ensure_default_model
 
@@ -205,6 +210,8 @@ def main(argv=None) -> int:
         (f"{args.long_prompt_len}-token prompt s", f"{hf['long_forward_s']:.2f} (forward)",
          f"{duet['long_prompt_s']:.2f} (max_tokens 1)", f"{ratios['long_prompt']:.2f}x", "<= 1.5x"),
     ]
+    engine = info.get("scheduler_info", {})
+    print(f"HF: float32; duet: quantization {engine.get('quantization') or 'none'}, dtype {engine.get('dtype')}")
     header = ("", "HF transformers", "duet", "duet / HF", "target")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
     for r in [header, *rows]:
@@ -215,7 +222,9 @@ def main(argv=None) -> int:
                     "cores_usable": len(os.sched_getaffinity(0)), "torch": torch.__version__},
         "args": vars(args), "server_startup_s": startup_s, "server_info": info, "hf": hf, "duet": duet,
         "ratios": ratios, "targets": TARGETS,
+        "load_average": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
     }
+    print(f"load average before {result['load_average']['before']}, after {result['load_average']['after']}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2, default=str)

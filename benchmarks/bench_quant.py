@@ -26,14 +26,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", choices=SHAPES, help="a model shape with random weights (GPU benchmarks)")
     src.add_argument("--model-path", help="an HF folder (default: the converted default model)")
-    p.add_argument("--quantization", required=True, choices=("fp8", "int8"))
+    p.add_argument("--quantization", required=True, choices=("fp8", "int8", "int4"))
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model and args.quantization == "int4":  # its packed weights load once: no second load_weights
+        p.error("--quantization int4 compares a real model (--model-path, or the default model), not --model")
+    return args
 
 
 class Stream:
@@ -59,6 +62,31 @@ class Stream:
     def close(self) -> None:
         self.runner.allocator.free(self.loc)
         self.runner.req_to_token_pool.free(self.row)
+
+
+def teacher_forced_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """float32 logits [len(ids), vocab] at every position of one extend of `ids` (the model's layers, then
+    the LM head on every hidden state, not only the last): a quantized model's error along a fixed text."""
+    row = runner.req_to_token_pool.alloc()
+    loc = runner.allocator.alloc(len(ids))
+    try:
+        runner.req_to_token_pool.write(row, 0, loc)
+        fb = runner.build_batch(ForwardMode.EXTEND, ids, [row], [len(ids)], loc, extend_seq_lens=[len(ids)])
+        with torch.inference_mode():
+            runner.attn_backend.init_forward_metadata(fb)
+            hidden = runner.model.model(fb.input_ids, fb.positions, fb)
+            return runner.model.lm_head(hidden).float()
+    finally:
+        runner.allocator.free(loc)
+        runner.req_to_token_pool.free(row)
+
+
+def logits_error(ref: torch.Tensor, quant: torch.Tensor) -> dict:
+    """Per-position relative error (max, mean), the largest absolute difference, and argmax agreement."""
+    rel = (quant - ref).norm(dim=-1) / ref.norm(dim=-1)
+    return {"positions": ref.shape[0], "rel_err_max": rel.max().item(), "rel_err_mean": rel.mean().item(),
+            "max_abs_diff": (quant - ref).abs().max().item(),
+            "argmax_equal": int((quant.argmax(-1) == ref.argmax(-1)).sum())}
 
 
 def checkpoint_tensors(model: torch.nn.Module):

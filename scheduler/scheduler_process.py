@@ -134,6 +134,7 @@ def ready_info(args: ServerArgs, runner: ModelRunner) -> dict:
         "max_running_requests": runner.req_to_token_pool.size,
         "device": str(runner.device),
         "dtype": str(runner.dtype).replace("torch.", ""),
+        "quantization": runner.quant.method if runner.quant else None,
         "attention_backend": type(runner.attn_backend).__name__,
         "vocab_size": runner.model_config.vocab_size,
         "eos_token_ids": list(runner.model_config.eos_token_ids),

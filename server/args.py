@@ -75,9 +75,10 @@ class ServerArgs:
     disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
     enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up); "
                                            "on CPU, compile decode with inductor")
-    quantization: str | None = _f(None, "weight quantization: fp8 (online, GPU sm89+), int8 (weight-only, CPU), "
-                                        "none; default: the checkpoint's (an FP8 checkpoint runs as FP8)",
-                                  choices=("none", "fp8", "int8"))
+    quantization: str | None = _f(None, "weight quantization: fp8 (online, GPU sm89+), int8 / int4 (weight-only, "
+                                        "CPU), none; default: the checkpoint's (an FP8 checkpoint runs as FP8), "
+                                        "and int4 for the default model on a CPU",
+                                  choices=("none", "fp8", "int8", "int4"))
     kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype) or fp8_e4m3 (GPU sm89+, "
                                      "triton attention)", choices=("auto", "fp8_e4m3"))
     # Parallelism (server/parallel.py): dp_size replicas, each a group of tp_size scheduler ranks.
@@ -193,7 +194,7 @@ class ServerArgs:
         capability is checked by the engine process (model_runner), so that this process never holds a
         CUDA context of its own."""
         fp8_kv = self.kv_cache_dtype == "fp8_e4m3"
-        if self.device == "auto" or not (self.quantization in ("fp8", "int8") or fp8_kv):
+        if self.device == "auto" or not (self.quantization in ("fp8", "int8", "int4") or fp8_kv):
             return
         from model_executor.layers.quantization.config import fp8_unsupported_reason
 
@@ -201,8 +202,9 @@ class ServerArgs:
         fp8_why = fp8_unsupported_reason(self.device) if wants_fp8 and self.device == "cpu" else None
         if self.quantization == "fp8" and fp8_why:
             raise ArgsError(f"--quantization fp8 {fp8_why}")
-        if self.quantization == "int8" and self.device != "cpu":
-            raise ArgsError("--quantization int8 is weight-only int8 for the CPU; on a GPU use --quantization fp8")
+        if self.quantization in ("int8", "int4") and self.device != "cpu":
+            raise ArgsError(f"--quantization {self.quantization} is weight-only {self.quantization} for the CPU; "
+                            "on a GPU use --quantization fp8")
         if fp8_kv and fp8_why:
             raise ArgsError(f"--kv-cache-dtype fp8_e4m3 {fp8_why}")
         if fp8_kv and self.attention_backend not in ("auto", "triton"):

@@ -201,6 +201,10 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
             changes["model_path"] = str(ensure_default_model())
         except DefaultModelError as e:
             raise LaunchError(str(e)) from None
+        if args.quantization is None and changes.get("device", args.device) == "cpu":
+            from model_executor.default_model import CPU_QUANTIZATION
+
+            changes["quantization"] = CPU_QUANTIZATION  # --quantization none serves the float32 weights
     from server.model_source import ModelSourceError, resolve_model_source
 
     try:  # a local, checked folder (hub ids are downloaded or taken from the cache) before any child starts
@@ -260,7 +264,8 @@ def _fmt_sizes(sizes) -> str:
 
 def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
     host = f"[{args.host}]" if ":" in args.host else args.host
-    parts = [f"model={served_model_name}", f"dtype={info.get('dtype')}", f"device={info.get('device', args.device)}",
+    parts = [f"model={served_model_name}", f"dtype={info.get('dtype')}", f"quantization={info.get('quantization') or 'none'}",
+             f"device={info.get('device', args.device)}",
              f"context={info.get('context_len')}", f"kv_slots={info.get('num_kv_slots')}",
              f"max_running={info.get('max_running_requests')}", f"attention={info.get('attention_backend')}"]
     if args.tp_size > 1 or args.dp_size > 1:

@@ -12,8 +12,8 @@ from server.args import ArgsError, ServerArgs, parse_args
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.launch_server", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "server.launch_server", *args], check=False, capture_output=True,
+                          text=True, timeout=120)
 
 
 @pytest.mark.parametrize("argv", [["--port", "-5"], ["--dtype", "fp8"], ["--mem-fraction-static", "1.5"],
@@ -42,3 +42,21 @@ def test_flashinfer_not_installed_says_what_to_install():
 def test_explicit_capture_list_parses():
     args = parse_args(["--cuda-graph-bs", "1", "2", "8", "--piecewise-cuda-graph-tokens", "16", "64"])
     assert args.cuda_graph_bs == (1, 2, 8) and args.piecewise_cuda_graph_tokens == (16, 64)
+
+
+def test_default_model_on_cpu_runs_int4_unless_asked(model_dir, monkeypatch):
+    """No --model-path on a CPU: the default model with int4 weights (its published Q4_1 weights, stored
+    again); --quantization none (or any explicit value) wins, and a model the user names keeps its own."""
+    from server.launch_server import resolve_args
+
+    monkeypatch.setenv("DUET_CACHE_DIR", str(model_dir.parent))  # the cache that holds the default model
+    default = resolve_args(ServerArgs(device="cpu"))
+    assert default.model_path == str(model_dir) and default.quantization == "int4"
+    assert resolve_args(ServerArgs(device="cpu", quantization="none")).quantization == "none"
+    assert resolve_args(ServerArgs(device="cpu", quantization="int8")).quantization == "int8"
+    assert resolve_args(ServerArgs(device="cpu", model_path=str(model_dir))).quantization is None
+
+
+def test_int4_on_a_gpu_is_refused():
+    with pytest.raises(ArgsError, match="--quantization int4 is weight-only int4 for the CPU"):
+        ServerArgs(device="cuda", quantization="int4").validate()

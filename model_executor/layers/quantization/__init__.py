@@ -7,6 +7,7 @@ quantized methods; fp8_math.py the math in plain PyTorch (reference and CPU); fp
 from model_executor.layers.quantization.base import (
     LinearMethod,
     current_linear_method,
+    finish_loading,
     quantization_context,
     restore_kept_dtypes,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "QuantizationError",
     "checkpoint_quant_config",
     "current_linear_method",
+    "finish_loading",
     "quantization_context",
     "resolve_quant_config",
     "restore_kept_dtypes",

@@ -56,6 +56,9 @@ class LinearMethod:
         rest)."""
         return set()
 
+    def finish_loading(self, layer: nn.Module) -> None:
+        """After every shard is in: the last step of a layout that cannot be built shard by shard."""
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         kernel = small_m_kernel(x, layer.weight)
         if kernel is not None:
@@ -87,6 +90,14 @@ def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
     return _small_m_module if _small_m_module.use_small_m(x2, weight, block) else None
 
 
+def finish_loading(model: nn.Module) -> None:
+    """Each quantized layer's finish_loading, once the checkpoint (or random init) has filled the model."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.finish_loading(module)
+
+
 UNQUANTIZED = LinearMethod()
 _current: list = [None]  # the QuantConfig of the model being built (None: unquantized)
 
@@ -102,7 +113,8 @@ def quantization_context(quant) -> Iterator[None]:
 
 
 def current_quant_config():
-    """The QuantConfig of the model being built (None: unquantized); for layers other than the linears."""
+    """The QuantConfig of the model being built (None: unquantized); for layers other than the linears
+    (the vocabulary layers, MoE experts)."""
     return _current[0]
 
 
@@ -124,14 +136,18 @@ def set_kept_dtype(layer: nn.Module, name: str, dtype: torch.dtype) -> None:
 
 def restore_kept_dtypes(model: nn.Module) -> None:
     """After `model.to(dtype)` on the meta device: give quantized tensors their own dtype back (the cast
-    turned fp8 weights and float32 scales into the model dtype). Parameters keep their attributes."""
+    turned fp8 weights and float32 scales into the model dtype). Parameters keep their attributes and their
+    sharing (a tied int8 vocabulary table stays one parameter)."""
+    new_params: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, dtype in getattr(module, "kept_dtypes", {}).items():
             if name in module._parameters:
                 old = module._parameters[name]
-                new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
-                new.__dict__.update(old.__dict__)
-                module._parameters[name] = new
+                if id(old) not in new_params:
+                    new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
+                    new.__dict__.update(old.__dict__)
+                    new_params[id(old)] = new
+                module._parameters[name] = new_params[id(old)]
             elif name in module._buffers:
                 old = module._buffers[name]
                 module._buffers[name] = torch.empty(old.shape, dtype=dtype, device=old.device)

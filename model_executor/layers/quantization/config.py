@@ -11,13 +11,16 @@ Methods:
                  FP8, as the Llama FP8 checkpoints ship; or `quant_method: fp8` without a block size), an
                  optional static per-tensor `input_scale`, else dynamic per-token activation scales
     int8         online weight-only int8 with per-channel scales (CPU only)
+    int4         online weight-only int4, a scale and zero per group of 32 inputs (CPU only)
+
+int8 and int4 also store the vocabulary table (embedding and LM head) in int8 with per-row scales.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZATION_CHOICES = ("none", "fp8", "int8")
+QUANTIZATION_CHOICES = ("none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
@@ -27,7 +30,7 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # "fp8" | "fp8_block" | "fp8_channel" | "int8"
+    method: str  # "fp8" | "fp8_block" | "fp8_channel" | "int8" | "int4"
     block: tuple[int, int] | None = None  # fp8_block: (bn, bk)
     weight_strategy: str = "channel"  # fp8_channel: "channel" or "tensor" (as stored in the checkpoint)
     static_input_scale: bool = False  # fp8_channel: the checkpoint holds a per-tensor `input_scale`
@@ -96,12 +99,12 @@ def resolve_quant_config(flag: str | None, hf_config: dict, device: str, dtype=N
     """The one quantization for this model: the checkpoint's when it has one (`--quantization fp8` agrees
     with an FP8 checkpoint), else the flag's; QuantizationError where it cannot run."""
     ckpt = checkpoint_quant_config(hf_config)
-    if ckpt is not None and flag in ("none", "int8"):
+    if ckpt is not None and flag in ("none", "int8", "int4"):
         raise QuantizationError(f"--quantization {flag}: the checkpoint is already FP8-quantized "
                                 f"({ckpt.method}); leave --quantization unset or use fp8")
     if flag not in (None, *QUANTIZATION_CHOICES):
         raise QuantizationError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {flag!r}")
-    quant = ckpt or ({"fp8": QuantConfig("fp8"), "int8": QuantConfig("int8")}.get(flag or "none"))
+    quant = ckpt or ({m: QuantConfig(m) for m in ("fp8", "int8", "int4")}.get(flag or "none"))
     if quant is None:
         return None
     check_device(quant, device, dtype)
@@ -131,5 +134,6 @@ def check_device(quant: QuantConfig, device: str, dtype=None) -> None:
             raise QuantizationError(f"{what} {why}")
         if dtype is not None and dtype != torch.bfloat16:
             raise QuantizationError(f"FP8 weights need --dtype bfloat16 (the FP8 GEMMs write bfloat16), got {dtype}")
-    elif quant.method == "int8" and device != "cpu":
-        raise QuantizationError("--quantization int8 is weight-only int8 for the CPU; on a GPU use fp8")
+    elif quant.method in ("int8", "int4") and device != "cpu":
+        raise QuantizationError(f"--quantization {quant.method} is weight-only {quant.method} for the CPU; "
+                                "on a GPU use fp8")

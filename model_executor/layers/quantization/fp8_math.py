@@ -99,8 +99,84 @@ def fp8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tens
     return out.to(x.dtype).reshape(*x.shape[:-1], w_q.shape[0])
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight-only int8: w [N, K] -> (int8 [N, K], scale [N] in w's dtype), symmetric per output channel."""
-    scale = w.abs().amax(dim=-1).float().clamp(min=_MIN_AMAX) / INT8_MAX
-    q = torch.round(w.float() / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale.to(w.dtype)
+def quantize_int8_per_channel(w: torch.Tensor, scale_dtype: torch.dtype | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8: w [N, K] -> (int8 [N, K], scale [N] in scale_dtype, default w's), symmetric per
+    output channel. The codes are rounded against the scale as stored, so q * scale is the weight the
+    kernel multiplies by (a bfloat16 scale's rounding is not added on top of int8's)."""
+    scale = (w.abs().amax(dim=-1).float().clamp(min=_MIN_AMAX) / INT8_MAX).to(scale_dtype or w.dtype)
+    q = torch.round(w.float() / scale.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+# The dtype `_weight_int8pack_mm` computes in: its vectorized CPU kernels take bfloat16 (or float16)
+# activations; with float32 ones it runs a scalar loop, slower than the float32 GEMM it replaces
+# (docs/benchmarks.md, bench_cpu_step --kernels).
+INT8_COMPUTE_DTYPE = torch.bfloat16
+
+
+# Under torch.compile the weight-only GEMMs are opaque ops: inductor's own lowering of the ATen kernels
+# rejects an input it fused (the cast to bfloat16). Eager calls ATen directly (no custom-op dispatch cost).
+@torch.library.custom_op("duet::int8_weight_only_mm", mutates_args=())
+def _int8_mm_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, q, scale)
+
+
+@_int8_mm_op.register_fake
+def _(x, q, scale):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+@torch.library.custom_op("duet::int4_weight_only_mm", mutates_args=())
+def _int4_mm_op(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
+
+
+@_int4_mm_op.register_fake
+def _(x, packed, group, scales_and_zeros):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def int8_weight_only_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q [N, K] * scale [N, 1])^T in INT8_COMPUTE_DTYPE (scale must be in it), out in x's dtype."""
+    xc = x.to(INT8_COMPUTE_DTYPE).contiguous()
+    mm = _int8_mm_op if torch.compiler.is_compiling() else torch.ops.aten._weight_int8pack_mm
+    return mm(xc, q, scale).to(x.dtype)
+
+
+# Weight-only int4 (CPU): asymmetric, one scale and zero per group of INT4_GROUP input columns, the layout
+# of ATen's `_weight_int4pack_mm_for_cpu`. A group of 32 is llama.cpp's Q4_0 / Q4_1 block: the default
+# model's linear layers were published as Q4_1, so their float32 conversion re-quantizes to the same codes.
+INT4_GROUP = 32
+
+
+def quantize_int4_groups(w: torch.Tensor, group: int = INT4_GROUP, dtype: torch.dtype = INT8_COMPUTE_DTYPE
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (codes [N, K] uint8 in 0..15, scales_and_zeros [K / group, N, 2] in dtype) with
+    w ~ (codes - 8) * scale + zero per group: the group's minimum is code 0, its maximum code 15. The codes
+    are rounded against the scale and zero as stored."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=_MIN_AMAX).to(dtype)
+    zero = (lo + 8 * scale.float()).to(dtype)
+    codes = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    codes = codes.clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return codes, torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+
+
+def dequantize_int4_groups(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] the int4 kernel multiplies by."""
+    n, k = codes.shape
+    groups = scales_and_zeros.shape[0]
+    scale = scales_and_zeros[..., 0].t().float()[..., None]
+    zero = scales_and_zeros[..., 1].t().float()[..., None]
+    return ((codes.float().reshape(n, groups, k // groups) - 8) * scale + zero).reshape(n, k)
+
+
+def int4_weight_only_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                        group: int = INT4_GROUP) -> torch.Tensor:
+    """x [M, K] @ dequantized(packed)^T in the scales' dtype, out in x's dtype."""
+    xc = x.to(scales_and_zeros.dtype).contiguous()
+    mm = _int4_mm_op if torch.compiler.is_compiling() else torch.ops.aten._weight_int4pack_mm_for_cpu
+    return mm(xc, packed, group, scales_and_zeros).to(x.dtype)

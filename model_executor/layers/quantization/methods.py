@@ -220,24 +220,76 @@ class Fp8BlockMethod(LinearMethod):
 
 
 class Int8WeightOnlyMethod(_QuantizeOnLoad):
-    """CPU weight-only int8: int8 weights with per-output-channel scales in the model dtype, quantized as
-    they load; the GEMM is ATen's `_weight_int8pack_mm` (activations stay in the model dtype)."""
+    """CPU weight-only int8: int8 weights with per-output-channel scales, quantized as they load; the GEMM
+    is ATen's `_weight_int8pack_mm` on bfloat16 activations (fp8_math.int8_weight_only_mm: the kernel is
+    vectorized for those only), its output cast back to the model dtype."""
 
-    quantize = staticmethod(fp8_math.quantize_int8_per_channel)
+    quantize = staticmethod(functools.partial(fp8_math.quantize_int8_per_channel,
+                                              scale_dtype=fp8_math.INT8_COMPUTE_DTYPE))
 
     def create_weights(self, layer, input_size, output_size, bias):
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.int8), requires_grad=False)
         layer.weight.weight_loader = layer.weight_loader
         layer.weight.load_dtype = torch.float32  # quantized from float32 whatever the checkpoint dtype
         set_kept_dtype(layer, "weight", torch.int8)
-        layer.register_buffer("weight_scale", torch.empty(output_size))  # the model dtype (the kernel's rule)
+        layer.register_buffer("weight_scale", torch.empty(output_size))
+        set_kept_dtype(layer, "weight_scale", fp8_math.INT8_COMPUTE_DTYPE)  # the kernel's rule: x's dtype
         self._create_bias(layer, output_size, bias)
 
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
+        out = fp8_math.int8_weight_only_mm(x2, layer.weight, layer.weight_scale)
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Int4WeightOnlyMethod(LinearMethod):
+    """CPU weight-only int4: asymmetric codes with a bfloat16 scale and zero per group of INT4_GROUP input
+    columns (fp8_math.quantize_int4_groups), quantized as each shard loads; the GEMM is ATen's
+    `_weight_int4pack_mm_for_cpu` on bfloat16 activations. Its packed layout interleaves blocks of output
+    rows, so the codes load unpacked (a byte each) and are packed once all shards are in (finish_loading)."""
+
+    def create_weights(self, layer, input_size, output_size, bias):
+        group = fp8_math.INT4_GROUP
+        if input_size % group or output_size % 16:
+            raise QuantizationError(f"--quantization int4: a linear layer of {input_size} inputs and {output_size} "
+                                    f"outputs does not fit the kernel (inputs a multiple of {group}, outputs "
+                                    "of 16); use int8")
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.uint8), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+        layer.weight.load_dtype = torch.float32
+        set_kept_dtype(layer, "weight", torch.uint8)
+        layer.register_buffer("weight_scale_zero", torch.empty(input_size // group, output_size, 2))
+        set_kept_dtype(layer, "weight_scale_zero", fp8_math.INT8_COMPUTE_DTYPE)
+        self._create_bias(layer, output_size, bias)
+
+    def load(self, layer, param, loaded, offset, size):
+        if param is not layer.weight:
+            return super().load(layer, param, loaded, offset, size)
+        if layer.__dict__.get("int4_packed"):
+            raise ValueError("int4 weights are packed: they load once")
+        dst = rows(param, offset, size)
+        if dst.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(loaded.shape)}")
+        codes, scales_and_zeros = fp8_math.quantize_int4_groups(loaded.to(param.device))
+        dst.copy_(codes)
+        layer.weight_scale_zero.narrow(1, offset, size).copy_(scales_and_zeros)
+
+    def finish_loading(self, layer):
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(layer.weight.to(torch.int32), 1)
+        layer.weight = nn.Parameter(packed, requires_grad=False)
+        layer.int4_packed = True
+
+    def init_random(self, layer, generator, std):
+        w = layer.weight
+        full = torch.empty(w.shape, dtype=torch.float32, device=w.device).normal_(0.0, std, generator=generator)
+        self.load(layer, w, full, 0, w.shape[0])
+        return {"weight"}
+
+    def apply(self, layer, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = fp8_math.int4_weight_only_mm(x2, layer.weight, layer.weight_scale_zero)
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -253,4 +305,6 @@ def method_for(quant: QuantConfig) -> LinearMethod:
         return Fp8BlockMethod(quant)
     if quant.method == "int8":
         return Int8WeightOnlyMethod()
+    if quant.method == "int4":
+        return Int4WeightOnlyMethod()
     raise ValueError(f"unknown quantization method {quant.method!r}")
