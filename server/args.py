@@ -77,7 +77,7 @@ class ServerArgs:
                                            "on CPU, compile decode with inductor")
     quantization: str | None = _f(None, "weight quantization: fp8 (online, GPU sm89+), int8 / int4 (weight-only, "
                                         "CPU), none; default: the checkpoint's (an FP8 checkpoint runs as FP8), "
-                                        "and int4 for the default model on a CPU",
+                                        "and int4 for SmolLM2 on a CPU when no --model-path is given",
                                   choices=("none", "fp8", "int8", "int4"))
     kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype) or fp8_e4m3 (GPU sm89+, "
                                      "triton attention)", choices=("auto", "fp8_e4m3"))

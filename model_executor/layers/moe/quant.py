@@ -81,6 +81,10 @@ class UnquantizedExperts:
     def scales(self, layer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return None, None
 
+    def finish_loading(self, layer: nn.Module) -> None:
+        """After every shard is in (quantization.base.finish_loading calls it on every quant_method): the
+        experts' layouts are all built shard by shard."""
+
     def describe(self) -> str:
         return "the model dtype"
 
