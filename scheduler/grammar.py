@@ -8,7 +8,8 @@ queue, one matcher per request, the token bitmask on the logits, and accepting s
   grammar queue (SGLang's grammar_queue) until its grammar is compiled; `pop_ready()` hands back the
   requests whose grammar is ready (each with its own `GrammarMatcher`) and those whose compilation failed;
   `apply_mask(logits, reqs)` fills the bitmask rows of the constrained requests and applies it (xgrammar's
-  CPU path on CPU, its kernel on GPU); `accept(req, token)` advances the matcher and says when the grammar
+  CPU path on CPU, its kernel on GPU; the scheduler does it in two steps, `fill_masks` and `apply_filled`,
+  to ask `allows_besides` in between whether min_tokens may ban EOS); `accept(req, token)` advances the matcher and says when the grammar
   terminated; `release(req)` drops the matcher.
 
 Overlap scheduling note: a request's bitmask for step N+1 needs step N's token accepted first, so a batch
@@ -145,18 +146,35 @@ class GrammarManager:
         return False
 
     # ---- the step -----------------------------------------------------------------------------
+    def fill_masks(self, reqs: list) -> list[int]:
+        """Fill the host bitmask row of each constrained request with the tokens its grammar accepts next;
+        returns those rows (apply_mask applies them; allows_besides reads them)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if rows:
+            bitmask = self._get_bitmask(len(reqs))
+            for i in rows:
+                reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+        return rows
+
+    def allows_besides(self, row: int, banned: set[int]) -> bool:
+        """Whether filled row `row` allows some token outside `banned`."""
+        words = self._bitmask[row].clone()
+        for t in banned:
+            if t < self.vocab_size:
+                words[t // 32] &= ~(1 << (t % 32))
+        return bool(words[: -(-self.vocab_size // 32)].any())
+
     def apply_mask(self, logits: torch.Tensor, reqs: list) -> None:
         """Allow only the tokens each constrained request's grammar accepts next (rows without a grammar
-        are left alone)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        are left alone): fill_masks, then apply_filled."""
+        self.apply_filled(logits, self.fill_masks(reqs))
+
+    def apply_filled(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Apply the bitmask rows fill_masks filled."""
         if not rows:
             return
-        xgr = self.compilers.xgr
-        bitmask = self._get_bitmask(len(reqs))
-        for i in rows:
-            reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
-        mask = bitmask[: len(reqs)].to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
+        mask = self._bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
+        self.compilers.xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
 
     def _get_bitmask(self, bs: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < bs:

@@ -76,3 +76,28 @@ def test_bad_grammar_fails_alone_and_abort_in_the_queue(setup):
     assert [(o.rid, o.finish_reason.kind) for o in outs] == [("queued", "abort")]
     assert not s.has_work()
     s.check_invariant()
+
+
+def test_grammar_that_must_end_overrides_min_tokens(setup):
+    """min_tokens bans EOS, but a complete grammar allows only EOS: the grammar has the final say and the
+    request stops there (before, every token was masked, token 0 came out and the grammar rejected it)."""
+    path, tok = setup
+    s = make_scheduler(path, tokenizer=tok, slots=2048, disable_radix_cache=True)
+    s.add_request("r", tok.encode("Is water wet?"), SamplingParams(max_new_tokens=30, temperature=0.0,
+                  min_new_tokens=20, grammar=GrammarSpec("regex", "(yes|no)")))
+    ids, reason = run_all(s)["r"]
+    assert reason == "stop"
+    assert re.fullmatch("(yes|no)", tok.decode(ids, skip_special_tokens=True))
+
+
+def test_min_tokens_still_bans_eos_while_the_grammar_allows_more(setup):
+    """While the grammar accepts other tokens, min_tokens keeps EOS out: the output reaches min_tokens."""
+    path, tok = setup
+    s = make_scheduler(path, tokenizer=tok, slots=2048, disable_radix_cache=True)
+    # Unconstrained by min_tokens this is "yes" then EOS (2 tokens).
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Is water wet? Answer yes or no."}],
+                                                add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    s.add_request("r", prompt, SamplingParams(max_new_tokens=30, temperature=0.0, min_new_tokens=8,
+                                              grammar=GrammarSpec("regex", "(yes|no)[ .!]{0,20}")))
+    ids, reason = run_all(s)["r"]
+    assert len(ids) >= 8 and reason in ("stop", "length")
