@@ -9,7 +9,7 @@ queue, one matcher per request, the token bitmask on the logits, and accepting s
   requests whose grammar is ready (each with its own `GrammarMatcher`) and those whose compilation failed;
   `apply_mask(logits, reqs)` fills the bitmask rows of the constrained requests and applies it (xgrammar's
   CPU path on CPU, its kernel on GPU; the scheduler does it in two steps, `fill_masks` and `apply_filled`,
-  to ask `allows_besides` in between whether min_tokens may ban EOS); `accept(req, token)` advances the matcher and says when the grammar
+  and re-applies it alone to a row its other bans left with no token); `accept(req, token)` advances the matcher and says when the grammar
   terminated; `release(req)` drops the matcher.
 
 Overlap scheduling note: a request's bitmask for step N+1 needs step N's token accepted first, so a batch
@@ -148,21 +148,13 @@ class GrammarManager:
     # ---- the step -----------------------------------------------------------------------------
     def fill_masks(self, reqs: list) -> list[int]:
         """Fill the host bitmask row of each constrained request with the tokens its grammar accepts next;
-        returns those rows (apply_mask applies them; allows_besides reads them)."""
+        returns those rows (apply_filled applies them)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if rows:
             bitmask = self._get_bitmask(len(reqs))
             for i in rows:
                 reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
         return rows
-
-    def allows_besides(self, row: int, banned: set[int]) -> bool:
-        """Whether filled row `row` allows some token outside `banned`."""
-        words = self._bitmask[row].clone()
-        for t in banned:
-            if t < self.vocab_size:
-                words[t // 32] &= ~(1 << (t % 32))
-        return bool(words[: -(-self.vocab_size // 32)].any())
 
     def apply_mask(self, logits: torch.Tensor, reqs: list) -> None:
         """Allow only the tokens each constrained request's grammar accepts next (rows without a grammar
