@@ -56,6 +56,9 @@ def server(model_dir):
     if FUZZ_STATS:
         print("\nRELIABILITY-FUZZ " + json.dumps(FUZZ_STATS))
     code = srv.stop()
+    if os.environ.get("DUET_FUZZ_DUMP"):
+        with open(os.environ["DUET_FUZZ_DUMP"] + ".server", "w") as f:
+            f.write(srv.output())
     assert code == 0, srv.output()[-3000:]
 
 
@@ -274,6 +277,9 @@ def test_schemathesis(server, api_schema, vocab, label, mode, max_examples):
             return
         case.body = tame(case.body, vocab) if mode == TAMED else budget(case.body)
         stats["examples"] += 1
+        if os.environ.get("DUET_FUZZ_DUMP"):
+            with open(os.environ["DUET_FUZZ_DUMP"] + ".sent", "a") as f:
+                f.write(json.dumps({"label": label, "mode": _mode_name(mode), "body": case.body}) + "\n")
         t0 = time.monotonic()
         resp = case.call(base_url=server.url, timeout=CALL_TIMEOUT_S)
         took = time.monotonic() - t0
@@ -294,6 +300,10 @@ def test_schemathesis(server, api_schema, vocab, label, mode, max_examples):
                 problem = f"schemathesis: {e}"[:500]
         if problem is not None:
             stats["failures"].append(f"{problem}\n    reproduce: {case.as_curl_command()[:600]}")
+            if os.environ.get("DUET_FUZZ_DUMP"):  # full bodies, to reproduce outside the fuzz
+                with open(os.environ["DUET_FUZZ_DUMP"], "a") as f:
+                    f.write(json.dumps({"label": label, "mode": _mode_name(mode), "body": case.body,
+                                        "status": status, "problem": problem[:300]}) + "\n")
 
     fuzz()
     stats["seconds"] = round(time.monotonic() - start, 1)
