@@ -291,3 +291,22 @@ def test_custom_op_traces_under_torch_compile():
         assert torch.equal(fn(x), sm.small_m_linear(x, w, s, None, block) + offset)
     finally:
         torch._dynamo.reset()
+
+
+@in_process
+@pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
+def test_fp8_linear_traced_once_picks_its_path_per_row_count(quant, table, monkeypatch):
+    """The piecewise runner traces its pieces once for a symbolic token count and captures them at several
+    sizes: an FP8 linear inside must still run the kernel eager would run at each size (weight-only small-M
+    up to 16 rows, W8A8 above), so a padded small batch in a graph computes what it computes eagerly."""
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    layer, _ = _linear(quant, 48, 96, bias=True)
+    fn = torch.compile(layer, dynamic=True, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            for m in (17, 4, 16, 20):
+                x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+                assert torch.equal(fn(x), layer(x)), m
+    finally:
+        torch._dynamo.reset()

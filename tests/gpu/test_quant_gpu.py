@@ -174,10 +174,9 @@ def test_online_fp8_load_peak_stays_near_fp8_size(tmp_path):
 
 @pytest.mark.parametrize("variant", ["fp8", "fp8_block", "fp8_kv"])
 def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
-    """The extend pieces traced by dynamo (the FP8 quant and GEMM ops inside them) replay as eager runs.
-
-    Batches of more than 16 tokens: up to 16 rows an eager FP8 linear runs the weight-only small-M kernel while
-    the traced pieces (symbolic token count) keep the W8A8 path, two different roundings."""
+    """The extend pieces traced by dynamo (the FP8 linears inside them) replay as eager runs, at a size under
+    the small-M kernel's 16 rows (eager and the 16-token graph both take the weight-only kernel: the traced
+    `duet::fp8_linear` op picks its path on the real row count, as eager does) and above it (W8A8)."""
     from tests.test_piecewise_runner import make_extend_batch, release
 
     torch._dynamo.reset()
@@ -187,7 +186,7 @@ def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
         kw["kv_cache_dtype"] = "fp8_e4m3"
     runner = _runner(path, **kw, disable_piecewise_cuda_graph=False, piecewise_cuda_graph_tokens=(16, 64))
     assert runner.extend_graph_runner is not None
-    for ext, pre in (([20], [0]), ([7, 40], [30, 0])):
+    for ext, pre in (([5], [0]), ([20], [0]), ([7, 40], [30, 0])):
         fb, rows = make_extend_batch(runner, ext, pre, seed=sum(ext))
         with torch.inference_mode():
             graphed = runner.forward(fb).clone()

@@ -40,13 +40,51 @@ def _fp8_weight(layer: nn.Module, input_size: int, output_size: int, load_dtype:
     set_kept_dtype(layer, "weight", FP8)
 
 
-def _scaled_mm_rowwise(x2: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """fp8 [M, K] x fp8 weight [N, K]^T with scales [M, 1] and [N], bfloat16 out (sm89+)."""
-    out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
-                           out_dtype=x2.dtype)
-    if layer.bias is not None:
-        out = out + layer.bias
-    return out
+def _fp8_linear_impl(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                     input_scale: torch.Tensor | None, block_n: int, block_k: int) -> torch.Tensor:
+    """x2 [M, K] @ an FP8 weight [N, K] (scales per channel [N], or per (block_n, block_k) tile) -> [M, N].
+
+    The path is chosen on x2's real row count: the weight-only small-M kernel for decode-sized M, else the
+    activations are quantized (per token, per 1 x block_k group, or by a static per-tensor `input_scale`)
+    for a W8A8 GEMM; on a CPU the same math in float32."""
+    block = (block_n, block_k) if block_n else None
+    kernel = small_m_kernel(x2, weight, block)
+    if kernel is not None:  # decode-sized: weight-only FP8 (x stays in its dtype, no activation quantization)
+        return kernel.small_m_linear(x2, weight, scale, bias, block)
+    if not x2.is_cuda:
+        return fp8_math.fp8_linear_reference(x2, weight, scale, bias, block=block, input_scale=input_scale)
+    if block is not None:
+        xq, xs = fp8_ops.per_token_group_quant_fp8(x2, block_k)
+        out = fp8_ops.w8a8_block_fp8_matmul(xq, weight, xs, scale, block, x2.dtype)
+    else:
+        if input_scale is not None:
+            xq = (x2 / input_scale).clamp(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(FP8)
+            xs = input_scale.view(1, 1).expand(x2.shape[0], 1).contiguous()
+        else:
+            xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
+        # fp8 [M, K] x fp8 weight [N, K]^T with scales [M, 1] and [N] (sm89+)
+        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x2.dtype)
+    return out if bias is None else out + bias
+
+
+# Inside the piecewise runner's traced pieces (one trace for every token count) the FP8 linear is this opaque
+# op, so each captured size, like an eager run, picks its path on its real row count: a branch on the
+# symbolic count would be traced once (the W8A8 path for every size) and a padded small batch in a graph
+# would then compute differently from the same batch run eagerly.
+_fp8_linear_op = torch.library.custom_op("duet::fp8_linear", _fp8_linear_impl, mutates_args=())
+
+
+@_fp8_linear_op.register_fake
+def _(x2, weight, scale, bias, input_scale, block_n, block_k):
+    return x2.new_empty((x2.shape[0], weight.shape[0]))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               input_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    op = torch.ops.duet.fp8_linear if torch.compiler.is_compiling() else _fp8_linear_impl
+    out = op(x2, weight, scale, bias, input_scale, *(block or (0, 0)))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class _QuantizeOnLoad(LinearMethod):
@@ -85,16 +123,7 @@ class Fp8OnlineMethod(_QuantizeOnLoad):
         self._create_bias(layer, output_size, bias)
 
     def apply(self, layer, x):
-        x2 = x.reshape(-1, x.shape[-1])
-        kernel = small_m_kernel(x2, layer.weight)
-        if kernel is not None:  # decode-sized: weight-only FP8 (x stays in its dtype)
-            out = kernel.small_m_linear(x2, layer.weight, layer.weight_scale, layer.bias)
-        elif not x.is_cuda:
-            out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale, layer.bias)
-        else:
-            xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
-            out = _scaled_mm_rowwise(x2, xq, xs, layer)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
 
 
 class Fp8ChannelMethod(LinearMethod):
@@ -138,22 +167,7 @@ class Fp8ChannelMethod(LinearMethod):
         return super().load(layer, param, loaded, offset, size)
 
     def apply(self, layer, x):
-        x2 = x.reshape(-1, x.shape[-1])
-        input_scale = getattr(layer, "input_scale", None)
-        kernel = small_m_kernel(x2, layer.weight)
-        if kernel is not None:  # decode-sized: weight-only FP8 (no activation quantization, static or not)
-            out = kernel.small_m_linear(x2, layer.weight, layer.weight_scale, layer.bias)
-        elif not x.is_cuda:
-            out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale, layer.bias,
-                                                input_scale=input_scale)
-        else:
-            if input_scale is not None:
-                xq = (x2 / input_scale).clamp(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(FP8)
-                xs = input_scale.view(1, 1).expand(x2.shape[0], 1).contiguous()
-            else:
-                xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
-            out = _scaled_mm_rowwise(x2, xq, xs, layer)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "input_scale", None))
 
     def init_random(self, layer, generator, std):
         w = _random_like(layer.weight, generator, std)
@@ -198,19 +212,7 @@ class Fp8BlockMethod(LinearMethod):
         return super().load(layer, param, loaded, offset, size)
 
     def apply(self, layer, x):
-        x2 = x.reshape(-1, x.shape[-1])
-        kernel = small_m_kernel(x2, layer.weight, self.block)
-        if kernel is not None:  # decode-sized: weight-only FP8 with the block scales
-            out = kernel.small_m_linear(x2, layer.weight, layer.weight_scale_inv, layer.bias, self.block)
-        elif not x.is_cuda:
-            out = fp8_math.fp8_linear_reference(x2, layer.weight, layer.weight_scale_inv, layer.bias,
-                                                block=self.block)
-        else:
-            xq, xs = fp8_ops.per_token_group_quant_fp8(x2, self.block[1])
-            out = fp8_ops.w8a8_block_fp8_matmul(xq, layer.weight, xs, layer.weight_scale_inv, self.block, x2.dtype)
-            if layer.bias is not None:
-                out = out + layer.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, block=self.block)
 
     def init_random(self, layer, generator, std):
         q, scale = fp8_math.quantize_fp8_block(_random_like(layer.weight, generator, std), self.block)
