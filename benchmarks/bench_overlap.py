@@ -40,8 +40,8 @@ ITL_CONFIGS = {"alternate": [], "mixed_chunk": ["--enable-mixed-chunk"]}
 
 
 def serving(port: int, vocab: int, prompts: int, concurrency: int, input_len: int, output_len: int,
-            label: str, out: Path) -> dict:
-    args = ["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", "none", "--vocab-size", str(vocab),
+            label: str, out: Path, extra: tuple[str, ...] = ()) -> dict:
+    args = [*extra, "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", "none", "--vocab-size", str(vocab),
             "--num-prompts", str(prompts), "--random-input-len", str(input_len), "--random-output-len",
             str(output_len), "--random-range-ratio", "0", "--max-concurrency", str(concurrency), "--seed", "0",
             "--label", label, "--disable-tqdm", "--output-file", str(out)]
@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--long-after", type=float, default=0.5)
     p.add_argument("--baseline-dir", type=Path, help="also run C=1 / C=64 against a server started from this "
                    "checkout (e.g. the code before overlap scheduling), labelled 'baseline'")
+    p.add_argument("--json-schema-ratio", type=float, default=0.0,
+                   help="also run each config's C=1 and C=64 with this share of json_schema requests (issue 16)")
     p.add_argument("--port", type=int, default=30200)
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra launch_server flags (last)")
     p.add_argument("--out", type=Path, required=True)
@@ -137,10 +139,23 @@ def main(argv=None) -> int:
                          args.out / f"{name}_c1.json")
             c64 = serving(args.port, vocab, args.c64_prompts, 64, args.input_len, args.output_len, f"{name}_c64",
                           args.out / f"{name}_c64.json")
+            if args.json_schema_ratio:
+                schema = ("--json-schema-ratio", str(args.json_schema_ratio))
+                c1j = serving(args.port, vocab, args.c1_prompts, 1, args.input_len, args.output_len,
+                              f"{name}_c1_json", args.out / f"{name}_c1_json.json", schema)
+                c64j = serving(args.port, vocab, args.c64_prompts, 64, args.input_len, args.output_len,
+                               f"{name}_c64_json", args.out / f"{name}_c64_json.json", schema)
         finally:
             stop(proc)
         result[name] = {"c1_median_tpot_ms": c1["median_tpot_ms"], "c64_output_tok_s": c64["output_throughput"],
                         "c64_median_tpot_ms": c64["median_tpot_ms"]}
+        if args.json_schema_ratio:
+            result[name].update({
+                "json_schema_ratio": args.json_schema_ratio,
+                "c1_json_median_tpot_ms": c1j["median_tpot_ms"], "c64_json_median_tpot_ms": c64j["median_tpot_ms"],
+                "c64_json_output_tok_s": c64j["output_throughput"],
+                "c1_json_tpot_ratio": round(c1j["median_tpot_ms"] / c1["median_tpot_ms"], 3),
+                "c64_json_tpot_ratio": round(c64j["median_tpot_ms"] / c64["median_tpot_ms"], 3)})
     if args.itl:
         for name, flags in ITL_CONFIGS.items():
             proc = start_server(folder, args.port, flags + args.server_args, args.out / f"server_itl_{name}.log")

@@ -279,7 +279,8 @@ def test_schemathesis(server, api_schema, vocab, label, mode, max_examples):
         stats["examples"] += 1
         if os.environ.get("DUET_FUZZ_DUMP"):
             with open(os.environ["DUET_FUZZ_DUMP"] + ".sent", "a") as f:
-                f.write(json.dumps({"label": label, "mode": _mode_name(mode), "body": case.body}) + "\n")
+                f.write(json.dumps({"label": label, "mode": _mode_name(mode), "body": case.body},
+                                   default=repr) + "\n")
         t0 = time.monotonic()
         resp = case.call(base_url=server.url, timeout=CALL_TIMEOUT_S)
         took = time.monotonic() - t0
@@ -303,7 +304,7 @@ def test_schemathesis(server, api_schema, vocab, label, mode, max_examples):
             if os.environ.get("DUET_FUZZ_DUMP"):  # full bodies, to reproduce outside the fuzz
                 with open(os.environ["DUET_FUZZ_DUMP"], "a") as f:
                     f.write(json.dumps({"label": label, "mode": _mode_name(mode), "body": case.body,
-                                        "status": status, "problem": problem[:300]}) + "\n")
+                                        "status": status, "problem": problem[:300]}, default=repr) + "\n")
 
     fuzz()
     stats["seconds"] = round(time.monotonic() - start, 1)
