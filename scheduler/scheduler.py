@@ -189,11 +189,7 @@ class Scheduler:
         """Launch one forward pass (an extend batch, else a decode batch) and read the tokens of the one
         launched before it (overlap) or of this one; returns what each request produced."""
         self._admit_compiled_grammars()  # hook (a)
-        if self._in_flight and self._needs_tokens_read():
-            # A grammar's mask for the next token needs the previous token accepted: read it first.
-            self._read(self._in_flight)
-            self._in_flight = []
-        launched = self._launch()
+        launched = self._launch()  # (may read the in-flight batch itself: see _sample)
         if self.config.enable_overlap:
             launched, self._in_flight = self._in_flight, launched
         self._read(launched)
@@ -204,9 +200,6 @@ class Scheduler:
         """Apply the launched batches' tokens to their requests (waiting for them if needed)."""
         for batch in batches:
             self._append_sampled(batch)
-
-    def _needs_tokens_read(self) -> bool:
-        return any(r.grammar is not None for r in self.running)
 
     def _launch(self) -> list[LaunchedSample]:
         # Alternate with decode so running requests keep going while long prompts prefill in chunks (with
@@ -477,6 +470,13 @@ class Scheduler:
     def _sample(self, logits: torch.Tensor, reqs: list[Req], rows: torch.Tensor) -> LaunchedSample:
         """Launch sampling of each request's next token (rows: their device request rows, where the tokens
         are also kept for the next decode step) and the copy of the results to the host."""
+        if self._in_flight and any(r.grammar is not None for r in reqs):
+            # A grammar's mask for the next token needs the previous token accepted: read the batch in flight
+            # now, after this batch's forward pass is launched, so the wait and the matchers' work overlap it.
+            # Requests that finish in that read are still sampled here (their rows unconstrained: fill_masks
+            # skips a released grammar); the token is discarded when read, as any token in flight past a stop.
+            self._read(self._in_flight)
+            self._in_flight = []
         grammar_rows = self.grammars.fill_masks(reqs)
         raw = logits[grammar_rows] if grammar_rows else None  # a copy: the rows before any ban
         self._mask_early_stops(logits, reqs)

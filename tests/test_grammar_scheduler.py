@@ -101,3 +101,19 @@ def test_min_tokens_still_bans_eos_while_the_grammar_allows_more(setup):
                                               grammar=GrammarSpec("regex", "(yes|no)[ .!]{0,20}")))
     ids, reason = run_all(s)["r"]
     assert len(ids) >= 8 and reason in ("stop", "length")
+
+
+def test_overlap_gives_the_same_constrained_outputs(setup):
+    """With overlap a constrained batch's mask needs the token still in flight: the scheduler reads it after
+    launching the next forward pass and before sampling it (scheduler._sample). Same tokens and finish reasons
+    as without overlap, for constrained and unconstrained requests batched together."""
+    path, tok = setup
+    outs = {}
+    for overlap in (False, True):
+        s = make_scheduler(path, tokenizer=tok, slots=2048, disable_radix_cache=True, enable_overlap=overlap)
+        for rid, (ids, params) in requests(tok).items():
+            s.add_request(rid, ids, params)
+        outs[overlap] = run_all(s)
+        s.check_invariant()
+    assert outs[True] == outs[False]
+    assert outs[True]["schema"][1] == outs[True]["regex"][1] == "stop"
