@@ -88,17 +88,18 @@ def candidates(num_tokens: int, quick: bool = False) -> list[dict]:
     return out
 
 
-def small_candidates(quick: bool = False) -> tuple[list[dict], list[dict]]:
+def small_candidates(top_k: int, quick: bool = False) -> tuple[list[dict], list[dict]]:
     """The small-batch kernels' tiles, each kernel's apart (tune() times the gate-up ones with the default
-    down tiles, then the down ones with the best gate-up tiles): a few dozen float32 accumulators a thread
-    at most (the gate-up kernel holds two)."""
-    sizes_n, sizes_k, warps = ((8, 16, 32), (128, 256, 512), (4,)) if quick else \
+    down tiles, then the down ones with the best gate-up tiles), at most 64 float32 accumulators a thread
+    (the gate-up kernel holds two [BLOCK_N, BLOCK_K] tiles, the down kernel one [k, BLOCK_N, BLOCK_K])."""
+    sizes_n, sizes_k, warps = ((8, 16, 32), (128, 256, 512), (4, 8)) if quick else \
         ((8, 16, 32, 64), (128, 256, 512), (2, 4, 8))
     gate_up = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in itertools.product(sizes_n, sizes_k, warps)
-               if bn * bk // (32 * w) <= 64]
-    down_n = (4, 8, 16) if quick else (4, 8, 16, 32)
+               if 2 * bn * bk // (32 * w) <= 64]
+    down_n, down_k = ((2, 4, 8, 16), (64, 128, 256)) if quick else ((2, 4, 8, 16, 32), (64, 128, 256, 512))
+    k_p2 = 1 << (top_k - 1).bit_length()
     down = [{"DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": bk, "down_num_warps": w}
-            for bn, bk, w in itertools.product(down_n, sizes_k, warps) if bn * bk // (32 * w) <= 128]
+            for bn, bk, w in itertools.product(down_n, down_k, warps) if k_p2 * bn * bk // (32 * w) <= 64]
     return gate_up, down
 
 
@@ -215,7 +216,7 @@ def tune_small_batch(x, layers, weights, ids, flags, quick: bool) -> tuple[float
     best = default_small_config(x.shape[0])
     best_us = time_config(x, layers, weights, ids, best, flags, "small_batch")
     timed = [[round(best_us, 2), best]]
-    for part in small_candidates(quick):
+    for part in small_candidates(ids.shape[1], quick):
         for tiles in part:
             config = dict(best, **tiles)
             us = _try_time(x, layers, weights, ids, config, flags, "small_batch")

@@ -50,10 +50,10 @@ def default_config(num_tokens: int) -> dict:
 def default_small_config(num_tokens: int) -> dict:
     """The small-batch kernels' tiles: enough programs to fill an H200's 132 SMs at one token (the gate-up
     kernel has k * I / BLOCK_N programs, e.g. 8 * 768 / 16 = 384; the down kernel T * H / DOWN_BLOCK_N, e.g.
-    2048 / 8 = 256), K tiles wide enough for 512-byte row segments, a few dozen float32 accumulators a
-    thread."""
-    return {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "DOWN_BLOCK_N": 8 if num_tokens <= 2 else 16,
-            "DOWN_BLOCK_K": 256, "down_num_warps": 4}
+    2048 / 8 = 256), about 16 KB of weights in flight per program and K step (gate-up: 2 x 16 rows x 256;
+    down: k x 8 rows x 128), a few dozen float32 accumulators a thread at top 8."""
+    return {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 128,
+            "down_num_warps": 4}
 
 
 @functools.cache
