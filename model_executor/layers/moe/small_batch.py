@@ -3,8 +3,9 @@
     gate-up GEMV: one program per (assignment t*k+j, BLOCK_N columns of I): the expert e = ids[t, j] read
         from the router's output, x[t] @ w13[e].T over the full K for its gate and up columns, SiLU-and-mul
         -> act [T*k, I].
-    down GEMV + combine: one program per (token t, BLOCK_N columns of H): for j = 0..k-1 in order, act[t*k+j]
-        @ w2[e].T scaled by the routing weight, summed in float32 -> out[t] (no atomics: deterministic).
+    down GEMV + combine: one program per (token t, BLOCK_N columns of H): act[t*k+j] @ w2[e_j].T for its k
+        experts at once, each scaled by its routing weight, summed in float32 -> out[t] (no atomics:
+        deterministic).
 
 At decode sizes each MoE layer moves a few tens of MB of weights (microseconds at HBM speed), so the grouped
 path's fixed costs (the align kernel's sort, GEMM tiles of BLOCK_M rows for one or two real rows, the
@@ -94,43 +95,47 @@ def _down_gemv_combine_kernel(
     W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[t, n] = sum over j of w[t, j] * (act[t*TOP_K + j] @ w2[e, n].T rounded), e = ids[t, j], summed
-    in j order in float32; w[t, j] = weights[t, j], divided by the sum of the row with RENORMALIZE, rounded
-    to WEIGHT_DTYPE (as the grouped kernel's MUL_WEIGHT epilogue)."""
+    """out[t, n] = sum over j of w[t, j] * (act[t*TOP_K + j] @ w2[e, n].T rounded), e = ids[t, j], summed in
+    float32 (a fixed tree over j: deterministic); w[t, j] = weights[t, j], divided by the sum of the row with
+    RENORMALIZE, rounded to WEIGHT_DTYPE (as the grouped kernel's MUL_WEIGHT epilogue).
+
+    The k experts' tiles are one [TOP_K, BLOCK_N, BLOCK_K] load per K step, not a loop over the experts: at
+    one token this kernel has few programs, and a loop over k would leave each with one small tile in flight
+    at a time (latency-bound); this way each K step has all k experts' bytes in flight."""
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    j = tl.arange(0, TOP_K_P2)
+    j_mask = j < TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     out_dtype = out_ptr.dtype.element_ty
-    denom = 1.0
+    a = t * TOP_K + j
+    expert = tl.load(ids_ptr + a, mask=j_mask, other=0).to(tl.int64)
+    a_ptrs = act_ptr + a[:, None] * stride_am + offs_k[None, :]  # [TOP_K, BLOCK_K]
+    w_ptrs = (w_ptr + expert[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
+              + offs_k[None, None, :])  # [TOP_K, BLOCK_N, BLOCK_K]
+    s_ptrs = scale_ptr + expert[:, None] * stride_se + (offs_n // SCALE_BN)[None, :] * stride_sn  # [TOP_K, BLOCK_N]
+    jn_mask = j_mask[:, None] & n_mask[None, :]
+    acc = tl.zeros((TOP_K_P2, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        v = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        tile = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_mask[None, None, :], other=0.0)
+        if W_SCALE == 2:
+            scale = tl.load(s_ptrs + (k0 // SCALE_BK) * stride_sk, mask=jn_mask, other=0.0)
+            tile = (tile.to(tl.float32) * scale[:, :, None]).to(out_dtype)
+        acc += v[:, None, :] * tile.to(tl.float32)  # FP8 codes (W_SCALE 1) are exact in every activation dtype
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=2)  # [TOP_K, BLOCK_N]
+    if W_SCALE == 1:
+        y = y * tl.load(s_ptrs, mask=jn_mask, other=0.0)
+    w = tl.load(weights_ptr + a, mask=j_mask, other=0.0).to(tl.float32)
     if RENORMALIZE:
-        j_all = tl.arange(0, TOP_K_P2)
-        denom = tl.sum(tl.load(weights_ptr + t * TOP_K + j_all, mask=j_all < TOP_K, other=0.0).to(tl.float32))
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(TOP_K):
-        a = t * TOP_K + j
-        expert = tl.load(ids_ptr + a).to(tl.int64)
-        a_ptrs = act_ptr + a * stride_am + offs_k
-        w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        s_ptrs = scale_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            v = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            mask = n_mask[:, None] & k_mask[None, :]
-            acc += v[None, :] * _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, out_dtype, W_SCALE, SCALE_BK,
-                                             stride_sk)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=1)
-        if W_SCALE == 1:
-            y = y * tl.load(s_ptrs, mask=n_mask, other=0.0)
-        w = tl.load(weights_ptr + a).to(tl.float32)
-        if RENORMALIZE:
-            w = w / denom
-        w = w.to(WEIGHT_DTYPE).to(tl.float32)
-        total += y.to(out_dtype).to(tl.float32) * w
+        w = w / tl.sum(w)
+    w = w.to(WEIGHT_DTYPE).to(tl.float32)
+    total = tl.sum(y.to(out_dtype).to(tl.float32) * w[:, None], axis=0)
     tl.store(out_ptr + t * stride_om + offs_n, total.to(out_dtype), mask=n_mask)
 
 
