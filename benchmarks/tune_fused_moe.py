@@ -92,14 +92,16 @@ def small_candidates(top_k: int, quick: bool = False) -> tuple[list[dict], list[
     """The small-batch kernels' tiles, each kernel's apart (tune() times the gate-up ones with the default
     down tiles, then the down ones with the best gate-up tiles), at most 64 float32 accumulators a thread
     (the gate-up kernel holds two [BLOCK_N, BLOCK_K] tiles, the down kernel one [k, BLOCK_N, BLOCK_K])."""
-    sizes_n, sizes_k, warps = ((8, 16, 32), (128, 256, 512), (4, 8)) if quick else \
-        ((8, 16, 32, 64), (128, 256, 512), (2, 4, 8))
-    gate_up = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in itertools.product(sizes_n, sizes_k, warps)
-               if 2 * bn * bk // (32 * w) <= 64]
-    down_n, down_k = ((2, 4, 8, 16), (64, 128, 256)) if quick else ((2, 4, 8, 16, 32), (64, 128, 256, 512))
+    if quick:
+        up_n, up_k, down_n, down_k, warps, stages = (8, 16, 32), (256, 512), (2, 4, 8), (128, 256), (4, 8), (1, 3)
+    else:
+        up_n, up_k, down_n, down_k, warps, stages = ((8, 16, 32, 64), (128, 256, 512), (2, 4, 8, 16), (64, 128, 256, 512),
+                                                     (2, 4, 8), (1, 2, 3))
     k_p2 = 1 << (top_k - 1).bit_length()
-    down = [{"DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": bk, "down_num_warps": w}
-            for bn, bk, w in itertools.product(down_n, down_k, warps) if k_p2 * bn * bk // (32 * w) <= 64]
+    gate_up = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
+               for n, k, w, s in itertools.product(up_n, up_k, warps, stages) if 2 * n * k // (32 * w) <= 64]
+    down = [{"DOWN_BLOCK_N": n, "DOWN_BLOCK_K": k, "down_num_warps": w, "down_num_stages": s}
+            for n, k, w, s in itertools.product(down_n, down_k, warps, stages) if k_p2 * n * k // (32 * w) <= 64]
     return gate_up, down
 
 

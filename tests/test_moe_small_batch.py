@@ -25,7 +25,8 @@ if not triton_mode.RERUN_IN_SUBPROCESS:
 test_in_subprocess = triton_mode.subprocess_test(__file__)
 
 F32, BF16 = torch.float32, torch.bfloat16
-TINY = {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 32, "down_num_warps": 4}
+TINY = {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 32,
+        "down_num_warps": 4, "down_num_stages": 2}
 E, H, I = 16, 80, 40  # 3 K tiles of the gate-up GEMV, 2 of the down one (the last ones partial), partial N tiles
 
 

@@ -7,7 +7,9 @@
         experts at once, each scaled by its routing weight, summed in float32 -> out[t] (no atomics:
         deterministic).
 
-At decode sizes each MoE layer moves a few tens of MB of weights (microseconds at HBM speed), so the grouped
+The K loops are software-pipelined (NUM_STAGES: the next tiles' loads go out through shared memory while
+this one is summed): at one token there are few programs per SM, and one K step in flight each would not
+cover the memory latency. At decode sizes each MoE layer moves a few tens of MB of weights (microseconds at HBM speed), so the grouped
 path's fixed costs (the align kernel's sort, GEMM tiles of BLOCK_M rows for one or two real rows, the
 combine's torch.sum) weigh more than the bytes; here an MoE layer is the router GEMM, the top-k kernel and
 these two. Each program reads one row of activations and the expert's weight tile, so it does no sort: the
@@ -47,7 +49,7 @@ def _gate_up_gemv_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, scale_ptr, N, K,
     stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, stride_sk,
     TOP_K: tl.constexpr, W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """act[a, n] = silu(x[a // TOP_K] @ w[e, n].T) * (x[a // TOP_K] @ w[e, N + n].T), e = ids[a]; w is
     [E, 2N, K] with K contiguous (gate rows, then up rows)."""
@@ -67,7 +69,7 @@ def _gate_up_gemv_kernel(
     # tl.dot would pad the row to 16).
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0
         x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         mask = n_mask[:, None] & k_mask[None, :]
@@ -93,7 +95,7 @@ def _down_gemv_combine_kernel(
     stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, WEIGHT_DTYPE: tl.constexpr,
     W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """out[t, n] = sum over j of w[t, j] * (act[t*TOP_K + j] @ w2[e, n].T rounded), e = ids[t, j], summed in
     float32 (a fixed tree over j: deterministic); w[t, j] = weights[t, j], divided by the sum of the row with
@@ -118,7 +120,7 @@ def _down_gemv_combine_kernel(
     s_ptrs = scale_ptr + expert[:, None] * stride_se + (offs_n // SCALE_BN)[None, :] * stride_sn  # [TOP_K, BLOCK_N]
     jn_mask = j_mask[:, None] & n_mask[None, :]
     acc = tl.zeros((TOP_K_P2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0
         v = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         tile = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_mask[None, None, :], other=0.0)
@@ -174,7 +176,7 @@ def fused_experts_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         x, w13, act, ids, scale, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *strides,
         TOP_K=top_k, W_SCALE=mode, SCALE_BN=sbn, SCALE_BK=sbk, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=config["num_warps"])
+        NUM_STAGES=config["num_stages"], num_warps=config["num_warps"])
     mode, scale, strides, sbn, sbk, bk = _scale_args(w2_scale, w2, block, config["DOWN_BLOCK_K"])
     bn = config["DOWN_BLOCK_N"]
     _down_gemv_combine_kernel[(num_tokens, triton.cdiv(hidden, bn))](
@@ -182,5 +184,5 @@ def fused_experts_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *strides,
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         WEIGHT_DTYPE=_TL_DTYPES[weight_dtype], W_SCALE=mode, SCALE_BN=sbn, SCALE_BK=sbk,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=config["down_num_warps"])
+        BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=config["down_num_stages"], num_warps=config["down_num_warps"])
     return out

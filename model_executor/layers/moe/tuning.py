@@ -26,7 +26,8 @@ logger = logging.getLogger("duet.moe")
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-SMALL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "DOWN_BLOCK_N", "DOWN_BLOCK_K", "down_num_warps")
+SMALL_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "DOWN_BLOCK_N", "DOWN_BLOCK_K", "down_num_warps",
+              "down_num_stages")
 PATHS = ("small_batch", "grouped")
 # Up to this many tokens the small-batch path is allowed (and, untuned, chosen). At 16 tokens and top 8 of
 # 128 experts the 128 assignments hit about 82 distinct experts: the GEMV programs of the tokens sharing one
@@ -48,12 +49,15 @@ def default_config(num_tokens: int) -> dict:
 
 
 def default_small_config(num_tokens: int) -> dict:
-    """The small-batch kernels' tiles: enough programs to fill an H200's 132 SMs at one token (the gate-up
-    kernel has k * I / BLOCK_N programs, e.g. 8 * 768 / 16 = 384; the down kernel T * H / DOWN_BLOCK_N, e.g.
-    2048 / 8 = 256), about 16 KB of weights in flight per program and K step (gate-up: 2 x 16 rows x 256;
-    down: k x 8 rows x 128), a few dozen float32 accumulators a thread at top 8."""
-    return {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 128,
-            "down_num_warps": 4}
+    """The small-batch kernels' tiles. At one token on an H200 (132 SMs): the gate-up kernel has k * I /
+    BLOCK_N programs (8 * 768 / 16 = 384: all resident at once) and reads 2 x 16 x 256 weights a K step; the
+    down kernel T * H / DOWN_BLOCK_N (2048 / 4 = 512) and reads k x 4 x 256 a K step. The bytes a K step
+    has in flight per SM do not depend on BLOCK_N (more programs, smaller tiles), only on BLOCK_K; with 3
+    pipeline stages about 3 programs x 3 x 16 KB per SM are requested, above the ~55 KB per SM that covers
+    HBM latency (Little's law: ~4.8 TB/s x ~1.5 us across 132 SMs). At most 64 float32 accumulators a
+    thread (no spills when compiled for sm_90)."""
+    return {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "DOWN_BLOCK_N": 4, "DOWN_BLOCK_K": 256,
+            "down_num_warps": 4, "down_num_stages": 3}
 
 
 @functools.cache
