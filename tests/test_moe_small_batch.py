@@ -94,6 +94,18 @@ def test_small_batch_fp8_matches_dequantized_reference(block, block_k, num_token
 
 
 @in_process
+def test_out_of_range_expert_id_reads_the_last_expert():
+    """The router kernel names expert E for a row of NaN logits (a garbage padded row in a graph): the
+    kernels clamp it to E - 1 instead of reading past the weights (an illegal address would end the CUDA
+    context)."""
+    x, w13, w2, weights, ids = make_moe(2, 8, 32, 24, 2, F32, seed=7)
+    ids[1, 0] = 8
+    out = small_batch(x, w13, w2, weights, ids, True, False)
+    ids[1, 0] = 7
+    torch.testing.assert_close(out, small_batch(x, w13, w2, weights, ids, True, False), rtol=0, atol=0)
+
+
+@in_process
 def test_auto_path_skips_the_align_kernel_up_to_the_threshold(monkeypatch):
     """No config, no path: up to SMALL_BATCH_MAX_TOKENS tokens the small-batch kernels (nothing aligned; the
     default tiles), past it the grouped path (align); both equal the reference."""

@@ -46,7 +46,7 @@ def _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, X_DTYPE: tl.constexpr, W_SCAL
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, act_ptr, ids_ptr, scale_ptr, N, K,
+    x_ptr, w_ptr, act_ptr, ids_ptr, scale_ptr, N, K, num_experts,
     stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, stride_sk,
     TOP_K: tl.constexpr, W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -55,7 +55,8 @@ def _gate_up_gemv_kernel(
     [E, 2N, K] with K contiguous (gate rows, then up rows)."""
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(ids_ptr + a).to(tl.int64)
+    # (clamped: a router given NaN logits, e.g. a garbage padded row, may name no expert; never read past w)
+    expert = tl.minimum(tl.load(ids_ptr + a), num_experts - 1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -91,7 +92,7 @@ def _gate_up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_combine_kernel(
-    act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, scale_ptr, N, K,
+    act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, scale_ptr, N, K, num_experts,
     stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, WEIGHT_DTYPE: tl.constexpr,
     W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
@@ -113,7 +114,7 @@ def _down_gemv_combine_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     out_dtype = out_ptr.dtype.element_ty
     a = t * TOP_K + j
-    expert = tl.load(ids_ptr + a, mask=j_mask, other=0).to(tl.int64)
+    expert = tl.minimum(tl.load(ids_ptr + a, mask=j_mask, other=0), num_experts - 1).to(tl.int64)
     a_ptrs = act_ptr + a[:, None] * stride_am + offs_k[None, :]  # [TOP_K, BLOCK_K]
     w_ptrs = (w_ptr + expert[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
               + offs_k[None, None, :])  # [TOP_K, BLOCK_N, BLOCK_K]
@@ -173,14 +174,14 @@ def fused_experts_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     mode, scale, strides, sbn, sbk, bk = _scale_args(w13_scale, w13, block, config["BLOCK_K"])
     bn = config["BLOCK_N"]
     _gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
-        x, w13, act, ids, scale, inter, hidden,
+        x, w13, act, ids, scale, inter, hidden, w13.shape[0],
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *strides,
         TOP_K=top_k, W_SCALE=mode, SCALE_BN=sbn, SCALE_BK=sbk, BLOCK_N=bn, BLOCK_K=bk,
         NUM_STAGES=config["num_stages"], num_warps=config["num_warps"])
     mode, scale, strides, sbn, sbk, bk = _scale_args(w2_scale, w2, block, config["DOWN_BLOCK_K"])
     bn = config["DOWN_BLOCK_N"]
     _down_gemv_combine_kernel[(num_tokens, triton.cdiv(hidden, bn))](
-        act, w2, out, ids, weights, scale, hidden, inter,
+        act, w2, out, ids, weights, scale, hidden, inter, w2.shape[0],
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *strides,
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         WEIGHT_DTYPE=_TL_DTYPES[weight_dtype], W_SCALE=mode, SCALE_BN=sbn, SCALE_BK=sbk,
