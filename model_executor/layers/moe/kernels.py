@@ -257,9 +257,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     top_k = topk_ids.shape[1]
     num_experts, inter = w2.shape[0], w2.shape[2]
     numel = num_tokens * top_k
-    out = torch.empty_like(x)
     if num_tokens == 0:
-        return out
+        return torch.empty_like(x)
     table_dtype = "fp8_w8" if w13_scale is not None else None
     if path is None and config is None:
         path, config = select_path(num_experts, 2 * inter, hidden, num_tokens, str(x.device), table_dtype)
@@ -281,5 +280,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     weights = topk_weights.contiguous()
     _gemm(act, w2, down, weights, sorted_ids, expert_ids, total, hidden, inter, numel, 1, False, True, config,
           top_k, renormalize, weight_dtype, b_scale=w2_scale, block=block)
+    out = torch.empty_like(x)
     torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out
