@@ -7,14 +7,15 @@
         experts at once, each scaled by its routing weight, summed in float32 -> out[t] (no atomics:
         deterministic).
 
-The K loops are software-pipelined (NUM_STAGES: the next tiles' loads go out through shared memory while
-this one is summed): at one token there are few programs per SM, and one K step in flight each would not
-cover the memory latency. At decode sizes each MoE layer moves a few tens of MB of weights (microseconds at HBM speed), so the grouped
+At decode sizes an MoE layer moves a few tens of MB of weights (microseconds at HBM speed), so the grouped
 path's fixed costs (the align kernel's sort, GEMM tiles of BLOCK_M rows for one or two real rows, the
 combine's torch.sum) weigh more than the bytes; here an MoE layer is the router GEMM, the top-k kernel and
-these two. Each program reads one row of activations and the expert's weight tile, so it does no sort: the
-programs of one column tile of all assignments are launched together (assignment is the fastest grid axis),
-and tokens that share an expert read its tile from L2 rather than HBM.
+these two. Each program reads one row of activations and the expert's weight tile, so nothing is sorted:
+the programs of one column tile of all assignments are launched together (assignment is the fastest grid
+axis), and tokens that share an expert read its tile from L2 rather than HBM. The K loops are
+software-pipelined (NUM_STAGES: the next tiles' loads go out through shared memory while this one is
+summed): at one token there are few programs per SM, and one K step in flight each would not cover the
+memory latency.
 
 Buffers depend only on T (act [T*k, I]), nothing syncs with the host: CUDA-graph safe. The rounding steps
 are those of the grouped kernel and of fused_moe.fused_experts_torch (gate and up rounded to x's dtype,
