@@ -151,7 +151,8 @@ def test_bench_floor_counts_the_experts_a_step_reads():
 @pytest.mark.skipif(triton_mode.HAS_CUDA, reason="the CPU model's tensors need the interpreter "
                                                  "(tests/gpu/test_new_models_gpu.py runs the model on CUDA)")
 def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
-    """A tiny Qwen3-MoE whose experts run the Triton kernels (interpreter on CPU) still matches HF."""
+    """A tiny Qwen3-MoE whose experts run the Triton kernels (interpreter on CPU) still matches HF: the
+    prefill on the grouped path, the decode steps on the path fused_experts_triton picks (small-batch)."""
     from conftest import save_tiny_hf_model
     from test_model_vs_hf import run_prefill_and_decode
     from test_new_models_vs_hf import TINY_QWEN3_MOE
@@ -164,6 +165,9 @@ def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
     def triton_path(x, w13, w2, weights, ids, renormalize, round_weights, w13_scale, w2_scale, block_n, block_k):
         assert w13_scale is None and not block_n
         calls.append(x.shape[0])
+        if x.shape[0] < 8:
+            assert kernels.select_path(8, 2 * w2.shape[2], x.shape[1], x.shape[0], "cpu")[0] == "small_batch"
+            return kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize, round_weights)
         return kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize, round_weights,
                                             config=dict(SMALL, BLOCK_N=64, BLOCK_K=64))
 
@@ -173,7 +177,7 @@ def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
                                       context_length=64))
     errors = run_prefill_and_decode(runner, hf_model, [[5, 9, 200, 31, 7, 64, 12], [40]], decode_steps=1)
     assert max(errors) < 1e-4, errors
-    assert calls and calls[0] == 8  # the prefill's 8 tokens went through the kernels
+    assert calls[0] == 8 and 2 in calls  # the prefill's 8 tokens went through the kernels, and a decode step
 
 
 def test_tuned_table_lookup(tmp_path, monkeypatch):
@@ -244,19 +248,70 @@ def test_tuner_writes_the_tables_tuning_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
     seen = []
 
-    def fake_time(x, w13, w2, weights, ids, config, flags, scales):
-        seen.append((w13.dtype, scales[0] is not None, flags))
+    def fake_time(x, layers, weights, ids, config, flags, path="grouped"):
+        seen.append((layers[0].w13.dtype, layers[0].w13_scale is not None, flags, path, x.shape[0]))
+        if path == "small_batch":  # fastest with the narrowest tiles; faster than grouped at 1 token only
+            return (4.0 if x.shape[0] == 1 else 40.0) - (config["BLOCK_N"] == 8) - (config["DOWN_BLOCK_N"] == 4)
         return 10.0 if config == tuning.default_config(x.shape[0]) else 5.0 + config["BLOCK_N"] / config["BLOCK_K"]
 
     monkeypatch.setattr(tuner, "time_config", fake_time)
-    assert tuner.main(["--model", "qwen3-30b-a3b", "--dtype", "bf16", "fp8", "--quick", "--batch-size", "1", "64",
-                       "--out", str(tmp_path / "out"), "--json", str(tmp_path / "tune.json")]) == 0
+    assert tuner.main(["--model", "qwen3-30b-a3b", "--dtype", "bf16", "fp8", "--quick", "--batch-size", "1", "2",
+                       "64", "--out", str(tmp_path / "out"), "--json", str(tmp_path / "tune.json")]) == 0
     # --install: the same tables from the --json file (what comes back from the GPU host)
     assert tuner.main(["--install", str(tmp_path / "tune.json"), "--out", str(tmp_path / "installed")]) == 0
     for folder in ("out", "installed"):
         for dtype in (None, "fp8_w8"):
             table = json.loads((tmp_path / folder / tuning.table_path(8, 32, 32, "cpu", dtype).name).read_text())
-            assert list(table) == ["1", "64"]
+            assert list(table) == ["1", "2", "64"]
             assert table["1"]["BLOCK_N"] == 32 and table["1"]["BLOCK_K"] == 256  # the stub's fastest
+            # the small-batch path: its fastest tiles (each kernel's), and the faster path per token count
+            assert table["1"]["path"] == "small_batch" and table["2"]["path"] == "grouped"
+            assert table["1"]["small_batch"]["BLOCK_N"] == 8 and table["1"]["small_batch"]["DOWN_BLOCK_N"] == 4
+            assert "path" not in table["64"]  # past SMALL_BATCH_MAX_TOKENS: not timed
     assert {s[:2] for s in seen} == {(torch.bfloat16, False), (torch.float8_e4m3fn, True)}
     assert {s[2] for s in seen} == {(False, True)}  # the router renormalises; Qwen3-MoE rounds in the GEMM
+    assert {s[4] for s in seen if s[3] == "small_batch"} == {1, 2}
+
+
+def test_compare_paths_times_both_paths_per_token_count(tmp_path, monkeypatch):
+    """--compare-paths: one MoE layer per path at each --batch-size with the configs the tables give, into
+    --json. Timing is stubbed (no GPU here): the stub runs the layer once, with the experts' kernels
+    replaced by a recorder of the path and config they were given."""
+    import json
+
+    from benchmarks import bench_one_batch
+    from benchmarks import tune_fused_moe as tuner
+    from model_executor.layers.moe import tuning
+    from model_executor.model_config import ModelConfig
+
+    tiny = ModelConfig.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "moe_intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True})
+    monkeypatch.setattr(tuner, "DEVICE", "cpu")
+    monkeypatch.setattr(tuner.ModelConfig, "from_pretrained", staticmethod(lambda path: tiny))
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_one_batch, "measure_copy_bandwidth", lambda device: 1e12)
+    paths = []
+
+    def fake_experts(x, w13, w2, weights, ids, renormalize, round_weights, config, w13_scale, w2_scale, path):
+        assert ids.shape == (x.shape[0], 2) and round_weights  # routed by the layer's gate; Qwen3 rounds
+        assert config == (tuning.default_small_config(x.shape[0]) if path == "small_batch"
+                          else tuning.default_config(x.shape[0]))
+        paths.append(path)
+
+    def fake_graph(call, layers):
+        assert len(layers) == tuner.LAYERS and all(layer.gate.shape == (8, 32) for layer in layers)
+        call(layers[0])
+        return 2.0 if paths[-1] == "small_batch" else 6.0
+
+    monkeypatch.setattr(tuner.kernels, "fused_experts_triton", fake_experts)
+    monkeypatch.setattr(tuner, "time_graph", fake_graph)
+    out = tmp_path / "paths.json"
+    assert tuner.main(["--compare-paths", "--batch-size", "1", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["compare_paths"]["qwen3-30b-a3b/bf16"]["rows"]
+    assert list(rows) == ["1", "3"] and paths == ["grouped", "small_batch"] * 2
+    assert rows["3"]["grouped_us"] == 6.0 and rows["3"]["small_batch_us"] == 2.0
+    assert rows["3"]["configs"]["small_batch"] == tuning.default_small_config(3)
+    assert rows["1"]["expert_bytes"] == 2 * 3 * 16 * 32 * 2  # one token: its 2 experts' bf16 bytes
+    assert rows["1"]["floor_us"] == round(rows["1"]["expert_bytes"] / 1e12 * 1e6, 4)

@@ -10,6 +10,9 @@
         [T*k, H]. Blocks past the padded total return at once.
     combine: the k rows of each token summed (torch, float32 accumulation).
 
+Up to a few tokens fused_experts_triton runs moe/small_batch.py instead (two GEMV kernels: no align, no
+combine); moe/tuning.py says which path at which token count.
+
 Every buffer's size depends only on T (min(T*k + E*(BLOCK_M-1), T*k*BLOCK_M) sorted slots), so a launch sequence can
 be captured in a CUDA graph. Block sizes come from moe/tuning.py (a tuned table, else a default).
 """
@@ -20,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model_executor.layers.moe.tuning import get_config
+from model_executor.layers.moe import small_batch
+from model_executor.layers.moe.tuning import PATHS, get_config, get_small_config, select_path
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 ALIGN_ONE_PROGRAM_MAX = 4096  # assignments (T*k) up to which the one-program align kernel runs
@@ -237,10 +241,14 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          topk_ids: torch.Tensor, renormalize: bool = False, round_weights: bool = False,
                          config: dict | None = None, weight_dtype: torch.dtype | None = None,
                          w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                         block: tuple[int, int] | None = None) -> torch.Tensor:
+                         block: tuple[int, int] | None = None, path: str | None = None) -> torch.Tensor:
     """fused_moe.fused_experts on the Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     w13_scale, w2_scale: with FP8 w13 / w2, their scales (fused_moe.fused_experts says the layouts).
+
+    path: "small_batch" (moe/small_batch.py) or "grouped" (align + grouped GEMMs + combine); None: the one
+    moe/tuning.select_path picks for this token count, or "grouped" when a config is given. config: the
+    path's block sizes (tuning's SMALL_KEYS or KEYS); None: the tuned table's, else the default.
 
     weight_dtype: what round_weights rounds the routing weights to (x's dtype unless given; a test picks
     float16 with float32 activations, where the rounding stands far above the float32 noise)."""
@@ -249,12 +257,20 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     top_k = topk_ids.shape[1]
     num_experts, inter = w2.shape[0], w2.shape[2]
     numel = num_tokens * top_k
-    out = torch.empty_like(x)
     if num_tokens == 0:
-        return out
+        return torch.empty_like(x)
+    table_dtype = "fp8_w8" if w13_scale is not None else None
+    if path is None and config is None:
+        path, config = select_path(num_experts, 2 * inter, hidden, num_tokens, str(x.device), table_dtype)
+    path = path or "grouped"
+    if path not in PATHS:
+        raise ValueError(f"path {path!r} is none of {PATHS}")
+    if path == "small_batch":
+        config = config or get_small_config(num_experts, 2 * inter, hidden, num_tokens, str(x.device), table_dtype)
+        return small_batch.fused_experts_small_batch(x, w13, w2, topk_weights, topk_ids, renormalize, weight_dtype,
+                                                     config, w13_scale, w2_scale, block)
     if config is None:
-        config = get_config(num_experts, 2 * inter, hidden, num_tokens, str(x.device),
-                            "fp8_w8" if w13_scale is not None else None)
+        config = get_config(num_experts, 2 * inter, hidden, num_tokens, str(x.device), table_dtype)
     x = x if x.stride(-1) == 1 else x.contiguous()
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids.contiguous(), config["BLOCK_M"], num_experts)
     act = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
@@ -264,5 +280,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     weights = topk_weights.contiguous()
     _gemm(act, w2, down, weights, sorted_ids, expert_ids, total, hidden, inter, numel, 1, False, True, config,
           top_k, renormalize, weight_dtype, b_scale=w2_scale, block=block)
+    out = torch.empty_like(x)
     torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out
