@@ -45,7 +45,9 @@ def main(argv=None) -> int:
     if not 1 <= args.input_len <= 4000:
         p.error(f"--input-len must be between 1 and 4000 (the profile's context is 4096), got {args.input_len}")
     cfg = RunnerConfig(model_path=str(shape_path(args.model)), device="cuda", attention_backend=args.attention_backend,
-                       max_running_requests=64, max_total_tokens=64 * 1024, context_length=4096, random_weights=True,
+                       max_running_requests=max(64, args.decode_bs),
+                       max_total_tokens=max(64 * 1024, args.decode_bs * (args.input_len + 8) + args.extend_tokens),
+                       context_length=4096, random_weights=True,
                        disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
                        quantization=args.quantization)
     runner = ModelRunner(cfg)

@@ -9,7 +9,7 @@ queue, one matcher per request, the token bitmask on the logits, and accepting s
   requests whose grammar is ready (each with its own `GrammarMatcher`) and those whose compilation failed;
   `apply_mask(logits, reqs)` fills the bitmask rows of the constrained requests and applies it (xgrammar's
   CPU path on CPU, its kernel on GPU; the scheduler does it in two steps, `fill_masks` and `apply_filled`,
-  and re-applies it alone to a row its other bans left with no token); `accept(req, token)` advances the matcher and says when the grammar
+  and re-applies it alone to a row its other bans left with no token, without a host sync); `accept(req, token)` advances the matcher and says when the grammar
   terminated; `release(req)` drops the matcher.
 
 Overlap scheduling note: a request's bitmask for step N+1 needs step N's token accepted first, so a batch
@@ -96,6 +96,7 @@ class GrammarManager:
         self.vocab_size = vocab_size
         self.queue: list = []  # requests waiting for their grammar
         self._bitmask: torch.Tensor | None = None
+        self._device_mask: torch.Tensor | None = None  # the last applied mask, on the logits' device
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -147,11 +148,13 @@ class GrammarManager:
 
     # ---- the step -----------------------------------------------------------------------------
     def fill_masks(self, reqs: list) -> list[int]:
-        """Fill the host bitmask row of each constrained request with the tokens its grammar accepts next;
-        returns those rows (apply_filled applies them)."""
+        """Fill the host bitmask row of each constrained request with the tokens its grammar accepts next, and
+        allow every token in the other rows; returns the constrained rows (apply_filled applies the mask when
+        there are any)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if rows:
             bitmask = self._get_bitmask(len(reqs))
+            bitmask[: len(reqs)].fill_(-1)  # all bits set: rows without a grammar stay as they are
             for i in rows:
                 reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
         return rows
@@ -162,11 +165,19 @@ class GrammarManager:
         self.apply_filled(logits, self.fill_masks(reqs))
 
     def apply_filled(self, logits: torch.Tensor, rows: list[int]) -> None:
-        """Apply the bitmask rows fill_masks filled."""
+        """Apply the mask fill_masks filled (when it returned constrained rows) to every row of logits.
+
+        One upload from pinned memory, no row indices and nothing read back: no host sync, so with overlap
+        the scheduler does not wait here for the forward pass in flight. The device copy is kept for
+        reapply (the pinned buffer is refilled only after this step's tokens were read)."""
         if not rows:
             return
-        mask = self._bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
-        self.compilers.xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
+        self._device_mask = self._bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
+        self.reapply(logits)
+
+    def reapply(self, logits: torch.Tensor) -> None:
+        """The last applied mask again, on other logits of the same batch (e.g. a fallback copy)."""
+        self.compilers.xgr.apply_token_bitmask_inplace(logits, self._device_mask, vocab_size=self.vocab_size)
 
     def _get_bitmask(self, bs: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < bs:

@@ -478,14 +478,14 @@ class Scheduler:
             self._read(self._in_flight)
             self._in_flight = []
         grammar_rows = self.grammars.fill_masks(reqs)
-        raw = logits[grammar_rows] if grammar_rows else None  # a copy: the rows before any ban
+        raw = logits.clone() if grammar_rows else None  # the logits before any ban
         self._mask_early_stops(logits, reqs)
         # hook (b): logit bias and penalties, then the grammar mask (last: it must have the final say).
         params = [r.params for r in reqs]
         self.penalties.apply(logits, [r.req_pool_idx for r in reqs], params)
         self.grammars.apply_filled(logits, grammar_rows)
         if grammar_rows:
-            self._keep_a_grammar_token(logits, grammar_rows, raw)
+            self._keep_a_grammar_token(logits, raw)
         out = self.runner.sample(logits, params, [r.num_sampled for r in reqs], rows)
         # The penalties count the new tokens on the device, before the host reads them (overlap).
         self.penalties.count_sampled(rows, out.next_token_ids, [i for i, p in enumerate(params) if p.has_penalties])
@@ -526,16 +526,14 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
 
-    def _keep_a_grammar_token(self, logits: torch.Tensor, rows: list[int], raw: torch.Tensor) -> None:
-        """A constrained row whose bans and penalties left no token its grammar accepts (every logit -inf or
-        NaN) falls back to its logits before them, under the grammar mask alone: the grammar is the hard
-        constraint, the rest yields (else token 0 comes out and the grammar rejects it)."""
-        dead = ~(logits[rows] > float("-inf")).any(dim=-1)
-        if not bool(dead.any()):
-            return
-        index = torch.tensor(rows, device=logits.device)[dead]
-        logits[index] = raw[dead]
-        self.grammars.apply_filled(logits, index.tolist())
+    def _keep_a_grammar_token(self, logits: torch.Tensor, raw: torch.Tensor) -> None:
+        """A row whose bans and penalties left no token its grammar accepts (every logit -inf or NaN) falls
+        back to its logits before them, under the grammar mask alone: the grammar is the hard constraint, the
+        rest yields (else token 0 comes out and the grammar rejects it). All on the device, nothing read back:
+        with overlap a host sync here would wait for the forward pass just launched."""
+        dead = ~(logits > float("-inf")).any(dim=-1, keepdim=True)
+        self.grammars.reapply(raw)
+        logits.copy_(torch.where(dead, raw, logits))
 
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """Before min_tokens is reached, EOS and stop tokens cannot be sampled (unless a grammar allows nothing

@@ -281,7 +281,12 @@ def test_piecewise_extend_equals_eager(extend_runner, case):
             eager = runner.forward_eager(fb).clone()
         assert torch.isfinite(graphed).all()
         print(f"{case}: {sum(ext)} tokens, max|diff| {(graphed - eager).abs().max().item():.3e}")
-        assert_close_rows(graphed, eager, min_fraction=0.75)
+        # FP8: the graph runs the padded level's token count, eager the real one, and the GEMMs pick tiles (and
+        # cuBLAS its algorithm) by token count; a last-bit difference is amplified by the activations'
+        # re-quantization at every layer (H200: max 0.07-0.11 at 129 and 172 tokens). A wrong expert or row
+        # is off by O(1) (an unrelated model's logits differ by ~1.4 on average), far above this bound.
+        tol = 0.25 if runner.config.quantization == "fp8" else 3e-2
+        assert_close_rows(graphed, eager, tol=tol, min_fraction=0.75)
     finally:
         release(runner, rows, fb)
     assert runner.extend_graph_runner.num_traces == 1
