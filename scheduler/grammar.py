@@ -50,6 +50,8 @@ class GrammarCompilerPool:
         self.xgr = xgr
         self.info = info
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+        # Fills many matchers' mask rows in C++ threads (one Python call per step, not one per request).
+        self.batch_matcher = xgr.BatchGrammarMatcher() if hasattr(xgr, "BatchGrammarMatcher") else None
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
         self.cache: dict[GrammarSpec, Future] = {}
         self.lock = threading.Lock()
@@ -155,8 +157,12 @@ class GrammarManager:
         if rows:
             bitmask = self._get_bitmask(len(reqs))
             bitmask[: len(reqs)].fill_(-1)  # all bits set: rows without a grammar stay as they are
-            for i in rows:
-                reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+            batch = self.compilers.batch_matcher
+            if batch is not None and len(rows) > 1:
+                batch.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], bitmask, indices=rows)
+            else:
+                for i in rows:
+                    reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
         return rows
 
     def apply_mask(self, logits: torch.Tensor, reqs: list) -> None:

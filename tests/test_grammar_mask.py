@@ -77,3 +77,27 @@ def test_mask_rows_and_unconstrained_rows():
     # First step of ab+: "a" or "ab" (a two-byte token), nothing else (not EOS: the regex needs a b).
     assert allowed == {vocab.index(b"a"), vocab.index(b"ab")}
     torch.testing.assert_close(logits[[0, 2]], before[[0, 2]])
+
+
+def test_several_constrained_rows_fill_in_one_batched_call():
+    """Two or more constrained rows are filled by xgrammar's BatchGrammarMatcher (C++ threads): each row gets
+    its own grammar's tokens, unconstrained rows between them keep every token."""
+    vocab_size = 2000
+    pool, vocab = synthetic_pool(vocab_size)
+    manager = GrammarManager(lambda: pool, vocab_size)
+    ab, ba = make_req(manager, GrammarSpec("regex", r"ab+")), make_req(manager, GrammarSpec("regex", r"ba+"))
+    plain = Req("p", [1], ab.params.__class__())
+    logits = torch.randn(4, vocab_size)
+    before = logits.clone()
+    manager.apply_mask(logits, [ba, plain, ab, plain])
+    allowed = [set(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in logits]
+    assert allowed[2] == {vocab.index(b"a"), vocab.index(b"ab")}
+    assert allowed[0] == {vocab.index(b"b")} | ({vocab.index(b"ba")} if b"ba" in vocab else set())
+    torch.testing.assert_close(logits[[1, 3]], before[[1, 3]])
+    # The next step the constrained rows' requests are gone: rows 0 and 2 of the reused buffer hold every
+    # token again (the buffer is refilled, not only the constrained rows).
+    other = make_req(manager, GrammarSpec("regex", r"ab+"))
+    logits = torch.randn(4, vocab_size)
+    before = logits.clone()
+    manager.apply_mask(logits, [plain, plain, plain, other])
+    torch.testing.assert_close(logits[:3], before[:3])
