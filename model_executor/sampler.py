@@ -297,7 +297,7 @@ class Sampler:
             return self._race(scaled, info)
         tokens = self.flashinfer.sample(scaled, info, argmax_ids)
         if info.seeded_rows:  # the race among the seeded rows alone; flashinfer's tokens for them are dropped
-            index = torch.tensor(info.seeded_rows, device=logits.device)
+            index = torch.tensor(info.seeded_rows, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
             tokens[index] = self._race(scaled[index], info.seeded_subset(index))
         return tokens
 
