@@ -38,7 +38,7 @@ class FakeSampling(types.ModuleType):
     def _sampler(self, name):
         def kernel(probs, *args, **kwargs):
             self.calls.append((name, (probs, *args), kwargs))
-            return torch.full((probs.shape[0],), KNOWN, dtype=torch.int32)
+            return torch.full((probs.shape[0],), KNOWN, dtype=torch.int32, device=probs.device)
         return kernel
 
     def _renorm(self, name):
@@ -218,13 +218,17 @@ def test_flashinfer_needs_cuda_and_the_package(monkeypatch):
         sfi.create_flashinfer_sampler("triton", CPU)
 
 
-def test_kernels_that_do_not_load(fake, caplog):
-    """The warm-up draw fails (here: no CUDA in this torch): auto warns and samples with pytorch; flashinfer
-    asked for by name is a one-line error."""
+def test_kernels_that_do_not_load(fake, caplog, monkeypatch):
+    """The warm-up draw fails (a kernel build error): auto warns and samples with pytorch; flashinfer asked
+    for by name is a one-line error."""
+    def load(cls, device):
+        raise RuntimeError("Ninja build failed.\nnvcc: not found")
+
+    monkeypatch.setattr(sfi.FlashInferSampler, "load", classmethod(load))
     with caplog.at_level(logging.WARNING, logger="duet.sampler"):
         assert sfi.create_flashinfer_sampler("auto", torch.device("cuda")) is None
     assert "sampling with pytorch" in caplog.text
-    with pytest.raises(sfi.SamplingBackendError, match="sampling kernels do not load") as err:
+    with pytest.raises(sfi.SamplingBackendError, match="sampling kernels do not load.*Ninja build failed") as err:
         sfi.create_flashinfer_sampler("flashinfer", torch.device("cuda"))
     assert "\n" not in str(err.value)
 
