@@ -295,10 +295,12 @@ class Sampler:
         scaled = logits / info.temperatures
         if self.flashinfer is None or not info.has_unseeded_random:
             return self._race(scaled, info)
-        tokens = self.flashinfer.sample(scaled, info, argmax_ids)
-        if info.seeded_rows:  # the race among the seeded rows alone; flashinfer's tokens for them are dropped
+        if info.seeded_rows:  # the race among the seeded rows alone, first: flashinfer overwrites `scaled`
             index = torch.tensor(info.seeded_rows, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
-            tokens[index] = self._race(scaled[index], info.seeded_subset(index))
+            seeded = self._race(scaled[index], info.seeded_subset(index))
+        tokens = self.flashinfer.sample(scaled, info, argmax_ids)
+        if info.seeded_rows:
+            tokens[index] = seeded
         return tokens
 
     def _race(self, scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

@@ -70,12 +70,13 @@ class FlashInferSampler:
         return sampler
 
     def sample(self, scaled: torch.Tensor, info: SamplingBatchInfo, fallback: torch.Tensor) -> torch.Tensor:
-        """Tokens [bs] int64 for every row (the caller keeps those of its unseeded random rows). Rows without a
-        finite best logit (all -inf, or +inf/NaN) get `fallback` (the argmax, as on the torch path): their
-        softmax is NaN, on which the kernels' answer is undefined, so they are sampled as zeros first."""
+        """Tokens [bs] int64 for every row (the caller keeps those of its unseeded random rows); `scaled` is
+        overwritten. Rows without a finite best logit (all -inf, or +inf/NaN) get `fallback` (the argmax, as on
+        the torch path): their softmax is NaN, on which the kernels' answer is undefined (they may read out of
+        the row), so they are sampled as zeros first."""
         rows = torch.arange(scaled.shape[0], device=scaled.device)
         bad = ~torch.isfinite(scaled[rows, fallback])  # the best logit of the row: -inf only if all are
-        probs = torch.softmax(scaled.masked_fill(bad.unsqueeze(1), 0.0), dim=-1)
+        probs = torch.softmax(scaled.masked_fill_(bad.unsqueeze(1), 0.0), dim=-1)
         fs, gen = self.fs, self.generator
         top_ks = info.top_ks.clamp(max=scaled.shape[1])  # disabled top-k may be int32 max: k >= vocab is off
         if info.need_min_p:

@@ -159,13 +159,14 @@ def test_disabled_top_k_is_clamped_to_the_vocabulary(fake):
 
 
 def test_rows_without_a_finite_logit_get_the_argmax_and_never_reach_the_kernel_as_nan(fake):
-    logits = make_logits(3)
-    logits[1] = float("-inf")  # e.g. every token banned
-    out = sample(Sampler(sfi.FlashInferSampler(fake, CPU)), logits, [SamplingParams(top_p=0.9)] * 3)
+    logits = make_logits(4)
+    logits[1] = logits[3] = float("-inf")  # e.g. every token banned
+    params = [SamplingParams(top_p=0.9)] * 3 + [SamplingParams(top_p=0.9, seed=1)]
+    out = sample(Sampler(sfi.FlashInferSampler(fake, CPU)), logits, params)
     probs = fake.calls[0][1][0]
     assert torch.isfinite(probs).all()
-    assert out.tolist() == [KNOWN, 0, KNOWN]  # 0: the argmax of an all -inf row, as on the pytorch path
-    assert sample(Sampler(), logits, [SamplingParams(top_p=0.9)] * 3)[1].item() == 0
+    assert out.tolist() == [KNOWN, 0, KNOWN, 0]  # 0: the argmax of an all -inf row, as on the pytorch path
+    assert sample(Sampler(), logits, params)[[1, 3]].tolist() == [0, 0]
 
 
 # --------------------------------------------------------------------------- the masking contract (torch path)
