@@ -10,16 +10,24 @@ the normaliser is shared by the whole row and filtered tokens are -inf. The nois
 drawn in vocabulary order from a generator seeded by (seed, step) alone, and every filter is a
 row-wise no-op for rows that do not use it, so a seeded request gets the same tokens whatever else
 shares its batch and wherever it sits in it.
+
+With flashinfer (`--sampling-backend`, model_executor/sampling_flashinfer.py), the random rows without a
+seed are drawn by its rejection-sampling kernels instead, which never sort the vocabulary; seeded rows still
+race, among themselves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from model_executor.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from model_executor.sampling_flashinfer import FlashInferSampler
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32, and the
 # tempered distribution is indistinguishable from argmax anyway.
@@ -149,6 +157,16 @@ class SamplingBatchInfo:
             max_random_top_k=max(random_ks, default=0),
         )
 
+    def seeded_subset(self, index: torch.Tensor) -> SamplingBatchInfo:
+        """The seeded rows alone (`index`: `seeded_rows` on the device), for the exponential race; the need_*
+        flags and max_random_top_k stay those of the whole batch (an upper bound: row-wise no-ops)."""
+        rows = self.seeded_rows
+        return replace(
+            self, temperatures=self.temperatures[index], top_ps=self.top_ps[index], top_ks=self.top_ks[index],
+            min_ps=self.min_ps[index], is_greedy=self.is_greedy[index], seeds=[self.seeds[r] for r in rows],
+            steps=[self.steps[r] for r in rows], max_top_logprobs=-1, seeded_rows=tuple(range(len(rows))),
+            has_unseeded_random=False)
+
 
 def start_host_copy(tensors: tuple) -> tuple[tuple, torch.cuda.Event | None]:
     """Device tensors (or None) copied to pinned host buffers without waiting, and the event that marks the
@@ -204,7 +222,19 @@ class HostSample:
 
 
 class Sampler:
-    """Stateless: `Sampler()(logits, info)` -> SampleOutput."""
+    """`Sampler(flashinfer)(logits, info)` -> SampleOutput; no state between calls.
+
+    flashinfer (model_executor/sampling_flashinfer.py): its kernels draw the random rows without a seed; None:
+    every random row takes the exponential race. Seeded rows always take the race (their tokens must not
+    depend on the batch), greedy rows the argmax, and logprobs come from the raw logits either way.
+    """
+
+    def __init__(self, flashinfer: FlashInferSampler | None = None):
+        self.flashinfer = flashinfer
+
+    @property
+    def backend(self) -> str:
+        return "pytorch" if self.flashinfer is None else "flashinfer"
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         if logits.dim() != 2 or logits.shape[0] != info.batch_size:
@@ -215,7 +245,7 @@ class Sampler:
         if info.is_all_greedy:
             next_ids = argmax_ids
         else:
-            sampled = self._sample(logits, info)
+            sampled = self._sample(logits, info, argmax_ids)
             next_ids = torch.where(info.is_greedy, argmax_ids, sampled)
 
         out = SampleOutput(next_token_ids=next_ids)
@@ -261,8 +291,20 @@ class Sampler:
             scaled = scaled.masked_fill(mask, float("-inf"))
         return self._min_p(scaled, info)
 
-    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo, argmax_ids: torch.Tensor) -> torch.Tensor:
         scaled = logits / info.temperatures
+        if self.flashinfer is None or not info.has_unseeded_random:
+            return self._race(scaled, info)
+        if info.seeded_rows:  # the race among the seeded rows alone, first: flashinfer overwrites `scaled`
+            index = torch.tensor(info.seeded_rows, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
+            seeded = self._race(scaled[index], info.seeded_subset(index))
+        tokens = self.flashinfer.sample(scaled, info, argmax_ids)
+        if info.seeded_rows:
+            tokens[index] = seeded
+        return tokens
+
+    def _race(self, scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Exponential race of every row (seeded rows with their own noise), filters applied first."""
         noise = self._exponential_noise(scaled, info)
         if info.need_top_k and info.max_random_top_k <= TOP_K_FIRST_MAX:
             # Every random row keeps at most k tokens: filter and race among the k best only instead of

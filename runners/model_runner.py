@@ -18,6 +18,7 @@ from model_executor.layers.quantization import QuantizationError, resolve_quant_
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
+from model_executor.sampling_flashinfer import create_flashinfer_sampler
 from model_executor.sampling_params import SamplingParams
 from model_executor.weight_loader import build_model, init_random_weights, load_model, weight_bytes
 from runners.memory_plan import MemorySplit, estimate_graph_reserve, plan_kv_cache
@@ -58,6 +59,7 @@ class RunnerConfig:
     dist_timeout_s: float = ps.DEFAULT_TIMEOUT_S
     quantization: str | None = None  # none / fp8 / int8; None: the checkpoint's
     kv_cache_dtype: str = "auto"  # auto (the model dtype) or fp8_e4m3
+    sampling_backend: str = "auto"  # auto: flashinfer on GPU when installed (unseeded random rows), else pytorch
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -113,7 +115,7 @@ class ModelRunner:
         self.pin_memory = self.device.type == "cuda"
         # The backend's workspaces do not depend on the KV size: allocated first, they count as in use.
         self.attn_backend = create_attention_backend(config.attention_backend, self)
-        self.sampler = Sampler()
+        self.sampler = Sampler(create_flashinfer_sampler(config.sampling_backend, self.device))
         self.memory_split = self._plan_memory()
         num_slots = self.memory_split.num_slots
         k_scales, v_scales = self._kv_scales()

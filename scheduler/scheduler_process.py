@@ -77,6 +77,7 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         enable_torch_compile=args.enable_torch_compile,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        sampling_backend=args.sampling_backend,
     )
     if rank is None:
         return config
@@ -136,6 +137,7 @@ def ready_info(args: ServerArgs, runner: ModelRunner) -> dict:
         "dtype": str(runner.dtype).replace("torch.", ""),
         "quantization": runner.quant.method if runner.quant else None,
         "attention_backend": type(runner.attn_backend).__name__,
+        "sampling_backend": runner.sampler.backend,
         "vocab_size": runner.model_config.vocab_size,
         "eos_token_ids": list(runner.model_config.eos_token_ids),
         "scheduler_pid": os.getpid(),

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+SAMPLING_BACKENDS = ("auto", "flashinfer", "pytorch")  # model_executor/sampling_flashinfer.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -64,6 +65,9 @@ class ServerArgs:
                                          "(steadier inter-token latency while long prompts arrive)")
     attention_backend: str = _f("auto", "attention backend; auto: torch_native on CPU, triton on GPU "
                                         "(faster than flashinfer in our measurements)", choices=ATTENTION_BACKENDS)
+    sampling_backend: str = _f("auto", "kernels that sample the random rows without a seed: flashinfer (no sort "
+                                       "of the vocabulary) or pytorch; auto: flashinfer on a GPU when installed "
+                                       "(rows with a seed always use pytorch)", choices=SAMPLING_BACKENDS)
     cuda_graph_max_bs: int | None = _f(None, "largest decode batch captured in a CUDA graph "
                                              "(default from GPU memory)")
     cuda_graph_bs: tuple[int, ...] | None = _f(None, "explicit decode capture list; sets --cuda-graph-max-bs "
@@ -156,6 +160,11 @@ class ServerArgs:
                             "use torch_native on CPU")
         if self.attention_backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
             raise ArgsError("--attention-backend flashinfer: flashinfer is not installed; "
+                            "install it with `pip install 'duet[flashinfer]'` (needs a CUDA GPU)")
+        if self.sampling_backend == "flashinfer" and self.device == "cpu":
+            raise ArgsError("--sampling-backend flashinfer needs a CUDA device; use pytorch (or auto) on CPU")
+        if self.sampling_backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+            raise ArgsError("--sampling-backend flashinfer: flashinfer is not installed; "
                             "install it with `pip install 'duet[flashinfer]'` (needs a CUDA GPU)")
         self._validate_quantization()
         if not self.status_interval >= 0:

@@ -267,7 +267,8 @@ def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
     parts = [f"model={served_model_name}", f"dtype={info.get('dtype')}", f"quantization={info.get('quantization') or 'none'}",
              f"device={info.get('device', args.device)}",
              f"context={info.get('context_len')}", f"kv_slots={info.get('num_kv_slots')}",
-             f"max_running={info.get('max_running_requests')}", f"attention={info.get('attention_backend')}"]
+             f"max_running={info.get('max_running_requests')}", f"attention={info.get('attention_backend')}",
+             f"sampling={info.get('sampling_backend', 'pytorch')}"]
     if args.tp_size > 1 or args.dp_size > 1:
         parts.append(f"tp={args.tp_size} dp={args.dp_size}")
     if str(info.get("device", args.device)).startswith("cuda"):

@@ -1,0 +1,128 @@
+"""flashinfer's sampling kernels for the random rows without a seed (`--sampling-backend`).
+
+Top-k, top-p and min-p by rejection sampling over the probabilities: no sort of the vocabulary. The filters
+keep the torch path's order and meaning (top-k, then top-p on the mass renormalised after top-k, then min-p
+relative to the best token), with per-row values passed as device tensors (no host sync).
+
+flashinfer is optional (CUDA only, `pip install 'duet[flashinfer]'`): it is imported here only when this
+backend is chosen. Its kernels are compiled on first use (the wheel ships sources; nvcc builds them into
+flashinfer's cache), so `load` runs one tiny draw at start-up rather than on the first request.
+
+The draws come from the process's default CUDA generator (seeded by --random-seed, like the torch path's
+unseeded rows): flashinfer reads its seed and offset on the host, so these calls must not be captured in a
+CUDA graph (the sampler runs after the graph replay, outside it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from model_executor.sampler import SamplingBatchInfo
+
+logger = logging.getLogger("duet.sampler")
+
+SAMPLING_BACKENDS = ("auto", "flashinfer", "pytorch")
+
+# min_p is raised to at least this inside the min-p kernel: it keeps tokens with p >= min_p * p_max, so a
+# min_p of 0 would admit the zero-probability (banned, grammar-masked) tokens as candidates of its fallback
+# when rounding leaves its uniform draw above the kept mass. Tokens this much less likely than the best one
+# are never drawn anyway; the product stays a normal float32 for any vocabulary up to 10**6 tokens.
+MIN_P_FLOOR = 1e-30
+
+
+class SamplingBackendError(RuntimeError):
+    """The sampling backend asked for cannot run here; the message is one line."""
+
+
+def flashinfer_installed() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator torch.manual_seed seeds for `device` (flashinfer's own default is a fresh generator per
+    call, which would repeat the same draws at every step)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
+class FlashInferSampler:
+    """Draws one token per row from the filtered softmax of `scaled` (logits / temperature) with flashinfer."""
+
+    def __init__(self, module: ModuleType, device: torch.device):
+        self.fs = module  # flashinfer.sampling (a stand-in module in the CPU tests)
+        self.generator = default_generator(device)
+
+    @classmethod
+    def load(cls, device: torch.device) -> FlashInferSampler:
+        import flashinfer.sampling as fs
+
+        sampler = cls(fs, device)
+        # Builds (first run on this machine) or loads the kernels now; a broken install fails here.
+        fs.sampling_from_probs(torch.full((1, 8), 1 / 8, device=device), generator=sampler.generator)
+        return sampler
+
+    def sample(self, scaled: torch.Tensor, info: SamplingBatchInfo, fallback: torch.Tensor) -> torch.Tensor:
+        """Tokens [bs] int64 for every row (the caller keeps those of its unseeded random rows); `scaled` is
+        overwritten. Rows without a finite best logit (all -inf, or +inf/NaN) get `fallback` (the argmax, as on
+        the torch path): their softmax is NaN, on which the kernels' answer is undefined (they may read out of
+        the row), so they are sampled as zeros first."""
+        rows = torch.arange(scaled.shape[0], device=scaled.device)
+        bad = ~torch.isfinite(scaled[rows, fallback])  # the best logit of the row: -inf only if all are
+        probs = torch.softmax(scaled.masked_fill_(bad.unsqueeze(1), 0.0), dim=-1)
+        fs, gen = self.fs, self.generator
+        top_ks = info.top_ks.clamp(max=scaled.shape[1])  # disabled top-k may be int32 max: k >= vocab is off
+        if info.need_min_p:
+            if info.need_top_k:
+                probs = fs.top_k_renorm_probs(probs, top_ks)
+            if info.need_top_p:
+                probs = fs.top_p_renorm_probs(probs, info.top_ps)
+            tokens = fs.min_p_sampling_from_probs(probs, info.min_ps.clamp(min=MIN_P_FLOOR), generator=gen)
+        elif info.need_top_k and info.need_top_p:
+            tokens = fs.top_k_top_p_sampling_from_probs(probs, top_ks, info.top_ps,
+                                                        filter_apply_order="top_k_first", generator=gen)
+        elif info.need_top_k:
+            tokens = fs.top_k_sampling_from_probs(probs, top_ks, generator=gen)
+        elif info.need_top_p:
+            tokens = fs.top_p_sampling_from_probs(probs, info.top_ps, generator=gen)
+        else:
+            tokens = fs.sampling_from_probs(probs, generator=gen)
+        return torch.where(bad, fallback, tokens.long())
+
+
+def create_flashinfer_sampler(name: str, device: torch.device) -> FlashInferSampler | None:
+    """The flashinfer sampler for `--sampling-backend name`, or None to sample every row with pytorch.
+
+    auto: flashinfer on a CUDA device when it is installed and its kernels load (a warning otherwise);
+    flashinfer: the same, but anything missing is a SamplingBackendError."""
+    if name not in SAMPLING_BACKENDS:
+        raise SamplingBackendError(f"unknown sampling backend {name!r}; choose from {', '.join(SAMPLING_BACKENDS)}")
+    if name == "pytorch":
+        return None
+    if device.type != "cuda":
+        if name == "auto":
+            return None
+        raise SamplingBackendError("--sampling-backend flashinfer needs a CUDA device; use pytorch on CPU")
+    if not flashinfer_installed():
+        if name == "auto":
+            return None
+        raise SamplingBackendError("--sampling-backend flashinfer: flashinfer is not installed; install it with "
+                                   "`pip install 'duet[flashinfer]'`")
+    try:
+        sampler = FlashInferSampler.load(device)
+    except Exception as e:  # an import or kernel build failure: one line, whatever its type
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if name == "flashinfer":
+            raise SamplingBackendError(f"--sampling-backend flashinfer: flashinfer's sampling kernels do not "
+                                       f"load ({why})") from e
+        logger.warning("flashinfer's sampling kernels do not load (%s): sampling with pytorch", why)
+        return None
+    logger.info("sampling backend: flashinfer (rows with a seed: pytorch)")
+    return sampler
