@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -115,6 +116,9 @@ def create_flashinfer_sampler(name: str, device: torch.device) -> FlashInferSamp
             return None
         raise SamplingBackendError("--sampling-backend flashinfer: flashinfer is not installed; install it with "
                                    "`pip install 'duet[flashinfer]'`")
+    logger.info("loading flashinfer's sampling kernels (on a machine's first use nvcc compiles them: minutes; "
+                "cached under ~/.cache/flashinfer)")
+    start = time.perf_counter()
     try:
         sampler = FlashInferSampler.load(device)
     except Exception as e:  # an import or kernel build failure: one line, whatever its type
@@ -124,5 +128,6 @@ def create_flashinfer_sampler(name: str, device: torch.device) -> FlashInferSamp
                                        f"load ({why})") from e
         logger.warning("flashinfer's sampling kernels do not load (%s): sampling with pytorch", why)
         return None
-    logger.info("sampling backend: flashinfer (rows with a seed: pytorch)")
+    logger.info("sampling backend: flashinfer (rows with a seed: pytorch), kernels ready in %.1f s",
+                time.perf_counter() - start)
     return sampler

@@ -59,7 +59,10 @@ class RunnerConfig:
     dist_timeout_s: float = ps.DEFAULT_TIMEOUT_S
     quantization: str | None = None  # none / fp8 / int8; None: the checkpoint's
     kv_cache_dtype: str = "auto"  # auto (the model dtype) or fp8_e4m3
-    sampling_backend: str = "auto"  # auto: flashinfer on GPU when installed (unseeded random rows), else pytorch
+    # The server passes --sampling-backend (default auto: flashinfer on a GPU when installed, for the unseeded
+    # random rows). In-process users (tests, benchmarks) opt in: flashinfer 0.5.3 compiles its sampling
+    # kernels with nvcc on a machine's first use, minutes that a test or a greedy benchmark should not pay.
+    sampling_backend: str = "pytorch"
 
     @property
     def torch_dtype(self) -> torch.dtype:
