@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     samplers = {"pytorch": Sampler()}
     try:
-        samplers["flashinfer"] = Sampler(create_flashinfer_sampler("flashinfer", device))
+        samplers["flashinfer"] = Sampler(create_flashinfer_sampler("flashinfer", device), flashinfer_always=True)
     except SamplingBackendError as e:
         print(f"flashinfer skipped: {e}")
 

@@ -229,8 +229,12 @@ class Sampler:
     depend on the batch), greedy rows the argmax, and logprobs come from the raw logits either way.
     """
 
-    def __init__(self, flashinfer: FlashInferSampler | None = None):
+    def __init__(self, flashinfer: FlashInferSampler | None = None, flashinfer_always: bool = False):
+        """flashinfer: its kernels draw the unseeded random rows of the batches where the race would sort the
+        vocabulary (top-p, or top-k above TOP_K_FIRST_MAX); elsewhere the race is as fast or faster
+        (docs/benchmarks.md, bench_sampler on the H200). flashinfer_always: for every batch (tests)."""
         self.flashinfer = flashinfer
+        self.flashinfer_always = flashinfer_always
 
     @property
     def backend(self) -> str:
@@ -293,7 +297,8 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo, argmax_ids: torch.Tensor) -> torch.Tensor:
         scaled = logits / info.temperatures
-        if self.flashinfer is None or not info.has_unseeded_random:
+        if self.flashinfer is None or not info.has_unseeded_random or not (
+                self.flashinfer_always or self._race_sorts(info)):
             return self._race(scaled, info)
         if info.seeded_rows:  # the race among the seeded rows alone, first: flashinfer overwrites `scaled`
             index = torch.tensor(info.seeded_rows, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
@@ -302,6 +307,12 @@ class Sampler:
         if info.seeded_rows:
             tokens[index] = seeded
         return tokens
+
+    @staticmethod
+    def _race_sorts(info: SamplingBatchInfo) -> bool:
+        """Whether the race filters this batch by sorting the whole vocabulary (see _race and _filter)."""
+        top_k_first = info.need_top_k and info.max_random_top_k <= TOP_K_FIRST_MAX
+        return (info.need_top_k or info.need_top_p) and not top_k_first
 
     def _race(self, scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Exponential race of every row (seeded rows with their own noise), filters applied first."""

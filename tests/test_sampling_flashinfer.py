@@ -88,7 +88,7 @@ def test_only_unseeded_random_rows_take_flashinfer(fake):
     unseeded, seeded, greedy = [1, 4, 6], [2, 5], [0, 3]
     logits = make_logits(len(params))
     steps = list(range(3, 3 + len(params)))
-    ours = sample(Sampler(sfi.FlashInferSampler(fake, CPU)), logits, params, steps)
+    ours = sample(Sampler(sfi.FlashInferSampler(fake, CPU), flashinfer_always=True), logits, params, steps)
     torch.manual_seed(0)
     reference = sample(Sampler(), logits, params, steps)  # pytorch for every row
     assert fake.calls, "flashinfer was not called"
@@ -97,21 +97,40 @@ def test_only_unseeded_random_rows_take_flashinfer(fake):
     assert torch.equal(ours[seeded], reference[seeded]) and KNOWN not in ours[seeded].tolist()
     # A seeded row's token is its own, whatever shares the batch: alone, it draws the same.
     for row in seeded:
-        alone = sample(Sampler(sfi.FlashInferSampler(fake, CPU)), logits[row : row + 1], [params[row]], [steps[row]])
+        alone = sample(Sampler(sfi.FlashInferSampler(fake, CPU), flashinfer_always=True), logits[row : row + 1], [params[row]], [steps[row]])
         assert alone.item() == ours[row].item()
 
 
 def test_batches_without_unseeded_random_rows_never_call_flashinfer(fake):
-    sampler = Sampler(sfi.FlashInferSampler(fake, CPU))
+    sampler = Sampler(sfi.FlashInferSampler(fake, CPU), flashinfer_always=True)
     logits = make_logits(4)
     sample(sampler, logits, [SamplingParams(temperature=0.0)] * 4)
     sample(sampler, logits, [SamplingParams(seed=s, top_p=0.8) for s in range(3)] + [SamplingParams(temperature=0)])
     assert fake.calls == []
 
 
+@pytest.mark.parametrize("params,flashinfer", [
+    ([SamplingParams(top_p=0.9), SamplingParams()], True),  # the race would sort the vocabulary
+    ([SamplingParams(top_k=2000), SamplingParams(top_k=2000, top_p=0.5)], True),  # k above TOP_K_FIRST_MAX
+    ([SamplingParams(top_k=50, top_p=0.9)] * 2, False),  # top-k first: the race sorts only 50
+    ([SamplingParams(top_k=50), SamplingParams(top_k=50, min_p=0.1)], False),
+    ([SamplingParams(min_p=0.1), SamplingParams()], False),  # min-p: a threshold, no sort
+    ([SamplingParams(top_k=50), SamplingParams(min_p=0.1)], True),  # a row without k: the race sorts
+    ([SamplingParams(), SamplingParams(temperature=0.5)], False),  # no filter: no sort
+])
+def test_by_default_flashinfer_draws_only_where_the_race_would_sort(fake, params, flashinfer):
+    """bench_sampler on the H200: flashinfer is 5.7-8x faster where the race sorts the vocabulary (top-p) and
+    slower or equal elsewhere (top-k first, min-p, plain), so by default it takes only the sorting batches."""
+    logits = make_logits(len(params))
+    info = SamplingBatchInfo.from_params(params, [0] * len(params), CPU, vocab_size=4096)
+    logits = torch.nn.functional.pad(logits, (0, 4096 - VOCAB), value=-1e4)
+    Sampler(sfi.FlashInferSampler(fake, CPU))(logits, info)
+    assert bool(fake.calls) == flashinfer
+
+
 def test_draws_from_the_default_generator(fake):
     """flashinfer's own default (no generator) is a fresh generator per call: the same draws at every step."""
-    sample(Sampler(sfi.FlashInferSampler(fake, CPU)), make_logits(2), [SamplingParams()] * 2)
+    sample(Sampler(sfi.FlashInferSampler(fake, CPU), flashinfer_always=True), make_logits(2), [SamplingParams()] * 2)
     (_, _, kwargs), = fake.calls
     assert kwargs["generator"] is torch.default_generator
 
@@ -131,7 +150,7 @@ def test_draws_from_the_default_generator(fake):
 def test_kernel_and_per_row_tensors_follow_the_filters(fake, params, kernels):
     logits = make_logits(len(params))
     info = SamplingBatchInfo.from_params(params, [0] * len(params), CPU, vocab_size=VOCAB)
-    Sampler(sfi.FlashInferSampler(fake, CPU))(logits, info)
+    Sampler(sfi.FlashInferSampler(fake, CPU), flashinfer_always=True)(logits, info)
     assert fake.kernels() == kernels
     probs = fake.calls[0][1][0]
     temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
@@ -153,7 +172,7 @@ def test_kernel_and_per_row_tensors_follow_the_filters(fake, params, kernels):
 def test_disabled_top_k_is_clamped_to_the_vocabulary(fake):
     params = [SamplingParams(top_k=5), SamplingParams()]
     info = SamplingBatchInfo.from_params(params, [0, 0], CPU)  # vocab unknown: disabled k is int32 max
-    Sampler(sfi.FlashInferSampler(fake, CPU))(make_logits(2), info)
+    Sampler(sfi.FlashInferSampler(fake, CPU), flashinfer_always=True)(make_logits(2), info)
     (_, args, _), = fake.calls
     assert args[1].tolist() == [5, VOCAB]
 
@@ -162,7 +181,7 @@ def test_rows_without_a_finite_logit_get_the_argmax_and_never_reach_the_kernel_a
     logits = make_logits(4)
     logits[1] = logits[3] = float("-inf")  # e.g. every token banned
     params = [SamplingParams(top_p=0.9)] * 3 + [SamplingParams(top_p=0.9, seed=1)]
-    out = sample(Sampler(sfi.FlashInferSampler(fake, CPU)), logits, params)
+    out = sample(Sampler(sfi.FlashInferSampler(fake, CPU), flashinfer_always=True), logits, params)
     probs = fake.calls[0][1][0]
     assert torch.isfinite(probs).all()
     assert out.tolist() == [KNOWN, 0, KNOWN, 0]  # 0: the argmax of an all -inf row, as on the pytorch path
@@ -205,7 +224,7 @@ def test_which_backend_each_name_picks(fake, monkeypatch):
     assert isinstance(sfi.create_flashinfer_sampler("auto", cuda), sfi.FlashInferSampler)
     assert isinstance(sfi.create_flashinfer_sampler("flashinfer", cuda), sfi.FlashInferSampler)
     assert loads == [cuda, cuda]
-    assert Sampler(None).backend == "pytorch" and Sampler(sfi.FlashInferSampler(fake, CPU)).backend == "flashinfer"
+    assert Sampler(None).backend == "pytorch" and Sampler(sfi.FlashInferSampler(fake, CPU), flashinfer_always=True).backend == "flashinfer"
 
 
 def test_flashinfer_needs_cuda_and_the_package(monkeypatch):

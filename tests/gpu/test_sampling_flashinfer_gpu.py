@@ -24,7 +24,7 @@ CHI2_CRIT = {1: 15.1, 2: 18.4, 3: 21.1, 4: 23.5, 5: 25.7, 6: 27.9, 7: 29.9, 8: 3
 
 @pytest.fixture(scope="module")
 def fi() -> Sampler:
-    return Sampler(create_flashinfer_sampler("flashinfer", CUDA))  # builds or loads the kernels once
+    return Sampler(create_flashinfer_sampler("flashinfer", CUDA), flashinfer_always=True)  # builds or loads once
 
 
 def info_for(params: list[SamplingParams], steps: list[int] | None = None) -> SamplingBatchInfo:
