@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ from server.ipc import FinishReason
 logger = logging.getLogger("duet.grammar")
 
 COMPILE_THREADS = 2
+BATCH_FILL_THREADS = 4  # mask rows filled in parallel (at most half the CPUs this process may use)
 MAX_CACHED_GRAMMARS = 1024
 # Whitespace runs allowed between JSON tokens: enough for pretty-printing, and a small model cannot loop on
 # newlines until max_tokens.
@@ -50,8 +52,12 @@ class GrammarCompilerPool:
         self.xgr = xgr
         self.info = info
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
-        # Fills many matchers' mask rows in C++ threads (one Python call per step, not one per request).
-        self.batch_matcher = xgr.BatchGrammarMatcher() if hasattr(xgr, "BatchGrammarMatcher") else None
+        # Fills many matchers' mask rows in C++ threads (one Python call per step, not one per request). Its
+        # "auto" is half the host's hardware threads, which on a large host far exceeds the CPUs this process
+        # may use (the scheduler's own, the HTTP and detokenizer processes share them).
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.batch_matcher = (xgr.BatchGrammarMatcher(max_threads=max(1, min(BATCH_FILL_THREADS, cpus // 2)))
+                              if hasattr(xgr, "BatchGrammarMatcher") else None)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
         self.cache: dict[GrammarSpec, Future] = {}
         self.lock = threading.Lock()
