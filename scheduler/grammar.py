@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -32,7 +31,6 @@ from server.ipc import FinishReason
 logger = logging.getLogger("duet.grammar")
 
 COMPILE_THREADS = 2
-BATCH_FILL_THREADS = 4  # mask rows filled in parallel (at most half the CPUs this process may use)
 MAX_CACHED_GRAMMARS = 1024
 # Whitespace runs allowed between JSON tokens: enough for pretty-printing, and a small model cannot loop on
 # newlines until max_tokens.
@@ -52,12 +50,6 @@ class GrammarCompilerPool:
         self.xgr = xgr
         self.info = info
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
-        # Fills many matchers' mask rows in C++ threads (one Python call per step, not one per request). Its
-        # "auto" is half the host's hardware threads, which on a large host far exceeds the CPUs this process
-        # may use (the scheduler's own, the HTTP and detokenizer processes share them).
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.batch_matcher = (xgr.BatchGrammarMatcher(max_threads=max(1, min(BATCH_FILL_THREADS, cpus // 2)))
-                              if hasattr(xgr, "BatchGrammarMatcher") else None)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
         self.cache: dict[GrammarSpec, Future] = {}
         self.lock = threading.Lock()
@@ -163,12 +155,10 @@ class GrammarManager:
         if rows:
             bitmask = self._get_bitmask(len(reqs))
             bitmask[: len(reqs)].fill_(-1)  # all bits set: rows without a grammar stay as they are
-            batch = self.compilers.batch_matcher
-            if batch is not None and len(rows) > 1:
-                batch.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], bitmask, indices=rows)
-            else:
-                for i in rows:
-                    reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+            # One matcher at a time: xgrammar's BatchGrammarMatcher (C++ threads) made a 64-request json_schema
+            # run on the H200 host take over 100 s instead of ~3 s (2026-12-01), with 4 threads as with "auto".
+            for i in rows:
+                reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
         return rows
 
     def apply_mask(self, logits: torch.Tensor, reqs: list) -> None:

@@ -79,9 +79,8 @@ def test_mask_rows_and_unconstrained_rows():
     torch.testing.assert_close(logits[[0, 2]], before[[0, 2]])
 
 
-def test_several_constrained_rows_fill_in_one_batched_call():
-    """Two or more constrained rows are filled by xgrammar's BatchGrammarMatcher (C++ threads): each row gets
-    its own grammar's tokens, unconstrained rows between them keep every token."""
+def test_several_constrained_rows_each_get_their_own_grammar():
+    """Each constrained row gets its own grammar's tokens, unconstrained rows between them keep every token."""
     vocab_size = 2000
     pool, vocab = synthetic_pool(vocab_size)
     manager = GrammarManager(lambda: pool, vocab_size)
