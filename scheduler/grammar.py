@@ -155,8 +155,8 @@ class GrammarManager:
         if rows:
             bitmask = self._get_bitmask(len(reqs))
             bitmask[: len(reqs)].fill_(-1)  # all bits set: rows without a grammar stay as they are
-            # One matcher at a time: xgrammar's BatchGrammarMatcher (C++ threads) made a 64-request json_schema
-            # run on the H200 host take over 100 s instead of ~3 s (2026-12-01), with 4 threads as with "auto".
+            # One matcher at a time (32 rows take ~0.2 ms): xgrammar's BatchGrammarMatcher measured no better on
+            # the H200 host (docs/benchmarks.md, 2026-12-01).
             for i in rows:
                 reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
         return rows
