@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--breakdown", action="store_true", help="also time each phase of the step")
+    p.add_argument("--overlap", action="store_true",
+                   help="overlap scheduling (the server's default; off keeps the history's numbers comparable)")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
     folder = Path(tempfile.mkdtemp())
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
         return torch.zeros(fb.batch_size, vocab)
 
     runner.forward = stub_forward
-    sched = Scheduler(runner, SchedulerConfig(max_running_requests=n, max_prefill_tokens=n * args.prompt_len))
+    sched = Scheduler(runner, SchedulerConfig(max_running_requests=n, max_prefill_tokens=n * args.prompt_len,
+                                              enable_overlap=args.overlap))
     for i in range(n):
         sched.add_request(str(i), [3 + (i + j) % 300 for j in range(args.prompt_len)],
                           SamplingParams(max_new_tokens=args.steps + 4, temperature=0.0, ignore_eos=True))
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
     result = {"running": n, "median_step_ms": round(statistics.median(times), 3),
               "p90_step_ms": round(sorted(times)[int(0.9 * len(times))], 3), "steps": args.steps,
               "median_ipc_pickle_ms": round(statistics.median(ipc), 3), "ipc_frame_bytes": len(frame),
-              "torch_threads": torch.get_num_threads()}
+              "torch_threads": torch.get_num_threads(), "overlap": args.overlap}
     print(f"{n} running requests: scheduler step (forward stubbed) median {result['median_step_ms']} ms, "
           f"p90 {result['p90_step_ms']} ms over {args.steps} decode steps; pickling the step's output message "
           f"median {result['median_ipc_pickle_ms']} ms ({len(frame)} bytes)")
