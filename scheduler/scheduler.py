@@ -502,6 +502,8 @@ class Scheduler:
             self._mask_early_stops(logits, reqs, facts.min_tokens)
         # hook (b): logit bias and penalties, then the grammar mask (last: it must have the final say).
         if facts.penalized or facts.has_logit_bias:
+            # The rows at launch: a request that stopped in the read above has released its row (its token
+            # here is discarded), and must not break the batch.
             self.penalties.apply(logits, facts.rows, facts.params)
         self.grammars.apply_filled(logits, grammar_rows)
         if grammar_rows:
