@@ -3,6 +3,7 @@ and sends each batch down one path (decode graph / decode eager / extend graph /
 
 from __future__ import annotations
 
+import array
 import logging
 import time
 from collections import Counter
@@ -72,6 +73,14 @@ class RunnerConfig:
 
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+def int64_tensor(values: list[int]) -> torch.Tensor:
+    """A host int64 tensor of values: through array.array (a C loop), several times faster than torch.tensor
+    on a Python list of a few hundred ints. The tensor shares the array's memory and keeps it alive."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 class ModelRunner:
@@ -273,13 +282,21 @@ class ModelRunner:
                       out_cache_loc: torch.Tensor) -> ForwardBatch:
         bs = len(rows)
         # One (pinned, non-blocking) host-to-device copy for the rows, lengths and slots of the step.
-        host = torch.tensor(rows + seq_lens + out_cache_loc.tolist() + (input_ids or []), dtype=torch.int64,
-                            pin_memory=self.pin_memory)
+        # The slots are a host tensor already: joined as one, not turned into a list and back.
+        parts = [int64_tensor(rows + seq_lens), out_cache_loc.to(torch.int64)]
+        if input_ids is not None:
+            parts.append(torch.tensor(input_ids, dtype=torch.int64))
+        if self.pin_memory:
+            host = torch.cat(parts, out=torch.empty(sum(t.numel() for t in parts), dtype=torch.int64,
+                                                    pin_memory=True))
+        else:
+            host = torch.cat(parts)
         dev = host.to(self.device, non_blocking=True)
         rows_d, seq_lens_d, slots_d = dev[:bs], dev[bs : 2 * bs], dev[2 * bs : 3 * bs]
-        positions_d = seq_lens_d - 1
-        self.req_to_token_pool.write_decode(rows, [n - 1 for n in seq_lens], out_cache_loc, rows_d, positions_d,
-                                            slots_d)
+        positions = host[bs : 2 * bs] - 1
+        positions_d = positions if dev is host else seq_lens_d - 1
+        # The host mirror is indexed with host tensors (Python lists as indices cost a conversion per element).
+        self.req_to_token_pool.write_decode(host[:bs], positions, out_cache_loc, rows_d, positions_d, slots_d)
         return ForwardBatch(
             mode=ForwardMode.DECODE, batch_size=bs,
             input_ids=self.last_token_ids[rows_d] if input_ids is None else dev[3 * bs :],
@@ -320,10 +337,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-               rows: torch.Tensor | None = None) -> SampleOutput:
+               rows: torch.Tensor | None = None, info: SamplingBatchInfo | None = None) -> SampleOutput:
         """Sample each row's next token; with `rows` (device request rows), also record the tokens as those
-        rows' last tokens, which the next decode step reads."""
-        info = SamplingBatchInfo.from_params(params, steps, self.device)
+        rows' last tokens, which the next decode step reads. info: the batch's sampling tensors, when the
+        caller kept them from an earlier step (built from params and steps otherwise)."""
+        if info is None:
+            info = SamplingBatchInfo.from_params(params, steps, self.device)
         out = self.sampler(logits, info)
         # Under TP every rank samples, then takes rank 0's tokens: the schedulers stay identical even where
         # sampling draws from an unseeded RNG or an all-reduce rounds differently on one rank.

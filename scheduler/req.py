@@ -50,8 +50,15 @@ class Req:
     # not yet reported goes out with the first output token.
     prompt_logprob_next: int | None = field(init=False, default=None)
     pending_prompt_logprobs: PromptLogprobs | None = None
+    # Derived once from params for the per-step checks (Scheduler._add_request lowers max_output to what the
+    # context length leaves): the request stops by length once it has max_output tokens, and on any token of
+    # stop_ids (its stop_token_ids, and EOS unless ignore_eos) once it has min_new_tokens.
+    max_output: int = field(init=False)
+    stop_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self):
+        self.max_output = self.params.max_new_tokens
+        self.stop_ids = frozenset(self.params.stop_token_ids)
         start = self.params.prompt_logprob_start
         # The last prompt position is the sampling row: scored rows end before it.
         if start is not None and start < len(self.input_ids) - 1:

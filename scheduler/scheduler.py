@@ -36,6 +36,7 @@ from model_executor.penalties import PenaltyState
 from model_executor.sampler import HostSample
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
+from scheduler.batch_facts import BatchFacts
 from scheduler.grammar import GrammarCompilerPool, GrammarManager
 from scheduler.policy import order_waiting
 from scheduler.prompt_logprobs import LaunchedPromptLogprobs, plan_prompt_logprobs
@@ -74,7 +75,7 @@ class LaunchedSample:
     prompt_logprobs: LaunchedPromptLogprobs | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class ReqOutput:
     rid: str
     new_token_ids: list[int]
@@ -104,6 +105,11 @@ class Scheduler:
         self._outbox: dict[str, Req] = {}  # requests with something to report after this step
         self._last_step_extend = False
         self._in_flight: list[LaunchedSample] = []  # overlap: the batch launched last step, not yet read
+        # Bumped whenever a request is admitted or gives its KV back (finish, retraction): the decode batch's
+        # BatchFacts are reused while it holds the same requests and this has not moved.
+        self._generation = 0
+        self._decode_facts: BatchFacts | None = None
+        self._finished_at_filter = 0  # num_finished when self.running was last cleared of finished requests
         self.num_finished = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
@@ -135,6 +141,9 @@ class Scheduler:
             # overflow the sampler's tensor and take the whole scheduler down.
             params = dataclasses.replace(params, top_k=-1)
         req = Req(rid, list(input_ids), params)
+        req.max_output = min(params.max_new_tokens, self.runner.context_len - len(req.input_ids))
+        if not params.ignore_eos:
+            req.stop_ids = req.stop_ids | self.eos_ids
         self.reqs[rid] = req
         error = self._admission_error(req)
         if error is not None:
@@ -193,7 +202,9 @@ class Scheduler:
         if self.config.enable_overlap:
             launched, self._in_flight = self._in_flight, launched
         self._read(launched)
-        self.running = [r for r in self.running if not r.is_finished]
+        if self.num_finished != self._finished_at_filter:  # else none of them finished (only _finish counts)
+            self.running = [r for r in self.running if r.finish_reason is None]
+            self._finished_at_filter = self.num_finished
         return self._collect_outputs()
 
     def _read(self, batches: list[LaunchedSample]) -> None:
@@ -313,6 +324,7 @@ class Scheduler:
 
     def _admit(self, req: Req, prefix: torch.Tensor, node) -> None:
         req.req_pool_idx = self.req_pool.alloc()
+        self._generation += 1
         req.prefix_slots, req.last_node = prefix, node  # from here on, releasing the request unlocks node
         req.kv_len = len(prefix)
         if len(prefix):
@@ -399,10 +411,10 @@ class Scheduler:
         return results
 
     # ---- decode ----------------------------------------------------------------------------------
-    def _may_continue(self, req: Req) -> bool:
+    @staticmethod
+    def _may_continue(req: Req) -> bool:
         """False once the request has sampled its last token by length (known before the token is read)."""
-        return (not req.is_finished and req.num_sampled < req.params.max_new_tokens
-                and len(req.input_ids) + req.num_sampled < self.runner.context_len)
+        return req.finish_reason is None and req.num_sampled < req.max_output
 
     def _launch_decode(self) -> list[LaunchedSample]:
         reqs = self._make_room_for_decode()
@@ -412,16 +424,19 @@ class Scheduler:
 
     def _decode_forward(self, reqs: list[Req]) -> LaunchedSample:
         out_loc = self._alloc_slots(len(reqs))
-        positions = [r.kv_len for r in reqs]
+        facts = self._decode_facts
+        if facts is None or not facts.matches(reqs, self._generation):
+            facts = self._decode_facts = BatchFacts.gather(reqs, self._generation)
+        seq_lens = []
         try:
-            for r in reqs:
+            for r in reqs:  # each takes one more KV slot
                 r.kv_len += 1
+                seq_lens.append(r.kv_len)
             # Input ids None: each row's last sampled token, read on the device.
-            fb = self.runner.build_batch(ForwardMode.DECODE, None, [r.req_pool_idx for r in reqs],
-                                         [p + 1 for p in positions], out_loc)
-            return self._sample(self.runner.forward(fb), reqs, fb.req_pool_indices)
+            fb = self.runner.build_batch(ForwardMode.DECODE, None, facts.rows, seq_lens, out_loc)
+            return self._sample(self.runner.forward(fb), reqs, fb.req_pool_indices, facts)
         except BaseException:
-            self._roll_back(reqs, positions, out_loc)
+            self._roll_back(reqs[: len(seq_lens)], [n - 1 for n in seq_lens], out_loc)
             raise
 
     def _make_room_for_decode(self) -> list[Req]:
@@ -429,7 +444,7 @@ class Scheduler:
         partly-prefilled request (it has no output yet; with the radix cache its chunks stay cached), then the
         newest. Returns the requests that decode this step."""
         while True:
-            reqs = [r for r in self.running if self._may_continue(r)]
+            reqs = [r for r in self.running if r.finish_reason is None and r.num_sampled < r.max_output]
             if self._short_after_evicting(len(reqs)) <= 0:
                 return reqs
             if self.chunked_req is not None:
@@ -467,31 +482,41 @@ class Scheduler:
         return self.allocator.alloc(n)
 
     # ---- sampling and stopping -------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, reqs: list[Req], rows: torch.Tensor) -> LaunchedSample:
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], rows: torch.Tensor,
+                facts: BatchFacts | None = None) -> LaunchedSample:
         """Launch sampling of each request's next token (rows: their device request rows, where the tokens
-        are also kept for the next decode step) and the copy of the results to the host."""
-        if self._in_flight and any(r.grammar is not None for r in reqs):
+        are also kept for the next decode step) and the copy of the results to the host. facts: the batch's
+        (gathered here when not given)."""
+        if facts is None:
+            facts = BatchFacts.gather(reqs, self._generation)
+        if self._in_flight and facts.has_grammar:
             # A grammar's mask for the next token needs the previous token accepted: read the batch in flight
             # now, after this batch's forward pass is launched, so the wait and the matchers' work overlap it.
             # Requests that finish in that read are still sampled here (their rows unconstrained: fill_masks
             # skips a released grammar); the token is discarded when read, as any token in flight past a stop.
             self._read(self._in_flight)
             self._in_flight = []
-        grammar_rows = self.grammars.fill_masks(reqs)
+        grammar_rows = self.grammars.fill_masks(reqs) if facts.has_grammar else []
         raw = logits.clone() if grammar_rows else None  # the logits before any ban
-        self._mask_early_stops(logits, reqs)
+        if facts.min_tokens:
+            self._mask_early_stops(logits, reqs, facts.min_tokens)
         # hook (b): logit bias and penalties, then the grammar mask (last: it must have the final say).
-        params = [r.params for r in reqs]
-        self.penalties.apply(logits, [r.req_pool_idx for r in reqs], params)
+        if facts.penalized or facts.has_logit_bias:
+            # The rows at launch: a request that stopped in the read above has released its row (its token
+            # here is discarded), and must not break the batch.
+            self.penalties.apply(logits, facts.rows, facts.params)
         self.grammars.apply_filled(logits, grammar_rows)
         if grammar_rows:
             self._keep_a_grammar_token(logits, raw)
-        out = self.runner.sample(logits, params, [r.num_sampled for r in reqs], rows)
+        steps = [r.num_sampled for r in reqs]
+        info = facts.sampling_info_for(steps, self.runner.device)
+        out = self.runner.sample(logits, facts.params, steps, rows, info=info)
         # The penalties count the new tokens on the device, before the host reads them (overlap).
-        self.penalties.count_sampled(rows, out.next_token_ids, [i for i, p in enumerate(params) if p.has_penalties])
+        if facts.penalized:
+            self.penalties.count_sampled(rows, out.next_token_ids, facts.penalized)
         for r in reqs:
             r.num_sampled += 1
-        return LaunchedSample(reqs, [r.num_retractions for r in reqs], out.to_host())
+        return LaunchedSample(reqs, facts.epochs, out.to_host())
 
     def _append_sampled(self, batch: LaunchedSample) -> None:
         """Read a launched batch's tokens (waiting for them if needed) and apply them to its requests."""
@@ -499,27 +524,30 @@ class Scheduler:
             batch.prompt_logprobs.apply()
         if batch.result is None:
             return
-        reqs = batch.reqs
         tokens, chosen, top_ids, top_vals = batch.result.lists()
         now = time.monotonic()
-        for i, req in enumerate(reqs):
-            if req.is_finished or req.num_retractions != batch.epochs[i]:
+        outbox = self._outbox
+        for i, (req, token, epoch) in enumerate(zip(batch.reqs, tokens, batch.epochs)):
+            if req.finish_reason is not None or req.num_retractions != epoch:
                 continue  # aborted, failed or stopped since launch; or retracted (it samples it again)
-            token = tokens[i]
             try:
-                logprob = None
-                if req.wants_logprobs and chosen is not None:
-                    k = req.params.top_logprobs or 0
-                    top = list(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else []
-                    logprob = TokenLogprob(token, chosen[i], top)
                 req.output_ids.append(token)
                 req.pending_ids.append(token)
-                req.first_token_time = req.first_token_time or now
-                if logprob is not None:
-                    req.pending_logprobs.append(logprob)
-                self._outbox[req.rid] = req
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if chosen is not None and req.params.top_logprobs is not None:
+                    k = req.params.top_logprobs
+                    top = list(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else []
+                    req.pending_logprobs.append(TokenLogprob(token, chosen[i], top))
+                outbox[req.rid] = req
                 # hook (c): the grammar accepts the token; its termination ends the request
-                reason = self.grammars.accept(req, token) or self._check_stop(req, token)
+                reason = None
+                if req.grammar is not None:
+                    reason = self.grammars.accept(req, token)
+                # (_check_stop finds nothing unless one of these holds: most tokens skip the call)
+                if reason is None and (token in req.stop_ids or req.params.stop
+                                       or len(req.output_ids) >= req.max_output):
+                    reason = self._check_stop(req, token)
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer failing on this request's output
                 self._fail(req, exc)
                 continue
@@ -535,21 +563,19 @@ class Scheduler:
         self.grammars.reapply(raw)
         logits.copy_(torch.where(dead, raw, logits))
 
-    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Req], positions: list[int]) -> None:
         """Before min_tokens is reached, EOS and stop tokens cannot be sampled (unless a grammar allows nothing
-        else: _keep_a_grammar_token)."""
-        for i, req in enumerate(reqs):
-            if req.num_sampled < req.params.min_new_tokens:
-                banned = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids)
-                if banned:
-                    logits[i, sorted(banned)] = float("-inf")
+        else: _keep_a_grammar_token). positions: the batch rows whose requests have a min_tokens."""
+        for i in positions:
+            req = reqs[i]
+            if req.num_sampled < req.params.min_new_tokens and req.stop_ids:
+                logits[i, sorted(req.stop_ids)] = float("-inf")
 
     def _check_stop(self, req: Req, token: int) -> FinishReason | None:
+        num_out = len(req.output_ids)
         p = req.params
-        if len(req.output_ids) >= p.min_new_tokens:
-            if token in p.stop_token_ids:
-                return FinishReason("stop", matched=token)
-            if not p.ignore_eos and token in self.eos_ids:
+        if num_out >= p.min_new_tokens:
+            if token in req.stop_ids:  # a stop token, or EOS unless ignore_eos
                 return FinishReason("stop", matched=token)
             if p.stop and self.tokenizer is not None:
                 # A stop string of L characters ends within the last L tokens (+ a few for merges).
@@ -558,9 +584,7 @@ class Scheduler:
                 for s in p.stop:
                     if s in tail:
                         return FinishReason("stop", matched=s)
-        if len(req.output_ids) >= p.max_new_tokens:
-            return FinishReason("length")
-        if req.seq_len >= self.runner.context_len:
+        if num_out >= req.max_output:  # max_tokens, or the context length
             return FinishReason("length")
         return None
 
@@ -596,22 +620,26 @@ class Scheduler:
         else:
             self.allocator.free(slots)
         self.req_pool.free(req.req_pool_idx)
+        self._generation += 1
         req.req_pool_idx, req.kv_len, req.last_node = None, 0, None
         req.prefix_slots = torch.empty(0, dtype=torch.int64)
 
     def _collect_outputs(self) -> list[ReqOutput]:
         outputs = []
+        append = outputs.append
         for req in self._outbox.values():
-            first = 0 < len(req.pending_ids) == len(req.output_ids)
-            outputs.append(ReqOutput(
-                rid=req.rid, new_token_ids=req.pending_ids, finish_reason=req.finish_reason,
-                prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_tokens,
-                logprobs=req.pending_logprobs if req.wants_logprobs else None,
-                context_ids=req.input_ids[-DETOKENIZER_CONTEXT_TOKENS:] if first else [],
-                prompt_logprobs=req.pending_prompt_logprobs))
-            req.pending_ids, req.pending_logprobs, req.pending_prompt_logprobs = [], [], None
-            if req.is_finished:
+            pending, num_out = req.pending_ids, len(req.output_ids)
+            first = 0 < len(pending) == num_out
+            logprobs = None
+            if req.params.top_logprobs is not None:  # only these requests collect logprobs
+                logprobs, req.pending_logprobs = req.pending_logprobs, []
+            # Positional (ReqOutput's field order): a keyword call costs more per request.
+            append(ReqOutput(req.rid, pending, req.finish_reason, len(req.input_ids), num_out, req.cached_tokens,
+                             logprobs, req.input_ids[-DETOKENIZER_CONTEXT_TOKENS:] if first else [],
+                             req.pending_prompt_logprobs))
+            req.pending_ids = []
+            req.pending_prompt_logprobs = None
+            if req.finish_reason is not None:
                 del self.reqs[req.rid]
         self._outbox = {}
         return outputs

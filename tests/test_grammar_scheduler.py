@@ -11,6 +11,7 @@ import re
 import pytest
 
 from model_executor.sampling_params import GrammarSpec, SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.test_scheduler import make_scheduler, run_all
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -117,3 +118,33 @@ def test_overlap_gives_the_same_constrained_outputs(setup):
         s.check_invariant()
     assert outs[True] == outs[False]
     assert outs[True]["schema"][1] == outs[True]["regex"][1] == "stop"
+
+
+
+def test_penalized_request_stopping_in_the_read_inside_sample(setup, caplog):
+    """With overlap a constrained batch reads the batch in flight inside _sample; a penalized request that stops
+    in that read (on its first token, forced by a logit bias onto a stop token) is still in the batch being
+    sampled. Its released row must not break that batch's penalties (the batch then failed and ran again one
+    request at a time, leaking a KV slot): same outputs as without overlap, no failed batch, no leak."""
+    import logging
+
+    path, tok = setup
+    ids, regex = requests(tok)["regex"]
+    forced = 42
+    pen = SamplingParams(max_new_tokens=4, temperature=0.0, frequency_penalty=0.5, logit_bias=((forced, 100.0),),
+                         stop_token_ids=(forced,))
+    outs = {}
+    runner = make_scheduler(path, slots=2048).runner  # one model for both runs (each drains it)
+    for overlap in (False, True):
+        s = Scheduler(runner, SchedulerConfig(max_running_requests=16, disable_radix_cache=True,
+                                              enable_overlap=overlap), tokenizer=tok)
+        s.add_request("regex", ids, regex)
+        for req in s.grammars.queue:  # compiled before the first step: both requests share every batch
+            req.grammar_future.result()
+        s.add_request("pen", ids, pen)
+        with caplog.at_level(logging.WARNING, logger="duet.scheduler"):
+            outs[overlap] = run_all(s)
+        s.check_invariant()
+    assert outs[True] == outs[False]
+    assert outs[True]["pen"] == ([forced], "stop")
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]

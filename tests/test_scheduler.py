@@ -208,6 +208,23 @@ def test_stop_token_ids_max_tokens_and_min_tokens(tiny_llama, alone_reference):
     assert len(out["b"][0]) >= first + 2
 
 
+def test_eos_stops_unless_ignored_and_not_before_min_tokens(tiny_llama):
+    """EOS (forced with a logit bias) ends a request, as a stop token would; not with ignore_eos, and not
+    before min_tokens (it cannot even be sampled then); the other requests of the batch go on."""
+    eos = 2
+    s = make_scheduler(tiny_llama[0])
+    force = {"max_new_tokens": 6, "temperature": 0.0, "logit_bias": ((eos, 100.0),)}
+    s.add_request("eos", [5, 6, 7], SamplingParams(**force))
+    s.add_request("ignored", [5, 6, 7], SamplingParams(**force, ignore_eos=True))
+    s.add_request("min", [5, 6, 7], SamplingParams(**force, min_new_tokens=3))
+    s.add_request("plain", [5, 6, 7], greedy(6))
+    out = run_all(s)
+    assert out["eos"] == ([eos], "stop")
+    assert out["ignored"] == ([eos] * 6, "length")
+    assert eos not in out["min"][0][:3] and out["min"][0][3:] == [eos] and out["min"][1] == "stop"
+    assert len(out["plain"][0]) == 6 and out["plain"][1] == "length"
+
+
 class CharTokenizer:
     """Decodes token id t to a short string; enough for stop-string tests without a real vocabulary."""
 
