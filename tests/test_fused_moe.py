@@ -230,13 +230,8 @@ def test_tuned_fp8_table_and_fallback(tmp_path, monkeypatch, caplog):
         tuning._no_table.cache_clear()
 
 
-def test_tuner_writes_the_tables_tuning_reads(tmp_path, monkeypatch):
-    """tune_fused_moe's tables land in --out under the names moe/tuning.py looks up (bf16 and FP8), each token
-    count mapped to its fastest config (the default when nothing beats it). Timing is stubbed: no GPU here."""
-    import json
-
-    from benchmarks import tune_fused_moe as tuner
-    from model_executor.layers.moe import tuning
+def _tiny_moe_for_the_tuner(tuner, monkeypatch) -> None:
+    """The tuner on the CPU: a one-layer tiny Qwen3-MoE for any --model, "CUDA" available."""
     from model_executor.model_config import ModelConfig
 
     tiny = ModelConfig.from_dict({
@@ -246,6 +241,17 @@ def test_tuner_writes_the_tables_tuning_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(tuner, "DEVICE", "cpu")
     monkeypatch.setattr(tuner.ModelConfig, "from_pretrained", staticmethod(lambda path: tiny))
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+
+
+def test_tuner_writes_the_tables_tuning_reads(tmp_path, monkeypatch):
+    """tune_fused_moe's tables land in --out under the names moe/tuning.py looks up (bf16 and FP8), each token
+    count mapped to its fastest config (the default when nothing beats it). Timing is stubbed: no GPU here."""
+    import json
+
+    from benchmarks import tune_fused_moe as tuner
+    from model_executor.layers.moe import tuning
+
+    _tiny_moe_for_the_tuner(tuner, monkeypatch)
     seen = []
 
     def fake_time(x, layers, weights, ids, config, flags, path="grouped"):
@@ -282,15 +288,8 @@ def test_compare_paths_times_both_paths_per_token_count(tmp_path, monkeypatch):
     from benchmarks import bench_one_batch
     from benchmarks import tune_fused_moe as tuner
     from model_executor.layers.moe import tuning
-    from model_executor.model_config import ModelConfig
 
-    tiny = ModelConfig.from_dict({
-        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-        "moe_intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True})
-    monkeypatch.setattr(tuner, "DEVICE", "cpu")
-    monkeypatch.setattr(tuner.ModelConfig, "from_pretrained", staticmethod(lambda path: tiny))
-    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    _tiny_moe_for_the_tuner(tuner, monkeypatch)
     monkeypatch.setattr(bench_one_batch, "measure_copy_bandwidth", lambda device: 1e12)
     paths = []
 
