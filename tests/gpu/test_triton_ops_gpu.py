@@ -1,7 +1,7 @@
 """Triton attention kernels on a CUDA device: bf16 accuracy against an fp32 reference, CUDA-graph replay of
-decode, and (printed, not asserted) timings with a small tile sweep for tuning.
+decode. Their timings and tile sweeps: python -m benchmarks.bench_attention.
 
-Run: pytest -m gpu tests/gpu/test_triton_ops_gpu.py -s   (-s shows the timing lines)
+Run: pytest -m gpu tests/gpu/test_triton_ops_gpu.py
 """
 
 from __future__ import annotations
@@ -16,17 +16,14 @@ if not torch.cuda.is_available():
     # tests/test_triton_ops.py from switching on the interpreter in the same process.
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-import triton
 
 from model_executor.layers.attention.triton_ops import (
-    ExtendConfig,
     alloc_decode_workspace,
     decode_attention_fwd,
     extend_attention_fwd,
     get_num_kv_splits,
 )
 from model_executor.layers.attention.triton_ops import decode_attention as decode_mod
-from model_executor.layers.attention.triton_ops import extend_attention as extend_mod
 
 pytestmark = pytest.mark.gpu
 
@@ -109,17 +106,6 @@ def extend_ref(pool, q, prefix_lens, extend_lens, sm_scale):
         start += e
     return torch.cat(outs)
 
-
-def cuda_time_ms(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 # ---------------------------------------------------------------- decode
@@ -241,122 +227,3 @@ def test_extend_bf16(heads, prefix_lens, extend_lens):
     for p, e in zip(prefix_lens, extend_lens):
         assert rel_err(o[start : start + e], ref[start : start + e]) < 1e-2, f"request prefix {p} extend {e}"
         start += e
-
-
-# ---------------------------------------------------------------- timings (printed, for tuning)
-
-
-def _decode_plan(bs, ctx, heads):
-    """The split count the triton backend would launch for this batch (decode_split_plan)."""
-    num_heads, num_kv_heads, _ = heads
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cap = decode_mod.decode_split_cap(bs, num_heads, num_kv_heads, sms, get_num_kv_splits(131072))
-    return decode_mod.decode_split_plan(cap, ctx)
-
-
-def _time_decode(bs, ctx, heads, monkeypatch, lines, splits=None, min_chunk=None, graph=False):
-    """One line: the decode kernels (both stages) at this batch, timed in a loop or inside a CUDA graph (the
-    graph leaves out launch overhead, as the decode graphs do)."""
-    num_heads, num_kv_heads, head_dim = heads
-    pool = Pool([ctx] * bs, num_kv_heads, head_dim, seed=4)
-    plan = _decode_plan(bs, ctx, heads)
-    splits = plan if splits is None else splits
-    min_chunk = decode_mod.MIN_CHUNK if min_chunk is None else min_chunk
-    q = torch.randn(bs, num_heads, head_dim, device=DEV).to(torch.bfloat16)
-    o = torch.empty_like(q)
-    logits, lse = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
-    rows = torch.arange(1, bs + 1, device=DEV)
-    lens = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
-
-    def run():
-        decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, rows, lens, logits, lse, splits,
-                             1.0 / math.sqrt(head_dim), min_chunk=min_chunk)
-
-    ms = graph_time_ms(run) if graph else cuda_time_ms(run)
-    kv_bytes = 2 * bs * ctx * num_kv_heads * head_dim * 2
-    used = min(splits, -(-ctx // min_chunk))
-    lines.append(f"decode {num_heads}q/{num_kv_heads}kv/{head_dim}d bs={bs:<4} ctx={ctx:<5} splits={splits:<2} "
-                 f"(used {used:<2}) min_chunk={min_chunk:<4}{' [plan]' if splits == plan else '       '} "
-                 f"{'graph' if graph else 'loop '} {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e9:6.2f} TB/s of KV read")
-    if (bs, ctx) == (32, 4096) and not graph and splits == plan:  # tile sweep
-        for block_n, warps, stages in [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (16, 4, 2)]:
-            monkeypatch.setattr(decode_mod, "BLOCK_N", block_n)
-            monkeypatch.setattr(decode_mod, "STAGE1_NUM_WARPS", warps)
-            monkeypatch.setattr(decode_mod, "STAGE1_NUM_STAGES", stages)
-            ms = cuda_time_ms(run)
-            lines.append(f"  sweep BLOCK_N={block_n} warps={warps} stages={stages}: {ms * 1e3:8.1f} us")
-        monkeypatch.undo()
-
-
-def _time_extend(n_tok, heads, configs, lines):
-    num_heads, num_kv_heads, head_dim = heads
-    sm_scale = 1.0 / math.sqrt(head_dim)
-    pool = Pool([n_tok], num_kv_heads, head_dim, seed=5)
-    q = torch.randn(n_tok, num_heads, head_dim, device=DEV).to(torch.bfloat16)
-    o = torch.empty_like(q)
-    args = extend_args([0], [n_tok])
-    loc, k, v = new_kv(pool, [0], [n_tok])
-    flops = 4 * n_tok * n_tok / 2 * num_heads * head_dim
-    for cfg in configs:
-        def run(cfg=cfg):
-            extend_attention_fwd(q, k, v, o, pool.k, pool.v, loc, pool.req_to_token, *args, sm_scale, config=cfg)
-
-        name = f"default {extend_mod.get_extend_config(head_dim)}" if cfg is None else str(cfg)
-        try:
-            ms = cuda_time_ms(run)
-        except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:  # a tile that does not fit
-            lines.append(f"extend {name}: failed: {type(exc).__name__}: {str(exc)[:120]}")
-            continue
-        lines.append(f"extend {num_heads}q/{num_kv_heads}kv/{head_dim}d tokens={n_tok:<5} {name}: "
-                     f"{ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s")
-    slots = pool.req_to_token[1, :n_tok].long()
-    qs = q.transpose(0, 1).unsqueeze(0)
-    ks = pool.k[slots].transpose(0, 1).unsqueeze(0)
-    vs = pool.v[slots].transpose(0, 1).unsqueeze(0)
-    ms = cuda_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-        qs, ks, vs, is_causal=True, enable_gqa=True))
-    lines.append(f"extend tokens={n_tok:<5} torch SDPA (contiguous K/V, no gather): {ms * 1e3:8.1f} us")
-
-
-def graph_time_ms(fn, calls=20, replays=20):
-    """ms per fn call, fn captured `calls` times in one CUDA graph (no launch overhead, as in decode graphs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return cuda_time_ms(graph.replay, iters=replays) / calls
-
-
-def test_report_decode_split_plans(monkeypatch):
-    """Prints (run with -s) decode attention inside CUDA graphs, for the split plan the backend picks and
-    for other split counts and min_chunk values, at the Llama-3.2-1B and 8B head shapes: the numbers to tune
-    MIN_CHUNK, PROGRAMS_PER_SM and SINGLE_STAGE_MAX_LEN by (decode_attention.py). Asserts nothing."""
-    lines = []
-    for heads in [(32, 8, 64), (32, 8, 128)]:
-        for bs, ctx in [(1, 65), (1, 129), (1, 520), (1, 2048), (8, 520), (32, 520), (64, 520), (256, 520)]:
-            plan = _decode_plan(bs, ctx, heads)
-            for splits in sorted({1, 2, 4, 8, 16, plan}):
-                for min_chunk in ([32, 64, 128, 256] if splits > 1 else [decode_mod.MIN_CHUNK]):
-                    _time_decode(bs, ctx, heads, monkeypatch, lines, splits=splits, min_chunk=min_chunk, graph=True)
-    print("\n" + "\n".join(lines))
-
-
-def test_report_timings(monkeypatch):
-    """Prints decode/extend timings and small tile sweeps (run with -s); asserts nothing about speed."""
-    lines = []
-    for heads in HEAD_CONFIGS:
-        for bs, ctx in [(1, 1024), (1, 4096), (32, 1024), (32, 4096), (128, 2048)]:
-            _time_decode(bs, ctx, heads, monkeypatch, lines)
-    sweep = [None] + [ExtendConfig(*c) for c in [(128, 64, 8, 1), (128, 64, 8, 2), (128, 128, 8, 1),
-                                                 (64, 64, 4, 2), (128, 32, 4, 2), (64, 128, 8, 2),
-                                                 (128, 64, 4, 1), (64, 64, 4, 1)]]
-    for heads in HEAD_CONFIGS:
-        for n_tok in [128, 512]:
-            _time_extend(n_tok, heads, [None], lines)
-        _time_extend(2048, heads, sweep, lines)
-    print("\n" + "\n".join(lines))

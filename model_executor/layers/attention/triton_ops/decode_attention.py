@@ -31,8 +31,8 @@ STAGE1_NUM_WARPS = 4
 STAGE1_NUM_STAGES = 2
 STAGE2_NUM_WARPS = 4
 
-# The split plan (decode_split_plan). Tunables, measured on the H200 by tests/gpu/test_triton_ops_gpu.py's
-# timing report: the fewest positions a split is given; the most splits a request may use (the workspace
+# The split plan (decode_split_plan). Tunables, measured on the H200 with benchmarks/bench_attention.py (it
+# also sweeps the stage-1 tile above): the fewest positions a split is given; the most splits a request may use (the workspace
 # size); the stage-1 programs per SM at which splitting stops paying (the GPU is full without it); the
 # longest request that still takes the single-stage kernel at a batch size where splits would be used.
 MIN_CHUNK = 64

@@ -1,0 +1,197 @@
+"""bench_attention: the Triton attention kernels alone, for tuning their constants (was a print-only GPU test).
+
+    python -m benchmarks.bench_attention --json out.json                      # decode plans + tiles, extend tiles
+    python -m benchmarks.bench_attention --decode-only --heads 32,8,128 --points 256x520 64x520
+
+Decode: for each head shape (num_heads, num_kv_heads, head_dim) and (batch, context) point, both stages of
+`decode_attention_fwd` captured in one CUDA graph (no launch overhead, as in the decode graphs): the split plan
+the triton backend picks, other split counts and min_chunk values (the constants MIN_CHUNK, PROGRAMS_PER_SM,
+SINGLE_STAGE_MAX_LEN), and a sweep of the stage-1 tile (BLOCK_N, num_warps, num_stages) at the plan. Each row
+gives the KV bytes read per microsecond against the measured copy bandwidth. Extend: `extend_attention_fwd` at
+a few token counts with its tile configs, against torch SDPA on contiguous K/V.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+# (num_heads, num_kv_heads, head_dim): Llama-3.1-8B, Llama-3.2-1B, SmolLM2-135M
+HEAD_SHAPES = [(32, 8, 128), (32, 8, 64), (9, 3, 64)]
+DECODE_POINTS = [(1, 520), (1, 2048), (8, 520), (32, 520), (64, 520), (256, 520), (32, 4096), (128, 2048)]
+TILES = [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3), (128, 8, 2), (128, 8, 3), (16, 4, 2)]
+EXTEND_TILES = [(128, 64, 8, 1), (128, 64, 8, 2), (128, 128, 8, 1), (64, 64, 4, 2), (128, 32, 4, 2),
+                (64, 128, 8, 2), (128, 64, 4, 1), (64, 64, 4, 1)]
+
+
+def parse_point(text: str) -> tuple[int, int]:
+    bs, _, ctx = text.partition("x")
+    if not (bs.isdigit() and ctx.isdigit() and int(bs) > 0 and int(ctx) > 0):
+        raise argparse.ArgumentTypeError(f"a point is BATCHxCONTEXT, e.g. 256x520; got {text!r}")
+    return int(bs), int(ctx)
+
+
+def parse_heads(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"heads are NUM_HEADS,NUM_KV_HEADS,HEAD_DIM, e.g. 32,8,128; got {text!r}")
+    heads, kv_heads, dim = map(int, parts)
+    if heads % kv_heads:
+        raise argparse.ArgumentTypeError(f"num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
+    return heads, kv_heads, dim
+
+
+def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """Median microseconds per fn call, `calls` calls captured in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+class KvPool:
+    """A bf16 KV pool whose requests' slots are scattered (as after a server has run a while)."""
+
+    def __init__(self, bs: int, ctx: int, num_kv_heads: int, head_dim: int, seed: int = 0):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        slots = bs * ctx
+        self.k = torch.randn(slots + 1, num_kv_heads, head_dim, device="cuda", generator=gen).bfloat16()
+        self.v = torch.randn(slots + 1, num_kv_heads, head_dim, device="cuda", generator=gen).bfloat16()
+        perm = torch.randperm(slots, device="cuda", generator=gen).to(torch.int32) + 1
+        self.req_to_token = torch.zeros(bs + 1, ctx + 16, dtype=torch.int32, device="cuda")
+        self.req_to_token[1:, :ctx] = perm.view(bs, ctx)
+
+
+def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float) -> list[dict]:
+    from model_executor.layers.attention.triton_ops import alloc_decode_workspace, decode_attention_fwd
+    from model_executor.layers.attention.triton_ops import decode_attention as dec
+
+    num_heads, num_kv_heads, head_dim = heads
+    pool = KvPool(bs, ctx, num_kv_heads, head_dim)
+    q = torch.randn(bs, num_heads, head_dim, device="cuda").bfloat16()
+    o = torch.empty_like(q)
+    rows = torch.arange(1, bs + 1, device="cuda")
+    lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = dec.decode_split_plan(dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072)),
+                                 ctx)
+    kv_bytes = 2 * bs * ctx * num_kv_heads * head_dim * 2
+    floor_us = kv_bytes / (copy_tb_s * 1e6)
+    out = []
+
+    def measure(splits: int, min_chunk: int, tile: tuple[int, int, int]) -> None:
+        logits, lse = alloc_decode_workspace(bs, num_heads, head_dim, splits, "cuda")
+        saved = dec.BLOCK_N, dec.STAGE1_NUM_WARPS, dec.STAGE1_NUM_STAGES
+        dec.BLOCK_N, dec.STAGE1_NUM_WARPS, dec.STAGE1_NUM_STAGES = tile
+        try:
+            us = graph_us(lambda: decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, rows, lens, logits,
+                                                       lse, splits, 1.0 / math.sqrt(head_dim), min_chunk=min_chunk))
+        except Exception as exc:  # noqa: BLE001 - a tile that does not fit: report it, go on
+            us = None
+            print(f"  tile {tile} failed: {type(exc).__name__}: {str(exc)[:100]}")
+        finally:
+            dec.BLOCK_N, dec.STAGE1_NUM_WARPS, dec.STAGE1_NUM_STAGES = saved
+        out.append({"heads": list(heads), "bs": bs, "ctx": ctx, "splits": splits, "plan": splits == plan,
+                    "min_chunk": min_chunk, "block_n": tile[0], "num_warps": tile[1], "num_stages": tile[2],
+                    "us": None if us is None else round(us, 2),
+                    "x_floor": None if us is None else round(us / floor_us, 2), "floor_us": round(floor_us, 2)})
+
+    default_tile = (dec.BLOCK_N, dec.STAGE1_NUM_WARPS, dec.STAGE1_NUM_STAGES)
+    for splits in sorted({1, 2, 4, 8, 16, plan}):
+        for min_chunk in ([32, 64, 128, 256] if splits > 1 else [dec.MIN_CHUNK]):
+            measure(splits, min_chunk, default_tile)
+    for tile in TILES:
+        if tile != default_tile:
+            measure(plan, dec.MIN_CHUNK, tile)
+    return out
+
+
+def extend_rows(heads, n_tok: int) -> list[dict]:
+    from model_executor.layers.attention.triton_ops import ExtendConfig, extend_attention_fwd
+
+    num_heads, num_kv_heads, head_dim = heads
+    pool = KvPool(1, n_tok, num_kv_heads, head_dim, seed=5)
+    q = torch.randn(n_tok, num_heads, head_dim, device="cuda").bfloat16()
+    o = torch.empty_like(q)
+    loc = pool.req_to_token[1, :n_tok].long()
+    k, v = pool.k[loc], pool.v[loc]
+    as_t = lambda x, dt: torch.tensor(x, dtype=dt, device="cuda")
+    args = (as_t([1], torch.int64), as_t([n_tok], torch.int32), as_t([n_tok], torch.int32), as_t([0], torch.int32),
+            n_tok)
+    flops = 4 * n_tok * n_tok / 2 * num_heads * head_dim
+    out = []
+    for cfg in [None] + [ExtendConfig(*c) for c in EXTEND_TILES]:
+        try:
+            us = graph_us(lambda cfg=cfg: extend_attention_fwd(q, k, v, o, pool.k, pool.v, loc, pool.req_to_token,
+                                                               *args, 1.0 / math.sqrt(head_dim), config=cfg))
+        except Exception as exc:  # noqa: BLE001 - a tile that does not fit
+            print(f"  extend {cfg} failed: {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        out.append({"heads": list(heads), "tokens": n_tok, "config": "default" if cfg is None else list(cfg),
+                    "us": round(us, 2), "tflops": round(flops / us / 1e6, 1)})
+    qs, ks, vs = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    us = graph_us(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                           enable_gqa=True))
+    out.append({"heads": list(heads), "tokens": n_tok, "config": "torch_sdpa_contiguous", "us": round(us, 2),
+                "tflops": round(flops / us / 1e6, 1)})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.splitlines()[0])
+    p.add_argument("--heads", type=parse_heads, nargs="+", default=HEAD_SHAPES, help="NUM_HEADS,NUM_KV_HEADS,HEAD_DIM")
+    p.add_argument("--points", type=parse_point, nargs="+", default=DECODE_POINTS, help="decode BATCHxCONTEXT")
+    p.add_argument("--extend-tokens", type=int, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--decode-only", action="store_true")
+    p.add_argument("--json", dest="json_out")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention: needs a CUDA device (the kernels are timed inside CUDA graphs)", file=sys.stderr)
+        return 2
+    from benchmarks.bench_one_batch import measure_copy_bandwidth
+
+    copy_tb_s = measure_copy_bandwidth(torch.device("cuda")) / 1e12
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_tb_s:.2f} TB/s")
+    result = {"gpu": torch.cuda.get_device_name(), "copy_tb_s": round(copy_tb_s, 3), "decode": [], "extend": []}
+    print(f"{'heads':>10} {'bs':>4} {'ctx':>5} {'splits':>6} {'chunk':>5} {'tile':>10} {'us':>9} {'x floor':>8}")
+    for heads in args.heads:
+        for bs, ctx in args.points:
+            rows = decode_rows(heads, bs, ctx, copy_tb_s)
+            result["decode"] += rows
+            for r in rows:
+                tile = f"{r['block_n']}/{r['num_warps']}/{r['num_stages']}"
+                us = "failed" if r["us"] is None else f"{r['us']:.1f}"
+                print(f"{'/'.join(map(str, heads)):>10} {bs:>4} {ctx:>5} {r['splits']:>6} {r['min_chunk']:>5} "
+                      f"{tile:>10} {us:>9} {r['x_floor'] or '':>8}{'  plan' if r['plan'] else ''}")
+    if not args.decode_only:
+        for heads in args.heads:
+            for n_tok in args.extend_tokens:
+                for r in extend_rows(heads, n_tok):
+                    result["extend"].append(r)
+                    print(f"extend {'/'.join(map(str, heads))} tokens={n_tok:<5} {r['config']!s:<22} "
+                          f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
