@@ -444,7 +444,7 @@ class Scheduler:
         partly-prefilled request (it has no output yet; with the radix cache its chunks stay cached), then the
         newest. Returns the requests that decode this step."""
         while True:
-            reqs = [r for r in self.running if r.finish_reason is None and r.num_sampled < r.max_output]
+            reqs = [r for r in self.running if self._may_continue(r)]
             if self._short_after_evicting(len(reqs)) <= 0:
                 return reqs
             if self.chunked_req is not None:
@@ -497,7 +497,9 @@ class Scheduler:
             self._read(self._in_flight)
             self._in_flight = []
         grammar_rows = self.grammars.fill_masks(reqs) if facts.has_grammar else []
-        raw = logits.clone() if grammar_rows else None  # the logits before any ban
+        # The logits before any ban, for a constrained row the bans leave with no token (none without bans).
+        banned = facts.min_tokens or facts.penalized or facts.has_logit_bias
+        raw = logits.clone() if grammar_rows and banned else None
         if facts.min_tokens:
             self._mask_early_stops(logits, reqs, facts.min_tokens)
         # hook (b): logit bias and penalties, then the grammar mask (last: it must have the final say).
@@ -506,7 +508,7 @@ class Scheduler:
             # here is discarded), and must not break the batch.
             self.penalties.apply(logits, facts.rows, facts.params)
         self.grammars.apply_filled(logits, grammar_rows)
-        if grammar_rows:
+        if raw is not None:
             self._keep_a_grammar_token(logits, raw)
         steps = [r.num_sampled for r in reqs]
         info = facts.sampling_info_for(steps, self.runner.device)
