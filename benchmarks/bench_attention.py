@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.tune_small_m_gemm import time_calls
+
+GRAPH_CALLS = 20
 # (num_heads, num_kv_heads, head_dim): Llama-3.1-8B, Llama-3.2-1B, SmolLM2-135M
 HEAD_SHAPES = [(32, 8, 128), (32, 8, 64), (9, 3, 64)]
 DECODE_POINTS = [(1, 520), (1, 2048), (8, 520), (32, 520), (64, 520), (256, 520), (32, 4096), (128, 2048)]
@@ -46,24 +49,9 @@ def parse_heads(text: str) -> tuple[int, int, int]:
     return heads, kv_heads, dim
 
 
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Median microseconds per fn call, `calls` calls captured in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
+def graph_us(fn) -> float:
+    """Median microseconds per fn call, GRAPH_CALLS calls captured in one CUDA graph."""
+    return time_calls([fn] * GRAPH_CALLS)
 
 
 class KvPool:
