@@ -224,9 +224,9 @@ class HostSample:
 class Sampler:
     """`Sampler(flashinfer)(logits, info)` -> SampleOutput; no state between calls.
 
-    flashinfer (model_executor/sampling_flashinfer.py): its kernels draw the random rows without a seed; None:
-    every random row takes the exponential race. Seeded rows always take the race (their tokens must not
-    depend on the batch), greedy rows the argmax, and logprobs come from the raw logits either way.
+    flashinfer (model_executor/sampling_flashinfer.py): its kernels draw random rows without a seed (see
+    __init__); None: every random row takes the exponential race. Seeded rows always take the race (their
+    tokens must not depend on the batch), greedy rows the argmax, and logprobs come from the raw logits.
     """
 
     def __init__(self, flashinfer: FlashInferSampler | None = None, flashinfer_always: bool = False):
@@ -309,15 +309,19 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def _race_sorts(info: SamplingBatchInfo) -> bool:
+    def _top_k_first(info: SamplingBatchInfo) -> bool:
+        """Every random row keeps at most TOP_K_FIRST_MAX tokens: the race needs only the k best."""
+        return info.need_top_k and info.max_random_top_k <= TOP_K_FIRST_MAX
+
+    @classmethod
+    def _race_sorts(cls, info: SamplingBatchInfo) -> bool:
         """Whether the race filters this batch by sorting the whole vocabulary (see _race and _filter)."""
-        top_k_first = info.need_top_k and info.max_random_top_k <= TOP_K_FIRST_MAX
-        return (info.need_top_k or info.need_top_p) and not top_k_first
+        return (info.need_top_k or info.need_top_p) and not cls._top_k_first(info)
 
     def _race(self, scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Exponential race of every row (seeded rows with their own noise), filters applied first."""
         noise = self._exponential_noise(scaled, info)
-        if info.need_top_k and info.max_random_top_k <= TOP_K_FIRST_MAX:
+        if self._top_k_first(info):
             # Every random row keeps at most k tokens: filter and race among the k best only instead of
             # sorting the vocabulary. The same noise values (drawn in vocabulary order) enter the race, so
             # the token equals the full path's (up to the order of exactly tied logits at the k-th place).
