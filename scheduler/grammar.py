@@ -9,8 +9,9 @@ queue, one matcher per request, the token bitmask on the logits, and accepting s
   requests whose grammar is ready (each with its own `GrammarMatcher`) and those whose compilation failed;
   `apply_mask(logits, reqs)` fills the bitmask rows of the constrained requests and applies it (xgrammar's
   CPU path on CPU, its kernel on GPU; the scheduler does it in two steps, `fill_masks` and `apply_filled`,
-  and re-applies it alone to a row its other bans left with no token, without a host sync); `accept(req, token)` advances the matcher and says when the grammar
-  terminated; `release(req)` drops the matcher.
+  and `reapply` puts it again on a fallback copy of a row the other bans left with no token; no host sync);
+  `accept(req, token)` advances the matcher and says when the grammar terminated; `release(req)` drops the
+  matcher.
 
 Overlap scheduling note: a request's bitmask for step N+1 needs step N's token accepted first, so a batch
 with constrained requests must accept the previous step's tokens before its mask is filled.
