@@ -20,7 +20,7 @@ from runners.model_runner import ModelRunner, RunnerConfig
 from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
 
 
-def summarize(prof, title: str, n: int = 12) -> None:
+def summarize(prof, title: str, n: int = 20) -> None:
     events = prof.key_averages()
     cuda = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:n]
     cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
