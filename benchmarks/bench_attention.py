@@ -67,7 +67,7 @@ class KvPool:
         self.req_to_token[1:, :ctx] = perm.view(bs, ctx)
 
 
-def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float) -> list[dict]:
+def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = False) -> list[dict]:
     from model_executor.layers.attention.triton_ops import alloc_decode_workspace, decode_attention_fwd
     from model_executor.layers.attention.triton_ops import decode_attention as dec
 
@@ -86,24 +86,21 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float) -> list[dict]:
 
     def measure(splits: int, min_chunk: int, tile: tuple[int, int, int]) -> None:
         logits, lse = alloc_decode_workspace(bs, num_heads, head_dim, splits, "cuda")
-        saved = dec.BLOCK_N, dec.STAGE1_NUM_WARPS, dec.STAGE1_NUM_STAGES
-        dec.BLOCK_N, dec.STAGE1_NUM_WARPS, dec.STAGE1_NUM_STAGES = tile
         try:
             us = graph_us(lambda: decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, rows, lens, logits,
-                                                       lse, splits, 1.0 / math.sqrt(head_dim), min_chunk=min_chunk))
+                                                       lse, splits, 1.0 / math.sqrt(head_dim), min_chunk=min_chunk,
+                                                       tile=tile))
         except Exception as exc:  # noqa: BLE001 - a tile that does not fit: report it, go on
             us = None
             print(f"  tile {tile} failed: {type(exc).__name__}: {str(exc)[:100]}")
-        finally:
-            dec.BLOCK_N, dec.STAGE1_NUM_WARPS, dec.STAGE1_NUM_STAGES = saved
         out.append({"heads": list(heads), "bs": bs, "ctx": ctx, "splits": splits, "plan": splits == plan,
                     "min_chunk": min_chunk, "block_n": tile[0], "num_warps": tile[1], "num_stages": tile[2],
                     "us": None if us is None else round(us, 2),
                     "x_floor": None if us is None else round(us / floor_us, 2), "floor_us": round(floor_us, 2)})
 
-    default_tile = (dec.BLOCK_N, dec.STAGE1_NUM_WARPS, dec.STAGE1_NUM_STAGES)
-    for splits in sorted({1, 2, 4, 8, 16, plan}):
-        for min_chunk in ([32, 64, 128, 256] if splits > 1 else [dec.MIN_CHUNK]):
+    default_tile = dec.stage1_tile(bs, head_dim)
+    for splits in [plan] if plan_only else sorted({1, 2, 4, 8, 16, plan}):
+        for min_chunk in ([32, 64, 128, 256] if splits > 1 and not plan_only else [dec.MIN_CHUNK]):
             measure(splits, min_chunk, default_tile)
     for tile in TILES:
         if tile != default_tile:
@@ -148,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--points", type=parse_point, nargs="+", default=DECODE_POINTS, help="decode BATCHxCONTEXT")
     p.add_argument("--extend-tokens", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--decode-only", action="store_true")
+    p.add_argument("--plan-only", action="store_true", help="decode: only the split plan, with every tile")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -161,7 +159,7 @@ def main(argv=None) -> int:
     print(f"{'heads':>10} {'bs':>4} {'ctx':>5} {'splits':>6} {'chunk':>5} {'tile':>10} {'us':>9} {'x floor':>8}")
     for heads in args.heads:
         for bs, ctx in args.points:
-            rows = decode_rows(heads, bs, ctx, copy_tb_s)
+            rows = decode_rows(heads, bs, ctx, copy_tb_s, args.plan_only)
             result["decode"] += rows
             for r in rows:
                 tile = f"{r['block_n']}/{r['num_warps']}/{r['num_stages']}"

@@ -55,7 +55,15 @@ def linear_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
     q = heads_per_rank(cfg.num_attention_heads, tp) * d
     kv = kv_heads_per_rank(cfg.num_key_value_heads, tp) * d
     inter = cfg.intermediate_size // tp
-    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
+    shapes = {"qkv": (q + 2 * kv, h), "o": (h, q)}
+    if len(cfg.moe_layers) < cfg.num_hidden_layers:  # some layers have a dense MLP
+        shapes.update(gate_up=(2 * inter, h), down=(h, inter))
+    return shapes
+
+
+def router_shape(cfg: ModelConfig) -> tuple[int, int] | None:
+    """An MoE model's router gate (replicated on every rank and never quantized: layers/moe/layer.py)."""
+    return (cfg.num_experts, cfg.hidden_size) if cfg.moe_layers else None
 
 
 def lm_head_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
@@ -204,6 +212,14 @@ def table_entry(kind: str, result: dict):
     return OTHER_PATHS[kind] if other_wins else result["best"]
 
 
+def merge_tables(kept: dict, tuned: dict) -> dict:
+    """`kept` (a table file's content) with `tuned`'s (N, K) entries put in or replaced; no _meta."""
+    merged = {kind: dict(entries) for kind, entries in kept.items() if kind != "_meta"}
+    for kind, entries in tuned.items():
+        merged.setdefault(kind, {}).update(entries)
+    return merged
+
+
 def model_summary(models, tps, kinds, ms, results) -> list[str]:
     """Per model, tp, kind and M: the decoder linears' time per step (layers x the four GEMMs, plus the LM
     head for bf16 when it was tuned), today's path vs the table's choice."""
@@ -218,6 +234,8 @@ def model_summary(models, tps, kinds, ms, results) -> list[str]:
                     if None in rs:
                         continue
                     rs = rs * cfg.num_hidden_layers
+                    router = results.get((kind, *router_shape(cfg), m)) if router_shape(cfg) else None
+                    rs += [router] * len(cfg.moe_layers) if router is not None else []
                     head = results.get((kind, *lm_head_shape(cfg, tp), m))
                     rs += [head] if head is not None else []
                     base = sum(r["base_us"] for r in rs)
@@ -244,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="past this many seconds the remaining cases are tuned as with --quick")
     p.add_argument("--out", help="the table file (default: the one the server reads, for this GPU)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the --out table's entries for shapes this run does not tune (default: replace it)")
     p.add_argument("--json", dest="json_out", help="also write every timing here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -257,11 +277,12 @@ def main(argv=None) -> int:
     cfgs = [ModelConfig.from_pretrained(shape_path(name)) for name in args.model]
     shapes = sorted({s for cfg in cfgs for tp in args.tp for s in linear_shapes(cfg, tp).values()})
     heads = sorted({lm_head_shape(cfg, tp) for cfg in cfgs for tp in args.tp}) if args.lm_head else []
+    heads += sorted({router_shape(cfg) for cfg in cfgs if router_shape(cfg)} - set(heads))  # bf16 only, too
     dev = sm.device_name("cuda")
     out = Path(args.out) if args.out else sm.table_path(dev)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.perf_counter()
-    print(f"{len(shapes)} (N, K) shapes x {args.kind} (+ {len(heads)} LM heads, bf16) x M {ms} on "
+    print(f"{len(shapes)} (N, K) shapes x {args.kind} (+ {len(heads)} LM heads / routers, bf16) x M {ms} on "
           f"{torch.cuda.get_device_name()}"
           f"{' (quick)' if args.quick else ''}")
     print(f"{'kind':>9} {'N':>6} {'K':>6} {'M':>3} {'today us':>9} {'default':>8} {'best us':>8} "
@@ -299,6 +320,8 @@ def main(argv=None) -> int:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "quick": args.quick,
             "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.merge and out.exists():
+        table = merge_tables(json.loads(out.read_text()), table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"_meta": meta, **table}, indent=1) + "\n")
     print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")

@@ -60,7 +60,7 @@ def make_req_to_token(seq_lens, rows, num_slots, max_ctx, gen, device=DEVICE):
 
 
 def run_decode(mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits, sm_scale,
-               seq_dtype=torch.int32, min_chunk=None, workspace=None):
+               seq_dtype=torch.int32, min_chunk=None, workspace=None, tile=None):
     bs, num_heads, head_dim = q.shape
     if workspace is None:
         workspace = mod.alloc_decode_workspace(bs + 2, num_heads, head_dim, num_kv_splits, q.device)
@@ -73,7 +73,7 @@ def run_decode(mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits
         torch.tensor(rows, dtype=torch.int64, device=q.device),
         torch.tensor(seq_lens, dtype=seq_dtype, device=q.device),
         attn_logits, attn_lse, num_kv_splits, sm_scale,
-        **({} if min_chunk is None else {"min_chunk": min_chunk}),
+        **({} if min_chunk is None else {"min_chunk": min_chunk}), tile=tile,
     )
     return o
 
@@ -174,6 +174,25 @@ def test_decode_adaptive_splits_mixed_lengths(num_kv_splits):
     o = run_decode(decode_mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits, 0.125, min_chunk=32)
     ref = ref_decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, 0.125)
     torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+
+
+@in_process
+@pytest.mark.parametrize("tile", [(32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 4, 3)])
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_decode_every_stage1_tile_of_the_rule(tile, num_kv_splits):
+    """Each tile stage1_tile can choose, with chunk bounds aligned to its BLOCK_N in both stages: lengths
+    around the 32 and 64 boundaries, one stage and split."""
+    assert {decode_mod.stage1_tile(bs, d) for bs in (1, 8, 64) for d in (64, 128)} == {
+        (32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 4, 3)}
+    gen = torch.Generator().manual_seed(6)
+    seq_lens, rows = [1, 33, 64, 65, 97, 200], [1, 2, 3, 4, 5, 6]
+    req_to_token = make_req_to_token(seq_lens, rows, 500, 256, gen)
+    k_buf, v_buf = make_pool(500, 2, 128, torch.float32, gen)
+    q = torch.randn(len(rows), 4, 128, generator=gen).to(DEVICE)
+    o = run_decode(decode_mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits, 0.09, min_chunk=32,
+                   tile=tile)
+    torch.testing.assert_close(o, ref_decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, 0.09),
+                               atol=1e-4, rtol=1e-4)
 
 
 @in_process

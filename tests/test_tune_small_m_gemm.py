@@ -47,3 +47,25 @@ def test_model_summary_counts_every_layer():
     (line,) = tune.model_summary(["llama-3.2-1b"], [1], ["bf16"], [1], results)
     assert "+ head" in line and f"today {today + 0.1:.3f} ms" in line
     assert f"table {today / 2 + 0.1:.3f} ms" in line
+
+
+def test_moe_model_tunes_attention_and_router_not_a_dense_mlp_it_does_not_have():
+    cfg = ModelConfig.from_pretrained(shape_path("qwen3-30b-a3b"))
+    assert tune.linear_shapes(cfg, 1) == {"qkv": (5120, 2048), "o": (2048, 4096)}
+    assert tune.router_shape(cfg) == (128, 2048)
+    assert tune.router_shape(ModelConfig.from_pretrained(shape_path("llama-3.1-8b"))) is None
+    shapes = [*tune.linear_shapes(cfg, 1).values(), tune.router_shape(cfg)]
+    results = {("bf16", n, k, 1): {"base_us": 10.0, "best_us": 5.0, "best": object()} for n, k in shapes}
+    (line,) = tune.model_summary(["qwen3-30b-a3b"], [1], ["bf16"], [1], results)
+    today = 3 * 10.0 * cfg.num_hidden_layers / 1e3  # qkv, o and the router in each of the 48 layers
+    assert f"today {today:.3f} ms" in line
+
+
+def test_merge_keeps_other_shapes_and_replaces_retuned_ones():
+    kept = {"_meta": {"quick": True}, "bf16": {"1,2": {"1": "cublas"}, "3,4": {"1": "cublas"}},
+            "fp8": {"5,6": {"1": "w8a8"}}}
+    tuned = {"bf16": {"3,4": {"1": {"BLOCK_N": 8}}, "7,8": {"1": "cublas"}}}
+    assert tune.merge_tables(kept, tuned) == {
+        "bf16": {"1,2": {"1": "cublas"}, "3,4": {"1": {"BLOCK_N": 8}}, "7,8": {"1": "cublas"}},
+        "fp8": {"5,6": {"1": "w8a8"}}}
+    assert kept["bf16"]["3,4"] == {"1": "cublas"}  # the input is not modified

@@ -57,10 +57,14 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
     block_e = triton.next_power_of_2(num_experts)
-    # A few tokens per program: a [BLOCK_T, BLOCK_E] tile of a few thousand elements keeps registers in check.
-    block_t = block_t or max(1, min(16, 2048 // block_e))
+    # A few tokens per program: a [BLOCK_T, BLOCK_E] tile of a few thousand elements keeps registers in check;
+    # no more rows than there are tokens (a decode step's handful).
+    block_t = block_t or max(1, min(16, 2048 // block_e, triton.next_power_of_2(num_tokens)))
+    # The k picks are k dependent reductions over the tile: with few elements one warp does each by shuffles,
+    # where four warps would add a shared-memory round trip and a barrier to every one of them.
+    num_warps = max(1, min(4, block_t * block_e // 256))
     _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
         router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps)
     return weights, ids

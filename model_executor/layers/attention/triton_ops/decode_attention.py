@@ -24,12 +24,24 @@ import torch
 import triton
 import triton.language as tl
 
-# Stage-1 tile: query heads per program (tl.dot needs M >= 16) and KV positions per loop step.
+# Stage-1 tile: query heads per program (tl.dot needs M >= 16); the KV positions per loop step, warps and
+# pipeline stages come from stage1_tile.
 BLOCK_H = 16
-BLOCK_N = 32
-STAGE1_NUM_WARPS = 4
-STAGE1_NUM_STAGES = 2
 STAGE2_NUM_WARPS = 4
+
+
+def stage1_tile(batch_size: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of stage 1 for a batch of this size: a function of what a graph is
+    captured for (never of the lengths, which change between replays). Chosen from the tile sweep of
+    benchmarks/bench_attention.py on the H200 (docs/benchmarks.md): a handful of requests gain from longer
+    steps over their positions, large batches of 128-wide heads from a third pipeline stage; elsewhere no
+    other tile measured better."""
+    if batch_size <= 4:
+        return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
+    if batch_size >= 32 and head_dim >= 128:
+        return (64, 4, 3)
+    return (32, 4, 2)
+
 
 # The split plan (decode_split_plan). Tunables, measured on the H200 with benchmarks/bench_attention.py (it
 # also sweeps the stage-1 tile above): the fewest positions a split is given; the most splits a request may use (the workspace
@@ -229,6 +241,7 @@ def decode_attention_fwd(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     min_chunk: int = MIN_CHUNK,
+    tile: tuple[int, int, int] | None = None,
 ) -> None:
     """Decode attention; writes `o` in place.
 
@@ -243,6 +256,7 @@ def decode_attention_fwd(
     min_chunk: a request of L tokens uses min(cdiv(L, min_chunk), num_kv_splits) chunks.
     sm_scale: softmax scale; k_scale, v_scale: the pool's dequantization scales (an FP8 pool holds
     K / k_scale, V / v_scale).
+    tile: stage 1's (BLOCK_N, num_warps, num_stages); default stage1_tile(bs, head_dim).
     No host reads of device data, no allocations: safe to capture in a CUDA graph.
     """
     bs, num_heads, head_dim = q.shape
@@ -265,6 +279,7 @@ def decode_attention_fwd(
     block_d = triton.next_power_of_2(head_dim)
     in_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy
     single_stage = num_kv_splits == 1
+    block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim)
 
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse, o,
@@ -281,11 +296,11 @@ def decode_attention_fwd(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=BLOCK_H,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         SINGLE_STAGE=single_stage,
         IN_PRECISION=in_precision,
-        num_warps=STAGE1_NUM_WARPS,
-        num_stages=STAGE1_NUM_STAGES,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if single_stage:
         return
@@ -297,6 +312,6 @@ def decode_attention_fwd(
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        SPLIT_ALIGN=BLOCK_N,
+        SPLIT_ALIGN=block_n,
         num_warps=STAGE2_NUM_WARPS,
     )
