@@ -96,9 +96,7 @@ def test_router_fake_op_shapes():
 
     with FakeTensorMode():
         w, ids = torch.ops.duet.topk_softmax(torch.empty(5, 128), 8, True)
-        rw, rids = torch.ops.duet.route(torch.empty(5, 64), torch.empty(128, 64), 8, True)
     assert w.shape == ids.shape == (5, 8) and w.dtype == torch.float32 and ids.dtype == torch.int32
-    assert rw.shape == rids.shape == (5, 8) and rw.dtype == torch.float32 and rids.dtype == torch.int32
 
 
 def test_select_experts_cpu_is_the_torch_path():
@@ -106,47 +104,3 @@ def test_select_experts_cpu_is_the_torch_path():
     w, ids = select_experts(logits, 4, True)
     ref_w, ref_ids = select_experts_torch(logits, 4, True)
     assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids) and torch.equal(w, ref_w)
-
-
-@in_process
-@pytest.mark.parametrize("num_experts,top_k,hidden", [(128, 8, 512), (8, 2, 320), (60, 4, 96)])
-@pytest.mark.parametrize("num_tokens", [1, 5, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_gate_matches_gemm_then_router(num_experts, top_k, hidden, num_tokens, dtype):
-    """The gate's GEMM + softmax + top k in one kernel (decode batches): the experts and weights of the torch
-    router over x @ W.T rounded to the model dtype. Hidden sizes of several K slices, one partial (320 = 256 +
-    64) and one smaller than a slice (96); 60 experts: a partial expert block. Called twice: the completion
-    counter must be back at zero for the second launch."""
-    gen = torch.Generator().manual_seed(num_experts + num_tokens)
-    # Small integers / 16: every partial sum is exact in float32 in any order, so the logits rounded to bfloat16
-    # are the reference's exactly, ties (frequent in bfloat16) included.
-    x = torch.randint(-1, 2, (num_tokens, hidden), generator=gen).to(dtype)
-    w = (torch.randint(-4, 5, (num_experts, hidden), generator=gen) / 16).to(dtype)
-    logits = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
-    ref_w, _ = select_experts_torch(logits, top_k, True)
-    for _ in range(2):
-        weights, ids = router_kernel.gate_topk_softmax(x.to(DEVICE), w.to(DEVICE), top_k, True)
-        assert ids.dtype == torch.int32 and ids.shape == (num_tokens, top_k)
-        assert torch.equal(ids.cpu().long(), stable_topk(logits, top_k))
-        torch.testing.assert_close(weights.cpu(), ref_w, rtol=2e-6, atol=1e-7)
-    assert router_kernel._counter(torch.device(DEVICE)).item() == 0
-
-
-@in_process
-def test_route_picks_the_fused_gate_only_for_decode_sized_batches(monkeypatch):
-    """route(): the fused kernel up to GATE_MAX_TOKENS tokens, the GEMM + top-k kernel above (checked on the
-    real token count inside the op, so a trace and eager agree)."""
-    from model_executor.layers.moe import router
-
-    calls = []
-    real_fused, real_topk = router_kernel.gate_topk_softmax, router_kernel.topk_softmax
-    monkeypatch.setattr(router_kernel, "gate_topk_softmax", lambda *a: calls.append("fused") or real_fused(*a))
-    monkeypatch.setattr(router_kernel, "topk_softmax", lambda *a: calls.append("topk") or real_topk(*a))
-    monkeypatch.setattr(router, "KERNEL_DEVICES", ("cuda", "cpu"))
-    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
-    for n in (1, 16, 17):
-        x = torch.randn(n, 64, generator=torch.Generator().manual_seed(n))
-        weights, ids = router.route(x.to(DEVICE), w.to(DEVICE), 2, False)
-        ref_w, ref_ids = select_experts_torch(x @ w.T, 2, False)
-        assert torch.equal(ids.cpu().long(), ref_ids)
-    assert calls == ["fused", "fused", "topk"]

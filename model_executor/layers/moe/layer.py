@@ -16,7 +16,7 @@ from torch import nn
 from model_executor.layers.linear import LinearBase
 from model_executor.layers.moe.fused_moe import fused_experts
 from model_executor.layers.moe.quant import DOWN, GATE, UP, experts_method
-from model_executor.layers.moe.router import route, select_experts
+from model_executor.layers.moe.router import select_experts
 from model_executor.layers.quantization.base import current_quant_config, quantization_context
 
 
@@ -47,10 +47,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # The router renormalises (one kernel on CUDA); the rounding happens inside fused_experts.
-        return self.forward_routed(hidden, *select_experts(router_logits, self.top_k, self.renormalize))
-
-    def forward_routed(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The experts for routing already chosen (weights float32 [T, k], renormalised where the model does)."""
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         w13_scale, w2_scale = self.quant_method.scales(self)
         return fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids, False,
                              self.router_weights_in_model_dtype, w13_scale, w2_scale, self.quant_method.block)
@@ -70,6 +67,4 @@ class SparseMoeBlock(nn.Module):
                                 router_weights_in_model_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The gate's GEMM, softmax and top k (one kernel for a decode batch on CUDA): moe/router.py route.
-        weights, ids = route(x, self.gate.weight, self.experts.top_k, self.experts.renormalize)
-        return self.experts.forward_routed(x, weights, ids)
+        return self.experts(x, self.gate(x))

@@ -1,7 +1,6 @@
 """The MoE router's selection: softmax over the experts, the top k, optional renormalisation.
 
     select_experts(router_logits, top_k, renormalize) -> (weights float32 [T, k], ids [T, k])
-    route(x, gate_weight, top_k, renormalize): the same from the hidden states (the gate's GEMM included)
 
 On CUDA one Triton kernel (moe/router_kernel.py) does all three steps (the torch path launches several
 small kernels per MoE layer) and returns int32 ids; on CPU (and as its reference) the torch path, which
@@ -19,7 +18,6 @@ While something traces (dynamo, FakeTensorMode) the CUDA call goes through the r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from model_executor.layers.triton_ops.ops import _tracing
 
@@ -49,45 +47,6 @@ _topk_softmax_op = torch.library.custom_op("duet::topk_softmax", _topk_softmax_i
 def _(router_logits, top_k, renormalize):
     shape = (router_logits.shape[0], top_k)
     return (router_logits.new_empty(shape, dtype=torch.float32), router_logits.new_empty(shape, dtype=torch.int32))
-
-
-# Devices whose router runs the Triton kernels (tests add "cpu" to run them in the interpreter).
-KERNEL_DEVICES = ("cuda",)
-
-
-def _route_impl(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
-                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.device.type in KERNEL_DEVICES:
-        from model_executor.layers.moe import router_kernel
-
-        if 0 < x.shape[0] <= router_kernel.GATE_MAX_TOKENS:
-            return router_kernel.gate_topk_softmax(x, gate_weight, top_k, renormalize)
-        return router_kernel.topk_softmax(F.linear(x, gate_weight), top_k, renormalize)
-    weights, ids = select_experts_torch(F.linear(x, gate_weight), top_k, renormalize)
-    return weights, ids.to(torch.int32)
-
-
-_route_op = torch.library.custom_op("duet::route", _route_impl, mutates_args=())
-
-
-@_route_op.register_fake
-def _(x, gate_weight, top_k, renormalize):
-    shape = (x.shape[0], top_k)
-    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int32)
-
-
-def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
-          renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole router from the hidden states x [T, H] and the gate's weight [E, H] (no bias, unquantized):
-    select_experts(x @ gate_weight.T). On CUDA a decode-sized batch (up to router_kernel.GATE_MAX_TOKENS
-    tokens) runs one kernel for the GEMM, softmax and top k (the gate's GEMM is latency-bound there: a launch
-    saved is most of its time); larger ones the GEMM then the top-k kernel. The choice is made on the real
-    token count inside one op, so a graph traced once for several token counts makes the same choice as eager.
-    The logits are rounded to x's dtype before the softmax, as the gate's GEMM writes them."""
-    if x.device.type not in KERNEL_DEVICES:
-        return select_experts_torch(F.linear(x, gate_weight), top_k, renormalize)
-    op = torch.ops.duet.route if _tracing() else _route_impl
-    return op(x, gate_weight, top_k, renormalize)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
