@@ -11,13 +11,12 @@ import pytest
 import torch
 import triton_mode
 from conftest import save_tiny_hf_model
-from test_cuda_graph_runner import make_decode_batch, release
+from test_cuda_graph_runner import assert_fused_decode_equals_unfused, make_decode_batch, release
 from test_model_vs_hf import run_prefill_and_decode
 from test_new_models_vs_hf import TINY_QWEN3
 from triton_mode import DEVICE, in_process
 
 from model_executor.layers.attention import triton_backend
-from model_executor.layers.attention.torch_native import TorchNativeBackend
 from model_executor.layers.attention.triton_backend import TritonAttnBackend
 from runners.model_runner import ModelRunner, RunnerConfig
 
@@ -73,18 +72,7 @@ def test_qwen3_fused_decode_equals_unfused(tiny_qwen3, fused_calls):
     runner = triton_runner(tiny_qwen3[0])
     fb, rows, loc = make_decode_batch(runner, 3, seed=21, max_prompt=12)
     try:
-        assert runner.attn_backend.fuses_rotary(fb)
-        real = loc.to(DEVICE)
-        bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
-        fused = runner.forward_eager(fb).clone()
+        assert_fused_decode_equals_unfused(runner, fb, loc, logits_tol=1e-5)
         assert fused_calls == [True] * TINY_QWEN3["num_hidden_layers"]
-        kv_fused = [buf[real].clone() for buf in bufs]
-        for buf in bufs:
-            buf[real] = float("nan")  # the unfused run must write them again
-        fb.attn_backend = TorchNativeBackend()
-        unfused = runner.model(fb.input_ids, fb.positions, fb)
-        torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
-        for ref, buf in zip(kv_fused, bufs):
-            torch.testing.assert_close(buf[real], ref, rtol=1e-5, atol=1e-5)
     finally:
         release(runner, rows, fb)
