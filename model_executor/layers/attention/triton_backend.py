@@ -85,6 +85,7 @@ class TritonAttnBackend(AttentionBackend):
                         layer: RadixAttention, fb: ForwardBatch) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
         k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
+        # (one eps: q_norm and k_norm are built with the model's rms_norm_eps, as qk_norm_rope assumes too)
         norms = {} if layer.qk_norm is None else {
             "q_norm_weight": layer.qk_norm[0].weight, "k_norm_weight": layer.qk_norm[1].weight,
             "norm_eps": layer.qk_norm[0].eps}

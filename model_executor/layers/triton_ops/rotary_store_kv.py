@@ -8,8 +8,8 @@ written, with its v heads, straight into the pool at the token's slot (as `_stor
 division by the pool's scales that KVCache.set_kv does for an FP8 pool). The rotated k is rounded to k's
 dtype before it is stored, as the two-kernel path stores it into k first, so both paths write the same pool
 values; with an FP8 scale the quotient is cast straight to FP8 (as the extend kernel stores it), not
-rounded to k's dtype first. One launch instead of two (three with the norms; four with FP8 scales); no
-host sync, capturable.
+rounded to k's dtype first. One launch instead of two (the rotary, or qk_norm_rope's norms and rotary,
+then the store; four with FP8 scales); no host sync, capturable.
 """
 
 from __future__ import annotations
