@@ -24,7 +24,6 @@ from model_executor.layers.linear import (
 from model_executor.layers.logits import compute_logits
 from model_executor.layers.moe.layer import DOWN, GATE, UP, FusedMoE, SparseMoeBlock
 from model_executor.layers.norm import RMSNorm
-from model_executor.layers.qk_norm_rope import qk_norm_rope
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import CheckpointMismatchError, ModelConfig
 
@@ -48,28 +47,18 @@ class LlamaAttention(nn.Module):
                                           bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size)
         self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
-        # Without q/k norms the attention layer applies the rotary (fused with the KV store where the
-        # backend can); Qwen3's norms and rotary run here, as one kernel on CUDA.
-        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, hd**-0.5,
-                                   rotary_emb=None if cfg.qk_norm else rotary_emb)
+        # The attention layer applies Qwen3's norms and the rotary (fused with the KV store where the
+        # backend can); the norms' parameters live here, under their checkpoint names.
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, hd**-0.5,
+                                   rotary_emb=rotary_emb,
+                                   qk_norm=(self.q_norm, self.k_norm) if cfg.qk_norm else None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        if not self.qk_norm:
-            return self.o_proj(self.attn(q, k, v, fb, positions))
-        t, hd = x.shape[0], self.attn.head_dim
-        q, k = q.view(t, -1, hd), k.view(t, -1, hd)
-        if q.is_cuda:  # per head, then the rotary: one kernel, in place in the qkv output
-            q, k = qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                self.rotary_emb.cos_sin_cache)
-        else:
-            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, fb)
-        return self.o_proj(out)
+        return self.o_proj(self.attn(q, k, v, fb, positions))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,8 +1,12 @@
 """Decode CUDA graphs on the GPU: replay equals eager at every size of the default capture list and at padded
 sizes between them, with short prompts (the triton backend's single-stage decode graphs) and long ones (its
-split graphs, at the sizes that split); the shared pool."""
+split graphs, at the sizes that split); the shared pool. Qwen3 (Qwen3-30B-A3B's layer shapes, bf16 and FP8
+KV pools): the per-head q/k norms, rotary and KV store run as one kernel per layer in the decode graph, the
+graph equals eager and the fused step equals the unfused one (qk_norm_rope's kernel, then the store)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -98,3 +102,110 @@ def test_shared_pool_memory(runner):
     # the H200, 2026-12-01); a private pool per graph costs the sum (218 MiB for just the 4 largest).
     assert shared.capture_bytes <= 1.5 * max(largest_alone.capture_bytes, 2 << 20)
     assert shared.capture_bytes < private_total / 2
+
+
+# ---------------------------------------------------------------- Qwen3: q/k norms + rotary + KV store, one kernel
+
+QWEN3_LAYERS = 4  # of Qwen3-30B-A3B's 48 identical layers: memory and capture time stay small
+QWEN3_SIZES = [1, 2, 4, 8, 16]
+# An FP8 pool stores K / 0.5 and V / 2 here (random weights give no checkpoint scales): the kernel's division.
+QWEN3_FP8_SCALES = (0.5, 2.0)
+
+
+@pytest.fixture(scope="module", params=["auto", "fp8_e4m3"], ids=["bf16_kv", "fp8_kv"])
+def qwen3(tmp_path_factory, request):
+    cfg = json.loads((shape_path("qwen3-30b-a3b") / "config.json").read_text())
+    path = tmp_path_factory.mktemp("qwen3_30b_a3b_4_layers")
+    (path / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=QWEN3_LAYERS)))
+    runner = ModelRunner(RunnerConfig(model_path=str(path), device="cuda", attention_backend="triton",
+                                      max_running_requests=24, max_total_tokens=24 * 64, context_length=512,
+                                      random_weights=True, kv_cache_dtype=request.param, disable_cuda_graph=True,
+                                      disable_piecewise_cuda_graph=True))
+    if request.param == "fp8_e4m3":  # (set before the capture: a graph bakes the scales in)
+        runner.kv_cache.k_scales = [QWEN3_FP8_SCALES[0]] * QWEN3_LAYERS
+        runner.kv_cache.v_scales = [QWEN3_FP8_SCALES[1]] * QWEN3_LAYERS
+    return runner, CudaGraphRunner(runner, QWEN3_SIZES)
+
+
+def _stored_kv(runner, loc) -> list[torch.Tensor]:
+    """Every layer's K and V at the slots loc, as float32 (FP8 rows gathered as bytes)."""
+    bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
+    if runner.kv_cache.dtype == torch.float8_e4m3fn:
+        return [buf.view(torch.uint8)[loc].view(buf.dtype).float() for buf in bufs]
+    return [buf[loc].float() for buf in bufs]
+
+
+def _kv_tol(runner) -> dict:
+    # bf16: a rounding step or two; FP8: one e4m3 step (1/8 relative) where the inputs differ by a bf16 step
+    return {"rtol": 0.13, "atol": 2**-6} if runner.kv_cache.dtype == torch.float8_e4m3fn else {"rtol": 2e-2,
+                                                                                                 "atol": 2e-2}
+
+
+@pytest.mark.parametrize("bs", QWEN3_SIZES + [3, 13])
+def test_qwen3_graph_replay_equals_eager(qwen3, bs):
+    from tests.gpu.test_moe_gpu import assert_close_rows
+    from tests.test_cuda_graph_runner import make_decode_batch, release
+
+    runner, graph_runner = qwen3
+    fb, rows, loc = make_decode_batch(runner, bs, seed=300 + bs)
+    real = loc.to(runner.device)
+    try:
+        with torch.inference_mode():
+            eager = runner.forward_eager(fb).clone()
+            kv_eager = _stored_kv(runner, real)
+            graphed = graph_runner.replay(fb).clone()
+            kv_graph = _stored_kv(runner, real)
+        assert torch.isfinite(graphed).all()
+        assert_close_rows(graphed, eager)  # (MoE routing near-ties: see test_moe_gpu.py)
+        # layer 0's K and V come from the embeddings through one GEMM: no routing in between
+        for layer in (0, QWEN3_LAYERS):
+            torch.testing.assert_close(kv_graph[layer], kv_eager[layer], **_kv_tol(runner))
+    finally:
+        release(runner, rows, fb)
+
+
+def test_qwen3_fused_decode_equals_unfused(qwen3, monkeypatch):
+    """The fused decode step against the path it replaces, on the same backend: qk_norm_rope's kernel, then
+    KVCache.set_kv (scales included) and the same attention kernels."""
+    from tests.gpu.test_moe_gpu import assert_close_rows
+    from tests.test_cuda_graph_runner import make_decode_batch, release
+
+    runner, _ = qwen3
+    fb, rows, loc = make_decode_batch(runner, 8, seed=400)
+    real = loc.to(runner.device)
+    try:
+        with torch.inference_mode():
+            fused = runner.forward_eager(fb).clone()
+            kv_fused = _stored_kv(runner, real)
+            monkeypatch.setattr(runner.attn_backend, "fuses_rotary", lambda fb: False)
+            unfused = runner.forward_eager(fb).clone()
+            kv_unfused = _stored_kv(runner, real)
+        assert_close_rows(fused, unfused)
+        for layer in (0, QWEN3_LAYERS):
+            torch.testing.assert_close(kv_fused[layer], kv_unfused[layer], **_kv_tol(runner))
+            # the same float32 arithmetic as qk_norm_rope's kernel: nearly bit-identical (a wrong weight, eps or
+            # scale changes nearly every value)
+            assert (kv_fused[layer] != kv_unfused[layer]).float().mean().item() < 0.1
+    finally:
+        release(runner, rows, fb)
+
+
+def test_qwen3_decode_graph_runs_one_norm_rope_store_kernel_per_layer(qwen3):
+    from tests.test_cuda_graph_runner import make_decode_batch, release
+
+    runner, graph_runner = qwen3
+    fb, rows, _ = make_decode_batch(runner, 1, seed=500)
+    try:
+        with torch.inference_mode():
+            graph_runner.replay(fb)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                graph_runner.replay(fb)
+                torch.cuda.synchronize()
+    finally:
+        release(runner, rows, fb)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not names:
+        pytest.skip("the profiler sees no CUDA kernels here (no CUPTI?)")
+    assert names.count("_rotary_store_kv_kernel") == QWEN3_LAYERS, sorted(set(names))
+    assert "_qk_norm_rope_kernel" not in names and "_store_kv_kernel" not in names, sorted(set(names))

@@ -7,6 +7,8 @@ Run: pytest -m gpu tests/gpu/test_fused_ops_gpu.py -s   (-s shows the timing lin
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ if not torch.cuda.is_available():
 
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.norm import RMSNorm
+from model_executor.layers.qk_norm_rope import qk_norm_rope
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.layers.rotary_store_kv import rotary_store_kv
 from model_executor.memory_pool import KVCache
@@ -28,10 +31,16 @@ BF16 = torch.bfloat16
 # (hidden, intermediate, num_heads, num_kv_heads, head_dim): Llama-3.2-1B, Llama-3.1-8B, SmolLM2-135M
 SHAPES = {"1b": (2048, 8192, 32, 8, 64), "8b": (4096, 14336, 32, 8, 128), "135m": (576, 1536, 9, 3, 64)}
 TOKENS = [1, 7, 300]
+# (num_heads, num_kv_heads, head_dim): Qwen3-30B-A3B, Qwen3-8B
+QWEN3_SHAPES = {"30b-a3b": (32, 4, 128), "8b": (32, 8, 128)}
+FP8 = torch.float8_e4m3fn
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192}
 # a rounding step of bfloat16 apart at most (float32 rounding order, exp): a tolerance of a few ulps
 LOOSE = {"atol": 2e-2, "rtol": 2e-2}
+# bf16 results against a float32 reference of q/k norms + rotary: three bf16 roundings (normalised, weighted,
+# rotated) of values up to ~6, where a bf16 step is 2**-5
+NATIVE_F32 = {"atol": 2**-4, "rtol": 2e-2}
 
 
 def randn(*shape, gen, dtype=BF16, scale=1.0):
@@ -163,6 +172,50 @@ def test_rotary_store_kv_bf16(shape, num_tokens):
     torch.testing.assert_close(pool.k_buffers[0][loc], nat_k, **LOOSE)
 
 
+@pytest.mark.parametrize("shape", QWEN3_SHAPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("pool_dtype", [BF16, FP8], ids=["bf16_pool", "fp8_pool"])
+def test_qk_norm_rotary_store_kv_bf16(shape, num_tokens, pool_dtype):
+    """Qwen3's decode kernel (per-head q/k norms, rotary, KV store) against what it replaces on CUDA:
+    qk_norm_rope's kernel, then KVCache.set_kv (an FP8 pool with scales other than 1); and the PyTorch path."""
+    num_heads, num_kv_heads, head_dim = QWEN3_SHAPES[shape]
+    gen = torch.Generator(device=DEV).manual_seed(num_tokens)
+    rope = make_rope(head_dim)
+    q_norm, k_norm = make_norm(head_dim, gen), make_norm(head_dim, gen)
+    scales = ([0.5], [2.0]) if pool_dtype == FP8 else ([1.0], [1.0])
+    pool, ref_pool = (KVCache(4096, 1, num_kv_heads, head_dim, pool_dtype, DEV, *scales) for _ in range(2))
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen, device=DEV))
+    ref_pool.k_buffers[0].copy_(pool.k_buffers[0])
+    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    q_ref, k_ref = q.clone(), k.clone()
+    positions = torch.randint(0, 131072, (num_tokens,), generator=gen, device=DEV)
+    loc = torch.randperm(4096, generator=gen, device=DEV)[:num_tokens] + 1
+    # the PyTorch path in float32 on the same bf16 inputs (a bf16 one rounds in other places: a few ulps off)
+    rope32, q_norm32, k_norm32 = (copy.deepcopy(m).float() for m in (rope, q_norm, k_norm))
+    nat_q, nat_k = rope32.forward_native(positions, q_norm32.forward_native(q.float()),
+                                         k_norm32.forward_native(k.float()))
+    qk_norm_rope(positions, q_ref, k_ref, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache)
+    ref_pool.set_kv(0, loc, k_ref, v)
+    rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc, *pool.get_scales(0),
+                    q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps)
+    # the same float32 arithmetic as qk_norm_rope's kernel: equal up to how each compiles the multiply-adds
+    assert mismatch_fraction(q, q_ref) < 0.01
+    torch.testing.assert_close(q, q_ref, **LOOSE)
+    torch.testing.assert_close(q.float(), nat_q, **NATIVE_F32)
+    k_buf, ref_k_buf = pool.k_buffers[0].float(), ref_pool.k_buffers[0].float()
+    v_buf, ref_v_buf = pool.v_buffers[0].float(), ref_pool.v_buffers[0].float()
+    # FP8: the reference divides in bf16 (exact here: powers of two) and casts from bf16, the kernel from
+    # float32: one FP8 step apart at most
+    tol = {"atol": 2**-6, "rtol": 0.13} if pool_dtype == FP8 else LOOSE
+    if pool_dtype == BF16:
+        assert mismatch_fraction(k_buf[loc], ref_k_buf[loc]) < 0.01 and torch.equal(v_buf, ref_v_buf)
+    torch.testing.assert_close(k_buf, ref_k_buf, **tol)  # (the whole pool: other slots untouched)
+    torch.testing.assert_close(v_buf, ref_v_buf, **tol)
+    k_scale = pool.get_scales(0)[0]
+    torch.testing.assert_close(k_buf[loc] * k_scale, nat_k, **(dict(NATIVE_F32, rtol=0.13) if pool_dtype == FP8
+                                                               else NATIVE_F32))
+
+
 def test_opcheck_cuda():
     gen = torch.Generator(device=DEV).manual_seed(0)
     x, res, w = randn(5, 576, gen=gen), randn(5, 576, gen=gen), randn(576, gen=gen)
@@ -202,6 +255,7 @@ def test_one_kernel_per_layer_call():
     q, k, v = make_qkv(4, num_heads, num_kv_heads, head_dim, gen)
     positions, loc = torch.arange(4, device=DEV), torch.arange(4, device=DEV) + 1
     gate_up = randn(4, 2 * inter, gen=gen)
+    qk_w = make_norm(head_dim, gen).weight
     calls = {
         "rmsnorm": lambda: norm(x),
         "fused_add_rmsnorm": lambda: norm(x, residual),
@@ -209,6 +263,8 @@ def test_one_kernel_per_layer_call():
         "silu_and_mul": lambda: act(gate_up),
         "set_kv": lambda: pool.set_kv(0, loc, k, v),
         "rotary_store_kv": lambda: rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc),
+        "rotary_store_kv+qk_norm": lambda: rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0),
+                                                           loc, q_norm_weight=qk_w, k_norm_weight=qk_w),
     }
     if not _kernels_launched(lambda: x.add(1)):
         pytest.skip("the profiler sees no CUDA kernels here (no CUPTI?)")
@@ -332,6 +388,35 @@ def _timing_pairs(shape, num_tokens, gen):
         "rot+set_kv": (lambda: rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc),
                        rotary_then_set_kv),
     }
+
+
+def _qwen3_timing_pair(num_tokens, gen):
+    """(fused call, the two kernels it replaces) on fresh inputs of Qwen3-30B-A3B's attention shape."""
+    num_heads, num_kv_heads, head_dim = QWEN3_SHAPES["30b-a3b"]
+    rope, q_norm, k_norm = make_rope(head_dim), make_norm(head_dim, gen), make_norm(head_dim, gen)
+    pool = KVCache(1024, 1, num_kv_heads, head_dim, BF16, DEV)
+    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    positions, loc = torch.arange(num_tokens, device=DEV), torch.arange(num_tokens, device=DEV) + 1
+
+    def fused():
+        rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc,
+                        q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps)
+
+    def two_kernels():
+        qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache)
+        pool.set_kv(0, loc, k, v)
+
+    return fused, two_kernels
+
+
+def test_report_qwen3_decode_timings():
+    """Qwen3-30B-A3B's decode step: q/k norms + rotary + KV store in one kernel vs qk_norm_rope then set_kv."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    print()
+    for num_tokens in (1, 64):
+        fused, two_kernels = _qwen3_timing_pair(num_tokens, gen)
+        print(f"qwen3-30b-a3b T={num_tokens:3d} qk_norm+rot+set_kv fused {_graph_us_per_call(fused):6.2f} us   "
+              f"qk_norm_rope then set_kv {_graph_us_per_call(two_kernels):6.2f} us  (per call, in a CUDA graph)")
 
 
 @pytest.mark.parametrize("shape", ["1b", "8b"])

@@ -22,7 +22,8 @@ class AttentionBackend(ABC):
 
     def fuses_rotary(self, fb: ForwardBatch) -> bool:
         """Whether forward() takes this batch's q and k unrotated, with their positions, and applies the
-        layer's rotary itself while it stores K/V (`rotary_store_kv`): one kernel instead of two."""
+        layer's rotary (and its q/k norms, layer.qk_norm) itself while it stores K/V (`rotary_store_kv`):
+        one kernel instead of two."""
         return False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
@@ -52,8 +53,8 @@ class AttentionBackend(ABC):
 
     def rotary_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         layer: RadixAttention, fb: ForwardBatch) -> None:
-        """q: [bs, Hq, D] rotated in place; k rotated and stored with v at fb.out_cache_loc (backends whose
-        fuses_rotary can be True)."""
+        """q: [bs, Hq, D] rotated in place; k rotated and stored with v at fb.out_cache_loc; both normalised
+        per head first where layer.qk_norm is set (backends whose fuses_rotary can be True)."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary into its KV store")
 
     @abstractmethod

@@ -1,9 +1,10 @@
 """RadixAttention: the model's attention layer; it holds the layer's shape and calls the backend.
 
-Given the model's RotaryEmbedding, it also applies the rotary: q and k come in unrotated. A backend that
-fuses the rotary into its KV store for the batch (AttentionBackend.fuses_rotary: triton, decode) gets
-them so, with the positions; everywhere else (other backends, extend batches, inside a piecewise pass)
-the rotary runs first, as its own op, and attention gets rotated q and k.
+Given the model's RotaryEmbedding, it also applies the rotary: q and k come in unrotated (and, given
+Qwen3's per-head q/k norms, unnormalised). A backend that fuses the rotary into its KV store for the batch
+(AttentionBackend.fuses_rotary: triton, decode) gets them so, with the positions, and applies the norms
+too; everywhere else (other backends, extend batches, inside a piecewise pass) the norms and the rotary
+run first, as their own op (qk_norm_rope.norm_and_rotate), and attention gets rotated q and k.
 
 While a piecewise extend pass runs (model_executor/layers/attention/forward_context.py), it calls the `duet::attention` op instead,
 which torch.compile sees as opaque and the piecewise runner splits the traced graph at; the op runs the
@@ -18,12 +19,14 @@ from torch import nn
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention import forward_context
 from model_executor.layers.attention.attention_op import unified_attention
+from model_executor.layers.norm import RMSNorm
+from model_executor.layers.qk_norm_rope import norm_and_rotate
 from model_executor.layers.rotary import RotaryEmbedding
 
 
 class RadixAttention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-                 rotary_emb: RotaryEmbedding | None = None):
+                 rotary_emb: RotaryEmbedding | None = None, qk_norm: tuple[RMSNorm, RMSNorm] | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -31,11 +34,16 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.rotary_emb = rotary_emb  # the model's shared table (a module registered here too, held once)
+        if qk_norm is not None and rotary_emb is None:
+            raise ValueError("q/k norms are applied with the rotary: give the rotary embedding too")
+        # (q_norm, k_norm): the model's modules, held in a tuple so that they are not registered here too
+        # (their parameters keep the checkpoint's names, under the model's attention module)
+        self.qk_norm = qk_norm
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, Hq*D], k, v: [T, Hk*D] -> [T, Hq*D]. With a rotary embedding, q and k are unrotated and
-        positions [T] is required."""
+        """q: [T, Hq*D], k, v: [T, Hk*D] -> [T, Hq*D]. With a rotary embedding, q and k are unrotated (and
+        unnormalised, with q/k norms) and positions [T] is required."""
         if self.rotary_emb is not None:
             if positions is None:
                 raise ValueError("this attention layer applies the rotary embedding: positions are required")
@@ -43,7 +51,8 @@ class RadixAttention(nn.Module):
             if not forward_context.is_active() and fb.attn_backend.fuses_rotary(fb):
                 return fb.attn_backend.forward(q, k, v, self, fb, positions=positions)
             t = q.shape[0]
-            q, k = self.rotary_emb(positions, q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim))
+            q, k = norm_and_rotate(positions, q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim),
+                                   self.rotary_emb, self.qk_norm)
             q, k = q.reshape(t, -1), k.reshape(t, -1)
         if forward_context.is_active():
             return unified_attention(q, k, v, self.layer_id)

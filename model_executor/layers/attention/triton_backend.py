@@ -2,7 +2,8 @@
 from device buffers, the split-KV workspace is allocated once at the largest batch).
 
 Decode batches get q and k unrotated (fuses_rotary): one kernel rotates q, and rotates k and stores it
-with v in the pool (model_executor/layers/rotary_store_kv.py), instead of the rotary and then the store.
+with v in the pool (model_executor/layers/rotary_store_kv.py), instead of the rotary and then the store;
+for Qwen3 the same kernel applies the per-head q/k norms first (instead of qk_norm_rope, then the store).
 
 The decode split count (triton_ops/decode_attention.py, decode_split_plan) is fixed per batch size by how
 many stage-1 programs fill the GPU, and drops to 1 (the single-stage kernel, no merge launch) for large
@@ -84,8 +85,12 @@ class TritonAttnBackend(AttentionBackend):
                         layer: RadixAttention, fb: ForwardBatch) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
         k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
+        # (one eps: q_norm and k_norm are built with the model's rms_norm_eps, as qk_norm_rope assumes too)
+        norms = {} if layer.qk_norm is None else {
+            "q_norm_weight": layer.qk_norm[0].weight, "k_norm_weight": layer.qk_norm[1].weight,
+            "norm_eps": layer.qk_norm[0].eps}
         rotary_store_kv(positions, q, k, v, layer.rotary_emb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc,
-                        k_scale, v_scale)
+                        k_scale, v_scale, **norms)
 
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
         if self._decode_splits is None or self._decode_splits[0] is not fb:

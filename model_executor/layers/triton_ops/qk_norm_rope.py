@@ -15,6 +15,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _head_rms_norm(x1, x2, w_ptr, d, d_mask, eps, dtype: tl.constexpr, HALF: tl.constexpr):
+    """x1, x2: the float32 halves [BLOCK_H, BLOCK_D] of heads -> each head normalised and weighted, rounded
+    as RMSNorm rounds (to dtype before the weight multiply and after it); float32 halves again. Lanes past
+    HALF must be zero (they add nothing to the sum)."""
+    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+    r = tl.rsqrt(var + eps)[:, None]
+    w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
 def _norm_rotate_heads(x_ptr, w_ptr, row_off, head_stride, num_heads, cos, sin, d, d_mask, eps,
                        HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
@@ -23,12 +37,7 @@ def _norm_rotate_heads(x_ptr, w_ptr, row_off, head_stride, num_heads, cos, sin, 
     dtype = x_ptr.dtype.element_ty
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
-    r = tl.rsqrt(var + eps)[:, None]
-    w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    y2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y1, y2 = _head_rms_norm(x1, x2, w_ptr, d, d_mask, eps, dtype, HALF)
     tl.store(x_ptr + offs, (y1 * cos[None, :] - y2 * sin[None, :]).to(dtype), mask=mask)
     tl.store(x_ptr + offs + HALF, (y2 * cos[None, :] + y1 * sin[None, :]).to(dtype), mask=mask)
 
