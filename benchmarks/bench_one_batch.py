@@ -106,6 +106,9 @@ def step_read_bytes(model: torch.nn.Module, bs: int) -> int:
     return total
 
 
+PREFILL_TOKENS = 16384  # the most prompt tokens prepare() puts in one extend
+
+
 def prepare(runner: ModelRunner, bs: int, input_len: int, steps: int, seed: int = 0):
     """Prefill bs random prompts; return the decode batches of the next `steps` tokens (slots pre-allocated)."""
     g = torch.Generator().manual_seed(seed)
@@ -115,15 +118,22 @@ def prepare(runner: ModelRunner, bs: int, input_len: int, steps: int, seed: int 
     for i, row in enumerate(rows):
         runner.req_to_token_pool.write(row, 0, loc[i * (input_len + steps) : (i + 1) * (input_len + steps)])
     ids = torch.randint(0, vocab, (bs * input_len,), generator=g).tolist()
-    prefill_loc = torch.cat([loc[i * (input_len + steps) : i * (input_len + steps) + input_len] for i in range(bs)])
-    fb = runner.build_batch(ForwardMode.EXTEND, ids, rows, [input_len] * bs, prefill_loc,
-                            extend_seq_lens=[input_len] * bs)
-    sync(runner.device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        runner.forward_eager(fb)
-    sync(runner.device)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
+    # A few requests per extend (at most PREFILL_TOKENS tokens, at least one request): a large batch of long
+    # prompts in one extend would need activations for all its tokens at once (bs 128 x 4k on an 8B: 30 GB).
+    per_extend = max(1, PREFILL_TOKENS // input_len)
+    prefill_ms = 0.0
+    for first in range(0, bs, per_extend):
+        group = range(first, min(bs, first + per_extend))
+        prefill_loc = torch.cat([loc[i * (input_len + steps) : i * (input_len + steps) + input_len] for i in group])
+        fb = runner.build_batch(ForwardMode.EXTEND, ids[first * input_len : group[-1] * input_len + input_len],
+                                [rows[i] for i in group], [input_len] * len(group), prefill_loc,
+                                extend_seq_lens=[input_len] * len(group))
+        sync(runner.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            runner.forward_eager(fb)
+        sync(runner.device)
+        prefill_ms += (time.perf_counter() - t0) * 1e3
     batches = []
     for t in range(steps):
         step_loc = torch.stack([loc[i * (input_len + steps) + input_len + t] for i in range(bs)])

@@ -1,0 +1,28 @@
+"""bench_one_batch's prefill in groups of requests (a large batch of long prompts in one extend runs out of
+GPU memory): the KV cache it leaves and the decode step after it equal those of one extend."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import bench_one_batch
+from runners.model_runner import ModelRunner, RunnerConfig
+
+
+def _prefilled(tiny_llama, prefill_tokens: int, monkeypatch):
+    monkeypatch.setattr(bench_one_batch, "PREFILL_TOKENS", prefill_tokens)
+    runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), max_running_requests=8, max_total_tokens=256,
+                                      disable_cuda_graph=True))
+    batches, _, (rows, loc) = bench_one_batch.prepare(runner, bs=5, input_len=8, steps=2)
+    with torch.inference_mode():
+        logits = runner.forward_eager(batches[0])
+    k = torch.stack([buf[loc.long()] for buf in runner.kv_cache.k_buffers + runner.kv_cache.v_buffers])
+    return k, logits
+
+
+def test_prefill_in_groups_equals_one_extend(tiny_llama, monkeypatch):
+    k_one, logits_one = _prefilled(tiny_llama, 1 << 20, monkeypatch)
+    k_groups, logits_groups = _prefilled(tiny_llama, 16, monkeypatch)  # 2 requests per extend, 3 extends
+    assert k_one.abs().sum() > 0
+    torch.testing.assert_close(k_groups, k_one, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits_groups, logits_one, rtol=1e-5, atol=1e-6)
