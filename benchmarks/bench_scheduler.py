@@ -15,7 +15,8 @@ apply, the sampler): "host" is the step without the latter.
 The step time includes the torch ops the scheduler runs on CPU tensors here (the stub's logits, argmax, the
 request-table write), which on a GPU are kernel launches: with several intra-op threads on a loaded machine
 they can dominate (OMP_NUM_THREADS=1 shows the Python work alone). --breakdown adds the median time of each
-phase of the step (schedule, build_batch, forward, sample, read, outputs; "other" is the rest of step()).
+phase of the step (schedule, build_batch, forward, sample, read, outputs; "other" is the rest of step()), and
+"host": the step without the phases marked (device).
 """
 
 from __future__ import annotations
