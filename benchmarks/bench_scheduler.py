@@ -2,18 +2,30 @@
 
     python -m benchmarks.bench_scheduler --running 256 --steps 50
     python -m benchmarks.bench_scheduler --running 256 --steps 50 --breakdown
+    python -m benchmarks.bench_scheduler --running 64 --overlap --json-schema-ratio 0.5 --breakdown
+
+--json-schema-ratio puts that share of the requests under bench_serving's json_schema (one unbounded string
+field) with the vocabulary of --vocab-shape (make_dummy_model's word-level tokenizer, 128,256 tokens for
+Llama-3.2-1B: the grammar compiler sees what the GPU server sees); the stub's logits then have that width and
+are random, so the grammars walk through the states a random model drives them to (--vocab-shape alone gives
+the plain run at the same width). The breakdown then also separates the grammar's phases (accept, fill, the
+mask upload) from the vocabulary-sized tensor work that is a kernel on a GPU (the stub forward, the mask's
+apply, the sampler): "host" is the step without the latter.
 
 The step time includes the torch ops the scheduler runs on CPU tensors here (the stub's logits, argmax, the
 request-table write), which on a GPU are kernel launches: with several intra-op threads on a loaded machine
 they can dominate (OMP_NUM_THREADS=1 shows the Python work alone). --breakdown adds the median time of each
-phase of the step (schedule, build_batch, forward, sample, read, outputs; "other" is the rest of step()).
+phase of the step (schedule, build_batch, forward, sample, read, outputs; "other" is the rest of step()), and
+"host": the step without the phases marked (device).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pickle
+import random
 import statistics
 import sys
 import tempfile
@@ -23,7 +35,10 @@ from pathlib import Path
 
 import torch
 
-from model_executor.sampling_params import SamplingParams
+from benchmarks.bench_serving import BENCH_JSON_SCHEMA
+from benchmarks.make_dummy_model import make_dummy_model
+from model_executor.configs import SHAPES
+from model_executor.sampling_params import GrammarSpec, SamplingParams
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.scheduler_process import _batch_out
@@ -31,6 +46,8 @@ from scheduler.scheduler_process import _batch_out
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "eos_token_id": 2}
+
+WARM_STEPS = 16
 
 
 def main(argv=None) -> int:
@@ -41,26 +58,41 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true", help="also time each phase of the step")
     p.add_argument("--overlap", action="store_true",
                    help="overlap scheduling (the server's default; off keeps the history's numbers comparable)")
+    p.add_argument("--json-schema-ratio", type=float, default=0.0,
+                   help="share of the requests under bench_serving's json_schema (needs a real vocabulary: "
+                        "--vocab-shape, default llama-3.2-1b then)")
+    p.add_argument("--vocab-shape", choices=SHAPES,
+                   help="use this model shape's vocabulary (make_dummy_model's tokenizer) with the tiny layers")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
-    folder = Path(tempfile.mkdtemp())
-    (folder / "config.json").write_text(json.dumps(TINY))
+    if not 0.0 <= args.json_schema_ratio <= 1.0:
+        p.error("--json-schema-ratio must be in [0, 1]")
+    if args.json_schema_ratio and args.vocab_shape is None:
+        args.vocab_shape = "llama-3.2-1b"
     n = args.running
+    folder, tokenizer = _model_folder(args.vocab_shape)
     runner = ModelRunner(RunnerConfig(model_path=str(folder), random_weights=True, max_running_requests=n,
-                                      max_total_tokens=n * (args.prompt_len + args.steps + 8)))
-    vocab = TINY["vocab_size"]
-
-    def stub_forward(fb):  # the scheduler's own work only: batch building, sampling, bookkeeping
-        return torch.zeros(fb.batch_size, vocab)
-
-    runner.forward = stub_forward
+                                      max_total_tokens=n * (args.prompt_len + args.steps + WARM_STEPS + 8)))
+    vocab = runner.model_config.vocab_size
+    runner.forward = _stub_forward(vocab, n, random_logits=args.vocab_shape is not None)
     sched = Scheduler(runner, SchedulerConfig(max_running_requests=n, max_prefill_tokens=n * args.prompt_len,
-                                              enable_overlap=args.overlap))
+                                              enable_overlap=args.overlap), tokenizer=tokenizer)
+    grammar = GrammarSpec("json_schema", json.dumps(BENCH_JSON_SCHEMA, sort_keys=True, separators=(",", ":")))
+    constrained = set(random.Random(0).sample(range(n), round(args.json_schema_ratio * n)))
+    ids = random.Random(1)
     for i in range(n):
-        sched.add_request(str(i), [3 + (i + j) % 300 for j in range(args.prompt_len)],
-                          SamplingParams(max_new_tokens=args.steps + 4, temperature=0.0, ignore_eos=True))
-    sched.step()  # one extend admits everyone
+        prompt = [3 + (i + j) % 300 for j in range(args.prompt_len)] if args.vocab_shape is None else \
+            [ids.randrange(100, vocab) for _ in range(args.prompt_len)]
+        sched.add_request(str(i), prompt, SamplingParams(max_new_tokens=args.steps + WARM_STEPS + 4, temperature=0.0,
+                                                         ignore_eos=True,
+                                                         grammar=grammar if i in constrained else None))
+    for _ in range(1000):  # the grammar compiles in a thread; then one extend admits everyone
+        if len(sched.running) == n:
+            break
+        sched.step()
     assert len(sched.running) == n, len(sched.running)
+    for _ in range(WARM_STEPS if args.vocab_shape is not None else 0):
+        sched.step()  # the constrained rows through the schema's fixed prefix ('{"text":"'), into the string
     phases = _time_phases(sched) if args.breakdown else None
     times, ipc = [], []
     for _ in range(args.steps):
@@ -79,7 +111,9 @@ def main(argv=None) -> int:
     result = {"running": n, "median_step_ms": round(statistics.median(times), 3),
               "p90_step_ms": round(sorted(times)[int(0.9 * len(times))], 3), "steps": args.steps,
               "median_ipc_pickle_ms": round(statistics.median(ipc), 3), "ipc_frame_bytes": len(frame),
-              "torch_threads": torch.get_num_threads(), "overlap": args.overlap}
+              "torch_threads": torch.get_num_threads(), "overlap": args.overlap, "vocab_size": vocab,
+              "json_schema_ratio": args.json_schema_ratio, "constrained_running": sum(
+                  r.grammar is not None for r in sched.running)}
     print(f"{n} running requests: scheduler step (forward stubbed) median {result['median_step_ms']} ms, "
           f"p90 {result['p90_step_ms']} ms over {args.steps} decode steps; pickling the step's output message "
           f"median {result['median_ipc_pickle_ms']} ms ({len(frame)} bytes)")
@@ -91,11 +125,46 @@ def main(argv=None) -> int:
     return 0
 
 
+def _model_folder(vocab_shape: str | None) -> tuple[Path, object]:
+    """The tiny model's folder and its tokenizer (None without a vocab shape: TINY's vocabulary has none)."""
+    folder = Path(tempfile.mkdtemp())
+    config = dict(TINY)
+    tokenizer = None
+    if vocab_shape is not None:
+        from transformers import AutoTokenizer
+
+        make_dummy_model(vocab_shape, folder)
+        shape = json.loads((folder / "config.json").read_text())
+        config.update(vocab_size=shape["vocab_size"], eos_token_id=shape["eos_token_id"])
+    (folder / "config.json").write_text(json.dumps(config))
+    if vocab_shape is not None:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    return folder, tokenizer
+
+
+def _stub_forward(vocab: int, max_bs: int, random_logits: bool):
+    """The scheduler's own work only: batch building, sampling, bookkeeping. random_logits: rows of random
+    logits (a few precomputed tables, taken in turn: drawing them each step would dwarf the step), so greedy
+    sampling picks varied tokens, as a random model does."""
+    if not random_logits:
+        return lambda fb: torch.zeros(fb.batch_size, vocab)
+    g = torch.Generator().manual_seed(0)
+    tables = [torch.randn(max_bs, vocab, generator=g) for _ in range(4)]
+    step = itertools.count()
+
+    def forward(fb):
+        # A fresh tensor each step, as the model's: the grammar mask is applied to it in place.
+        return tables[next(step) % len(tables)][: fb.batch_size].clone()
+
+    return forward
+
+
 class _PhaseTimes:
     """Time spent in wrapped methods, per step; a wrapped call made inside another counts for its own phase
     only (it is taken out of the caller's)."""
 
-    def __init__(self):
+    def __init__(self, device_phases: tuple[str, ...] = ()):
+        self.device_phases = device_phases
         self.steps: list[dict[str, float]] = []
         self.current: dict[str, float] = defaultdict(float)
         self.stack: list[str] = []
@@ -124,6 +193,7 @@ class _PhaseTimes:
         step = dict(self.current)
         step["other"] = total_ms - sum(step.values())
         step["total"] = total_ms
+        step["host"] = total_ms - sum(step.get(k, 0.0) for k in self.device_phases)
         self.steps.append(step)
 
     def medians(self) -> dict[str, float]:
@@ -132,14 +202,20 @@ class _PhaseTimes:
 
 
 def _time_phases(sched: Scheduler) -> _PhaseTimes:
-    """Phases of a decode step (the nested ones are subtracted from the phase that calls them)."""
-    t = _PhaseTimes()
+    """Phases of a decode step (the nested ones are subtracted from the phase that calls them). Those marked
+    (device) are vocabulary-sized tensor work on the CPU here, kernels on a GPU: "host" leaves them out."""
+    t = _PhaseTimes(device_phases=("forward (device)", "sampler (device)", "apply (device)"))
     t.wrap(sched, "_make_room_for_decode", "schedule")
     t.wrap(sched.runner, "build_batch", "build_batch")
-    t.wrap(sched.runner, "forward", "forward")
+    t.wrap(sched.runner, "forward", "forward (device)")
     t.wrap(sched, "_sample", "sample")
+    t.wrap(sched.runner, "sample", "sampler (device)")
     t.wrap(sched, "_append_sampled", "read")
     t.wrap(sched, "_collect_outputs", "outputs")
+    t.wrap(sched.grammars, "fill_masks", "grammar fill")
+    t.wrap(sched.grammars, "apply_filled", "grammar upload")
+    t.wrap(sched.grammars, "reapply", "apply (device)")
+    t.wrap(sched.grammars, "accept", "grammar accept")
     return t
 
 

@@ -97,6 +97,7 @@ class GrammarManager:
         self.vocab_size = vocab_size
         self.queue: list = []  # requests waiting for their grammar
         self._bitmask: torch.Tensor | None = None
+        self._filled_rows: set[int] = set()  # rows of the host mask a grammar filled (the others: all bits set)
         self._device_mask: torch.Tensor | None = None  # the last applied mask, on the logits' device
 
     def __len__(self) -> int:
@@ -155,7 +156,13 @@ class GrammarManager:
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if rows:
             bitmask = self._get_bitmask(len(reqs))
-            bitmask[: len(reqs)].fill_(-1)  # all bits set: rows without a grammar stay as they are
+            # Rows without a grammar must have all bits set. A fill overwrites its whole row, so only the rows a
+            # grammar filled earlier and none fills now are set back, one at a time: one memset of the whole
+            # mask (vocab-sized rows) is split by torch over its intra-op threads (a GPU host's cores), whose
+            # wake-ups and barrier on a busy host cost milliseconds a step (docs/benchmarks.md, issue 16).
+            for i in self._filled_rows.difference(rows):
+                bitmask[i].fill_(-1)
+            self._filled_rows = set(rows)
             # One matcher at a time (32 rows take ~0.2 ms): xgrammar's BatchGrammarMatcher measured no better on
             # the H200 host (docs/benchmarks.md, 2026-12-01).
             for i in rows:
@@ -185,8 +192,9 @@ class GrammarManager:
     def _get_bitmask(self, bs: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < bs:
             size = max(bs, 2 * (0 if self._bitmask is None else self._bitmask.shape[0]), 8)
-            bitmask = self.compilers.xgr.allocate_token_bitmask(size, self.vocab_size)
+            bitmask = self.compilers.xgr.allocate_token_bitmask(size, self.vocab_size)  # all bits set
             self._bitmask = bitmask.pin_memory() if torch.cuda.is_available() else bitmask
+            self._filled_rows = set()
         return self._bitmask
 
     def accept(self, req, token: int) -> FinishReason | None:

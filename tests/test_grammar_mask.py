@@ -100,3 +100,36 @@ def test_several_constrained_rows_each_get_their_own_grammar():
     before = logits.clone()
     manager.apply_mask(logits, [plain, plain, plain, other])
     torch.testing.assert_close(logits[:3], before[:3])
+
+
+def test_the_host_mask_is_never_reset_as_a_whole():
+    """Each host-side torch op of fill_masks covers at most one mask row: a memset of the whole [bs, vocab/32]
+    mask is split over torch's intra-op threads, which on a busy GPU host cost milliseconds a step (issue 16).
+    A steady batch resets nothing; a row whose grammar left is reset alone (and holds every token again)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.numels.append((str(func), out.numel()))
+            return out
+
+    vocab_size = 2000
+    pool, _ = synthetic_pool(vocab_size)
+    manager = GrammarManager(lambda: pool, vocab_size)
+    a, b = make_req(manager, GrammarSpec("regex", r"ab+")), make_req(manager, GrammarSpec("regex", r"ba+"))
+    plain = Req("p", [1], a.params.__class__())
+    manager.fill_masks([a, plain, b, plain])  # the first call allocates the buffer
+    row = manager._bitmask.shape[1]
+    with Record() as steady:
+        manager.fill_masks([a, plain, b, plain])
+    assert steady.numels == []
+    with Record() as changed:
+        rows = manager.fill_masks([plain, plain, b, plain])  # a's grammar left row 0
+    assert rows == [2] and changed.numels and max(n for _, n in changed.numels) <= row, changed.numels
+    assert bool((manager._bitmask[[0, 1, 3]] == -1).all())
