@@ -12,7 +12,7 @@ It reports delivered output tokens/s, CPU seconds per 1,000 output tokens of eac
 stand-in scheduler, client), each process's CPU use as a share of one core, and the text events per token
 the client received (below 1 when tokens that queued in the HTTP process were sent as one event). With
 --repeat N it runs N times (one server) and reports medians. --profile DIR runs the HTTP and detokenizer
-processes under py-spy (if installed) and writes their flame graphs there.
+processes and the client under py-spy and writes their collapsed stacks there.
 
 The model folder defaults to make_dummy_model's tokenizer for --shape (what bench_overlap serves on the GPU).
 """
@@ -181,6 +181,8 @@ def one_run(port: int, pids: dict[str, int], vocab: int, args) -> dict:
            "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
            "--max-concurrency", str(args.streams), "--seed", "0", "--disable-tqdm", "--num-warmups", "1"]
+    if args.http_client:
+        cli += ["--http-client", args.http_client]
     res = bench_serving.run_benchmark(bench_serving.build_parser().parse_args(cli))
     res = asyncio.run(res)
     cpu = {name: _cpu_s(pid) - before[name] for name, pid in pids.items()}
@@ -224,8 +226,9 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--step-ms", type=float, default=1.65, help="the stand-in scheduler's step interval")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--http-client", choices=("raw", "httpx"), help="bench_serving's --http-client (default: its own)")
     p.add_argument("--port", type=int, default=30300)
-    p.add_argument("--profile", type=Path, help="py-spy the HTTP and detokenizer processes into this folder")
+    p.add_argument("--profile", type=Path, help="py-spy the HTTP, detokenizer and client processes into this folder")
     p.add_argument("--label", default=None)
     p.add_argument("--out", type=Path, help="write the JSON here")
     args = p.parse_args(argv)
@@ -241,9 +244,10 @@ def main(argv=None) -> int:
         pids = {name: int(info[f"{name}_pid"]) for name in PROCESSES}
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
-            for name in ("http", "detokenizer"):
+            for name, pid in (("http", pids["http"]), ("detokenizer", pids["detokenizer"]),
+                              ("client", os.getpid())):
                 spies.append(subprocess.Popen(
-                    ["py-spy", "record", "--pid", str(pids[name]), "--rate", "200", "--format", "raw",
+                    ["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
                      "-o", str(args.profile / f"{name}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
             time.sleep(1.0)
         runs = []
@@ -259,7 +263,7 @@ def main(argv=None) -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     med = _median_run(runs)
-    result = {"label": args.label, "shape": args.shape, "streams": args.streams, "num_prompts": args.num_prompts,
+    result = {"label": args.label, "http_client": args.http_client, "shape": args.shape, "streams": args.streams, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "step_ms": args.step_ms,
               "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
               "optional_speedups": {m: importlib.util.find_spec(m) is not None for m in OPTIONAL_SPEEDUPS},

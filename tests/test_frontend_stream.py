@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import zmq
 
 from model_executor.sampling_params import SamplingParams
 from server.ipc import BatchStrOut, FinishReason, IpcPaths, PromptLogprobs, bind_pull
 from server.metrics import ServerMetrics
+from server.serving_common import ChoiceChunks, sse
 from server.tokenizer_manager import GenRequest, TokenizerManager, _coalesce, _Fragment
 
 
@@ -62,3 +64,19 @@ def test_coalesced_fragments_keep_the_prompt_logprobs_of_the_first_output():
     first = _Fragment(" a", [7], None, None, 3, 1, 0, prompt_logprobs=lps)
     (merged,) = _coalesce([(st, first), (st, _Fragment(" b", [8], None, None, 3, 2, 0))])
     assert (merged[1].text, merged[1].prompt_logprobs) == (" a b", lps)
+
+
+@pytest.mark.parametrize("fields", [
+    {"text": "plain", "logprobs": None, "finish_reason": None},
+    {"text": 'quote " back\\slash \n newline \u2028 é 😀 \x00', "logprobs": None, "finish_reason": "stop"},
+    {"text": "", "logprobs": {"tokens": ["a", "é"], "token_logprobs": [-0.5, float("-inf")],
+                              "top_logprobs": [{"a": -0.5}, None], "text_offset": [0, 1]}, "finish_reason": "length"},
+    {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+    {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1}"}}]},
+     "logprobs": {"content": []}, "finish_reason": "tool_calls"},
+])
+def test_choice_chunks_write_exactly_what_sse_of_the_dict_writes(fields):
+    chunks = ChoiceChunks('cmpl-"1"', "text_completion", 1700000000, "my/model é")
+    expected = sse({"id": 'cmpl-"1"', "object": "text_completion", "created": 1700000000, "model": "my/model é",
+                    "choices": [{"index": 3, **fields}], "usage": None})
+    assert chunks(3, fields) == expected
