@@ -138,6 +138,35 @@ def _coalesce(items: list[tuple]) -> list[tuple]:
     return out
 
 
+class _Inbox:
+    """The (state, item) pairs the read loop hands one generate() call, taken all at once.
+
+    It is filled once per request per engine step: a list and a future to wake the consumer cost much less
+    than asyncio.Queue's bookkeeping (its unfinished-task count and Event on every put)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get_all(self) -> list:
+        """Everything put since the last call, in order; waits while there is nothing."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
 _FATAL = object()  # queued to every request when the engine died
 _ZERO_TOKENS = object()  # queued for max_tokens == 0: finished without asking the scheduler
 
@@ -147,7 +176,7 @@ class _ReqState:
     rid: str
     index: int
     params: SamplingParams
-    queue: asyncio.Queue
+    queue: _Inbox
     prompt_tokens: int
     created: float
     text: str = ""
@@ -383,7 +412,7 @@ class TokenizerManager:
         error, cancellation) aborts the requests still running. A dead engine raises ApiError(503).
         """
         self.check_alive()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _Inbox()
         now = time.monotonic()
         states = [_ReqState(rid=f"{rid}-{i}", index=i, params=r.params, queue=queue,
                             prompt_tokens=len(r.input_ids), created=now) for i, r in enumerate(reqs)]
@@ -410,10 +439,8 @@ class TokenizerManager:
                                                                                params=params))
             remaining = len(states)
             while remaining:
-                items = [await queue.get()]
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                for st, item in _coalesce(items):
+                items = await queue.get_all()
+                for st, item in _coalesce(items) if len(items) > 1 else items:
                     if st.done:
                         continue
                     chunk = self._apply(st, item)
