@@ -588,8 +588,9 @@ class RawConnection:
                 yield data[:-2]
         elif "content-length" in fields:
             yield await reader.readexactly(int(fields["content-length"]))
-        else:
-            yield await reader.read()
+        else:  # delimited by the server closing the connection
+            while data := await reader.read(1 << 16):
+                yield data
             keep = False
         if not keep:
             await self.aclose()
