@@ -151,7 +151,9 @@ def main(argv=None) -> int:
         finally:
             stop(proc)
         result[name] = {"c1_median_tpot_ms": c1["median_tpot_ms"], "c64_output_tok_s": c64["output_throughput"],
-                        "c64_median_tpot_ms": c64["median_tpot_ms"]}
+                        "c64_median_tpot_ms": c64["median_tpot_ms"],
+                        "c64_chunks_per_token": c64.get("text_chunks_per_output_token"),
+                        "c64_client_cpu_util": c64.get("client_cpu_util")}
         if args.json_schema_ratio:
             result[name].update({
                 "json_schema_ratio": args.json_schema_ratio,

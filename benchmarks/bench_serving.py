@@ -939,6 +939,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "server_scheduler_info": server_info.get("scheduler_info"),
     }
     result.update(metrics)
+    # Text events per output token: 1 when the server streams every token as its own event, less when tokens
+    # that queued in the server went out together (ITL is per event, as in vLLM's bench; TPOT per token).
+    result["text_chunks_per_output_token"] = sum(len(r.chunk_times) for r in records if r.success) / max(
+        1, metrics["total_output_tokens"])
     print(format_result_table(result, percentiles))
     if result["client_cpu_util"] > CLIENT_CPU_WARN:
         print(

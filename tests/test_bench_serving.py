@@ -381,6 +381,7 @@ def test_end_to_end_against_fake_server(tokenizer_dir, tmp_path, capsys, client)
     assert 1 <= on_disk["max_concurrent_requests"] <= 4
     # Each stream has max_tokens text chunks -> max_tokens - 1 ITLs per successful request.
     assert sum(len(x) for x in on_disk["itls"]) == sum(m - 1 for m in ok_out)
+    assert on_disk["text_chunks_per_output_token"] == 1.0  # the fake server sends one event per token
     assert on_disk["p50_ttft_ms"] == pytest.approx(on_disk["median_ttft_ms"])
 
 
