@@ -40,11 +40,11 @@ ITL_CONFIGS = {"alternate": [], "mixed_chunk": ["--enable-mixed-chunk"]}
 
 
 def serving(port: int, vocab: int, prompts: int, concurrency: int, input_len: int, output_len: int,
-            label: str, out: Path, extra: tuple[str, ...] = ()) -> dict:
+            label: str, out: Path, extra: tuple[str, ...] = (), http_client: str = "raw") -> dict:
     args = [*extra, "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", "none", "--vocab-size", str(vocab),
             "--num-prompts", str(prompts), "--random-input-len", str(input_len), "--random-output-len",
             str(output_len), "--random-range-ratio", "0", "--max-concurrency", str(concurrency), "--seed", "0",
-            "--label", label, "--disable-tqdm", "--output-file", str(out)]
+            "--label", label, "--disable-tqdm", "--output-file", str(out), "--http-client", http_client]
     bench_serving.main(args)
     return json.loads(out.read_text())
 
@@ -116,6 +116,8 @@ def main(argv=None) -> int:
                    "checkout (e.g. the code before overlap scheduling), labelled 'baseline'")
     p.add_argument("--json-schema-ratio", type=float, default=0.0,
                    help="also run each config's C=1 and C=64 with this share of json_schema requests (issue 16)")
+    p.add_argument("--http-client", choices=("raw", "httpx"), default="raw",
+                   help="bench_serving's client (httpx: the client of the measurements before it had raw)")
     p.add_argument("--port", type=int, default=30200)
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra launch_server flags (last)")
     p.add_argument("--out", type=Path, required=True)
@@ -123,7 +125,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     folder = make_dummy_model(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    result: dict = {"shape": args.shape, "input_len": args.input_len, "output_len": args.output_len}
+    result: dict = {"shape": args.shape, "input_len": args.input_len, "output_len": args.output_len,
+                    "http_client": args.http_client}
     if args.one_batch:
         one = args.out / "one_batch.json"
         subprocess.run([sys.executable, "-m", "benchmarks.bench_one_batch", "--model", args.shape, "--batch-size",
@@ -136,19 +139,21 @@ def main(argv=None) -> int:
         proc = start_server(folder, args.port, flags + args.server_args, args.out / f"server_{name}.log", cwd)
         try:
             c1 = serving(args.port, vocab, args.c1_prompts, 1, args.input_len, args.output_len, f"{name}_c1",
-                         args.out / f"{name}_c1.json")
+                         args.out / f"{name}_c1.json", http_client=args.http_client)
             c64 = serving(args.port, vocab, args.c64_prompts, 64, args.input_len, args.output_len, f"{name}_c64",
-                          args.out / f"{name}_c64.json")
+                          args.out / f"{name}_c64.json", http_client=args.http_client)
             if args.json_schema_ratio:
                 schema = ("--json-schema-ratio", str(args.json_schema_ratio))
                 c1j = serving(args.port, vocab, args.c1_prompts, 1, args.input_len, args.output_len,
-                              f"{name}_c1_json", args.out / f"{name}_c1_json.json", schema)
+                              f"{name}_c1_json", args.out / f"{name}_c1_json.json", schema, http_client=args.http_client)
                 c64j = serving(args.port, vocab, args.c64_prompts, 64, args.input_len, args.output_len,
-                               f"{name}_c64_json", args.out / f"{name}_c64_json.json", schema)
+                               f"{name}_c64_json", args.out / f"{name}_c64_json.json", schema, http_client=args.http_client)
         finally:
             stop(proc)
         result[name] = {"c1_median_tpot_ms": c1["median_tpot_ms"], "c64_output_tok_s": c64["output_throughput"],
-                        "c64_median_tpot_ms": c64["median_tpot_ms"]}
+                        "c64_median_tpot_ms": c64["median_tpot_ms"],
+                        "c64_chunks_per_token": c64.get("text_chunks_per_output_token"),
+                        "c64_client_cpu_util": c64.get("client_cpu_util")}
         if args.json_schema_ratio:
             result[name].update({
                 "json_schema_ratio": args.json_schema_ratio,

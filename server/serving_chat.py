@@ -31,6 +31,7 @@ from server.reasoning_parser import ReasoningStream
 from server.serving_common import (
     SSE_DONE,
     SSE_HEADERS,
+    ChoiceChunks,
     ServingContext,
     UsageTracker,
     chat_logprobs,
@@ -261,11 +262,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         async def stream() -> AsyncIterator[str]:
             usage = UsageTracker(n, 1)
 
+            chunks = ChoiceChunks(rid, "chat.completion.chunk", created, model)
+
             def chunk(index: int, delta: dict, logprobs=None, finish=None) -> str:
-                return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "choices": [{"index": index, "delta": delta,
-                                                         "logprobs": logprobs, "finish_reason": finish}],
-                            "usage": None})
+                return chunks(index, {"delta": delta, "logprobs": logprobs, "finish_reason": finish})
             try:
                 for i in range(n):
                     yield chunk(i, {"role": "assistant", "content": ""})

@@ -15,6 +15,7 @@ from server.protocol_convert import build_params, check_n, choices_params, logit
 from server.serving_common import (
     SSE_DONE,
     SSE_HEADERS,
+    ChoiceChunks,
     ServingContext,
     UsageTracker,
     check_stream_options,
@@ -99,10 +100,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
             usage = UsageTracker(n, len(prompts))
             offsets = [len(e) for e in echoes] if echoes else [0] * len(gen)
 
+            chunks = ChoiceChunks(rid, "text_completion", created, model)
+
             def chunk(index: int, text: str, logprobs=None, finish=None) -> str:
-                return sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": finish}], "usage": None})
+                return chunks(index, {"text": text, "logprobs": logprobs, "finish_reason": finish})
             # echo with logprobs: the prompt goes out with its logprobs, which come with the first output.
             pending_echo = set(range(len(gen))) if echo_lp else set()
             try:

@@ -53,6 +53,8 @@ CONTROL_TIMEOUT_S = 10.0
 # Texts longer than this are tokenized in a worker thread: the Rust tokenizer releases the GIL, so a
 # megabytes-long prompt (seconds of work) no longer stalls every other stream on the event loop.
 THREAD_TOKENIZE_CHARS = 32 * 1024
+# Engine messages read in one wake-up of the read loop at most, so that a flood cannot starve the streams.
+MAX_MESSAGES_PER_WAKE = 256
 
 
 # apply_chat_template arguments that chat_template_kwargs must not replace.
@@ -108,8 +110,10 @@ class _Fragment:
         the counts and finish of the later one."""
         logprobs = None if self.logprobs is None and later.logprobs is None else \
             [*(self.logprobs or []), *(later.logprobs or [])]
+        # Prompt logprobs come with a request's first output only: the earlier fragment's, if any.
         return _Fragment(self.text + later.text, self.token_ids + later.token_ids, logprobs, later.finish,
-                         later.prompt_tokens, later.completion_tokens, later.cached_tokens)
+                         later.prompt_tokens, later.completion_tokens, later.cached_tokens,
+                         self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 def _coalesce(items: list[tuple]) -> list[tuple]:
@@ -134,6 +138,35 @@ def _coalesce(items: list[tuple]) -> list[tuple]:
     return out
 
 
+class _Inbox:
+    """The (state, item) pairs the read loop hands one generate() call, taken all at once.
+
+    It is filled once per request per engine step: a list and a future to wake the consumer cost much less
+    than asyncio.Queue's bookkeeping (its unfinished-task count and Event on every put)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get_all(self) -> list:
+        """Everything put since the last call, in order; waits while there is nothing."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
 _FATAL = object()  # queued to every request when the engine died
 _ZERO_TOKENS = object()  # queued for max_tokens == 0: finished without asking the scheduler
 
@@ -143,7 +176,7 @@ class _ReqState:
     rid: str
     index: int
     params: SamplingParams
-    queue: asyncio.Queue
+    queue: _Inbox
     prompt_tokens: int
     created: float
     text: str = ""
@@ -234,6 +267,8 @@ class TokenizerManager:
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._pull = bind_pull(self._ctx, self.ipc.http_input)
+        # The same socket, blocking API: drains what else is queued without a trip through the event loop.
+        self._pull_now = zmq.Socket.shadow(self._pull.underlying)
         self._push = connect_push(self._ctx, self.ipc.scheduler_input)
         for d in range(1, self.router.size if self.router else 1):
             self._replica_pushes[d] = connect_push(self._ctx, self.ipc.scheduler_input_of(d))
@@ -377,7 +412,7 @@ class TokenizerManager:
         error, cancellation) aborts the requests still running. A dead engine raises ApiError(503).
         """
         self.check_alive()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _Inbox()
         now = time.monotonic()
         states = [_ReqState(rid=f"{rid}-{i}", index=i, params=r.params, queue=queue,
                             prompt_tokens=len(r.input_ids), created=now) for i, r in enumerate(reqs)]
@@ -404,10 +439,8 @@ class TokenizerManager:
                                                                                params=params))
             remaining = len(states)
             while remaining:
-                items = [await queue.get()]
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                for st, item in _coalesce(items):
+                items = await queue.get_all()
+                for st, item in _coalesce(items) if len(items) > 1 else items:
                     if st.done:
                         continue
                     chunk = self._apply(st, item)
@@ -547,20 +580,34 @@ class TokenizerManager:
     async def _read_loop(self) -> None:
         while True:
             try:
-                msg = await self._pull.recv_pyobj()
+                msgs = [await self._pull.recv_pyobj()]
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("cannot read a message from the engine")
                 continue
-            if isinstance(msg, BatchStrOut):
-                self._dispatch(msg)
-            elif isinstance(msg, ControlReply):
-                fut = self._controls.get(msg.rid)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            else:
-                logger.warning("ignoring unexpected message %s", type(msg).__name__)
+            # Every message already queued is dispatched before any stream runs: a stream that fell behind
+            # then finds all its new tokens at once and sends them as one event (see _coalesce), instead
+            # of one event per engine step, each behind one more trip through the event loop.
+            while len(msgs) < MAX_MESSAGES_PER_WAKE:
+                try:
+                    msgs.append(self._pull_now.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                except Exception:
+                    logger.exception("cannot read a message from the engine")
+            for msg in msgs:
+                self._handle_message(msg)
+
+    def _handle_message(self, msg) -> None:
+        if isinstance(msg, BatchStrOut):
+            self._dispatch(msg)
+        elif isinstance(msg, ControlReply):
+            fut = self._controls.get(msg.rid)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        else:
+            logger.warning("ignoring unexpected message %s", type(msg).__name__)
 
     def _dispatch(self, out: BatchStrOut) -> None:
         for i, rid in enumerate(out.rids):

@@ -307,7 +307,8 @@ def _check_result(res: dict, num_prompts: int):
     assert res["request_throughput"] == pytest.approx(res["completed"] / res["duration"])
 
 
-def test_end_to_end_against_fake_server(tokenizer_dir, tmp_path, capsys):
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+def test_end_to_end_against_fake_server(tokenizer_dir, tmp_path, capsys, client):
     out = tmp_path / "res.json"
     n = 12
     # Request 1 is the warm-up; request 3 gets HTTP 500, request 6 breaks mid-stream.
@@ -341,6 +342,8 @@ def test_end_to_end_against_fake_server(tokenizer_dir, tmp_path, capsys):
                 "50,99",
                 "--label",
                 "fake",
+                "--http-client",
+                client,
             ]
         )
         bodies, auth, max_in_flight = srv.bodies, srv.auth, srv.max_in_flight
@@ -378,6 +381,7 @@ def test_end_to_end_against_fake_server(tokenizer_dir, tmp_path, capsys):
     assert 1 <= on_disk["max_concurrent_requests"] <= 4
     # Each stream has max_tokens text chunks -> max_tokens - 1 ITLs per successful request.
     assert sum(len(x) for x in on_disk["itls"]) == sum(m - 1 for m in ok_out)
+    assert on_disk["text_chunks_per_output_token"] == 1.0  # the fake server sends one event per token
     assert on_disk["p50_ttft_ms"] == pytest.approx(on_disk["median_ttft_ms"])
 
 

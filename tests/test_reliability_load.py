@@ -20,6 +20,7 @@ receives anything for STALL_S, not after a fixed time, so a busy machine slows t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -80,7 +81,7 @@ def server(model_dir):
 def make_request(rng: random.Random, vocab: int, disconnects: bool) -> dict:
     kind = rng.choice(["completions", "completions_ids", "chat", "generate"])
     max_tokens = rng.randint(1, MAX_TOKENS)
-    n_words = int(round(2 ** rng.uniform(0, 7)))  # 1 .. 128 words, log-uniform
+    n_words = round(2 ** rng.uniform(0, 7))  # 1 .. 128 words, log-uniform
     text = " ".join(rng.choice(WORDS) for _ in range(n_words))
     if rng.random() < 0.3:
         text = SHARED_PREFIX + " " + text
@@ -122,7 +123,10 @@ def check_events(req: dict, events: list[dict]) -> None:
         last = events[-1]
         assert last["meta_info"]["finish_reason"]["type"] == "length", last["meta_info"]
         assert last["meta_info"]["completion_tokens"] == n and len(last["output_ids"]) == n
-        assert len(events) == n  # one event per step with new token ids
+        # Every event brings new token ids (output_ids is cumulative): one per step, or fewer events when tokens
+        # that queued while the HTTP process was busy went out together.
+        lens = [len(e["output_ids"]) for e in events]
+        assert 0 < lens[0] and all(a < b for a, b in itertools.pairwise(lens)), lens
         if req["logprobs"]:
             assert len(last["meta_info"]["output_token_logprobs"]) == n
         return
@@ -134,14 +138,12 @@ def check_events(req: dict, events: list[dict]) -> None:
     if kind == "chat":
         assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
         chunks = chunks[1:]
+    assert 1 <= len(chunks) <= n  # fewer than n when tokens that queued went out together
     if req["logprobs"]:
-        assert len(chunks) == n, (len(chunks), n)
         if kind == "chat":
             assert sum(len(c["choices"][0]["logprobs"]["content"]) for c in chunks) == n
         else:
             assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == n
-    else:
-        assert 1 <= len(chunks) <= n
 
 
 async def run_one(client: httpx.AsyncClient, url: str, req: dict, progress: dict) -> str:

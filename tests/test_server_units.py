@@ -11,7 +11,7 @@ from server.detokenizer import IncrementalDetokenizer, load_tokenizer
 from server.ipc import AbortReq, BatchStrOut, BatchTokenOut, FinishReason
 from server.metrics import ServerMetrics
 from server.protocol import ApiError
-from server.tokenizer_manager import TokenizerManager, _Fragment, _ReqState
+from server.tokenizer_manager import TokenizerManager, _Fragment, _Inbox, _ReqState
 from tests.fake_scheduler import server_model_dir
 
 TEXTS = [
@@ -157,7 +157,7 @@ def _manager() -> TokenizerManager:
 
 def _run(tm, deltas, stop, finish_last=None, min_tokens=0):
     params = SamplingParams(max_new_tokens=100, stop=tuple(stop), min_new_tokens=min_tokens)
-    st = _ReqState(rid="r-0", index=0, params=params, queue=asyncio.Queue(), prompt_tokens=3, created=0.0)
+    st = _ReqState(rid="r-0", index=0, params=params, queue=_Inbox(), prompt_tokens=3, created=0.0)
     tm._reqs[st.rid] = st
     chunks = []
     for i, d in enumerate(deltas):
