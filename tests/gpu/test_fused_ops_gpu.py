@@ -1,8 +1,8 @@
 """The fused Triton ops on a CUDA device, in bfloat16 at serving shapes: against the plain PyTorch path (the
-layers' forward_native), one kernel per layer call, CUDA-graph capture and replay, and (printed, not
-asserted) per-call times inside a graph, fused vs PyTorch.
+layers' forward_native), one kernel per layer call, CUDA-graph capture and replay. Their timings are
+benchmarks/bench_fused_ops.py's (which also builds the inputs used here).
 
-Run: pytest -m gpu tests/gpu/test_fused_ops_gpu.py -s   (-s shows the timing lines)
+Run: pytest -m gpu tests/gpu/test_fused_ops_gpu.py
 """
 
 from __future__ import annotations
@@ -17,53 +17,21 @@ if not torch.cuda.is_available():
     # tests/test_fused_ops.py from switching on the interpreter in the same process.
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from benchmarks.bench_fused_ops import BF16, DEV, QWEN3_SHAPES, SHAPES, make_norm, make_qkv, make_rope, randn
 from model_executor.layers.activation import SiluAndMul
-from model_executor.layers.norm import RMSNorm
 from model_executor.layers.qk_norm_rope import qk_norm_rope
-from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.layers.rotary_store_kv import rotary_store_kv
 from model_executor.memory_pool import KVCache
 
 pytestmark = pytest.mark.gpu
 
-DEV = "cuda"
-BF16 = torch.bfloat16
-# (hidden, intermediate, num_heads, num_kv_heads, head_dim): Llama-3.2-1B, Llama-3.1-8B, SmolLM2-135M
-SHAPES = {"1b": (2048, 8192, 32, 8, 64), "8b": (4096, 14336, 32, 8, 128), "135m": (576, 1536, 9, 3, 64)}
 TOKENS = [1, 7, 300]
-# (num_heads, num_kv_heads, head_dim): Qwen3-30B-A3B, Qwen3-8B
-QWEN3_SHAPES = {"30b-a3b": (32, 4, 128), "8b": (32, 8, 128)}
 FP8 = torch.float8_e4m3fn
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192}
 # a rounding step of bfloat16 apart at most (float32 rounding order, exp): a tolerance of a few ulps
 LOOSE = {"atol": 2e-2, "rtol": 2e-2}
 # bf16 results against a float32 reference of q/k norms + rotary: three bf16 roundings (normalised, weighted,
 # rotated) of values up to ~6, where a bf16 step is 2**-5
 NATIVE_F32 = {"atol": 2**-4, "rtol": 2e-2}
-
-
-def randn(*shape, gen, dtype=BF16, scale=1.0):
-    return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
-
-
-def make_norm(hidden, gen):
-    norm = RMSNorm(hidden, 1e-5).to(DEV)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(hidden, generator=gen, device=DEV) * 0.4 + 0.8)
-    return norm.to(BF16)
-
-
-def make_rope(head_dim):
-    # the model casts every floating buffer to the serving dtype (build_model's model.to(dtype)): so do we
-    return RotaryEmbedding(head_dim, 131072, 500000.0, LLAMA3_SCALING).to(DEV, BF16)
-
-
-def make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen):
-    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, gen=gen)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-            v.view(num_tokens, num_kv_heads, head_dim))
 
 
 def mismatch_fraction(a, b):
@@ -344,86 +312,3 @@ def test_cuda_graph_replay(shape, num_tokens):
         torch.testing.assert_close(q_fused, q, **LOOSE)  # the fused decode rotary + store, in the same graph
         torch.testing.assert_close(fused_pool.k_buffers[0][loc_new], k, **LOOSE)
         assert torch.equal(fused_pool.v_buffers[0][loc_new], v)
-
-
-# ---------------------------------------------------------------- timings (printed)
-
-
-def _graph_us_per_call(fn, calls=32, replays=50) -> float:
-    graph, _ = _capture(lambda: [fn() for _ in range(calls)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
-
-
-def _timing_pairs(shape, num_tokens, gen):
-    """{name: (fused call, PyTorch call)} on fresh inputs of one shape."""
-    hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES[shape]
-    norm, rope, act = make_norm(hidden, gen), make_rope(head_dim), SiluAndMul()
-    pool = KVCache(1024, 1, num_kv_heads, head_dim, BF16, DEV)
-    x, residual = randn(num_tokens, hidden, gen=gen), randn(num_tokens, hidden, gen=gen)
-    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
-    positions, loc = torch.arange(num_tokens, device=DEV), torch.arange(num_tokens, device=DEV) + 1
-    gate_up = randn(num_tokens, 2 * inter, gen=gen)
-
-    def native_set_kv():
-        pool.k_buffers[0][loc] = k.to(BF16)
-        pool.v_buffers[0][loc] = v.to(BF16)
-
-    def rotary_then_set_kv():
-        rope(positions, q, k)
-        pool.set_kv(0, loc, k, v)
-
-    return {
-        "add+rmsnorm": (lambda: norm(x, residual), lambda: norm.forward_native(x, residual)),
-        "rotary": (lambda: rope(positions, q, k), lambda: rope.forward_native(positions, q, k)),
-        "silu_and_mul": (lambda: act(gate_up), lambda: act.forward_native(gate_up)),
-        "set_kv": (lambda: pool.set_kv(0, loc, k, v), native_set_kv),
-        # the decode rotary + store kernel against the two fused ops it replaces (not PyTorch)
-        "rot+set_kv": (lambda: rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc),
-                       rotary_then_set_kv),
-    }
-
-
-def _qwen3_timing_pair(num_tokens, gen):
-    """(fused call, the two kernels it replaces) on fresh inputs of Qwen3-30B-A3B's attention shape."""
-    num_heads, num_kv_heads, head_dim = QWEN3_SHAPES["30b-a3b"]
-    rope, q_norm, k_norm = make_rope(head_dim), make_norm(head_dim, gen), make_norm(head_dim, gen)
-    pool = KVCache(1024, 1, num_kv_heads, head_dim, BF16, DEV)
-    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
-    positions, loc = torch.arange(num_tokens, device=DEV), torch.arange(num_tokens, device=DEV) + 1
-
-    def fused():
-        rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc,
-                        q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps)
-
-    def two_kernels():
-        qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache)
-        pool.set_kv(0, loc, k, v)
-
-    return fused, two_kernels
-
-
-def test_report_qwen3_decode_timings():
-    """Qwen3-30B-A3B's decode step: q/k norms + rotary + KV store in one kernel vs qk_norm_rope then set_kv."""
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    print()
-    for num_tokens in (1, 64):
-        fused, two_kernels = _qwen3_timing_pair(num_tokens, gen)
-        print(f"qwen3-30b-a3b T={num_tokens:3d} qk_norm+rot+set_kv fused {_graph_us_per_call(fused):6.2f} us   "
-              f"qk_norm_rope then set_kv {_graph_us_per_call(two_kernels):6.2f} us  (per call, in a CUDA graph)")
-
-
-@pytest.mark.parametrize("shape", ["1b", "8b"])
-def test_report_timings(shape):
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    print()
-    for num_tokens in (1, 64):
-        for name, (fused, native) in _timing_pairs(shape, num_tokens, gen).items():
-            print(f"{shape} T={num_tokens:3d} {name:13s} fused {_graph_us_per_call(fused):6.2f} us   "
-                  f"pytorch {_graph_us_per_call(native):6.2f} us  (per call, inside a CUDA graph)")

@@ -1,0 +1,157 @@
+"""bench_fused_ops: the fused Triton ops of a decode layer against what they replace, per call inside a CUDA
+graph (was two print-only GPU tests).
+
+    python -m benchmarks.bench_fused_ops --json out.json
+    python -m benchmarks.bench_fused_ops --shapes 8b qwen3-30b-a3b --tokens 1
+
+For each shape and token count: add+RMSNorm, rotary, SiLU-and-mul and the KV store against their PyTorch
+forward_native; the decode rotary + KV store kernel against the rotary kernel then the store kernel; for Qwen3
+shapes, q/k RMSNorm + rotary + KV store in one kernel against qk_norm_rope then the store. Each call is
+repeated CALLS times in one graph (no launch overhead, as in the decode graphs). Prints a table, writes JSON.
+The builders are shared with tests/gpu/test_fused_ops_gpu.py (bf16 at serving shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.tune_small_m_gemm import time_calls
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+CALLS = 32
+# (hidden, intermediate, num_heads, num_kv_heads, head_dim): Llama-3.2-1B, Llama-3.1-8B, SmolLM2-135M
+SHAPES = {"1b": (2048, 8192, 32, 8, 64), "8b": (4096, 14336, 32, 8, 128), "135m": (576, 1536, 9, 3, 64)}
+# (num_heads, num_kv_heads, head_dim): Qwen3-30B-A3B, Qwen3-8B
+QWEN3_SHAPES = {"30b-a3b": (32, 4, 128), "8b": (32, 8, 128)}
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def randn(*shape, gen, dtype=BF16, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
+
+
+def make_norm(hidden, gen):
+    from model_executor.layers.norm import RMSNorm
+
+    norm = RMSNorm(hidden, 1e-5).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=gen, device=DEV) * 0.4 + 0.8)
+    return norm.to(BF16)
+
+
+def make_rope(head_dim):
+    from model_executor.layers.rotary import RotaryEmbedding
+
+    # the model casts every floating buffer to the serving dtype (build_model's model.to(dtype)): so do we
+    return RotaryEmbedding(head_dim, 131072, 500000.0, LLAMA3_SCALING).to(DEV, BF16)
+
+
+def make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen):
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, gen=gen)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+def llama_pairs(shape, num_tokens, gen) -> dict:
+    """{op: (fused call, what it replaces)} on fresh inputs of a Llama shape."""
+    from model_executor.layers.activation import SiluAndMul
+    from model_executor.layers.rotary_store_kv import rotary_store_kv
+    from model_executor.memory_pool import KVCache
+
+    hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    norm, rope, act = make_norm(hidden, gen), make_rope(head_dim), SiluAndMul()
+    pool = KVCache(1024, 1, num_kv_heads, head_dim, BF16, DEV)
+    x, residual = randn(num_tokens, hidden, gen=gen), randn(num_tokens, hidden, gen=gen)
+    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    positions, loc = torch.arange(num_tokens, device=DEV), torch.arange(num_tokens, device=DEV) + 1
+    gate_up = randn(num_tokens, 2 * inter, gen=gen)
+
+    def native_set_kv():
+        pool.k_buffers[0][loc] = k.to(BF16)
+        pool.v_buffers[0][loc] = v.to(BF16)
+
+    def rotary_then_set_kv():
+        rope(positions, q, k)
+        pool.set_kv(0, loc, k, v)
+
+    return {
+        "add+rmsnorm vs pytorch": (lambda: norm(x, residual), lambda: norm.forward_native(x, residual)),
+        "rotary vs pytorch": (lambda: rope(positions, q, k), lambda: rope.forward_native(positions, q, k)),
+        "silu_and_mul vs pytorch": (lambda: act(gate_up), lambda: act.forward_native(gate_up)),
+        "set_kv vs pytorch": (lambda: pool.set_kv(0, loc, k, v), native_set_kv),
+        "rot+set_kv vs rotary, set_kv": (
+            lambda: rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc),
+            rotary_then_set_kv),
+    }
+
+
+def qwen3_pairs(shape, num_tokens, gen) -> dict:
+    """{op: (fused call, the two kernels it replaces)} on fresh inputs of a Qwen3 attention shape."""
+    from model_executor.layers.qk_norm_rope import qk_norm_rope
+    from model_executor.layers.rotary_store_kv import rotary_store_kv
+    from model_executor.memory_pool import KVCache
+
+    num_heads, num_kv_heads, head_dim = QWEN3_SHAPES[shape]
+    rope, q_norm, k_norm = make_rope(head_dim), make_norm(head_dim, gen), make_norm(head_dim, gen)
+    pool = KVCache(1024, 1, num_kv_heads, head_dim, BF16, DEV)
+    q, k, v = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    positions, loc = torch.arange(num_tokens, device=DEV), torch.arange(num_tokens, device=DEV) + 1
+
+    def fused():
+        rotary_store_kv(positions, q, k, v, rope.cos_sin_cache, *pool.get_kv(0), loc,
+                        q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps)
+
+    def two_kernels():
+        qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache)
+        pool.set_kv(0, loc, k, v)
+
+    return {"qk_norm+rot+set_kv vs qk_norm_rope, set_kv": (fused, two_kernels)}
+
+
+def parse_shape(text: str) -> str:
+    names = [*SHAPES, *(f"qwen3-{s}" for s in QWEN3_SHAPES)]
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"unknown shape {text!r}: one of {', '.join(names)}")
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_fused_ops", description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=parse_shape, nargs="+", default=["1b", "8b", "qwen3-30b-a3b"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--json", dest="json_out")
+    args = p.parse_args(argv)
+    if any(t < 1 for t in args.tokens):
+        p.error("--tokens must be positive")
+    if not torch.cuda.is_available():
+        print("bench_fused_ops: needs a CUDA device (the kernels are timed inside CUDA graphs)", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, bf16, {CALLS} calls per graph, us per call")
+    print(f"{'shape':>14} {'T':>4}  {'op':<42} {'fused us':>9} {'other us':>9} {'speed-up':>8}")
+    for shape in args.shapes:
+        for num_tokens in args.tokens:
+            pairs = (qwen3_pairs(shape.removeprefix("qwen3-"), num_tokens, gen) if shape.startswith("qwen3-")
+                     else llama_pairs(shape, num_tokens, gen))
+            for op, (fused, other) in pairs.items():
+                fused_us, other_us = time_calls([fused] * CALLS), time_calls([other] * CALLS)
+                rows.append({"shape": shape, "tokens": num_tokens, "op": op, "fused_us": round(fused_us, 2),
+                             "other_us": round(other_us, 2)})
+                print(f"{shape:>14} {num_tokens:>4}  {op:<42} {fused_us:>9.2f} {other_us:>9.2f} "
+                      f"{other_us / fused_us:>7.2f}x")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
