@@ -50,6 +50,9 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
 WARM_STEPS = 16
 
 
+ADMIT_TIMEOUT_S = 300  # the requests' admission, the grammar's compilation included
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_scheduler", description=__doc__.splitlines()[0])
     p.add_argument("--running", type=int, default=256)
@@ -86,11 +89,13 @@ def main(argv=None) -> int:
         sched.add_request(str(i), prompt, SamplingParams(max_new_tokens=args.steps + WARM_STEPS + 4, temperature=0.0,
                                                          ignore_eos=True,
                                                          grammar=grammar if i in constrained else None))
-    for _ in range(1000):  # the grammar compiles in a thread; then one extend admits everyone
-        if len(sched.running) == n:
-            break
-        sched.step()
-    assert len(sched.running) == n, len(sched.running)
+    deadline = time.monotonic() + ADMIT_TIMEOUT_S
+    while len(sched.running) < n and time.monotonic() < deadline:
+        sched.step()  # the grammar compiles in a thread (seconds on a loaded machine); then extends admit everyone
+        if len(sched.running) < n:
+            time.sleep(0.01)
+    if len(sched.running) < n:
+        raise RuntimeError(f"only {len(sched.running)} of {n} requests admitted in {ADMIT_TIMEOUT_S} s")
     for _ in range(WARM_STEPS if args.vocab_shape is not None else 0):
         sched.step()  # the constrained rows through the schema's fixed prefix ('{"text":"'), into the string
     phases = _time_phases(sched) if args.breakdown else None
