@@ -23,3 +23,4 @@ def test_refuses_without_cuda(monkeypatch, capsys):
     assert bf.main([]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "needs a CUDA device" in err
+

@@ -13,7 +13,7 @@ def _prefilled(tiny_llama, prefill_tokens: int, monkeypatch):
     monkeypatch.setattr(bench_one_batch, "PREFILL_TOKENS", prefill_tokens)
     runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), max_running_requests=8, max_total_tokens=256,
                                       disable_cuda_graph=True))
-    batches, _, (rows, loc) = bench_one_batch.prepare(runner, bs=5, input_len=8, steps=2)
+    batches, _, (_rows, loc) = bench_one_batch.prepare(runner, bs=5, input_len=8, steps=2)
     with torch.inference_mode():
         logits = runner.forward_eager(batches[0])
     k = torch.stack([buf[loc.long()] for buf in runner.kv_cache.k_buffers + runner.kv_cache.v_buffers])
