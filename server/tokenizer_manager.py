@@ -594,8 +594,9 @@ class TokenizerManager:
                     msgs.append(self._pull_now.recv_pyobj(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                except Exception:
+                except Exception:  # the next await reports a lasting fault; do not spin on it here
                     logger.exception("cannot read a message from the engine")
+                    break
             for msg in msgs:
                 self._handle_message(msg)
 

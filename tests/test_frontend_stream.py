@@ -58,6 +58,50 @@ def test_messages_queued_while_the_loop_was_busy_reach_a_stream_as_one_chunk():
     assert [(c.text, c.token_ids, c.finish and c.finish.kind) for c in chunks] == [(" a b c", [7, 8, 9], "length")]
 
 
+class _Spin(BaseException):
+    """Raised by the fake socket once the read loop has retried it too often (ends the loop, fails the test)."""
+
+
+def test_a_failing_drain_does_not_spin_the_read_loop():
+    """A non-EAGAIN error from the non-blocking drain (e.g. a closed socket) ends that drain: the loop goes back
+    to awaiting the engine instead of retrying the broken read forever inside one wake-up."""
+    ipc = IpcPaths.create()
+    ctx = zmq.Context()
+    calls = []
+
+    def broken_recv(*args):
+        calls.append(args)
+        if len(calls) > 50:
+            raise _Spin()
+        raise RuntimeError("socket gone")
+
+    try:
+        scheduler = bind_pull(ctx, ipc.scheduler_input)
+        engine = ctx.socket(zmq.PUSH)
+        engine.connect(ipc.http_input)
+
+        async def main():
+            tm = TokenizerManager(_Tok(), ipc, {"context_len": 64, "num_kv_slots": 1000, "vocab_size": 100},
+                                  ServerMetrics())
+            await tm.start()
+            tm._pull_now.recv_pyobj = broken_recv
+            try:
+                gen = tm.generate([GenRequest([1, 2, 3], SamplingParams(max_new_tokens=1))], "c")
+                first = asyncio.ensure_future(gen.__anext__())
+                await asyncio.sleep(0.05)
+                rid = scheduler.recv_pyobj().rid
+                engine.send_pyobj(_out(rid, " a", 7, 1, FinishReason("length")))
+                return await asyncio.wait_for(first, 5)
+            finally:
+                await tm.stop()
+
+        chunk = asyncio.run(main())
+    finally:
+        ctx.destroy(linger=0)
+        ipc.remove()
+    assert chunk.text == " a" and len(calls) == 1
+
+
 def test_coalesced_fragments_keep_the_prompt_logprobs_of_the_first_output():
     st = object()
     lps = PromptLogprobs(first=1, token_ids=[5, 6], logprobs=[-1.0, -2.0], ranks=[1, 2])

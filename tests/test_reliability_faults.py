@@ -113,7 +113,9 @@ def start_loaded_server(model_dir):
         for c in clients:  # streams have sent data; the engine is busy decoding
             if c.kind.endswith("stream"):
                 assert c.first_data.wait(120)
-        wait_until(lambda: server_info(srv.url)["stats"]["num_running"] >= N_CLIENTS // 2, 60, "decoding")
+        # stats is null when the scheduler does not answer within /server_info's 3 s (a loaded machine): not yet
+        wait_until(lambda: (server_info(srv.url)["stats"] or {}).get("num_running", 0) >= N_CLIENTS // 2, 60,
+                   "decoding")
         tree = process_tree(srv.proc.pid)
         assert len(tree) >= 3, tree  # launcher, scheduler, detokenizer (and multiprocessing's resource tracker)
         return srv, info, clients, tree, ipc_folder(srv.proc.pid)
