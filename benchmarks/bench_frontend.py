@@ -148,7 +148,7 @@ def _get_json(url: str) -> dict:
 
 def start_server(model: Path, port: int, max_running: int, step_ms: float, log: Path,
                  profile_dir: Path | None) -> subprocess.Popen:
-    import httpx
+    from benchmarks.serving_sweep import wait_healthy
 
     cmd = [sys.executable, "-m", "benchmarks.bench_frontend", "--serve", "--model-path", str(model),
            "--port", str(port), "--device", "cpu", "--load-format", "dummy", "--max-running-requests", str(max_running),
@@ -158,18 +158,7 @@ def start_server(model: Path, port: int, max_running: int, step_ms: float, log: 
         env["DUET_FRONTEND_PROFILE_DIR"] = str(profile_dir)
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parent.parent)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
+    return wait_healthy(proc, port, log, 180)
 
 
 def one_run(port: int, pids: dict[str, int], vocab: int, args) -> dict:

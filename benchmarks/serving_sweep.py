@@ -33,7 +33,12 @@ def start_server(folder: Path, port: int, extra: list[str], log: Path, cwd: Path
     cmd = [sys.executable, "-m", "server.launch_server", "--model-path", str(folder), "--load-format", "dummy",
            "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=cwd)
-    deadline = time.monotonic() + 600
+    return wait_healthy(proc, port, log, 600)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout_s: float) -> subprocess.Popen:
+    """proc once its /health answers 200; an exit (with the log's tail) or the timeout raises."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-2000:]}")
@@ -42,7 +47,7 @@ def start_server(folder: Path, port: int, extra: list[str], log: Path, cwd: Path
                 return proc
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not become healthy")
 

@@ -26,7 +26,9 @@ def _out(rid: str, text: str, token: int, n: int, finish=None) -> BatchStrOut:
                        prompt_tokens=[3], completion_tokens=[n], cached_tokens=[0], logprobs=[])
 
 
-def test_messages_queued_while_the_loop_was_busy_reach_a_stream_as_one_chunk():
+def _run_with_engine(script):
+    """script(tm, scheduler, engine) against a started TokenizerManager: `scheduler` receives what it sends to
+    the engine, `engine` sends it engine messages. Returns the script's result."""
     ipc = IpcPaths.create()
     ctx = zmq.Context()
     try:
@@ -39,22 +41,29 @@ def test_messages_queued_while_the_loop_was_busy_reach_a_stream_as_one_chunk():
                                   ServerMetrics())
             await tm.start()
             try:
-                gen = tm.generate([GenRequest([1, 2, 3], SamplingParams(max_new_tokens=3))], "c")
-                first = asyncio.ensure_future(gen.__anext__())
-                await asyncio.sleep(0.05)  # the request is sent; the stream waits for output
-                rid = scheduler.recv_pyobj().rid
-                engine.send_pyobj(_out(rid, " a", 7, 1))
-                engine.send_pyobj(_out(rid, " b", 8, 2))
-                engine.send_pyobj(_out(rid, " c", 9, 3, FinishReason("length")))
-                time.sleep(0.3)  # noqa: ASYNC251 - the event loop is kept busy while all three arrive
-                return [await first] + [c async for c in gen]
+                return await script(tm, scheduler, engine)
             finally:
                 await tm.stop()
 
-        chunks = asyncio.run(main())
+        return asyncio.run(main())
     finally:
         ctx.destroy(linger=0)
         ipc.remove()
+
+
+def test_messages_queued_while_the_loop_was_busy_reach_a_stream_as_one_chunk():
+    async def script(tm, scheduler, engine):
+        gen = tm.generate([GenRequest([1, 2, 3], SamplingParams(max_new_tokens=3))], "c")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)  # the request is sent; the stream waits for output
+        rid = scheduler.recv_pyobj().rid
+        engine.send_pyobj(_out(rid, " a", 7, 1))
+        engine.send_pyobj(_out(rid, " b", 8, 2))
+        engine.send_pyobj(_out(rid, " c", 9, 3, FinishReason("length")))
+        time.sleep(0.3)  # noqa: ASYNC251 - the event loop is kept busy while all three arrive
+        return [await first] + [c async for c in gen]
+
+    chunks = _run_with_engine(script)
     assert [(c.text, c.token_ids, c.finish and c.finish.kind) for c in chunks] == [(" a b c", [7, 8, 9], "length")]
 
 
@@ -65,8 +74,6 @@ class _Spin(BaseException):
 def test_a_failing_drain_does_not_spin_the_read_loop():
     """A non-EAGAIN error from the non-blocking drain (e.g. a closed socket) ends that drain: the loop goes back
     to awaiting the engine instead of retrying the broken read forever inside one wake-up."""
-    ipc = IpcPaths.create()
-    ctx = zmq.Context()
     calls = []
 
     def broken_recv(*args):
@@ -75,30 +82,16 @@ def test_a_failing_drain_does_not_spin_the_read_loop():
             raise _Spin()
         raise RuntimeError("socket gone")
 
-    try:
-        scheduler = bind_pull(ctx, ipc.scheduler_input)
-        engine = ctx.socket(zmq.PUSH)
-        engine.connect(ipc.http_input)
+    async def script(tm, scheduler, engine):
+        tm._pull_now.recv_pyobj = broken_recv
+        gen = tm.generate([GenRequest([1, 2, 3], SamplingParams(max_new_tokens=1))], "c")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        rid = scheduler.recv_pyobj().rid
+        engine.send_pyobj(_out(rid, " a", 7, 1, FinishReason("length")))
+        return await asyncio.wait_for(first, 5)
 
-        async def main():
-            tm = TokenizerManager(_Tok(), ipc, {"context_len": 64, "num_kv_slots": 1000, "vocab_size": 100},
-                                  ServerMetrics())
-            await tm.start()
-            tm._pull_now.recv_pyobj = broken_recv
-            try:
-                gen = tm.generate([GenRequest([1, 2, 3], SamplingParams(max_new_tokens=1))], "c")
-                first = asyncio.ensure_future(gen.__anext__())
-                await asyncio.sleep(0.05)
-                rid = scheduler.recv_pyobj().rid
-                engine.send_pyobj(_out(rid, " a", 7, 1, FinishReason("length")))
-                return await asyncio.wait_for(first, 5)
-            finally:
-                await tm.stop()
-
-        chunk = asyncio.run(main())
-    finally:
-        ctx.destroy(linger=0)
-        ipc.remove()
+    chunk = _run_with_engine(script)
     assert chunk.text == " a" and len(calls) == 1
 
 
