@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 # Temperatures below this are treated as greedy: dividing by them overflows float32, and the
 # tempered distribution is indistinguishable from argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Temperatures above this are clamped to it: the tempered distribution is already uniform over the allowed
+# tokens, and beyond float32's range the temperature became inf, which turns every banned (-inf) logit into
+# NaN, which argmax prefers: a grammar's or min_tokens' banned token came out (token 0, issue 16's fuzz 500).
+MAX_TEMPERATURE = 1e30
 
 # Batches whose random rows all use top-k with k at most this sample among their k best tokens (no sort).
 TOP_K_FIRST_MAX = 1024
@@ -118,7 +122,7 @@ class SamplingBatchInfo:
             if vocab_size is not None:
                 k = min(k, vocab_size)
             greedy.append(g)
-            temps.append(1.0 if g else float(p.temperature))
+            temps.append(1.0 if g else min(float(p.temperature), MAX_TEMPERATURE))
             top_ps.append(float(p.top_p))
             top_ks.append(k)
             min_ps.append(float(p.min_p))

@@ -423,6 +423,9 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
          "top_logprobs_num"),
         # ---- numbers at the edges
         ("temperature 1e308", C, dict(cmpl, temperature=1e308), {200}, None),
+        # Regression: inf in the sampler's float32 made every banned logit NaN, which argmax prefers: the
+        # grammar rejected the sampled token 0 (a 500).
+        ("temperature 1e308 with a regex", C, dict(cmpl, temperature=1e308, regex="(yes|no)"), {200}, None),
         ("top_k beyond int64", C, dict(cmpl, top_k=2**70, temperature=1.0), {200}, None),
         ("seed -2**63", C, dict(cmpl, seed=-(2**63), temperature=1.0), {200}, None),
         ("seed 2**63", C, dict(cmpl, seed=2**63, temperature=1.0), {400}, "seed"),
