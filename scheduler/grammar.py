@@ -42,6 +42,12 @@ class GrammarError(RuntimeError):
     """A grammar that cannot be compiled or a token the grammar rejected."""
 
 
+class GrammarDeadEnd(GrammarError):
+    """The request's grammar admits no token at all from where the output stands: its language is empty from
+    here (a regex or schema pattern that matches nothing). The request cannot be completed as asked: a client
+    error, not a server one."""
+
+
 class GrammarCompilerPool:
     """info: an xgrammar TokenizerInfo (see `for_tokenizer`) covering the model's whole vocabulary."""
 
@@ -202,10 +208,21 @@ class GrammarManager:
         if req.grammar is None:
             return None
         if not req.grammar.accept_token(token):
+            if self._allows_nothing(req.grammar):
+                raise GrammarDeadEnd(
+                    f"the {req.params.grammar.kind} constraint admits no token after {len(req.output_ids) - 1} "
+                    "generated tokens: the language it describes is empty from there (e.g. a regex or a schema "
+                    "pattern that matches nothing)")
             raise GrammarError(f"the grammar rejected the sampled token {token}")
         if req.grammar.is_terminated():
             return FinishReason("stop", matched=token)
         return None
+
+    def _allows_nothing(self, matcher) -> bool:
+        """Whether the matcher's next-token mask is empty (only on the error path: a fresh one-row mask)."""
+        mask = self.compilers.xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask, 0)
+        return not bool(mask.any())
 
     def release(self, req) -> None:
         req.grammar = None

@@ -37,7 +37,7 @@ from model_executor.sampler import HostSample
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
 from scheduler.batch_facts import BatchFacts
-from scheduler.grammar import GrammarCompilerPool, GrammarManager
+from scheduler.grammar import GrammarCompilerPool, GrammarDeadEnd, GrammarManager
 from scheduler.policy import order_waiting
 from scheduler.prompt_logprobs import LaunchedPromptLogprobs, plan_prompt_logprobs
 from scheduler.radix_cache import RadixCache
@@ -550,6 +550,8 @@ class Scheduler:
                 if reason is None and (token in req.stop_ids or req.params.stop
                                        or len(req.output_ids) >= req.max_output):
                     reason = self._check_stop(req, token)
+            except GrammarDeadEnd as exc:  # the request's own grammar cannot go on: a client error
+                reason = FinishReason("invalid", message=str(exc))
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer failing on this request's output
                 self._fail(req, exc)
                 continue

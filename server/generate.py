@@ -69,7 +69,7 @@ def _generate_ids(model_path: str, ids: list[int], params: SamplingParams, devic
         while scheduler.has_work():  # every rank takes the same steps: same request, rank 0's sampled tokens
             for o in scheduler.step():
                 out.extend(o.new_token_ids)
-                if o.finish_reason is not None and o.finish_reason.kind == "error":
+                if o.finish_reason is not None and o.finish_reason.kind in ("error", "invalid"):
                     raise SystemExit(f"error: {o.finish_reason.message}")
     finally:
         ps.destroy_tensor_parallel()

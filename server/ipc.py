@@ -47,9 +47,9 @@ class GetStatsReq:
 
 @dataclass
 class FinishReason:
-    kind: str  # "stop" | "length" | "abort" | "error"
+    kind: str  # "stop" | "length" | "abort" | "error" | "invalid" (the request cannot be done as asked: HTTP 400)
     matched: int | str | None = None  # the stop token id or stop string that ended the request
-    message: str | None = None  # for "error" and "abort"
+    message: str | None = None  # for "error", "invalid" and "abort"
 
     @property
     def openai_reason(self) -> str:

@@ -489,6 +489,8 @@ class TokenizerManager:
         if finish is not None and finish.kind == "error":
             raise ApiError(500, f"generation failed: {finish.message or 'internal error'}",
                            type="InternalServerError")
+        if finish is not None and finish.kind == "invalid":
+            raise ApiError(400, finish.message or "the request cannot be completed as asked")
         st.text += frag.text
         stops = st.params.stop
         if stops:
