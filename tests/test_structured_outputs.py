@@ -234,7 +234,7 @@ def test_noop_fields_are_accepted(server, client, model):
 def test_a_grammar_that_leads_nowhere_is_a_400(server):
     """A valid grammar whose language is empty after a prefix (xgrammar's mask allows "a", then nothing): the
     request cannot be completed as asked, a 400 naming the constraint (was a 500, "rejected token 0")."""
-    r = httpx.post(f"{server.url}/v1/completions", json=dict(prompt="x", max_tokens=8, temperature=0,
-                                                             regex=r"a[^\s\S]"), timeout=60)
+    body = {"prompt": "x", "max_tokens": 8, "temperature": 0, "regex": r"a[^\s\S]"}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert "regex constraint admits no token after 1 generated tokens" in r.json()["error"]["message"]
