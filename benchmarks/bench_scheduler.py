@@ -48,8 +48,6 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "eos_token_id": 2}
 
 WARM_STEPS = 16
-
-
 ADMIT_TIMEOUT_S = 300  # the requests' admission, the grammar's compilation included
 
 
@@ -133,18 +131,16 @@ def main(argv=None) -> int:
 def _model_folder(vocab_shape: str | None) -> tuple[Path, object]:
     """The tiny model's folder and its tokenizer (None without a vocab shape: TINY's vocabulary has none)."""
     folder = Path(tempfile.mkdtemp())
-    config = dict(TINY)
-    tokenizer = None
-    if vocab_shape is not None:
-        from transformers import AutoTokenizer
+    if vocab_shape is None:
+        (folder / "config.json").write_text(json.dumps(TINY))
+        return folder, None
+    from transformers import AutoTokenizer
 
-        make_dummy_model(vocab_shape, folder)
-        shape = json.loads((folder / "config.json").read_text())
-        config.update(vocab_size=shape["vocab_size"], eos_token_id=shape["eos_token_id"])
-    (folder / "config.json").write_text(json.dumps(config))
-    if vocab_shape is not None:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    return folder, tokenizer
+    make_dummy_model(vocab_shape, folder)  # the shape's tokenizer; its config keeps only vocab and EOS
+    shape = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(
+        dict(TINY, vocab_size=shape["vocab_size"], eos_token_id=shape["eos_token_id"])))
+    return folder, AutoTokenizer.from_pretrained(folder)
 
 
 def _stub_forward(vocab: int, max_bs: int, random_logits: bool):
