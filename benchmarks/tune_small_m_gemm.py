@@ -153,11 +153,20 @@ def tile_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
 
 
 def gemv_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
-    """(BLOCK_N, BLOCK_K) of the one-row GEMV configs: narrow column tiles over long K tiles."""
+    """(BLOCK_N, BLOCK_K) of the one-row GEMV configs: narrow column tiles over long K tiles, 8-32 KB of
+    weight per step (the step's loads are pipelined: num_stages of them in flight per program)."""
     if kind == "fp8_block":
-        return [(8, 128)] if quick else [(8, 128), (16, 128)]
+        return [(8, 128)] if quick else [(8, 128), (16, 128), (32, 128)]
     bk = 1024 if kind == "fp8" else 512
-    return [(8, bk)] if quick else [(8, bk), (16, bk // 2)]
+    if quick:
+        return [(8, bk), (16, bk)]
+    return [(4, 2 * bk), (8, bk), (8, 2 * bk), (16, bk // 2), (16, bk), (32, bk // 2)]
+
+
+# The warps / stages pass (not with --quick): for the tl.dot tiles, and wider for GEMV configs (their
+# pipelining depth is the main knob of a one-row read).
+DOT_WARPS_STAGES = ((4, 3), (8, 4))
+GEMV_WARPS_STAGES = ((4, 2), (4, 3), (4, 6), (8, 2), (8, 3), (8, 4))
 
 
 def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bool, log: list) -> dict:
@@ -190,7 +199,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
             results.append((measure(cfg), cfg))
     best_us, best = min(results, key=lambda r: r[0])
     if not quick:
-        for warps, stages in ((4, 3), (8, 4)):
+        for warps, stages in GEMV_WARPS_STAGES if best.GEMV else DOT_WARPS_STAGES:
             cfg = dataclasses.replace(best, num_warps=warps, num_stages=stages)
             results.append((measure(cfg), cfg))
         best_us, best = min(results, key=lambda r: r[0])
@@ -213,10 +222,13 @@ def table_entry(kind: str, result: dict):
 
 
 def merge_tables(kept: dict, tuned: dict) -> dict:
-    """`kept` (a table file's content) with `tuned`'s (N, K) entries put in or replaced; no _meta."""
-    merged = {kind: dict(entries) for kind, entries in kept.items() if kind != "_meta"}
+    """`kept` (a table file's content) with `tuned`'s entries put in or replaced, per (kind, N, K, M
+    bucket): a run that tuned only some M buckets keeps the others; no _meta."""
+    merged = {kind: {nk: dict(per_m) for nk, per_m in entries.items()}
+              for kind, entries in kept.items() if kind != "_meta"}
     for kind, entries in tuned.items():
-        merged.setdefault(kind, {}).update(entries)
+        for nk, per_m in entries.items():
+            merged.setdefault(kind, {}).setdefault(nk, {}).update(per_m)
     return merged
 
 

@@ -62,10 +62,10 @@ def test_moe_model_tunes_attention_and_router_not_a_dense_mlp_it_does_not_have()
 
 
 def test_merge_keeps_other_shapes_and_replaces_retuned_ones():
-    kept = {"_meta": {"quick": True}, "bf16": {"1,2": {"1": "cublas"}, "3,4": {"1": "cublas"}},
+    kept = {"_meta": {"quick": True}, "bf16": {"1,2": {"1": "cublas"}, "3,4": {"1": "cublas", "16": "cublas"}},
             "fp8": {"5,6": {"1": "w8a8"}}}
     tuned = {"bf16": {"3,4": {"1": {"BLOCK_N": 8}}, "7,8": {"1": "cublas"}}}
-    assert tune.merge_tables(kept, tuned) == {
-        "bf16": {"1,2": {"1": "cublas"}, "3,4": {"1": {"BLOCK_N": 8}}, "7,8": {"1": "cublas"}},
+    assert tune.merge_tables(kept, tuned) == {  # (a run that tuned M=1 only keeps the shape's other buckets)
+        "bf16": {"1,2": {"1": "cublas"}, "3,4": {"1": {"BLOCK_N": 8}, "16": "cublas"}, "7,8": {"1": "cublas"}},
         "fp8": {"5,6": {"1": "w8a8"}}}
-    assert kept["bf16"]["3,4"] == {"1": "cublas"}  # the input is not modified
+    assert kept["bf16"]["3,4"] == {"1": "cublas", "16": "cublas"}  # the input is not modified

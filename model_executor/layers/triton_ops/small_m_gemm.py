@@ -103,7 +103,7 @@ def _small_m_gemm_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
     PARTIAL: store fp32 sums to Y + s * stride_yk (the workspace; bias and cast left to the reduce);
@@ -120,31 +120,39 @@ def _small_m_gemm_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = W + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
-    if GEMV:
-        x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SCALE == 2:
         s_ptrs = S + (rows_n // SCALE_BN) * stride_sn
-    for k in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            xt = tl.load(x_ptrs)
-        else:
-            k_mask = (k + offs_k) < k_end
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            if GEMV:
-                xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+    if GEMV:
+        x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
+        # or when the loop itself asks for stages; without it each step waits for its own loads.
+        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                xt = tl.load(x_ptrs)
             else:
-                xt = tl.load(x_ptrs, mask=k_mask[:, None], other=0.0)
-        if GEMV:
+                k_mask = (k + offs_k) < k_end
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+                xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             prod = w.to(tl.float32) * xt.to(tl.float32)
             if SCALE == 2:
                 prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
-            acc += prod
-        else:
+            acc2 += prod
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+    else:
+        x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):  # (loads feeding tl.dot: pipelined with num_stages)
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                xt = tl.load(x_ptrs)
+            else:
+                k_mask = (k + offs_k) < k_end
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+                xt = tl.load(x_ptrs, mask=k_mask[:, None], other=0.0)
             if F16_DOT:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16 costs another per value)
                 w = w.to(tl.float16)
                 if xt.dtype != tl.float16:  # bf16 x, scaled by a power of two into fp16's range: exact there
@@ -156,12 +164,10 @@ def _small_m_gemm_kernel(
                 acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * tl.load(s_ptrs + k // SCALE_BK)[:, None]
             else:
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if GEMV:
-        acc = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
-    elif F16_DOT and X_PRESCALE != 1.0:
-        acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if F16_DOT and X_PRESCALE != 1.0:
+            acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
     if SCALE == 1:
         acc = acc * tl.load(S + rows_n)[:, None]
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
@@ -271,7 +277,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
         GEMV=cfg.GEMV, F16_DOT=f16_dot, X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
-        BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
+        BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
         reduce_block = min(1024, triton.next_power_of_2(n))
