@@ -21,7 +21,9 @@ value, enough to make the kernel conversion-bound below memory bandwidth.
 Why the dot is "swapped": tl.dot needs every dimension >= 16, and the row count is the small one, so the
 kernel computes y^T tiles: acc[BLOCK_N, 16] = W_tile[BLOCK_N, BLOCK_K] @ x_tile^T[BLOCK_K, 16]. The weight
 tile is the left operand (the large dimension, where the MMA shapes want it) and x's rows are padded to 16
-by re-reading row 0 (loads stay unmasked; padding rows are never stored).
+by re-reading row 0 (loads stay unmasked; padding rows are never stored). With one row, that row is loaded
+and converted once per step and broadcast to the 16 columns (FP8: the conversion of x would otherwise cost
+half as much again as the weight's).
 
 For one row a config may instead ask for GEMV: CUDA-core products of a [BLOCK_N, BLOCK_K] weight tile and
 the x row, summed over K at the end (no padding to 16 rows, narrower column tiles); the tuner picks
@@ -102,7 +104,7 @@ def _small_m_gemm_kernel(
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
-    F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr,
+    F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
@@ -144,19 +146,23 @@ def _small_m_gemm_kernel(
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+        x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):  # (loads feeding tl.dot: pipelined with num_stages)
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                xt = tl.load(x_ptrs)
+                xt = tl.load(x1_ptrs if ONE_ROW else x_ptrs)
             else:
                 k_mask = (k + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-                xt = tl.load(x_ptrs, mask=k_mask[:, None], other=0.0)
+                xt = tl.load(x1_ptrs if ONE_ROW else x_ptrs, mask=k_mask if ONE_ROW else k_mask[:, None],
+                             other=0.0)
             if F16_DOT:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16 costs another per value)
                 w = w.to(tl.float16)
                 if xt.dtype != tl.float16:  # bf16 x, scaled by a power of two into fp16's range: exact there
                     xt = (xt.to(tl.float32) * X_PRESCALE).to(tl.float16)
+            if ONE_ROW:  # converted once, then the same column BLOCK_M times (the padding re-reads row 0 anyway)
+                xt = tl.broadcast_to(xt[:, None], [BLOCK_K, BLOCK_M])
             if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; float32 operands give the same products
                 w = w.to(tl.float32)
                 xt = xt.to(tl.float32)
@@ -166,6 +172,7 @@ def _small_m_gemm_kernel(
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            x1_ptrs += BLOCK_K
         if F16_DOT and X_PRESCALE != 1.0:
             acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
     if SCALE == 1:
@@ -276,7 +283,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
-        GEMV=cfg.GEMV, F16_DOT=f16_dot, X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
+        GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1,
+        X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
