@@ -310,3 +310,88 @@ def test_fp8_linear_traced_once_picks_its_path_per_row_count(quant, table, monke
                 assert torch.equal(fn(x), layer(x)), m
     finally:
         torch._dynamo.reset()
+
+
+@in_process
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("k,cfg", [(160, {"BLOCK_N": 4, "BLOCK_K": 32, "GEMV": True}),  # K tail: masked steps
+                                   (128, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True})])  # even K
+def test_fused_silu_and_mul_equals_linear_then_silu_and_mul(kind, k, cfg):
+    """One row through a [gate; up] weight: the fused GEMV's silu(gate) * up has the bits of the GEMV with
+    half the column tile (the rows each program sums) followed by the SiLU-and-mul kernel. I = 40 is not a
+    multiple of the tile, and the up block starts mid scale block for fp8_block (32-row blocks, I = 40)."""
+    from model_executor.layers.triton_ops import ops as triton_ops
+
+    inter = 40
+    w, s, block, _ = make_weight(kind, 2 * inter, k, seed=k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    # (a fused program sums BLOCK_N gate rows and BLOCK_N up rows, each as the plain GEMV's program does)
+    fused = sm.small_m_silu_and_mul(dev(x), dev(w), dev(s), block, config=sm.GemmConfig(**cfg))
+    gate_up = sm.small_m_linear(dev(x), dev(w), dev(s), None, block, config=sm.GemmConfig(**cfg))
+    assert fused.shape == (1, inter)
+    assert torch.equal(fused.cpu(), triton_ops.silu_and_mul(gate_up).cpu())
+
+
+@in_process
+def test_fused_silu_and_mul_config_and_refusals(table):
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 64, "GEMV": True}
+    table({"bf16": {"32,64": {"1": gemv}, "48,64": {"1": {**gemv, "SPLIT_K": 2}}, "64,64": {"1": TUNED},
+                    "80,64": {"1": "cublas"}}})
+    assert sm.silu_and_mul_config(32, 64, "bf16", "cpu") == sm.GemmConfig(4, 64, GEMV=True)  # half the rows
+    assert sm.silu_and_mul_config(48, 64, "bf16", "cpu") is None  # split K: the partial sums need a reduce
+    assert sm.silu_and_mul_config(64, 64, "bf16", "cpu") is None  # a tl.dot tile
+    assert sm.silu_and_mul_config(80, 64, "bf16", "cpu") is None  # cuBLAS
+    assert sm.silu_and_mul_config(31, 64, "bf16", "cpu") is None  # no [gate; up] halves
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert sm.small_m_silu_and_mul(torch.zeros(2, 64, dtype=torch.bfloat16), w) is None  # two rows
+    assert sm.small_m_silu_and_mul(torch.zeros(1, 64, dtype=torch.bfloat16), w).shape == (1, 16)
+    with pytest.raises(ValueError, match="single-split GEMV"):
+        sm.small_m_silu_and_mul(torch.zeros(1, 64, dtype=torch.bfloat16), w,
+                                config=sm.GemmConfig(8, 64, SPLIT_K=2, GEMV=True))
+
+
+@in_process
+@pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
+def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
+    """LlamaMLP at one decode row runs gate/up + SiLU-and-mul as one kernel (the table's GEMV for the
+    [2I, K] weight) with the unfused path's bits; at two rows the linear and SiluAndMul run apart."""
+    from types import SimpleNamespace
+
+    from model_executor.layers.quantization import QuantConfig, quantization_context, restore_kept_dtypes
+    from model_executor.layers.triton_ops import ops as triton_ops
+    from model_executor.models.llama import LlamaMLP
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    hidden, inter = 64, 64  # (block FP8: the down projection's input is a whole number of 32-wide blocks)
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
+    kind = {None: "bf16", "fp8": "fp8", "fp8_block": "fp8_block"}[quant]
+    table({kind: {f"{2 * inter},{hidden}": {"1": gemv}}})
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=inter)  # what LlamaMLP reads
+    with quantization_context(None if quant is None else QuantConfig(quant, block=(32, 32)
+                                                                      if quant == "fp8_block" else None)):
+        mlp = LlamaMLP(cfg).to(torch.bfloat16)
+    restore_kept_dtypes(mlp)
+    gen = torch.Generator().manual_seed(3)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        w = torch.randn(layer.weight.shape, generator=gen) * 0.1
+        if quant == "fp8_block":
+            q, s = fm.quantize_fp8_block(w, (32, 32))
+            layer.weight.data.copy_(q)
+            layer.weight_scale_inv.data.copy_(s)
+        elif quant == "fp8":
+            layer._load(layer.weight, w.to(torch.bfloat16))  # quantized as it loads
+        else:
+            layer.weight.data.copy_(w)
+    fused = []
+    real = sm.small_m_silu_and_mul
+    monkeypatch.setattr(sm, "small_m_silu_and_mul", lambda *a, **kw: fused.append(a[0].shape) or real(*a, **kw))
+    x = torch.randn(2, hidden, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        out = mlp(x[:1])
+        assert len(fused) == 1
+        # (on a GPU SiluAndMul runs this Triton kernel; on a CPU tensor it would take torch's silu)
+        unfused = mlp.down_proj(triton_ops.silu_and_mul(mlp.gate_up_proj(x[:1])))
+        assert torch.equal(out, unfused)
+        mlp(x)
+        assert len(fused) == 1  # two rows: the linear and SiluAndMul

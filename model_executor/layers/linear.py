@@ -66,6 +66,11 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a [gate; up] layer: silu(gate) * up in one kernel where its method can (a decode row), else
+        None (the caller runs forward and SiluAndMul)."""
+        return self.quant_method.apply_silu_and_mul(self, x)
+
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""

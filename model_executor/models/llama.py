@@ -36,7 +36,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        act = self.gate_up_proj.silu_and_mul(x)  # one kernel at a decode row where the small-M GEMV runs
+        if act is None:
+            act = self.act(self.gate_up_proj(x))
+        return self.down_proj(act)
 
 
 class LlamaAttention(nn.Module):

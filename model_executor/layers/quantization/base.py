@@ -66,6 +66,11 @@ class LinearMethod:
             return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, layer.weight, layer.bias)
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a [gate; up] layer in one kernel where the small-M kernel can (one decode row,
+        a GEMV in the table), else None: the caller runs apply and SiluAndMul."""
+        return small_m_silu_and_mul(x, layer.weight, None, None, layer.bias)
+
 
 # Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
 SMALL_M_DEVICES = ("cuda",)
@@ -88,6 +93,17 @@ def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
         _small_m_module = small_m_gemm
     x2 = x.reshape(-1, x.shape[-1])
     return _small_m_module if _small_m_module.use_small_m(x2, weight, block) else None
+
+
+def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                         block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The fused gate/up GEMV + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for one row x [..., K]
+    where the small-M kernel runs this weight; None otherwise (and with a bias, which it does not add)."""
+    if bias is not None or x.numel() != x.shape[-1]:
+        return None
+    kernel = small_m_kernel(x, weight, block)
+    out = kernel.small_m_silu_and_mul(x.reshape(1, -1), weight, scale, block) if kernel is not None else None
+    return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -22,6 +22,7 @@ from model_executor.layers.quantization.base import (
     rows,
     set_kept_dtype,
     small_m_kernel,
+    small_m_silu_and_mul,
 )
 from model_executor.layers.quantization.config import QuantConfig, QuantizationError
 
@@ -125,6 +126,9 @@ class Fp8OnlineMethod(_QuantizeOnLoad):
     def apply(self, layer, x):
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
 
+    def apply_silu_and_mul(self, layer, x):
+        return small_m_silu_and_mul(x, layer.weight, layer.weight_scale, None, layer.bias)
+
 
 class Fp8ChannelMethod(LinearMethod):
     """A pre-quantized checkpoint with `weight_scale` per output channel ([N, 1]) or per tensor ([] / [1]),
@@ -168,6 +172,9 @@ class Fp8ChannelMethod(LinearMethod):
 
     def apply(self, layer, x):
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "input_scale", None))
+
+    def apply_silu_and_mul(self, layer, x):  # (weight-only at one row, as fp8_linear: no input_scale)
+        return small_m_silu_and_mul(x, layer.weight, layer.weight_scale, None, layer.bias)
 
     def init_random(self, layer, generator, std):
         w = _random_like(layer.weight, generator, std)
@@ -214,6 +221,9 @@ class Fp8BlockMethod(LinearMethod):
     def apply(self, layer, x):
         return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, block=self.block)
 
+    def apply_silu_and_mul(self, layer, x):
+        return small_m_silu_and_mul(x, layer.weight, layer.weight_scale_inv, self.block, layer.bias)
+
     def init_random(self, layer, generator, std):
         q, scale = fp8_math.quantize_fp8_block(_random_like(layer.weight, generator, std), self.block)
         layer.weight.data.copy_(q)
@@ -244,6 +254,9 @@ class Int8WeightOnlyMethod(_QuantizeOnLoad):
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def apply_silu_and_mul(self, layer, x):
+        return None  # (its own weight-only GEMM: the linear and SiluAndMul run apart)
 
 
 class Int4WeightOnlyMethod(LinearMethod):
@@ -295,6 +308,9 @@ class Int4WeightOnlyMethod(LinearMethod):
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def apply_silu_and_mul(self, layer, x):
+        return None  # (its own weight-only GEMM: the linear and SiluAndMul run apart)
 
 
 @functools.cache

@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -104,13 +104,15 @@ def _small_m_gemm_kernel(
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
-    F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr,
+    F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
     PARTIAL: store fp32 sums to Y + s * stride_yk (the workspace; bias and cast left to the reduce);
     otherwise add the bias and store in Y's dtype. GEMV (one row, BLOCK_M == 1): no tensor cores, the
-    products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile summed over K once at the end."""
+    products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile summed over K once at the end.
+    SILU_MUL (GEMV, one split, no bias): W is [gate; up] with 2N rows; the program also sums the up rows
+    n + N and stores silu(gate) * up, rounded as the linear followed by SiluAndMul would round them."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -127,6 +129,11 @@ def _small_m_gemm_kernel(
     if GEMV:
         x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if SILU_MUL:
+            up_ptrs = w_ptrs + N * stride_wn
+            acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if SCALE == 2:
+                s_up_ptrs = S + ((rows_n + N) // SCALE_BN) * stride_sn
         # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
         # or when the loop itself asks for stages; without it each step waits for its own loads.
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -137,13 +144,26 @@ def _small_m_gemm_kernel(
                 k_mask = (k + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
                 xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            prod = w.to(tl.float32) * xt.to(tl.float32)
+            xf = xt.to(tl.float32)
+            prod = w.to(tl.float32) * xf
             if SCALE == 2:
                 prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
             acc2 += prod
+            if SILU_MUL:
+                if EVEN_K:
+                    w_up = tl.load(up_ptrs)
+                else:
+                    w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
+                prod_up = w_up.to(tl.float32) * xf
+                if SCALE == 2:
+                    prod_up = prod_up * tl.load(s_up_ptrs + k // SCALE_BK)[:, None]
+                acc2_up += prod_up
+                up_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+        if SILU_MUL:
+            acc_up = tl.sum(acc2_up, axis=1)[:, None]
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
@@ -177,6 +197,8 @@ def _small_m_gemm_kernel(
             acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
     if SCALE == 1:
         acc = acc * tl.load(S + rows_n)[:, None]
+        if SILU_MUL:
+            acc_up = acc_up * tl.load(S + rows_n + N)[:, None]
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     y_ptrs = offs_m[None, :] * stride_ym + offs_n[:, None]
     if PARTIAL:
@@ -184,6 +206,10 @@ def _small_m_gemm_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(BIAS + rows_n).to(tl.float32)[:, None]
+        if SILU_MUL:  # gate and up rounded to y's dtype, then SiLU rounded, then the product (SiluAndMul's steps)
+            gate = acc.to(Y.dtype.element_ty).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32)
+            acc = silu * acc_up.to(Y.dtype.element_ty).to(tl.float32)
         tl.store(Y + y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
 
 
@@ -251,16 +277,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-            block: tuple[int, int] | None, cfg: GemmConfig) -> torch.Tensor:
+            block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False) -> torch.Tensor:
+    """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T)."""
     _check(x, weight, scale, bias, block)
     if cfg.GEMV and x.shape[0] > 1:
         raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
+    if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
+        raise ValueError(f"SiLU-and-mul runs in a single-split GEMV without bias on an even row count, got {cfg}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -272,6 +301,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     splits = triton.cdiv(k, k_per_split)
     scale_mode = 0 if scale is None else 2 if block is not None else 1
     partial = splits > 1
+    assert not (silu_mul and partial)
     dot_f32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
     f16_dot = weight.dtype == FP8
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
@@ -283,7 +313,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
-        GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1,
+        GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1, SILU_MUL=silu_mul,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -427,6 +457,34 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     if _tracing():
         return _op(x, weight, scale, bias, block_n, block_k)
     return _impl(x, weight, scale, bias, block_n, block_k)
+
+
+def silu_and_mul_config(n2: int, k: int, kind: str, device: str) -> GemmConfig | None:
+    """The config of the fused [gate; up] GEMV + SiLU-and-mul at one row: the table's choice for the
+    [2I, K] weight when it is a single-split GEMV, each program taking half its rows from the gate block and
+    half from the up block (the same bytes per program, the same grid); None otherwise."""
+    if n2 % 2:
+        return None
+    cfg = choose_config(1, n2, k, kind, device)
+    if cfg is None or not cfg.GEMV or cfg.SPLIT_K != 1 or cfg.BLOCK_N < 2:
+        return None
+    return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
+
+
+def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                         block: tuple[int, int] | None = None,
+                         config: GemmConfig | None = None) -> torch.Tensor | None:
+    """silu(x @ gate^T) * (x @ up^T) for one row x [1, K] and a [gate; up] weight [2I, K] (FP8: with its
+    scales, as small_m_linear) -> [1, I], in one kernel: a decode step's MLP without the activation's own
+    launch. None where no single-split GEMV config applies, or while something traces: the caller then runs
+    the linear and SiluAndMul."""
+    if x.shape[0] != 1 or _tracing():
+        return None
+    if config is None:
+        config = silu_and_mul_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x))
+        if config is None:
+            return None
+    return _launch(x, weight, scale, None, block, config, silu_mul=True)
 
 
 def use_small_m(x2: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
