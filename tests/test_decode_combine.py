@@ -112,10 +112,11 @@ def test_fused_combine_same_bits_as_two_stage(monkeypatch, heads):
 @in_process
 def test_fused_combine_leaves_counters_zero_for_the_next_call(monkeypatch):
     """A second call with other lengths (other chunk counts) on the same workspace is still right: a counter
-    left at the first call's count would never reach the second's, and its heads would stay unwritten."""
+    left at the first call's count would never reach the second's, and its heads would stay unwritten.
+    (A request of no tokens, which the engine never makes, gets zeros from both paths.)"""
     num_heads, num_kv_heads, head_dim, num_kv_splits, min_chunk = 20, 1, 32, 4, 32
-    workspace = decode_mod.alloc_decode_workspace(3, num_heads, head_dim, num_kv_splits, DEVICE)
-    for seed, seq_lens in enumerate([[200, 7, 90], [33, 150, 1]]):
+    workspace = decode_mod.alloc_decode_workspace(4, num_heads, head_dim, num_kv_splits, DEVICE)
+    for seed, seq_lens in enumerate([[200, 7, 90, 0], [33, 150, 1, 64]]):
         inputs = make_inputs(seq_lens, num_heads, num_kv_heads, head_dim, seed)
         two_stage, fused = two_stage_then_fused(monkeypatch, inputs, seq_lens, workspace, num_kv_splits,
                                                 min_chunk)
