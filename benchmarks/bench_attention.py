@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_attention --json out.json                      # decode plans + tiles, extend tiles
     python -m benchmarks.bench_attention --decode-only --heads 32,8,128 --points 256x520 64x520
+    python -m benchmarks.bench_attention --combine --json combine.json       # two-stage vs fused combine
 
 Decode: for each head shape (num_heads, num_kv_heads, head_dim) and (batch, context) point, both stages of
 `decode_attention_fwd` captured in one CUDA graph (no launch overhead, as in the decode graphs): the split plan
@@ -9,6 +10,11 @@ the triton backend picks, other split counts and min_chunk values (the constants
 SINGLE_STAGE_MAX_LEN), and a sweep of the stage-1 tile (BLOCK_N, num_warps, num_stages) at the plan. Each row
 gives the KV bytes read per microsecond against the measured copy bandwidth. Extend: `extend_attention_fwd` at
 a few token counts with its tile configs, against torch SDPA on contiguous K/V.
+
+--combine (alone, decode only): at the split plan of each point, the chunks merged by a second launch
+(stage 2) against merged in stage 1 (fused_combine), both in CUDA graphs, with a check that they give the
+same bits; where the plan is one stage, that time and both paths at 2 splits. Its default points are
+COMBINE_HEADS x COMBINE_POINTS; --heads / --points replace them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ GRAPH_CALLS = 20
 # (num_heads, num_kv_heads, head_dim): Llama-3.1-8B, Llama-3.2-1B, SmolLM2-135M
 HEAD_SHAPES = [(32, 8, 128), (32, 8, 64), (9, 3, 64)]
 DECODE_POINTS = [(1, 520), (1, 2048), (8, 520), (32, 520), (64, 520), (256, 520), (32, 4096), (128, 2048)]
+# Llama-3.1-8B, Llama-3.2-1B, Qwen3-30B-A3B; a 512-token prompt a few tokens into its decode, and longer
+COMBINE_HEADS = [(32, 8, 128), (32, 8, 64), (32, 4, 128)]
+COMBINE_POINTS = [(1, 520), (4, 520), (8, 520), (32, 520), (64, 520), (256, 520), (1, 2048), (8, 2048)]
 TILES = [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3), (128, 8, 2), (128, 8, 3), (16, 4, 2)]
 EXTEND_TILES = [(128, 64, 8, 1), (128, 64, 8, 2), (128, 128, 8, 1), (64, 64, 4, 2), (128, 32, 4, 2),
                 (64, 128, 8, 2), (128, 64, 4, 1), (64, 64, 4, 1)]
@@ -85,11 +94,11 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
     out = []
 
     def measure(splits: int, min_chunk: int, tile: tuple[int, int, int]) -> None:
-        logits, lse = alloc_decode_workspace(bs, num_heads, head_dim, splits, "cuda")
+        logits, lse, counters = alloc_decode_workspace(bs, num_heads, head_dim, splits, "cuda")
         try:
             us = graph_us(lambda: decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, rows, lens, logits,
                                                        lse, splits, 1.0 / math.sqrt(head_dim), min_chunk=min_chunk,
-                                                       tile=tile))
+                                                       tile=tile, counters=counters))
         except Exception as exc:  # noqa: BLE001 - a tile that does not fit: report it, go on
             us = None
             print(f"  tile {tile} failed: {type(exc).__name__}: {str(exc)[:100]}")
@@ -106,6 +115,54 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
         if tile != default_tile:
             measure(plan, dec.MIN_CHUNK, tile)
     return out
+
+
+def combine_rows(heads, bs: int, ctx: int) -> list[dict]:
+    """Two-stage against fused combine at the split plan of (heads, bs, ctx) (see the module docstring)."""
+    from model_executor.layers.attention.triton_ops import alloc_decode_workspace, decode_attention_fwd
+    from model_executor.layers.attention.triton_ops import decode_attention as dec
+
+    num_heads, num_kv_heads, head_dim = heads
+    pool = KvPool(bs, ctx, num_kv_heads, head_dim)
+    q = torch.randn(bs, num_heads, head_dim, device="cuda").bfloat16()
+    rows = torch.arange(1, bs + 1, device="cuda")
+    lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = dec.decode_split_plan(dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072)),
+                                 ctx)
+    base = {"heads": list(heads), "bs": bs, "ctx": ctx, "fused_default": dec.fused_combine_default(bs, head_dim)}
+
+    def timed(splits: int, fused: bool) -> tuple[float, torch.Tensor]:
+        ws = alloc_decode_workspace(bs, num_heads, head_dim, splits, "cuda")
+        o = torch.empty_like(q)
+        us = graph_us(lambda: decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, rows, lens,
+                                                   ws.attn_logits, ws.attn_lse, splits, 1.0 / math.sqrt(head_dim),
+                                                   counters=ws.counters, fused_combine=fused))
+        assert ws.counters.count_nonzero().item() == 0, "the fused combine left a counter set"
+        return us, o
+
+    out = []
+    for splits in [plan] if plan > 1 else [1, 2]:
+        if splits == 1:
+            us, _ = timed(1, False)
+            out.append({**base, "splits": 1, "plan": True, "one_stage_us": round(us, 2)})
+            continue
+        two_us, two_o = timed(splits, False)
+        fused_us, fused_o = timed(splits, True)
+        out.append({**base, "splits": splits, "plan": splits == plan, "two_stage_us": round(two_us, 2),
+                    "fused_us": round(fused_us, 2), "saved_us": round(two_us - fused_us, 2),
+                    "same_bits": torch.equal(two_o, fused_o)})
+    return out
+
+
+def print_combine(rows: list[dict]) -> None:
+    for r in rows:
+        head = f"{'/'.join(map(str, r['heads'])):>10} {r['bs']:>4} {r['ctx']:>5} {r['splits']:>6}"
+        if "one_stage_us" in r:
+            print(f"{head} {'one stage':>10} {r['one_stage_us']:>9.2f}  plan")
+        else:
+            print(f"{head} {r['two_stage_us']:>10.2f} {r['fused_us']:>9.2f} {r['saved_us']:>7.2f} "
+                  f"{'yes' if r['same_bits'] else 'NO':>9}{'  plan' if r['plan'] else ''}")
 
 
 def extend_rows(heads, n_tok: int) -> list[dict]:
@@ -141,13 +198,19 @@ def extend_rows(heads, n_tok: int) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.splitlines()[0])
-    p.add_argument("--heads", type=parse_heads, nargs="+", default=HEAD_SHAPES, help="NUM_HEADS,NUM_KV_HEADS,HEAD_DIM")
-    p.add_argument("--points", type=parse_point, nargs="+", default=DECODE_POINTS, help="decode BATCHxCONTEXT")
+    p.add_argument("--heads", type=parse_heads, nargs="+", help="NUM_HEADS,NUM_KV_HEADS,HEAD_DIM")
+    p.add_argument("--points", type=parse_point, nargs="+", help="decode BATCHxCONTEXT")
     p.add_argument("--extend-tokens", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--decode-only", action="store_true")
     p.add_argument("--plan-only", action="store_true", help="decode: only the split plan, with every tile")
+    p.add_argument("--combine", action="store_true",
+                   help="only decode's merge of the chunks: second launch (stage 2) vs fused into stage 1")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
+    if args.combine and args.plan_only:
+        p.error("--combine and --plan-only are separate runs; give one of them")
+    heads_list = args.heads or (COMBINE_HEADS if args.combine else HEAD_SHAPES)
+    points = args.points or (COMBINE_POINTS if args.combine else DECODE_POINTS)
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA device (the kernels are timed inside CUDA graphs)", file=sys.stderr)
         return 2
@@ -156,9 +219,20 @@ def main(argv=None) -> int:
     copy_tb_s = measure_copy_bandwidth(torch.device("cuda")) / 1e12
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_tb_s:.2f} TB/s")
     result = {"gpu": torch.cuda.get_device_name(), "copy_tb_s": round(copy_tb_s, 3), "decode": [], "extend": []}
+    if args.combine:
+        result = {"gpu": result["gpu"], "combine": []}
+        print(f"{'heads':>10} {'bs':>4} {'ctx':>5} {'splits':>6} {'2-stage us':>10} {'fused us':>9} {'saved':>7} "
+              f"{'same bits':>9}")
+        for heads in heads_list:
+            for bs, ctx in points:
+                rows = combine_rows(heads, bs, ctx)
+                result["combine"] += rows
+                print_combine(rows)
+        write_json(result, args.json_out)
+        return 0
     print(f"{'heads':>10} {'bs':>4} {'ctx':>5} {'splits':>6} {'chunk':>5} {'tile':>10} {'us':>9} {'x floor':>8}")
-    for heads in args.heads:
-        for bs, ctx in args.points:
+    for heads in heads_list:
+        for bs, ctx in points:
             rows = decode_rows(heads, bs, ctx, copy_tb_s, args.plan_only)
             result["decode"] += rows
             for r in rows:
@@ -167,16 +241,20 @@ def main(argv=None) -> int:
                 print(f"{'/'.join(map(str, heads)):>10} {bs:>4} {ctx:>5} {r['splits']:>6} {r['min_chunk']:>5} "
                       f"{tile:>10} {us:>9} {r['x_floor'] or '':>8}{'  plan' if r['plan'] else ''}")
     if not args.decode_only:
-        for heads in args.heads:
+        for heads in heads_list:
             for n_tok in args.extend_tokens:
                 for r in extend_rows(heads, n_tok):
                     result["extend"].append(r)
                     print(f"extend {'/'.join(map(str, heads))} tokens={n_tok:<5} {r['config']!s:<22} "
                           f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json_out}")
+    write_json(result, args.json_out)
     return 0
+
+
+def write_json(result: dict, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -27,3 +27,10 @@ def test_refuses_without_cuda(monkeypatch, capsys):
     assert ba.main([]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "needs a CUDA device" in err
+
+
+def test_combine_and_plan_only_are_refused_together(capsys):
+    with pytest.raises(SystemExit) as exc:
+        ba.main(["--combine", "--plan-only"])
+    assert exc.value.code == 2
+    assert "--combine and --plan-only are separate runs" in capsys.readouterr().err

@@ -103,11 +103,12 @@ def test_decode_over_fp8_pool_with_scales():
     perm = torch.randperm(num_slots, generator=gen) + 1
     req_to_token[1, :30], req_to_token[2, :45] = perm[:30].int(), perm[30:75].int()
     q = torch.randn(2, hq, d, generator=gen)
-    logits, lse = decode_mod.alloc_decode_workspace(2, hq, d, 2, DEVICE)
+    logits, lse, counters = decode_mod.alloc_decode_workspace(2, hq, d, 2, DEVICE)
     o = torch.empty(2, hq, d, device=DEVICE)
     decode_mod.decode_attention_fwd(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), o, req_to_token.to(DEVICE),
                                     torch.tensor(rows, device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
-                                    logits, lse, 2, 1 / math.sqrt(d), k_scale=k_scale, v_scale=v_scale)
+                                    logits, lse, 2, 1 / math.sqrt(d), k_scale=k_scale, v_scale=v_scale,
+                                    counters=counters)
     for b, (row, n) in enumerate(zip(rows, seq_lens)):
         slots = req_to_token[row, :n].long()
         ref = _ref_attention(q[b : b + 1], k8[slots].float() * k_scale, v8[slots].float() * v_scale,

@@ -64,7 +64,7 @@ def run_decode(mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits
     bs, num_heads, head_dim = q.shape
     if workspace is None:
         workspace = mod.alloc_decode_workspace(bs + 2, num_heads, head_dim, num_kv_splits, q.device)
-    attn_logits, attn_lse = workspace
+    attn_logits, attn_lse, counters = workspace
     attn_logits.fill_(float("nan"))  # stale workspace must not leak into the result
     attn_lse.fill_(float("nan"))
     o = torch.full_like(q, float("nan"))
@@ -73,7 +73,7 @@ def run_decode(mod, q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits
         torch.tensor(rows, dtype=torch.int64, device=q.device),
         torch.tensor(seq_lens, dtype=seq_dtype, device=q.device),
         attn_logits, attn_lse, num_kv_splits, sm_scale,
-        **({} if min_chunk is None else {"min_chunk": min_chunk}), tile=tile,
+        **({} if min_chunk is None else {"min_chunk": min_chunk}), tile=tile, counters=counters,
     )
     return o
 

@@ -128,11 +128,11 @@ def test_decode_bf16(heads, context, split):
     splits = 1 if split == "one_stage" else get_num_kv_splits(max(lens), min_chunk=min_chunk)
     q = torch.randn(bs, num_heads, head_dim, device=DEV).to(torch.bfloat16)
     o = torch.empty_like(q)
-    logits, lse = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
+    logits, lse, counters = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
     sm_scale = 1.0 / math.sqrt(head_dim)
     decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, torch.tensor(rows, device=DEV),
                          torch.tensor(lens, dtype=torch.int32, device=DEV), logits, lse, splits, sm_scale,
-                         min_chunk=min_chunk)
+                         min_chunk=min_chunk, counters=counters)
     ref = decode_ref(pool, q, rows, lens, sm_scale)
     assert torch.isfinite(o).all()
     assert rel_err(o, ref) < 1e-2
@@ -156,11 +156,11 @@ def test_decode_cuda_graph_replay_matches_eager(splits):
     o = torch.zeros_like(q)
     req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=DEV)
     seq_lens = torch.ones(max_bs, dtype=torch.int32, device=DEV)
-    logits, lse = alloc_decode_workspace(max_bs, num_heads, head_dim, splits, DEV)
+    logits, lse, counters = alloc_decode_workspace(max_bs, num_heads, head_dim, splits, DEV)
 
     def step():
         decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, req_pool_indices, seq_lens, logits, lse,
-                             splits, sm_scale)
+                             splits, sm_scale, counters=counters)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -185,9 +185,9 @@ def test_decode_cuda_graph_replay_matches_eager(splits):
         assert torch.isfinite(graph_out).all(), f"trial {trial}"
 
         eager_o = torch.empty_like(o)
-        eager_logits, eager_lse = alloc_decode_workspace(max_bs, num_heads, head_dim, splits, DEV)
+        eager_logits, eager_lse, eager_counters = alloc_decode_workspace(max_bs, num_heads, head_dim, splits, DEV)
         decode_attention_fwd(q, pool.k, pool.v, eager_o, pool.req_to_token, req_pool_indices, seq_lens,
-                             eager_logits, eager_lse, splits, sm_scale)
+                             eager_logits, eager_lse, splits, sm_scale, counters=eager_counters)
         assert torch.equal(graph_out, eager_o), f"trial {trial}"
 
         ref = decode_ref(pool, q[:bs], rows.tolist(), seq_lens[:bs].tolist(), sm_scale)

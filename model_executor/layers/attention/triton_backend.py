@@ -45,7 +45,7 @@ class TritonAttnBackend(AttentionBackend):
         self.num_sms = (torch.cuda.get_device_properties(runner.device).multi_processor_count
                         if runner.device.type == "cuda" else INTERPRETER_NUM_SMS)
         self.single_stage_max_len = decode_mod.SINGLE_STAGE_MAX_LEN
-        self.attn_logits, self.attn_lse = alloc_decode_workspace(
+        self.attn_logits, self.attn_lse, self.combine_counters = alloc_decode_workspace(
             runner.req_to_token_pool.size, self.num_heads, cfg.head_dim, self.max_kv_splits, runner.device)
         # The split count of the decode batch being run, and that batch; set by init_forward_metadata or the
         # graph hooks (a graph bakes it in).
@@ -99,7 +99,7 @@ class TritonAttnBackend(AttentionBackend):
         k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
         decode_attention_fwd(q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
                              fb.seq_lens, self.attn_logits, self.attn_lse, self._decode_splits[1], layer.scaling,
-                             k_scale=k_scale, v_scale=v_scale)
+                             k_scale=k_scale, v_scale=v_scale, counters=self.combine_counters)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, out: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """Triton attention kernels over the token-level KV pool: split-KV decode and causal extend."""
 
 from model_executor.layers.attention.triton_ops.decode_attention import (
+    DecodeWorkspace,
     alloc_decode_workspace,
     decode_attention_fwd,
     get_num_kv_splits,
@@ -12,6 +13,7 @@ from model_executor.layers.attention.triton_ops.extend_attention import (
 )
 
 __all__ = [
+    "DecodeWorkspace",
     "ExtendConfig",
     "alloc_decode_workspace",
     "decode_attention_fwd",

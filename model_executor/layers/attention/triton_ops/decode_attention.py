@@ -9,6 +9,12 @@ chunk's normalised partial output and its log-sum-exp into the workspace. Stage 
 merges the chunks. With num_kv_splits == 1 there is one stage: each program walks all its request's
 positions and writes the output itself (no workspace, no second launch).
 
+Fused combine (the default, see fused_combine_default): stage 1 merges the chunks itself and there is no
+stage-2 launch. Each program of a (request, kv-head block) that owns a chunk, once its partial is stored,
+increments that pair's int32 counter; the one that brings it to the request's chunk count merges the
+pair's BLOCK_H heads, in chunk order and with stage 2's arithmetic (same bits whichever program arrives
+last), then puts the counter back to 0, so the next call (or graph replay) finds it zeroed with no memset.
+
 Chunking, from `seq_lens` read on the device: a request of length L uses n = min(cdiv(L, min_chunk),
 num_kv_splits) chunks of `round_up(cdiv(L, n), BLOCK_N)` positions, so a short request uses few splits
 and their programs do real work; the programs of splits past a request's last chunk only exit, and stage 2
@@ -19,6 +25,8 @@ request).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -81,12 +89,34 @@ def decode_split_plan(cap: int, max_seq_len: int, single_stage_max_len: int = SI
     return 1 if max_seq_len <= single_stage_max_len else cap
 
 
+def fused_combine_default(batch_size: int, head_dim: int) -> bool:
+    """Whether stage 1 merges the chunks itself (no stage-2 launch) for a batch of this size: a function of
+    what a graph is captured for, never of the lengths. Both paths give the same bits; fused everywhere until
+    benchmarks/bench_attention.py --combine on the H200 says where the second launch is cheaper."""
+    return True
+
+
+class DecodeWorkspace(NamedTuple):
+    """What `decode_attention_fwd` needs besides its inputs, allocated once (a graph bakes the addresses in).
+
+    attn_logits, attn_lse: float32 partial outputs and log-sum-exps of the chunks, contents never need
+    initialising. counters: int32 [max_bs, num_heads], zeros, the fused combine's arrival counters, one per
+    (request, stage-1 program along the heads); a kv head's query heads come in blocks of up to BLOCK_H, so
+    there are at most num_heads such programs. Every call leaves them at zero again.
+    """
+
+    attn_logits: torch.Tensor
+    attn_lse: torch.Tensor
+    counters: torch.Tensor
+
+
 def alloc_decode_workspace(max_bs: int, num_heads: int, head_dim: int, num_kv_splits: int,
-                           device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (attn_logits, attn_lse) float32 workspace for `decode_attention_fwd`, sized for `max_bs` rows."""
+                           device: torch.device | str) -> DecodeWorkspace:
+    """The workspace for `decode_attention_fwd`, sized for `max_bs` rows."""
     attn_logits = torch.empty((max_bs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=device)
     attn_lse = torch.empty((max_bs, num_heads, num_kv_splits), dtype=torch.float32, device=device)
-    return attn_logits, attn_lse
+    counters = torch.zeros((max_bs, num_heads), dtype=torch.int32, device=device)
+    return DecodeWorkspace(attn_logits, attn_lse, counters)
 
 
 @triton.jit
@@ -100,8 +130,26 @@ def _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, SPLIT_ALIGN: tl.c
 
 
 @triton.jit
+def _merge_chunk(acc, e_sum, e_max, part, lse):
+    """Folds one chunk (its normalised partial output and its log-sum-exp) into a running merge. Stage 2 and
+    the fused combine both call it, so the two paths give the same bits."""
+    n_e_max = tl.maximum(lse, e_max)
+    old_scale = tl.exp2(e_max - n_e_max)
+    new_w = tl.exp2(lse - n_e_max)
+    acc = acc * old_scale + part * new_w
+    e_sum = e_sum * old_scale + new_w
+    return acc, e_sum, n_e_max
+
+
+@triton.jit
+def _merge_finish(acc, e_sum):
+    # seq_len == 0 (never produced by the engine) gives zeros rather than NaN.
+    return acc / tl.maximum(e_sum, 1e-30)
+
+
+@triton.jit
 def _decode_stage1_kernel(
-    Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse, O,
+    Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse, O, Counters,
     qk_scale, v_scale, num_kv_splits, min_chunk,
     stride_qb, stride_qh,
     stride_kbs, stride_kh,
@@ -110,6 +158,7 @@ def _decode_stage1_kernel(
     stride_mid_ob, stride_mid_oh, stride_mid_os,
     stride_lse_b, stride_lse_h,
     stride_ob, stride_oh,
+    stride_cnt_b,
     KV_GROUP_NUM: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -117,6 +166,7 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_STAGE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
     IN_PRECISION: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
@@ -141,7 +191,7 @@ def _decode_stage1_kernel(
         split_end = seq_len
         has_work = split_end >= split_start
     else:
-        split_start, split_end, _ = _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, BLOCK_N)
+        split_start, split_end, num_chunks = _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, BLOCK_N)
         has_work = split_end > split_start
 
     if has_work:
@@ -181,6 +231,36 @@ def _decode_stage1_kernel(
             mid_lse = cur_batch * stride_lse_b + heads * stride_lse_h + split_id
             tl.store(Att_Lse + mid_lse, e_max + tl.log2(e_sum), mask=mask_h)
 
+    if FUSED_COMBINE:
+        # The programs that arrive are those of the request's chunks, the count the merge walks (a chunk
+        # left empty by the alignment arrives too); those past its last chunk exit as before, untouched.
+        # A request of no tokens has no chunk: its split 0 arrives alone and writes zeros, as stage 2 does.
+        arrivals = tl.maximum(num_chunks, 1)
+        if split_id < arrivals:
+            counter = Counters + cur_batch * stride_cnt_b + pid_h
+            # One thread does the atomic: every thread's stores above must precede its release.
+            tl.debug_barrier()
+            # acq_rel at gpu scope (the default): the last arrival sees every other program's partial.
+            if tl.atomic_add(counter, 1) == arrivals - 1:
+                # In Triton's CPU interpreter the programs run one after another, so there the highest
+                # split always combines; tests/gpu/test_decode_combine_gpu.py covers any arrival order.
+                mask_hd = mask_h[:, None] & mask_d[None, :]
+                mid_o = Att_Out + cur_batch * stride_mid_ob + heads[:, None] * stride_mid_oh + offs_d[None, :]
+                mid_lse = Att_Lse + cur_batch * stride_lse_b + heads[:, None] * stride_lse_h  # [BLOCK_H, 1]
+                m_max = tl.full([BLOCK_H, 1], float("-inf"), dtype=tl.float32)
+                m_sum = tl.zeros([BLOCK_H, 1], dtype=tl.float32)
+                m_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+                for chunk in range(num_chunks):
+                    chunk_start, chunk_end, _ = _split_bounds(seq_len, chunk, num_kv_splits, min_chunk, BLOCK_N)
+                    if chunk_end > chunk_start:
+                        # .cg: from L2, past this SM's L1, which other programs' stores did not update
+                        part = tl.load(mid_o + chunk * stride_mid_os, mask=mask_hd, other=0.0, cache_modifier=".cg")
+                        lse = tl.load(mid_lse + chunk, mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
+                        m_acc, m_sum, m_max = _merge_chunk(m_acc, m_sum, m_max, part, lse)
+                tl.store(O + cur_batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         _merge_finish(m_acc, m_sum).to(O.dtype.element_ty), mask=mask_hd)
+                tl.store(counter, 0)  # every program of the pair has arrived: zero for the next call
+
 
 @triton.jit
 def _decode_stage2_kernel(
@@ -213,17 +293,10 @@ def _decode_stage2_kernel(
         if split_end > split_start:  # rounding to SPLIT_ALIGN can leave a last chunk empty: it wrote nothing
             part = tl.load(mid_o + split_id * stride_mid_os, mask=mask_d, other=0.0)
             lse = tl.load(mid_lse + split_id)
-            n_e_max = tl.maximum(lse, e_max)
-            old_scale = tl.exp2(e_max - n_e_max)
-            new_w = tl.exp2(lse - n_e_max)
-            acc = acc * old_scale + part * new_w
-            e_sum = e_sum * old_scale + new_w
-            e_max = n_e_max
+            acc, e_sum, e_max = _merge_chunk(acc, e_sum, e_max, part, lse)
 
-    # seq_len == 0 (never produced by the engine) gives zeros rather than NaN.
-    out = acc / tl.maximum(e_sum, 1e-30)
     tl.store(O + cur_batch.to(tl.int64) * stride_ob + cur_head * stride_oh + offs_d,
-             out.to(O.dtype.element_ty), mask=mask_d)
+             _merge_finish(acc, e_sum).to(O.dtype.element_ty), mask=mask_d)
 
 
 def decode_attention_fwd(
@@ -242,6 +315,8 @@ def decode_attention_fwd(
     v_scale: float = 1.0,
     min_chunk: int = MIN_CHUNK,
     tile: tuple[int, int, int] | None = None,
+    counters: torch.Tensor | None = None,
+    fused_combine: bool | None = None,
 ) -> None:
     """Decode attention; writes `o` in place.
 
@@ -257,6 +332,10 @@ def decode_attention_fwd(
     sm_scale: softmax scale; k_scale, v_scale: the pool's dequantization scales (an FP8 pool holds
     K / k_scale, V / v_scale).
     tile: stage 1's (BLOCK_N, num_warps, num_stages); default stage1_tile(bs, head_dim).
+    counters: the workspace's int32 arrival counters (DecodeWorkspace.counters: zeros, left zeros); needed
+    when the chunks are merged by stage 1.
+    fused_combine: merge the chunks in stage 1 (True) or in a second launch (False, stage 2); default
+    fused_combine_default(bs, head_dim). Same bits either way; unused when num_kv_splits is 1.
     No host reads of device data, no allocations: safe to capture in a CUDA graph.
     """
     bs, num_heads, head_dim = q.shape
@@ -280,9 +359,17 @@ def decode_attention_fwd(
     in_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy
     single_stage = num_kv_splits == 1
     block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim)
+    if fused_combine is None:
+        fused_combine = fused_combine_default(bs, head_dim)
+    fused = fused_combine and not single_stage
+    if fused:
+        assert counters is not None, "the fused combine needs the workspace's counters (alloc_decode_workspace)"
+        assert counters.dtype == torch.int32 and counters.dim() == 2 and counters.stride(-1) == 1
+        assert counters.shape[0] >= bs and counters.shape[1] >= num_kv_heads * head_blocks
 
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse, o,
+        counters if fused else attn_lse,  # (a placeholder pointer when there is no combine in stage 1)
         sm_scale * k_scale * _LOG2E, v_scale, num_kv_splits, min_chunk,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
@@ -291,6 +378,7 @@ def decode_attention_fwd(
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
         o.stride(0), o.stride(1),
+        counters.stride(0) if fused else 0,
         KV_GROUP_NUM=group,
         HEAD_BLOCKS=head_blocks,
         HEAD_DIM=head_dim,
@@ -298,11 +386,12 @@ def decode_attention_fwd(
         BLOCK_H=BLOCK_H,
         BLOCK_N=block_n,
         SINGLE_STAGE=single_stage,
+        FUSED_COMBINE=fused,
         IN_PRECISION=in_precision,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if single_stage:
+    if single_stage or fused:
         return
     _decode_stage2_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens,
