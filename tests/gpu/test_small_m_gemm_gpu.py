@@ -120,3 +120,24 @@ def test_decode_graph_replay_equals_eager_with_the_kernel(kernel_table, quantiza
         # of the step is what test_cuda_graph_gpu checks with this tolerance.
         torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2)
     del graphs, runner
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("n2,k", [(16384, 2048), (28672, 4096)])  # 1B and 8B gate_up
+def test_fused_silu_and_mul_equals_the_gemv_then_silu_and_mul(kind, n2, k):
+    """One decode row: the fused gate/up GEMV + SiLU-and-mul has the bits of the same GEMV (the same rows per
+    program) followed by the SiLU-and-mul kernel, and stays within one bf16 rounding of a float32 reference."""
+    from model_executor.layers.triton_ops import ops as triton_ops
+
+    w, s, block, w_deq = weight(kind, n2, k, seed=n2)
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    for bn, bk in ((4, 1024), (8, 512)):
+        bk = min(bk, block[1]) if block else bk
+        cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, GEMV=True, num_stages=3)
+        fused = sm.small_m_silu_and_mul(x, w, s, block, config=cfg)
+        gate_up = sm.small_m_linear(x, w, s, None, block, config=cfg)
+        assert torch.equal(fused, triton_ops.silu_and_mul(gate_up))
+    ref = x.float() @ w_deq.t()
+    inter = n2 // 2
+    act = torch.nn.functional.silu(ref[:, :inter]) * ref[:, inter:]
+    torch.testing.assert_close(fused.float(), act, rtol=2.0**-6, atol=1e-3 * act.abs().max().item())
