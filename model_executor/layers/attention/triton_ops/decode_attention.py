@@ -91,9 +91,11 @@ def decode_split_plan(cap: int, max_seq_len: int, single_stage_max_len: int = SI
 
 def fused_combine_default(batch_size: int, head_dim: int) -> bool:
     """Whether stage 1 merges the chunks itself (no stage-2 launch) for a batch of this size: a function of
-    what a graph is captured for, never of the lengths. Both paths give the same bits; fused everywhere until
-    benchmarks/bench_attention.py --combine on the H200 says where the second launch is cheaper."""
-    return True
+    what a graph is captured for, never of the lengths. Both paths give the same bits. From
+    benchmarks/bench_attention.py --combine on the H200 (docs/benchmarks.md): at a handful of requests the
+    last program's serial walk over up to 16 chunks costs more than the second launch saves; from 32 requests
+    with 128-wide heads the fused merge measured slightly faster; elsewhere slower."""
+    return batch_size >= 32 and head_dim >= 128
 
 
 class DecodeWorkspace(NamedTuple):
