@@ -99,7 +99,8 @@ def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
                          block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The fused gate/up GEMV + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for one row x [..., K]
     where the small-M kernel runs this weight; None otherwise (and with a bias, which it does not add)."""
-    if bias is not None or x.numel() != x.shape[-1]:
+    # (compiling first: a symbolic token count compared with 1 would add a guard to the traced graph)
+    if bias is not None or torch.compiler.is_compiling() or x.numel() != x.shape[-1]:
         return None
     kernel = small_m_kernel(x, weight, block)
     out = kernel.small_m_silu_and_mul(x.reshape(1, -1), weight, scale, block) if kernel is not None else None
