@@ -185,13 +185,12 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
 
 
     results = []
-    tiles = [(bn, bk, False, False) for bn, bk in tile_grid(kind, quick)]
-    if m == 1:  # FP8 GEMVs both ways: converting e4m3 with the conversion instructions or by bit operations
-        tiles += [(bn, bk, True, int_cvt) for bn, bk in gemv_grid(kind, quick)
-                  for int_cvt in ((False, True) if kind.startswith("fp8") else (False,))]
-    for bn, bk, gemv, int_cvt in tiles:
+    tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick)]
+    if m == 1:
+        tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick)]
+    for bn, bk, gemv in tiles:
         cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sm.split_for(n, k, bn, bk, sms), num_warps=4, num_stages=4,
-                            GEMV=gemv, INT_CVT=int_cvt)
+                            GEMV=gemv)
         results.append((measure(cfg), cfg))
     best_us, best = min(results, key=lambda r: r[0])
     for split in (1, 2, 4, 8, 16):
