@@ -395,36 +395,3 @@ def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
         assert torch.equal(out, unfused)
         mlp(x)
         assert len(fused) == 1  # two rows: the linear and SiluAndMul
-
-
-@in_process
-@pytest.mark.parametrize("kind", ["fp8", "fp8_block"])
-@pytest.mark.parametrize("silu", [False, True])
-def test_int_cvt_gives_the_bits_of_the_conversion(kind, silu):
-    """INT_CVT (e4m3 -> float32 by bit operations, x and the sums rescaled by powers of two) has the bits of
-    the converting GEMV on every finite e4m3 code, subnormals and both signs included, with and without the
-    fused SiLU-and-mul."""
-    n, k = 64, 256
-    codes = torch.arange(n * k, dtype=torch.int64).remainder(256).to(torch.uint8)
-    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
-    codes = codes.reshape(n, k)[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
-    w = codes.view(FP8)
-    if kind == "fp8":
-        s, block = torch.rand(n, generator=torch.Generator().manual_seed(1)) * 1e-2 + 1e-3, None
-    else:
-        block = (32, 32)
-        s = torch.rand(2, 8, generator=torch.Generator().manual_seed(1)) * 1e-2 + 1e-3
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    x[0, ::7] *= 1e-4
-    dev = lambda t: None if t is None else t.to(DEVICE)
-    plain = {"BLOCK_N": 4, "BLOCK_K": 32, "GEMV": True}
-    call = sm.small_m_silu_and_mul if silu else sm.small_m_linear
-    args = (dev(x), dev(w), dev(s), block) if silu else (dev(x), dev(w), dev(s), None, block)
-    want = call(*args, config=sm.GemmConfig(**plain)).cpu()
-    got = call(*args, config=sm.GemmConfig(**plain, INT_CVT=True)).cpu()
-    assert torch.isfinite(want).all() and want.abs().max() > 0
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="INT_CVT converts FP8"):
-        sm.small_m_linear(dev(x), dev(w.float().to(torch.bfloat16)), config=sm.GemmConfig(**plain, INT_CVT=True))
-    with pytest.raises(ValueError, match="bad small-M GEMM config"):
-        sm.GemmConfig(BLOCK_N=16, BLOCK_K=32, INT_CVT=True)  # tl.dot tiles convert to fp16

@@ -81,7 +81,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     GEMV: bool = False  # one row only: CUDA-core dot products instead of tl.dot (BLOCK_N may be below 16)
-    INT_CVT: bool = False  # GEMV with FP8 weights: e4m3 -> float32 by integer bit operations (_e4m3_as_f32)
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -89,30 +88,11 @@ class GemmConfig:
             least = 1 if name == "BLOCK_N" and self.GEMV else 16
             if v < least or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
-        if self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1 or (self.INT_CVT and not self.GEMV):
+        if self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"bad small-M GEMM config {self}")
 
 
 # ---------------------------------------------------------------- kernels
-
-
-# INT_CVT: float32 with the bits of an e4m3 code in place is 2^-120 times the code's value; x is scaled up by
-# 2^64 (exact, powers of two) so the products keep float32's normal range, and the sums are scaled back by
-# 2^56 at the end: the same products and sums as converting, times powers of two (equal bits unless a product
-# falls below float32's normal range, |w x| < 2^-62, where it keeps fewer bits: far below a bf16 output's
-# resolution of any sum it joins). It needs |x| < 2^64.
-INT_CVT_X_SCALE = tl.constexpr(2.0**64)
-INT_CVT_OUT_SCALE = tl.constexpr(2.0**56)
-
-
-@triton.jit
-def _e4m3_as_f32(w):
-    """e4m3 codes -> float32 of 2^-120 times their values, by integer operations (three per value: the
-    conversion instructions' rate, not memory, bounds a CUDA-core FP8 GEMV otherwise). The code's sign goes
-    to bit 31 and its exponent and mantissa bits to bits 20..26: float32's exponent field becomes the code's
-    (bias 127 instead of 7), subnormal codes become float32 subnormals of the same scaled value."""
-    b = w.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended: bits 8..31 are the sign
-    return ((b << 20) & -2014314496).to(tl.float32, bitcast=True)  # -2014314496 = 0x87F00000 as int32
 
 
 # M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count.
@@ -125,7 +105,7 @@ def _small_m_gemm_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
-    INT_CVT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
     PARTIAL: store fp32 sums to Y + s * stride_yk (the workspace; bias and cast left to the reduce);
@@ -164,12 +144,8 @@ def _small_m_gemm_kernel(
                 k_mask = (k + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
                 xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            if INT_CVT:
-                xf = xt.to(tl.float32) * INT_CVT_X_SCALE
-                prod = _e4m3_as_f32(w) * xf
-            else:
-                xf = xt.to(tl.float32)
-                prod = w.to(tl.float32) * xf
+            xf = xt.to(tl.float32)
+            prod = w.to(tl.float32) * xf
             if SCALE == 2:
                 prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
             acc2 += prod
@@ -178,7 +154,7 @@ def _small_m_gemm_kernel(
                     w_up = tl.load(up_ptrs)
                 else:
                     w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
-                prod_up = (_e4m3_as_f32(w_up) if INT_CVT else w_up.to(tl.float32)) * xf
+                prod_up = w_up.to(tl.float32) * xf
                 if SCALE == 2:
                     prod_up = prod_up * tl.load(s_up_ptrs + k // SCALE_BK)[:, None]
                 acc2_up += prod_up
@@ -186,12 +162,8 @@ def _small_m_gemm_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
-        if INT_CVT:
-            acc = acc * INT_CVT_OUT_SCALE
         if SILU_MUL:
             acc_up = tl.sum(acc2_up, axis=1)[:, None]
-            if INT_CVT:
-                acc_up = acc_up * INT_CVT_OUT_SCALE
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
@@ -310,8 +282,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     _check(x, weight, scale, bias, block)
     if cfg.GEMV and x.shape[0] > 1:
         raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
-    if cfg.INT_CVT and weight.dtype != FP8:
-        raise ValueError(f"INT_CVT converts FP8 weights, got {weight.dtype}")
     if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
         raise ValueError(f"SiLU-and-mul runs in a single-split GEMV without bias on an even row count, got {cfg}")
     if x.stride(-1) != 1:
@@ -344,7 +314,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
         GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1, SILU_MUL=silu_mul,
-        INT_CVT=cfg.INT_CVT,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
