@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from model_executor.layers.triton_ops.pdl import supported as pdl_supported
-
 
 def _num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
@@ -33,13 +31,10 @@ def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     x_stride, res_stride, out_stride, res_out_stride,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, PDL_SIGNAL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per row. With a residual: s = x + residual (rounded to res_out's dtype) is stored to
-    res_out and normalised; else x is. out = weight * norm(s).to(s dtype), rounded to out's dtype.
-    PDL_SIGNAL: the next kernel (a small-M GEMM launched with PDL) may launch now (triton_ops/pdl.py)."""
-    if PDL_SIGNAL:
-        tl.extra.cuda.gdc_launch_dependents()
+    res_out and normalised; else x is. out = weight * norm(s).to(s dtype), rounded to out's dtype."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -74,7 +69,7 @@ def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Te
         x, res, weight, out, res_out,
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         n, eps,
-        HAS_RESIDUAL=has_res, BLOCK_N=block, PDL_SIGNAL=pdl_supported(x.device), num_warps=_num_warps(block),
+        HAS_RESIDUAL=has_res, BLOCK_N=block, num_warps=_num_warps(block),
     )
 
 

@@ -60,8 +60,6 @@ import torch
 import triton
 import triton.language as tl
 
-from model_executor.layers.triton_ops.pdl import supported as pdl_supported
-
 logger = logging.getLogger("duet.small_m_gemm")
 
 MAX_M = 16  # rows of x: the padded dot dimension (tl.dot's minimum)
@@ -301,6 +299,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
         raise ValueError(f"small-M GEMM: bias must be [{n}], got {tuple(bias.shape)}")
 
 
+@functools.cache
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (sm90+): the kernel may start while the previous one finishes."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
             block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False,
             peel: bool | None = None) -> torch.Tensor:
@@ -333,7 +337,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     dot_f32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
     f16_dot = weight.dtype == FP8
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
-    pdl = pdl_supported(x.device)  # (triton_ops/pdl.py)
+    pdl = _pdl(x.device)
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, k, k_per_split,

@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from model_executor.layers.triton_ops.pdl import supported as pdl_supported
-
 # Stage-1 tile: query heads per program (tl.dot needs M >= 16); the KV positions per loop step, warps and
 # pipeline stages come from stage1_tile.
 BLOCK_H = 16
@@ -172,10 +170,7 @@ def _decode_stage1_kernel(
     SINGLE_STAGE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
     IN_PRECISION: tl.constexpr,
-    PDL_SIGNAL: tl.constexpr,
 ):
-    if PDL_SIGNAL:  # a following small-M GEMM launched with PDL may launch now (triton_ops/pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
     split_id = tl.program_id(2)
@@ -279,10 +274,7 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
-    PDL_SIGNAL: tl.constexpr,
 ):
-    if PDL_SIGNAL:
-        tl.extra.cuda.gdc_launch_dependents()
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -398,7 +390,6 @@ def decode_attention_fwd(
         SINGLE_STAGE=single_stage,
         FUSED_COMBINE=fused,
         IN_PRECISION=in_precision,
-        PDL_SIGNAL=pdl_supported(q.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -413,6 +404,5 @@ def decode_attention_fwd(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         SPLIT_ALIGN=block_n,
-        PDL_SIGNAL=pdl_supported(q.device),
         num_warps=STAGE2_NUM_WARPS,
     )
