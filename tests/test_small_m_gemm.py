@@ -395,20 +395,3 @@ def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
         assert torch.equal(out, unfused)
         mlp(x)
         assert len(fused) == 1  # two rows: the linear and SiluAndMul
-
-
-@in_process
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
-@pytest.mark.parametrize("k,split,silu", [(160, 1, False), (160, 1, True), (256, 3, False), (128, 1, True)])
-def test_peeled_first_step_gives_the_same_bits(kind, k, split, silu):
-    """With programmatic dependent launch a GEMV takes its first K step outside the loop (its weight load goes
-    before the wait for the previous kernel): the same sums, so the same bits, with a K tail, with splits
-    (each split peels its own first step) and with the fused SiLU-and-mul."""
-    n = 80
-    w, s, block, _ = make_weight(kind, n, k, seed=k + split)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    cfg = sm.GemmConfig(BLOCK_N=4, BLOCK_K=32, SPLIT_K=split, GEMV=True)
-    dev = lambda t: None if t is None else t.to(DEVICE)
-    out = [sm._launch(dev(x), dev(w), dev(s), None, block, cfg, silu_mul=silu, peel=peel).cpu() for peel in (False, True)]
-    assert out[0].shape == (1, n // 2 if silu else n)
-    assert torch.equal(out[0], out[1])

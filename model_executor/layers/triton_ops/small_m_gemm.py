@@ -95,15 +95,6 @@ class GemmConfig:
 # ---------------------------------------------------------------- kernels
 
 
-@triton.jit
-def _gemv_products(w, xf, s_ptrs, k, SCALE: tl.constexpr, SCALE_BK: tl.constexpr):
-    """One GEMV step's elementwise products in float32 (per-block scales applied per step)."""
-    prod = w.to(tl.float32) * xf
-    if SCALE == 2:
-        prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
-    return prod
-
-
 # M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count.
 @triton.jit(do_not_specialize=["M", "stride_yk"])
 def _small_m_gemm_kernel(
@@ -114,7 +105,7 @@ def _small_m_gemm_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
-    PEEL: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
     PARTIAL: store fp32 sums to Y + s * stride_yk (the workspace; bias and cast left to the reduce);
@@ -133,52 +124,40 @@ def _small_m_gemm_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = W + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
-    s_ptrs = S + (rows_n // SCALE_BN) * stride_sn  # (SCALE == 2; S itself otherwise, never read)
-    if PDL:  # the next kernel may launch now: it waits for this one's results itself (gdc_wait)
-        tl.extra.cuda.gdc_launch_dependents()
+    if SCALE == 2:
+        s_ptrs = S + (rows_n // SCALE_BN) * stride_sn
     if GEMV:
         x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        up_ptrs = w_ptrs + N * stride_wn  # (SILU_MUL)
-        s_up_ptrs = S + ((rows_n + N) // SCALE_BN) * stride_sn
-        acc2_up = acc2  # (SILU_MUL: its own sums; a placeholder otherwise)
-        k_loop = k_start
-        if PEEL:
-            # The first step outside the loop, its weight tile loaded before waiting for the kernel that
-            # wrote x (weights do not depend on it): that load's latency overlaps the previous kernel's tail.
-            k_mask = (k_start + offs_k) < k_end
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            if SILU_MUL:
-                w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-            xf = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            acc2 += _gemv_products(w, xf, s_ptrs, k_start, SCALE, SCALE_BK)
-            if SILU_MUL:
-                acc2_up += _gemv_products(w_up, xf, s_up_ptrs, k_start, SCALE, SCALE_BK)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
-            k_loop = k_start + BLOCK_K
-        elif PDL:
-            tl.extra.cuda.gdc_wait()
+        if SILU_MUL:
+            up_ptrs = w_ptrs + N * stride_wn
+            acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if SCALE == 2:
+                s_up_ptrs = S + ((rows_n + N) // SCALE_BN) * stride_sn
         # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
         # or when the loop itself asks for stages; without it each step waits for its own loads.
-        for k in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                xf = tl.load(x_ptrs).to(tl.float32)
+                xt = tl.load(x_ptrs)
             else:
                 k_mask = (k + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-                xf = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            acc2 += _gemv_products(w, xf, s_ptrs, k, SCALE, SCALE_BK)
+                xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            xf = xt.to(tl.float32)
+            prod = w.to(tl.float32) * xf
+            if SCALE == 2:
+                prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+            acc2 += prod
             if SILU_MUL:
                 if EVEN_K:
                     w_up = tl.load(up_ptrs)
                 else:
                     w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
-                acc2_up += _gemv_products(w_up, xf, s_up_ptrs, k, SCALE, SCALE_BK)
+                prod_up = w_up.to(tl.float32) * xf
+                if SCALE == 2:
+                    prod_up = prod_up * tl.load(s_up_ptrs + k // SCALE_BK)[:, None]
+                acc2_up += prod_up
                 up_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -189,8 +168,6 @@ def _small_m_gemm_kernel(
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
         for k in range(k_start, k_end, BLOCK_K):  # (loads feeding tl.dot: pipelined with num_stages)
             if EVEN_K:
                 w = tl.load(w_ptrs)
@@ -299,18 +276,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
         raise ValueError(f"small-M GEMM: bias must be [{n}], got {tuple(bias.shape)}")
 
 
-@functools.cache
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (sm90+): the kernel may start while the previous one finishes."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-            block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False,
-            peel: bool | None = None) -> torch.Tensor:
-    """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T).
-    peel: a GEMV's first step outside its loop (default: with PDL, where its weight load goes before the
-    wait for the previous kernel; the tests force it on the CPU)."""
+            block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False) -> torch.Tensor:
+    """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T)."""
     _check(x, weight, scale, bias, block)
     if cfg.GEMV and x.shape[0] > 1:
         raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
@@ -337,7 +305,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     dot_f32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
     f16_dot = weight.dtype == FP8
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
-    pdl = _pdl(x.device)
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         m, n, k, k_per_split,
@@ -347,10 +314,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
         GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1, SILU_MUL=silu_mul,
-        PEEL=cfg.GEMV and (pdl if peel is None else peel), PDL=pdl,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
         reduce_block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, reduce_block))](
