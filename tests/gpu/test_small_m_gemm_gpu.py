@@ -140,7 +140,9 @@ def test_fused_silu_and_mul_equals_the_gemv_then_silu_and_mul(kind, n2, k):
         # Not bitwise on the GPU (two compiled kernels; a last-bit difference in a few gate or up sums):
         # within one bf16 rounding, and nearly every value equal. (Graph replay equals eager regardless: both
         # run the fused kernel at one row.)
-        torch.testing.assert_close(fused.float(), unfused.float(), rtol=2.0**-7, atol=0.0)
+        # (a one-ulp gate or up difference can move silu(gate) * up by two roundings near zero)
+        torch.testing.assert_close(fused.float(), unfused.float(), rtol=2.0**-6,
+                                   atol=1e-4 * unfused.float().abs().max().item())
         assert (fused != unfused).float().mean().item() < 0.01
     ref = x.float() @ w_deq.t()
     inter = n2 // 2
