@@ -27,7 +27,9 @@ half as much again as the weight's).
 
 For one row a config may instead ask for GEMV: CUDA-core products of a [BLOCK_N, BLOCK_K] weight tile and
 the x row, summed over K at the end (no padding to 16 rows, narrower column tiles); the tuner picks
-whichever is faster at M = 1.
+whichever is faster at M = 1. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
+loads of a loop without tl.dot only then. `small_m_silu_and_mul` runs a decode row's [gate; up] GEMV and the
+SiLU-and-mul in one such kernel.
 
 Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
 writes its fp32 partial to a workspace [splits, M, N] and a second kernel adds the splits in order 0..S-1,
