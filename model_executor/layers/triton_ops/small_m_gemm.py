@@ -302,8 +302,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.SPLIT_K), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     scale_mode = 0 if scale is None else 2 if block is not None else 1
-    partial = splits > 1
-    assert not (silu_mul and partial)
+    partial = splits > 1  # (never with silu_mul: SPLIT_K 1 was checked above)
     dot_f32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
     f16_dot = weight.dtype == FP8
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y

@@ -9,11 +9,12 @@ chunk's normalised partial output and its log-sum-exp into the workspace. Stage 
 merges the chunks. With num_kv_splits == 1 there is one stage: each program walks all its request's
 positions and writes the output itself (no workspace, no second launch).
 
-Fused combine (the default, see fused_combine_default): stage 1 merges the chunks itself and there is no
-stage-2 launch. Each program of a (request, kv-head block) that owns a chunk, once its partial is stored,
-increments that pair's int32 counter; the one that brings it to the request's chunk count merges the
-pair's BLOCK_H heads, in chunk order and with stage 2's arithmetic (same bits whichever program arrives
-last), then puts the counter back to 0, so the next call (or graph replay) finds it zeroed with no memset.
+Fused combine (from 32 requests with 128-wide heads, see fused_combine_default): stage 1 merges the
+chunks itself and there is no stage-2 launch. Each program of a (request, kv-head block) that owns a
+chunk, once its partial is stored, increments that pair's int32 counter; the one that brings it to the
+request's chunk count merges the pair's BLOCK_H heads, in chunk order and with stage 2's arithmetic (same
+bits whichever program arrives last), then puts the counter back to 0, so the next call (or graph replay)
+finds it zeroed with no memset.
 
 Chunking, from `seq_lens` read on the device: a request of length L uses n = min(cdiv(L, min_chunk),
 num_kv_splits) chunks of `round_up(cdiv(L, n), BLOCK_N)` positions, so a short request uses few splits
