@@ -312,10 +312,15 @@ def test_fp8_linear_traced_once_picks_its_path_per_row_count(quant, table, monke
         torch._dynamo.reset()
 
 
+# One-row GEMVs with something fused in: a K tail (144 = 2 x 64 + 16: a masked last step; block FP8 steps
+# by its 32-wide scale blocks, so 4 1/2 steps) and an even K.
+FUSED_GEMV_CASES = [(144, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),
+                    (128, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True})]
+
+
 @in_process
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
-@pytest.mark.parametrize("k,cfg", [(160, {"BLOCK_N": 4, "BLOCK_K": 32, "GEMV": True}),  # K tail: masked steps
-                                   (128, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True})])  # even K
+@pytest.mark.parametrize("k,cfg", FUSED_GEMV_CASES)
 def test_fused_silu_and_mul_equals_linear_then_silu_and_mul(kind, k, cfg):
     """One row through a [gate; up] weight: the fused GEMV's silu(gate) * up has the bits of the GEMV with
     half the column tile (the rows each program sums) followed by the SiLU-and-mul kernel. I = 40 is not a
@@ -351,18 +356,85 @@ def test_fused_silu_and_mul_config_and_refusals(table):
                                 config=sm.GemmConfig(8, 64, SPLIT_K=2, GEMV=True))
 
 
+def rmsnorm_reference(h, g, eps):
+    """weight * rmsnorm(h) in float32, with no rounding of the normed row."""
+    hf = h.float()
+    return hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * g.float()
+
+
 @in_process
-@pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
-def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
-    """LlamaMLP at one decode row runs gate/up + SiLU-and-mul as one kernel (the table's GEMV for the
-    [2I, K] weight) with the unfused path's bits; at two rows the linear and SiluAndMul run apart."""
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("k,cfg", FUSED_GEMV_CASES)
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_fused_rmsnorm_linear_matches_reference(kind, k, cfg, with_residual, silu_mul):
+    """One row: RMSNorm(x + residual) folded into the GEMV (and the SiLU-and-mul) gives the float32
+    reference of the dequantized weight within one rounding (two with the SiLU's), and the sum x + residual
+    with torch's bits. x is scaled so 1 / rms is far from 1, the norm weight is not all ones, and I = 40
+    (N = 40 without the SiLU) is not a multiple of the tile."""
+    from model_executor.layers.triton_ops import ops as triton_ops
+
+    n = 80 if silu_mul else 40
+    w, s, block, w_deq = make_weight(kind, n, k, seed=k + n)
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(1, k, generator=gen) * 5).to(torch.bfloat16)
+    residual = (torch.randn(1, k, generator=gen) * 3).to(torch.bfloat16) if with_residual else None
+    g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
+    bias = None if silu_mul else torch.randn(n, generator=gen).to(torch.bfloat16)
+    eps = 1e-5
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    y, h = sm.small_m_rmsnorm_linear(dev(x), dev(g), eps, dev(residual), dev(w), dev(s), dev(bias), block,
+                                     silu_mul=silu_mul, config=sm.GemmConfig(**cfg))
+    h_ref = x if residual is None else x + residual
+    if triton_mode.interpreting():  # (the interpreter truncates float32 -> bfloat16: within an ulp)
+        torch.testing.assert_close(h.float().cpu(), h_ref.float(), rtol=2.0**-7, atol=0)
+    else:
+        assert torch.equal(h.cpu(), h_ref)
+    ref = reference(rmsnorm_reference(h.cpu(), g, eps), w_deq, bias)  # (from the kernel's h: the GEMV's input)
+    if silu_mul:  # gate and up rounded to bf16, the SiLU rounded, the product rounded: an ulp each
+        gate, up = ref.to(torch.bfloat16).float().chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate).to(torch.bfloat16).float() * up
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=4 * 2.0**-7, atol=1e-3)
+    else:
+        assert_matches_reference(y.cpu(), ref, torch.bfloat16)
+
+
+@in_process
+def test_fused_rmsnorm_refusals(table):
+    """The fused norm needs a single-split GEMV (each program sums h^2 over all of K) and well-formed norm
+    operands; the table's choice decides, as for the SiLU-and-mul."""
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 64, "GEMV": True}
+    table({"bf16": {"32,64": {"1": gemv}, "48,64": {"1": {**gemv, "SPLIT_K": 2}}, "64,64": {"1": TUNED},
+                    "80,64": {"1": "cublas"}}})
+    assert sm.fused_gemv_config(32, 64, "bf16", "cpu") == sm.GemmConfig(8, 64, GEMV=True)  # every row
+    assert sm.fused_gemv_config(48, 64, "bf16", "cpu") is None  # split K
+    assert sm.fused_gemv_config(64, 64, "bf16", "cpu") is None  # a tl.dot tile
+    assert sm.fused_gemv_config(80, 64, "bf16", "cpu") is None  # cuBLAS
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    g = torch.ones(64, dtype=torch.bfloat16)
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert sm.small_m_rmsnorm_linear(torch.zeros(2, 64, dtype=torch.bfloat16), g, 1e-6, None, w) is None
+    assert sm.small_m_rmsnorm_linear(x, g, 1e-6, None, torch.zeros(48, 64, dtype=torch.bfloat16)) is None
+    y, h = sm.small_m_rmsnorm_linear(x, g, 1e-6, x.clone(), w)
+    assert y.shape == (1, 32) and h.shape == (1, 64)
+    with pytest.raises(ValueError, match="single-split GEMV"):
+        sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w, config=sm.GemmConfig(8, 64, SPLIT_K=2, GEMV=True))
+    with pytest.raises(ValueError, match="single-split GEMV"):
+        sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w, config=sm.GemmConfig(16, 64))
+    with pytest.raises(ValueError, match="RMSNorm weight"):
+        sm.small_m_rmsnorm_linear(x, g[:32], 1e-6, None, w)
+    with pytest.raises(ValueError, match="RMSNorm residual"):
+        sm.small_m_rmsnorm_linear(x, g, 1e-6, x.float(), w)
+
+
+def _tiny_mlp(quant, table):
+    """A LlamaMLP (hidden 64, intermediate 64) in bf16 or FP8 with random weights, and the table giving its
+    [gate; up] weight a GEMV at one row; (mlp, the generator that filled it)."""
     from types import SimpleNamespace
 
     from model_executor.layers.quantization import QuantConfig, quantization_context, restore_kept_dtypes
-    from model_executor.layers.triton_ops import ops as triton_ops
     from model_executor.models.llama import LlamaMLP
 
-    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     hidden, inter = 64, 64  # (block FP8: the down projection's input is a whole number of 32-wide blocks)
     gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
     kind = {None: "bf16", "fp8": "fp8", "fp8_block": "fp8_block"}[quant]
@@ -383,6 +455,56 @@ def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
             layer._load(layer.weight, w.to(torch.bfloat16))  # quantized as it loads
         else:
             layer.weight.data.copy_(w)
+    return mlp, gen
+
+
+@in_process
+@pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_llama_mlp_folds_its_norm_in_at_one_row(quant, with_residual, table, monkeypatch):
+    """LlamaMLP.forward_normed at one decode row runs the post-attention RMSNorm (and residual add), gate/up
+    and SiLU-and-mul as one kernel: the RMSNorm module then forward, within the one rounding of the normed
+    row the fused kernel skips, and the same sum; at two rows it is exactly RMSNorm then forward."""
+    from model_executor.layers.norm import RMSNorm
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    mlp, gen = _tiny_mlp(quant, table)
+    hidden = mlp.gate_up_proj.weight.shape[1]
+    norm = RMSNorm(hidden, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    fused = []
+    real = sm.small_m_rmsnorm_linear
+    monkeypatch.setattr(sm, "small_m_rmsnorm_linear", lambda *a, **kw: fused.append(kw) or real(*a, **kw))
+    x = (torch.randn(2, hidden, generator=gen) * 4).to(torch.bfloat16)
+    r = (torch.randn(2, hidden, generator=gen) * 4).to(torch.bfloat16) if with_residual else None
+    with torch.no_grad():
+        for rows in (1, 2):
+            xr, rr = x[:rows], None if r is None else r[:rows]
+            out, h = mlp.forward_normed(norm, xr, rr)
+            normed, h_ref = (norm(xr), xr) if rr is None else norm(xr, rr)
+            assert len(fused) == 1  # the one-row call only
+            if triton_mode.interpreting() and rr is not None and rows == 1:  # (truncating bf16 casts)
+                torch.testing.assert_close(h, h_ref, rtol=2.0**-7, atol=0)
+            else:
+                assert torch.equal(h, h_ref)
+            unfused = mlp(normed)
+            if rows == 1:
+                torch.testing.assert_close(out.float(), unfused.float(), rtol=2.0**-5,
+                                           atol=2.0**-6 * unfused.abs().max().item())
+            else:
+                assert torch.equal(out, unfused)
+
+
+@in_process
+@pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
+def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
+    """LlamaMLP at one decode row runs gate/up + SiLU-and-mul as one kernel (the table's GEMV for the
+    [2I, K] weight) with the unfused path's bits; at two rows the linear and SiluAndMul run apart."""
+    from model_executor.layers.triton_ops import ops as triton_ops
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    mlp, gen = _tiny_mlp(quant, table)
+    hidden = mlp.gate_up_proj.weight.shape[1]
     fused = []
     real = sm.small_m_silu_and_mul
     monkeypatch.setattr(sm, "small_m_silu_and_mul", lambda *a, **kw: fused.append(a[0].shape) or real(*a, **kw))
@@ -395,3 +517,37 @@ def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
         assert torch.equal(out, unfused)
         mlp(x)
         assert len(fused) == 1  # two rows: the linear and SiluAndMul
+
+
+@in_process
+def test_llama_decode_row_folds_both_norms_into_their_gemvs(tiny_llama, table, monkeypatch):
+    """A bf16 Llama decode step of one request: every layer's input norm runs inside its qkv GEMV and its
+    post-attention norm inside the gate/up + SiLU GEMV (two fused kernels per layer, none falling back),
+    and the logits stay within bf16 rounding of the same step with the norms run apart."""
+    from test_cuda_graph_runner import make_decode_batch, release
+
+    from runners.model_runner import ModelRunner, RunnerConfig
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
+    table({"bf16": {"128,64": {"1": gemv}, "256,64": {"1": gemv}}})  # qkv (4 + 2 x 2 heads of 16), gate/up
+    runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="bfloat16",
+                                      max_running_requests=2, max_total_tokens=256, disable_cuda_graph=True,
+                                      disable_piecewise_cuda_graph=True))
+    fused = []
+    real = sm.small_m_rmsnorm_linear
+    monkeypatch.setattr(sm, "small_m_rmsnorm_linear",
+                        lambda *a, **kw: fused.append(kw["silu_mul"]) or real(*a, **kw))
+    fb, rows, _ = make_decode_batch(runner, 1, seed=4, max_prompt=12)
+    try:
+        with torch.no_grad():
+            fused.clear()  # (the prefill's rows are many: it fused nothing)
+            out = runner.forward_eager(fb).float()
+            assert fused == [False, True] * runner.model_config.num_hidden_layers
+            monkeypatch.setattr(qbase.LinearMethod, "apply_rmsnorm", lambda *a: None)
+            unfused = runner.forward_eager(fb).float()
+    finally:
+        release(runner, rows, fb)
+    # (measured: max |diff| 1% of max |logit|, from the normed row's rounding through two layers)
+    torch.testing.assert_close(out, unfused, rtol=0.02, atol=0.02 * unfused.abs().max().item())
+    assert out.argmax(-1).tolist() == unfused.argmax(-1).tolist()

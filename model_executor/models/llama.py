@@ -41,6 +41,13 @@ class LlamaMLP(nn.Module):
             act = self.act(self.gate_up_proj(x))
         return self.down_proj(act)
 
+    def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+        """(forward(norm(x + residual)), x + residual); at a decode row the norm, gate/up and SiLU-and-mul
+        are one kernel where the small-M GEMV runs."""
+        act, residual = self.gate_up_proj.forward_normed(norm, x, residual, silu_mul=True)
+        return self.down_proj(act), residual
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
@@ -59,8 +66,9 @@ class LlamaAttention(nn.Module):
                                    rotary_emb=rotary_emb,
                                    qk_norm=(self.q_norm, self.k_norm) if cfg.qk_norm else None)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Attention from qkv_proj's output (the decoder layer runs qkv_proj, with its input norm)."""
+        q, k, v = self.qkv_proj.split(qkv)
         return self.o_proj(self.attn(q, k, v, fb, positions))
 
 
@@ -79,12 +87,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, fb: ForwardBatch):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, fb)
+        # Each RMSNorm goes with the linear it feeds: at a decode row, into that linear's GEMV.
+        qkv, residual = self.self_attn.qkv_proj.forward_normed(self.input_layernorm, hidden, residual)
+        hidden = self.self_attn(positions, qkv, fb)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

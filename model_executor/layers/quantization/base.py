@@ -66,10 +66,27 @@ class LinearMethod:
             return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, layer.weight, layer.bias)
 
+    def small_m_operands(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                          tuple[int, int] | None] | None:
+        """The layer's weight, scale and scale block as the small-M kernel takes them, or None for a method
+        with a GEMM of its own (no fused one-row paths then)."""
+        return layer.weight, None, None
+
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a [gate; up] layer in one kernel where the small-M kernel can (one decode row,
         a GEMV in the table), else None: the caller runs apply and SiluAndMul."""
-        return small_m_silu_and_mul(x, layer.weight, None, None, layer.bias)
+        operands = self.small_m_operands(layer)
+        return None if operands is None else small_m_silu_and_mul(x, *operands, layer.bias)
+
+    def apply_rmsnorm(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None, silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(apply(norm_weight * rmsnorm(h)), h) for h = x + residual (x without one) in one kernel where the
+        small-M kernel can (silu_mul: silu(gate) * up of it), else None: the caller runs RMSNorm, then the
+        layer."""
+        operands = self.small_m_operands(layer)
+        if operands is None:
+            return None
+        return small_m_rmsnorm_linear(x, norm_weight, eps, residual, *operands, layer.bias, silu_mul)
 
 
 # Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
@@ -95,16 +112,40 @@ def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
     return _small_m_module if _small_m_module.use_small_m(x2, weight, block) else None
 
 
+def _one_row_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None):
+    """small_m_kernel for a single contiguous row x [..., K], else None."""
+    # (compiling first: a symbolic token count compared with 1 would add a guard to the traced graph)
+    if torch.compiler.is_compiling() or x.numel() != x.shape[-1] or not x.is_contiguous():
+        return None
+    return small_m_kernel(x, weight, block)
+
+
 def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                          block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The fused gate/up GEMV + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for one row x [..., K]
     where the small-M kernel runs this weight; None otherwise (and with a bias, which it does not add)."""
-    # (compiling first: a symbolic token count compared with 1 would add a guard to the traced graph)
-    if bias is not None or torch.compiler.is_compiling() or x.numel() != x.shape[-1]:
-        return None
-    kernel = small_m_kernel(x, weight, block)
+    kernel = _one_row_kernel(x, weight, block) if bias is None else None
     out = kernel.small_m_silu_and_mul(x.reshape(1, -1), weight, scale, block) if kernel is not None else None
     return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                           weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+                           bias: torch.Tensor | None, silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm (and residual add) fused into the GEMV it feeds (small_m_gemm.small_m_rmsnorm_linear) for
+    one row x [..., K] where the small-M kernel runs this weight; None otherwise (SiLU-and-mul: and with a
+    bias, which it does not add)."""
+    kernel = _one_row_kernel(x, weight, block) if not (silu_mul and bias is not None) else None
+    if kernel is None or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                                    or not residual.is_contiguous())):
+        return None
+    out = kernel.small_m_rmsnorm_linear(x.reshape(1, -1), norm_weight, eps,
+                                        None if residual is None else residual.reshape(1, -1),
+                                        weight, scale, bias, block, silu_mul=silu_mul)
+    if out is None:
+        return None
+    y, h = out
+    return y.reshape(*x.shape[:-1], y.shape[-1]), h.reshape(x.shape)
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -22,7 +22,6 @@ from model_executor.layers.quantization.base import (
     rows,
     set_kept_dtype,
     small_m_kernel,
-    small_m_silu_and_mul,
 )
 from model_executor.layers.quantization.config import QuantConfig, QuantizationError
 
@@ -126,8 +125,8 @@ class Fp8OnlineMethod(_QuantizeOnLoad):
     def apply(self, layer, x):
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
 
-    def apply_silu_and_mul(self, layer, x):
-        return small_m_silu_and_mul(x, layer.weight, layer.weight_scale, None, layer.bias)
+    def small_m_operands(self, layer):
+        return layer.weight, layer.weight_scale, None
 
 
 class Fp8ChannelMethod(LinearMethod):
@@ -173,8 +172,8 @@ class Fp8ChannelMethod(LinearMethod):
     def apply(self, layer, x):
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "input_scale", None))
 
-    def apply_silu_and_mul(self, layer, x):  # (weight-only at one row, as fp8_linear: no input_scale)
-        return small_m_silu_and_mul(x, layer.weight, layer.weight_scale, None, layer.bias)
+    def small_m_operands(self, layer):  # (weight-only at one row, as fp8_linear: no input_scale)
+        return layer.weight, layer.weight_scale, None
 
     def init_random(self, layer, generator, std):
         w = _random_like(layer.weight, generator, std)
@@ -221,8 +220,8 @@ class Fp8BlockMethod(LinearMethod):
     def apply(self, layer, x):
         return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, block=self.block)
 
-    def apply_silu_and_mul(self, layer, x):
-        return small_m_silu_and_mul(x, layer.weight, layer.weight_scale_inv, self.block, layer.bias)
+    def small_m_operands(self, layer):
+        return layer.weight, layer.weight_scale_inv, self.block
 
     def init_random(self, layer, generator, std):
         q, scale = fp8_math.quantize_fp8_block(_random_like(layer.weight, generator, std), self.block)
@@ -255,8 +254,8 @@ class Int8WeightOnlyMethod(_QuantizeOnLoad):
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def apply_silu_and_mul(self, layer, x):
-        return None  # (its own weight-only GEMM: the linear and SiluAndMul run apart)
+    def small_m_operands(self, layer):
+        return None  # (its own weight-only GEMM: no fused one-row paths)
 
 
 class Int4WeightOnlyMethod(LinearMethod):
@@ -309,8 +308,8 @@ class Int4WeightOnlyMethod(LinearMethod):
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def apply_silu_and_mul(self, layer, x):
-        return None  # (its own weight-only GEMM: the linear and SiluAndMul run apart)
+    def small_m_operands(self, layer):
+        return None  # (its own weight-only GEMM: no fused one-row paths)
 
 
 @functools.cache

@@ -29,7 +29,8 @@ For one row a config may instead ask for GEMV: CUDA-core products of a [BLOCK_N,
 the x row, summed over K at the end (no padding to 16 rows, narrower column tiles); the tuner picks
 whichever is faster at M = 1. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
 loads of a loop without tl.dot only then. `small_m_silu_and_mul` runs a decode row's [gate; up] GEMV and the
-SiLU-and-mul in one such kernel.
+SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add) that feeds a
+linear into its GEMV.
 
 Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
 writes its fp32 partial to a workspace [splits, M, N] and a second kernel adds the splits in order 0..S-1,
@@ -100,13 +101,14 @@ class GemmConfig:
 # M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count.
 @triton.jit(do_not_specialize=["M", "stride_yk"])
 def _small_m_gemm_kernel(
-    X, W, S, BIAS, Y, M, N, K, k_per_split,
+    X, W, S, BIAS, Y, R, G, H, M, N, K, k_per_split, eps,
     stride_xm, stride_wn, stride_ym, stride_sn, stride_yk,
     SCALE: tl.constexpr,  # 0: none, 1: per output channel, 2: per (SCALE_BN x SCALE_BK) block
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
@@ -114,7 +116,11 @@ def _small_m_gemm_kernel(
     otherwise add the bias and store in Y's dtype. GEMV (one row, BLOCK_M == 1): no tensor cores, the
     products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile summed over K once at the end.
     SILU_MUL (GEMV, one split, no bias): W is [gate; up] with 2N rows; the program also sums the up rows
-    n + N and stores silu(gate) * up, rounded as the linear followed by SiluAndMul would round them."""
+    n + N and stores silu(gate) * up, rounded as the linear followed by SiluAndMul would round them.
+    NORM (GEMV, one split): the input row is G * rmsnorm(h) for h = x (+ R, rounded to x's dtype, as
+    torch adds them; program 0 stores h to H): each step multiplies h by G and sums h^2 as it goes, and the
+    sums are scaled by 1 / rms(h) at the end (no pass over x before the weights stream, no normed row in
+    memory; one rounding fewer than RMSNorm then the GEMM, which rounds the normed row to x's dtype)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,6 +137,13 @@ def _small_m_gemm_kernel(
     if GEMV:
         x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if NORM:
+            g_ptrs = G + (k_start + offs_k)[None, :]
+            sumsq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+            if HAS_RESIDUAL:
+                r_ptrs = R + (k_start + offs_k)[None, :]
+                h_ptrs = H + (k_start + offs_k)[None, :]
+                h_end = tl.where(pid_n == 0, k_end, k_start)  # program 0 stores h; the others store nothing
         if SILU_MUL:
             up_ptrs = w_ptrs + N * stride_wn
             acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -139,14 +152,26 @@ def _small_m_gemm_kernel(
         # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
         # or when the loop itself asks for stages; without it each step waits for its own loads.
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            k_mask = (k + offs_k)[None, :] < k_end
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 xt = tl.load(x_ptrs)
             else:
-                k_mask = (k + offs_k) < k_end
-                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-                xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            xf = xt.to(tl.float32)
+                w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+                xt = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            if NORM:
+                if HAS_RESIDUAL:
+                    r = tl.load(r_ptrs, mask=k_mask, other=0.0)
+                    xt = (xt.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+                    tl.store(h_ptrs, xt, mask=(k + offs_k)[None, :] < h_end)
+                    r_ptrs += BLOCK_K
+                    h_ptrs += BLOCK_K
+                xf = xt.to(tl.float32)
+                sumsq += xf * xf
+                xf = xf * tl.load(g_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                g_ptrs += BLOCK_K
+            else:
+                xf = xt.to(tl.float32)
             prod = w.to(tl.float32) * xf
             if SCALE == 2:
                 prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
@@ -155,7 +180,7 @@ def _small_m_gemm_kernel(
                 if EVEN_K:
                     w_up = tl.load(up_ptrs)
                 else:
-                    w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
+                    w_up = tl.load(up_ptrs, mask=k_mask, other=0.0)
                 prod_up = w_up.to(tl.float32) * xf
                 if SCALE == 2:
                     prod_up = prod_up * tl.load(s_up_ptrs + k // SCALE_BK)[:, None]
@@ -166,6 +191,11 @@ def _small_m_gemm_kernel(
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
         if SILU_MUL:
             acc_up = tl.sum(acc2_up, axis=1)[:, None]
+        if NORM:  # (one split: this program saw all of K)
+            rstd = 1.0 / tl.sqrt(tl.sum(sumsq) / K + eps)
+            acc = acc * rstd
+            if SILU_MUL:
+                acc_up = acc_up * rstd
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
@@ -278,14 +308,28 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
         raise ValueError(f"small-M GEMM: bias must be [{n}], got {tuple(bias.shape)}")
 
 
+@dataclass(frozen=True)
+class RmsNormInput:
+    """A GEMM input given before its RMSNorm: the rows are weight * rmsnorm(x + residual) (residual
+    optional), as RMSNorm(x, residual) computes them; `sum_out` receives x + residual."""
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual: torch.Tensor | None = None  # [1, K], x's dtype
+    sum_out: torch.Tensor | None = None  # [1, K], x's dtype; required with a residual
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-            block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False) -> torch.Tensor:
-    """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T)."""
+            block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False,
+            norm: RmsNormInput | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T);
+    norm: x is first normed (and added to a residual) as `norm` says."""
     _check(x, weight, scale, bias, block)
     if cfg.GEMV and x.shape[0] > 1:
         raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
     if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
         raise ValueError(f"SiLU-and-mul runs in a single-split GEMV without bias on an even row count, got {cfg}")
+    if norm is not None:
+        _check_norm(x, norm, cfg)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if bias is not None and bias.stride(-1) != 1:
@@ -306,15 +350,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     dot_f32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
     f16_dot = weight.dtype == FP8
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
+    residual = norm.residual if norm is not None else None
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
-        m, n, k, k_per_split,
+        residual if residual is not None else x, norm.weight if norm is not None else x,
+        norm.sum_out if residual is not None else x,
+        m, n, k, k_per_split, norm.eps if norm is not None else 0.0,
         x.stride(0), weight.stride(0), n, scale.stride(0) if scale_mode == 2 else 0, m * n,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
         GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1, SILU_MUL=silu_mul,
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -324,6 +372,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
             out, bias if bias is not None else out, y, n, splits, m * n, n, n,
             HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4)
     return y
+
+
+def _check_norm(x: torch.Tensor, norm: RmsNormInput, cfg: GemmConfig) -> None:
+    if not cfg.GEMV or cfg.SPLIT_K != 1:
+        raise ValueError(f"a fused RMSNorm runs in a single-split GEMV (each program sees all of K), got {cfg}")
+    k = x.shape[1]
+    if norm.weight.shape != (k,) or norm.weight.stride(-1) != 1:
+        raise ValueError(f"RMSNorm weight must be [{k}] with unit stride, got {tuple(norm.weight.shape)}")
+    for name in ("residual", "sum_out"):
+        t = getattr(norm, name)
+        if norm.residual is not None and (t is None or t.shape != x.shape or t.dtype != x.dtype
+                                          or not t.is_contiguous()):
+            raise ValueError(f"RMSNorm {name} must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
+    if norm.residual is None and norm.sum_out is not None:
+        raise ValueError("RMSNorm sum_out without a residual (the sum is x itself)")
+    if x.stride(-1) != 1 or not x.is_contiguous():
+        raise ValueError("a fused RMSNorm needs a contiguous x")
 
 
 # ---------------------------------------------------------------- configs
@@ -460,16 +525,32 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return _impl(x, weight, scale, bias, block_n, block_k)
 
 
+def fused_gemv_config(n: int, k: int, kind: str, device: str, silu_mul: bool = False) -> GemmConfig | None:
+    """The config of a one-row GEMV with something fused into it (a SiLU-and-mul, an RMSNorm): the
+    table's choice for the weight when it is a single-split GEMV, else None. silu_mul: the weight is
+    [gate; up] ([2I, K]) and each program takes half its rows from the gate block and half from the up
+    block (the same bytes per program, the same grid)."""
+    if silu_mul and n % 2:
+        return None
+    cfg = choose_config(1, n, k, kind, device)
+    if cfg is None or not cfg.GEMV or cfg.SPLIT_K != 1 or (silu_mul and cfg.BLOCK_N < 2):
+        return None
+    return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2) if silu_mul else cfg
+
+
 def silu_and_mul_config(n2: int, k: int, kind: str, device: str) -> GemmConfig | None:
-    """The config of the fused [gate; up] GEMV + SiLU-and-mul at one row: the table's choice for the
-    [2I, K] weight when it is a single-split GEMV, each program taking half its rows from the gate block and
-    half from the up block (the same bytes per program, the same grid); None otherwise."""
-    if n2 % 2:
+    """The fused [gate; up] GEMV + SiLU-and-mul's config (fused_gemv_config with silu_mul)."""
+    return fused_gemv_config(n2, k, kind, device, silu_mul=True)
+
+
+def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
+                  config: GemmConfig | None, silu_mul: bool) -> GemmConfig | None:
+    """`config`, else the table's fused_gemv_config; None for more than one row or while something traces."""
+    if x.shape[0] != 1 or _tracing():
         return None
-    cfg = choose_config(1, n2, k, kind, device)
-    if cfg is None or not cfg.GEMV or cfg.SPLIT_K != 1 or cfg.BLOCK_N < 2:
-        return None
-    return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
+    if config is not None:
+        return config
+    return fused_gemv_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), silu_mul)
 
 
 def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -479,13 +560,24 @@ def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     scales, as small_m_linear) -> [1, I], in one kernel: a decode step's MLP without the activation's own
     launch. None where no single-split GEMV config applies, or while something traces: the caller then runs
     the linear and SiluAndMul."""
-    if x.shape[0] != 1 or _tracing():
-        return None
+    config = _fused_config(x, weight, block, config, silu_mul=True)
+    return None if config is None else _launch(x, weight, scale, None, block, config, silu_mul=True)
+
+
+def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                           weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                           block: tuple[int, int] | None = None, silu_mul: bool = False,
+                           config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(y, h) for one row: h = x + residual (x without one) and y = the GEMM (silu_mul: the [gate; up]
+    GEMV + SiLU-and-mul) of norm_weight * rmsnorm(h), in one kernel: RMSNorm's launch folded into the
+    linear it feeds. None where no single-split GEMV config applies, or while something traces (the caller
+    then runs RMSNorm and the linear)."""
+    config = _fused_config(x, weight, block, config, silu_mul)
     if config is None:
-        config = silu_and_mul_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x))
-        if config is None:
-            return None
-    return _launch(x, weight, scale, None, block, config, silu_mul=True)
+        return None
+    norm = RmsNormInput(norm_weight, eps, residual, None if residual is None else torch.empty_like(x))
+    y = _launch(x, weight, scale, bias, block, config, silu_mul=silu_mul, norm=norm)
+    return y, (x if residual is None else norm.sum_out)
 
 
 def use_small_m(x2: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
