@@ -372,7 +372,6 @@ def test_fused_rmsnorm_linear_matches_reference(kind, k, cfg, with_residual, sil
     reference of the dequantized weight within one rounding (two with the SiLU's), and the sum x + residual
     with torch's bits. x is scaled so 1 / rms is far from 1, the norm weight is not all ones, and I = 40
     (N = 40 without the SiLU) is not a multiple of the tile."""
-    from model_executor.layers.triton_ops import ops as triton_ops
 
     n = 80 if silu_mul else 40
     w, s, block, w_deq = make_weight(kind, n, k, seed=k + n)
