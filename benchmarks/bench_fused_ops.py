@@ -3,11 +3,14 @@ graph (was two print-only GPU tests).
 
     python -m benchmarks.bench_fused_ops --json out.json
     python -m benchmarks.bench_fused_ops --shapes 8b qwen3-30b-a3b --tokens 1
+    python -m benchmarks.bench_fused_ops --gemv --shapes 1b 8b
 
 For each shape and token count: add+RMSNorm, rotary, SiLU-and-mul and the KV store against their PyTorch
 forward_native; the decode rotary + KV store kernel against the rotary kernel then the store kernel; for Qwen3
 shapes, q/k RMSNorm + rotary + KV store in one kernel against qk_norm_rope then the store. Each call is
-repeated CALLS times in one graph (no launch overhead, as in the decode graphs). Prints a table, writes JSON.
+repeated CALLS times in one graph (no launch overhead, as in the decode graphs). --gemv: at one row, the
+RMSNorm folded into the qkv GEMV and the gate/up + SiLU GEMV against add+RMSNorm then the GEMV, over copies of
+cold weights. Prints a table, writes JSON.
 The builders are shared with tests/gpu/test_fused_ops_gpu.py (bf16 at serving shapes).
 """
 
@@ -113,7 +116,33 @@ def qwen3_pairs(shape, num_tokens, gen) -> dict:
         qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache)
         pool.set_kv(0, loc, k, v)
 
-    return {"qk_norm+rot+set_kv vs qk_norm_rope, set_kv": (fused, two_kernels)}
+    return {"qk_norm+rot+set_kv vs qk_norm_rope, set_kv": ([fused] * CALLS, [two_kernels] * CALLS)}
+
+
+def gemv_pairs(shape, kind, gen) -> dict:
+    """{op: (fused calls, the calls they replace)} at one decode row: the RMSNorm (with its residual add)
+    folded into the qkv GEMV and into the gate/up + SiLU GEMV, against the add+RMSNorm kernel and then the
+    GEMV; each list walks copies of the weight (Weights: more bytes than the L2 holds), as a step does."""
+    from benchmarks.tune_small_m_gemm import Weights
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    norm = make_norm(hidden, gen)
+    x, residual = randn(1, hidden, gen=gen), randn(1, hidden, gen=gen)
+    pairs = {}
+    qkv = (num_heads + 2 * num_kv_heads) * head_dim
+    for name, n, silu in (("qkv", qkv, False), ("gate_up+silu", 2 * inter, True)):
+        wts = Weights(kind, n, hidden, gen)
+        one = sm.small_m_silu_and_mul if silu else (lambda h, w, s: sm.small_m_linear(h, w, s))
+        fused = [lambda w=w, s=s, silu=silu: sm.small_m_rmsnorm_linear(x, norm.weight, norm.eps, residual, w, s,
+                                                                        silu_mul=silu)
+                 for w, s in zip(wts.w, wts.s)]
+        other = [lambda w=w, s=s, one=one: one(norm(x, residual)[0], w, s) for w, s in zip(wts.w, wts.s)]
+        if fused[0]() is None:
+            print(f"{shape} {kind} {name}: no single-split GEMV in the table, skipped")
+            continue
+        pairs[f"{kind} rmsnorm+{name} vs add+rmsnorm, {name}"] = (fused, other)
+    return pairs
 
 
 def parse_shape(text: str) -> str:
@@ -127,6 +156,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_fused_ops", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=["1b", "8b", "qwen3-30b-a3b"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--gemv", action="store_true",
+                   help="instead: the RMSNorm folded into the one-row GEMVs (bf16 and FP8 weights, table configs)")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
     if any(t < 1 for t in args.tokens):
@@ -139,11 +170,17 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, bf16, {CALLS} calls per graph, us per call")
     print(f"{'shape':>14} {'T':>4}  {'op':<42} {'fused us':>9} {'other us':>9} {'speed-up':>8}")
     for shape in args.shapes:
-        for num_tokens in args.tokens:
-            pairs = (qwen3_pairs(shape.removeprefix("qwen3-"), num_tokens, gen) if shape.startswith("qwen3-")
-                     else llama_pairs(shape, num_tokens, gen))
+        for num_tokens in ([1] if args.gemv else args.tokens):
+            if args.gemv:
+                if shape not in SHAPES:
+                    continue
+                pairs = {**gemv_pairs(shape, "bf16", gen), **gemv_pairs(shape, "fp8", gen)}
+            elif shape.startswith("qwen3-"):
+                pairs = qwen3_pairs(shape.removeprefix("qwen3-"), num_tokens, gen)
+            else:
+                pairs = {op: ([f] * CALLS, [o] * CALLS) for op, (f, o) in llama_pairs(shape, num_tokens, gen).items()}
             for op, (fused, other) in pairs.items():
-                fused_us, other_us = time_calls([fused] * CALLS), time_calls([other] * CALLS)
+                fused_us, other_us = time_calls(fused), time_calls(other)
                 rows.append({"shape": shape, "tokens": num_tokens, "op": op, "fused_us": round(fused_us, 2),
                              "other_us": round(other_us, 2)})
                 print(f"{shape:>14} {num_tokens:>4}  {op:<42} {fused_us:>9.2f} {other_us:>9.2f} "

@@ -142,8 +142,7 @@ def _small_m_gemm_kernel(
             sumsq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
             if HAS_RESIDUAL:
                 r_ptrs = R + (k_start + offs_k)[None, :]
-                h_ptrs = H + (k_start + offs_k)[None, :]
-                h_end = tl.where(pid_n == 0, k_end, k_start)  # program 0 stores h; the others store nothing
+                h_ptrs = H + (k_start + offs_k)[None, :]  # (program 0 stores h)
         if SILU_MUL:
             up_ptrs = w_ptrs + N * stride_wn
             acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -159,16 +158,21 @@ def _small_m_gemm_kernel(
             else:
                 w = tl.load(w_ptrs, mask=k_mask, other=0.0)
                 xt = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            if NORM:
+            if NORM:  # (unmasked where K is even: masked loads of a runtime bound are not vectorized)
                 if HAS_RESIDUAL:
-                    r = tl.load(r_ptrs, mask=k_mask, other=0.0)
+                    r = tl.load(r_ptrs) if EVEN_K else tl.load(r_ptrs, mask=k_mask, other=0.0)
                     xt = (xt.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-                    tl.store(h_ptrs, xt, mask=(k + offs_k)[None, :] < h_end)
+                    if pid_n == 0:
+                        if EVEN_K:
+                            tl.store(h_ptrs, xt)
+                        else:
+                            tl.store(h_ptrs, xt, mask=k_mask)
                     r_ptrs += BLOCK_K
                     h_ptrs += BLOCK_K
                 xf = xt.to(tl.float32)
                 sumsq += xf * xf
-                xf = xf * tl.load(g_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                g = tl.load(g_ptrs) if EVEN_K else tl.load(g_ptrs, mask=k_mask, other=0.0)
+                xf = xf * g.to(tl.float32)
                 g_ptrs += BLOCK_K
             else:
                 xf = xt.to(tl.float32)
