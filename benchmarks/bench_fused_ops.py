@@ -9,8 +9,7 @@ For each shape and token count: add+RMSNorm, rotary, SiLU-and-mul and the KV sto
 forward_native; the decode rotary + KV store kernel against the rotary kernel then the store kernel; for Qwen3
 shapes, q/k RMSNorm + rotary + KV store in one kernel against qk_norm_rope then the store. Each call is
 repeated CALLS times in one graph (no launch overhead, as in the decode graphs). --gemv: at one row, the
-RMSNorm folded into the qkv GEMV and the gate/up + SiLU GEMV against add+RMSNorm then the GEMV, over copies of
-cold weights. Prints a table, writes JSON.
+RMSNorm folded into the qkv GEMV against add+RMSNorm then the GEMV, over copies of cold weights. Prints a table, writes JSON.
 The builders are shared with tests/gpu/test_fused_ops_gpu.py (bf16 at serving shapes).
 """
 
@@ -120,29 +119,23 @@ def qwen3_pairs(shape, num_tokens, gen) -> dict:
 
 
 def gemv_pairs(shape, kind, gen) -> dict:
-    """{op: (fused calls, the calls they replace)} at one decode row: the RMSNorm (with its residual add)
-    folded into the qkv GEMV and into the gate/up + SiLU GEMV, against the add+RMSNorm kernel and then the
-    GEMV; each list walks copies of the weight (Weights: more bytes than the L2 holds), as a step does."""
+    """{op: (fused calls, the calls they replace)} at one decode row: the input RMSNorm (with its residual
+    add) folded into the qkv GEMV, against the add+RMSNorm kernel and then the GEMV; each list walks copies
+    of the weight (Weights: more bytes than the L2 holds), as a step does."""
     from benchmarks.tune_small_m_gemm import Weights
     from model_executor.layers.triton_ops import small_m_gemm as sm
 
-    hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    hidden, _, num_heads, num_kv_heads, head_dim = SHAPES[shape]
     norm = make_norm(hidden, gen)
     x, residual = randn(1, hidden, gen=gen), randn(1, hidden, gen=gen)
-    pairs = {}
-    qkv = (num_heads + 2 * num_kv_heads) * head_dim
-    for name, n, silu in (("qkv", qkv, False), ("gate_up+silu", 2 * inter, True)):
-        wts = Weights(kind, n, hidden, gen)
-        one = sm.small_m_silu_and_mul if silu else (lambda h, w, s: sm.small_m_linear(h, w, s))
-        fused = [lambda w=w, s=s, silu=silu: sm.small_m_rmsnorm_linear(x, norm.weight, norm.eps, residual, w, s,
-                                                                        silu_mul=silu)
-                 for w, s in zip(wts.w, wts.s)]
-        other = [lambda w=w, s=s, one=one: one(norm(x, residual)[0], w, s) for w, s in zip(wts.w, wts.s)]
-        if fused[0]() is None:
-            print(f"{shape} {kind} {name}: no single-split GEMV in the table, skipped")
-            continue
-        pairs[f"{kind} rmsnorm+{name} vs add+rmsnorm, {name}"] = (fused, other)
-    return pairs
+    wts = Weights(kind, (num_heads + 2 * num_kv_heads) * head_dim, hidden, gen)
+    fused = [lambda w=w, s=s: sm.small_m_rmsnorm_linear(x, norm.weight, norm.eps, residual, w, s)
+             for w, s in zip(wts.w, wts.s)]
+    other = [lambda w=w, s=s: sm.small_m_linear(norm(x, residual)[0], w, s) for w, s in zip(wts.w, wts.s)]
+    if fused[0]() is None:
+        print(f"{shape} {kind} qkv: no single-split GEMV in the table, skipped")
+        return {}
+    return {f"{kind} rmsnorm+qkv vs add+rmsnorm, qkv": (fused, other)}
 
 
 def parse_shape(text: str) -> str:
@@ -157,7 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=["1b", "8b", "qwen3-30b-a3b"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     p.add_argument("--gemv", action="store_true",
-                   help="instead: the RMSNorm folded into the one-row GEMVs (bf16 and FP8 weights, table configs)")
+                   help="instead: the RMSNorm folded into the one-row qkv GEMV (bf16 and FP8 weights, table configs)")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
     if any(t < 1 for t in args.tokens):

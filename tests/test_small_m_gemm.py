@@ -366,36 +366,28 @@ def rmsnorm_reference(h, g, eps):
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("k,cfg", FUSED_GEMV_CASES)
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("silu_mul", [False, True])
-def test_fused_rmsnorm_linear_matches_reference(kind, k, cfg, with_residual, silu_mul):
-    """One row: RMSNorm(x + residual) folded into the GEMV (and the SiLU-and-mul) gives the float32
-    reference of the dequantized weight within one rounding (two with the SiLU's), and the sum x + residual
-    with torch's bits. x is scaled so 1 / rms is far from 1, the norm weight is not all ones, and I = 40
-    (N = 40 without the SiLU) is not a multiple of the tile."""
-
-    n = 80 if silu_mul else 40
+def test_fused_rmsnorm_linear_matches_reference(kind, k, cfg, with_residual):
+    """One row: RMSNorm(x + residual) folded into the GEMV gives the float32 reference of the dequantized
+    weight from the kernel's h within one rounding, and h = x + residual with torch's bits. x is scaled so
+    1 / rms is far from 1, the norm weight is not all ones, and N = 40 is not a multiple of the tile."""
+    n = 40
     w, s, block, w_deq = make_weight(kind, n, k, seed=k + n)
     gen = torch.Generator().manual_seed(7)
     x = (torch.randn(1, k, generator=gen) * 5).to(torch.bfloat16)
     residual = (torch.randn(1, k, generator=gen) * 3).to(torch.bfloat16) if with_residual else None
     g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
-    bias = None if silu_mul else torch.randn(n, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
     eps = 1e-5
     dev = lambda t: None if t is None else t.to(DEVICE)
     y, h = sm.small_m_rmsnorm_linear(dev(x), dev(g), eps, dev(residual), dev(w), dev(s), dev(bias), block,
-                                     silu_mul=silu_mul, config=sm.GemmConfig(**cfg))
+                                     config=sm.GemmConfig(**cfg))
     h_ref = x if residual is None else x + residual
     if triton_mode.interpreting():  # (the interpreter truncates float32 -> bfloat16: within an ulp)
         torch.testing.assert_close(h.float().cpu(), h_ref.float(), rtol=2.0**-7, atol=0)
     else:
         assert torch.equal(h.cpu(), h_ref)
-    ref = reference(rmsnorm_reference(h.cpu(), g, eps), w_deq, bias)  # (from the kernel's h: the GEMV's input)
-    if silu_mul:  # gate and up rounded to bf16, the SiLU rounded, the product rounded: an ulp each
-        gate, up = ref.to(torch.bfloat16).float().chunk(2, dim=-1)
-        ref = torch.nn.functional.silu(gate).to(torch.bfloat16).float() * up
-        torch.testing.assert_close(y.float().cpu(), ref, rtol=4 * 2.0**-7, atol=1e-3)
-    else:
-        assert_matches_reference(y.cpu(), ref, torch.bfloat16)
+    # (from the kernel's h: the GEMV's input)
+    assert_matches_reference(y.cpu(), reference(rmsnorm_reference(h.cpu(), g, eps), w_deq, bias), torch.bfloat16)
 
 
 @in_process
@@ -424,6 +416,9 @@ def test_fused_rmsnorm_refusals(table):
         sm.small_m_rmsnorm_linear(x, g[:32], 1e-6, None, w)
     with pytest.raises(ValueError, match="RMSNorm residual"):
         sm.small_m_rmsnorm_linear(x, g, 1e-6, x.float(), w)
+    with pytest.raises(ValueError, match="does not go with the fused SiLU"):
+        sm._launch(x, w, None, None, None, sm.GemmConfig(8, 64, GEMV=True), silu_mul=True,
+                   norm=sm.RmsNormInput(g, 1e-6))
 
 
 def _tiny_mlp(quant, table):
@@ -460,33 +455,36 @@ def _tiny_mlp(quant, table):
 @in_process
 @pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_llama_mlp_folds_its_norm_in_at_one_row(quant, with_residual, table, monkeypatch):
-    """LlamaMLP.forward_normed at one decode row runs the post-attention RMSNorm (and residual add), gate/up
-    and SiLU-and-mul as one kernel: the RMSNorm module then forward, within the one rounding of the normed
-    row the fused kernel skips, and the same sum; at two rows it is exactly RMSNorm then forward."""
+def test_forward_normed_folds_the_norm_in_at_one_row(quant, with_residual, table, monkeypatch):
+    """LinearBase.forward_normed at one decode row runs the RMSNorm (and residual add) inside the layer's
+    GEMV: the RMSNorm module then the layer, within the one rounding of the normed row the fused kernel
+    skips, and the same sum; at two rows it is exactly RMSNorm then the layer."""
     from model_executor.layers.norm import RMSNorm
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
-    mlp, gen = _tiny_mlp(quant, table)
-    hidden = mlp.gate_up_proj.weight.shape[1]
-    norm = RMSNorm(hidden, eps=1e-5).to(torch.bfloat16)
-    norm.weight.data.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    n, k = 48, 64
+    kind = {None: "bf16", "fp8": "fp8", "fp8_block": "fp8_block"}[quant]
+    table({kind: {f"{n},{k}": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}}})
+    layer, _ = _linear(quant, n, k, bias=True)
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(k, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data.copy_(torch.rand(k, generator=gen) + 0.5)
     fused = []
     real = sm.small_m_rmsnorm_linear
-    monkeypatch.setattr(sm, "small_m_rmsnorm_linear", lambda *a, **kw: fused.append(kw) or real(*a, **kw))
-    x = (torch.randn(2, hidden, generator=gen) * 4).to(torch.bfloat16)
-    r = (torch.randn(2, hidden, generator=gen) * 4).to(torch.bfloat16) if with_residual else None
+    monkeypatch.setattr(sm, "small_m_rmsnorm_linear", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    x = (torch.randn(2, k, generator=gen) * 4).to(torch.bfloat16)
+    r = (torch.randn(2, k, generator=gen) * 4).to(torch.bfloat16) if with_residual else None
     with torch.no_grad():
         for rows in (1, 2):
             xr, rr = x[:rows], None if r is None else r[:rows]
-            out, h = mlp.forward_normed(norm, xr, rr)
+            out, h = layer.forward_normed(norm, xr, rr)
             normed, h_ref = (norm(xr), xr) if rr is None else norm(xr, rr)
             assert len(fused) == 1  # the one-row call only
             if triton_mode.interpreting() and rr is not None and rows == 1:  # (truncating bf16 casts)
                 torch.testing.assert_close(h, h_ref, rtol=2.0**-7, atol=0)
             else:
                 assert torch.equal(h, h_ref)
-            unfused = mlp(normed)
+            unfused = layer(normed)
             if rows == 1:
                 torch.testing.assert_close(out.float(), unfused.float(), rtol=2.0**-5,
                                            atol=2.0**-6 * unfused.abs().max().item())
@@ -519,30 +517,33 @@ def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
 
 
 @in_process
-def test_llama_decode_row_folds_both_norms_into_their_gemvs(tiny_llama, table, monkeypatch):
-    """A bf16 Llama decode step of one request: every layer's input norm runs inside its qkv GEMV and its
-    post-attention norm inside the gate/up + SiLU GEMV (two fused kernels per layer, none falling back),
-    and the logits stay within bf16 rounding of the same step with the norms run apart."""
+def test_llama_decode_row_folds_the_input_norm_into_qkv(tiny_llama, table, monkeypatch):
+    """A bf16 Llama decode step of one request: every layer's input norm runs inside its qkv GEMV (none
+    falling back), and the logits stay within bf16 rounding of the same step with the norms run apart."""
     from test_cuda_graph_runner import make_decode_batch, release
 
     from runners.model_runner import ModelRunner, RunnerConfig
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
-    table({"bf16": {"128,64": {"1": gemv}, "256,64": {"1": gemv}}})  # qkv (4 + 2 x 2 heads of 16), gate/up
+    table({"bf16": {"128,64": {"1": gemv}}})  # qkv: 4 + 2 x 2 heads of 16
     runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="bfloat16",
                                       max_running_requests=2, max_total_tokens=256, disable_cuda_graph=True,
                                       disable_piecewise_cuda_graph=True))
     fused = []
     real = sm.small_m_rmsnorm_linear
-    monkeypatch.setattr(sm, "small_m_rmsnorm_linear",
-                        lambda *a, **kw: fused.append(kw["silu_mul"]) or real(*a, **kw))
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sm, "small_m_rmsnorm_linear", counting)
     fb, rows, _ = make_decode_batch(runner, 1, seed=4, max_prompt=12)
     try:
         with torch.no_grad():
             fused.clear()  # (the prefill's rows are many: it fused nothing)
             out = runner.forward_eager(fb).float()
-            assert fused == [False, True] * runner.model_config.num_hidden_layers
+            assert fused == [True] * runner.model_config.num_hidden_layers
             monkeypatch.setattr(qbase.LinearMethod, "apply_rmsnorm", lambda *a: None)
             unfused = runner.forward_eager(fb).float()
     finally:

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from model_executor.distributed import parallel_state as ps
-from model_executor.layers.activation import silu_and_mul
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.quantization import current_linear_method
 from model_executor.layers.quantization.base import copy_into
@@ -73,19 +72,15 @@ class LinearBase(nn.Module):
         None (the caller runs forward and SiluAndMul)."""
         return self.quant_method.apply_silu_and_mul(self, x)
 
-    def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
-                       silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(h)), h) for h = x + residual (x when residual is None); silu_mul, for a [gate; up]
-        layer: silu(gate) * up instead of the layer's output. At a decode row where the method can, the
-        norm (and the SiLU-and-mul) run inside the layer's GEMV: one kernel instead of two or three."""
-        fused = self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps, residual, silu_mul)
+    def forward_normed(self, norm: RMSNorm, x: torch.Tensor,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(h)), h) for h = x + residual (x when residual is None). At a decode row where the
+        method can, the norm runs inside the layer's GEMV: one kernel instead of two."""
+        fused = self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps, residual)
         if fused is not None:
             return fused
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        if not silu_mul:
-            return self(h), residual
-        act = self.silu_and_mul(h)
-        return (act if act is not None else silu_and_mul(self(h))), residual
+        return self(h), residual
 
 
 class ColumnParallelLinear(LinearBase):

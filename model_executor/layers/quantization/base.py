@@ -79,14 +79,14 @@ class LinearMethod:
         return None if operands is None else small_m_silu_and_mul(x, *operands, layer.bias)
 
     def apply_rmsnorm(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      residual: torch.Tensor | None, silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(apply(norm_weight * rmsnorm(h)), h) for h = x + residual (x without one) in one kernel where the
-        small-M kernel can (silu_mul: silu(gate) * up of it), else None: the caller runs RMSNorm, then the
-        layer."""
+        small-M kernel can (one decode row, a single-split GEMV in the table), else None: the caller runs
+        RMSNorm, then the layer."""
         operands = self.small_m_operands(layer)
         if operands is None:
             return None
-        return small_m_rmsnorm_linear(x, norm_weight, eps, residual, *operands, layer.bias, silu_mul)
+        return small_m_rmsnorm_linear(x, norm_weight, eps, residual, *operands, layer.bias)
 
 
 # Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
@@ -131,17 +131,16 @@ def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                            weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
-                           bias: torch.Tensor | None, silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm (and residual add) fused into the GEMV it feeds (small_m_gemm.small_m_rmsnorm_linear) for
-    one row x [..., K] where the small-M kernel runs this weight; None otherwise (SiLU-and-mul: and with a
-    bias, which it does not add)."""
-    kernel = _one_row_kernel(x, weight, block) if not (silu_mul and bias is not None) else None
+    one row x [..., K] where the small-M kernel runs this weight; None otherwise."""
+    kernel = _one_row_kernel(x, weight, block)
     if kernel is None or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                                     or not residual.is_contiguous())):
         return None
     out = kernel.small_m_rmsnorm_linear(x.reshape(1, -1), norm_weight, eps,
                                         None if residual is None else residual.reshape(1, -1),
-                                        weight, scale, bias, block, silu_mul=silu_mul)
+                                        weight, scale, bias, block)
     if out is None:
         return None
     y, h = out

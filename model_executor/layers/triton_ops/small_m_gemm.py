@@ -30,7 +30,7 @@ the x row, summed over K at the end (no padding to 16 rows, narrower column tile
 whichever is faster at M = 1. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
 loads of a loop without tl.dot only then. `small_m_silu_and_mul` runs a decode row's [gate; up] GEMV and the
 SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add) that feeds a
-linear into its GEMV.
+linear (qkv) into its GEMV.
 
 Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
 writes its fp32 partial to a workspace [splits, M, N] and a second kernel adds the splits in order 0..S-1,
@@ -117,10 +117,10 @@ def _small_m_gemm_kernel(
     products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile summed over K once at the end.
     SILU_MUL (GEMV, one split, no bias): W is [gate; up] with 2N rows; the program also sums the up rows
     n + N and stores silu(gate) * up, rounded as the linear followed by SiluAndMul would round them.
-    NORM (GEMV, one split): the input row is G * rmsnorm(h) for h = x (+ R, rounded to x's dtype, as
-    torch adds them; program 0 stores h to H): each step multiplies h by G and sums h^2 as it goes, and the
-    sums are scaled by 1 / rms(h) at the end (no pass over x before the weights stream, no normed row in
-    memory; one rounding fewer than RMSNorm then the GEMM, which rounds the normed row to x's dtype)."""
+    NORM (GEMV, one split, not with SILU_MUL): the input row is G * rmsnorm(h) for h = x (+ R, rounded to
+    x's dtype, as torch adds them; program 0 stores h to H): each step multiplies h by G and sums h^2 as it
+    goes, and the sums are scaled by 1 / rms(h) at the end (no pass over x before the weights stream, no
+    normed row in memory; one rounding fewer than RMSNorm then the GEMM, which rounds the normed row)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,10 +196,7 @@ def _small_m_gemm_kernel(
         if SILU_MUL:
             acc_up = tl.sum(acc2_up, axis=1)[:, None]
         if NORM:  # (one split: this program saw all of K)
-            rstd = 1.0 / tl.sqrt(tl.sum(sumsq) / K + eps)
-            acc = acc * rstd
-            if SILU_MUL:
-                acc_up = acc_up * rstd
+            acc = acc * (1.0 / tl.sqrt(tl.sum(sumsq) / K + eps))
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
@@ -333,6 +330,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
         raise ValueError(f"SiLU-and-mul runs in a single-split GEMV without bias on an even row count, got {cfg}")
     if norm is not None:
+        if silu_mul:
+            raise ValueError("a fused RMSNorm does not go with the fused SiLU-and-mul")
         _check_norm(x, norm, cfg)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -570,17 +569,18 @@ def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                            weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                           block: tuple[int, int] | None = None, silu_mul: bool = False,
+                           block: tuple[int, int] | None = None,
                            config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(y, h) for one row: h = x + residual (x without one) and y = the GEMM (silu_mul: the [gate; up]
-    GEMV + SiLU-and-mul) of norm_weight * rmsnorm(h), in one kernel: RMSNorm's launch folded into the
-    linear it feeds. None where no single-split GEMV config applies, or while something traces (the caller
-    then runs RMSNorm and the linear)."""
-    config = _fused_config(x, weight, block, config, silu_mul)
+    """(y, h) for one row: h = x + residual (x without one) and y = the GEMM of norm_weight * rmsnorm(h), in
+    one kernel: RMSNorm's launch folded into the linear it feeds (a decode step's qkv projection). None where
+    no single-split GEMV config applies, or while something traces (the caller then runs RMSNorm and the
+    linear). Not offered with the fused SiLU-and-mul: measured slower there than the two kernels (H200,
+    docs/benchmarks.md)."""
+    config = _fused_config(x, weight, block, config, silu_mul=False)
     if config is None:
         return None
     norm = RmsNormInput(norm_weight, eps, residual, None if residual is None else torch.empty_like(x))
-    y = _launch(x, weight, scale, bias, block, config, silu_mul=silu_mul, norm=norm)
+    y = _launch(x, weight, scale, bias, block, config, norm=norm)
     return y, (x if residual is None else norm.sum_out)
 
 
