@@ -1,10 +1,12 @@
 """bench_one_batch: prefill + N decode steps at fixed batch sizes, eager vs CUDA graph in the same run,
 against the weight-read floor (weight bytes / device-to-device bandwidth measured in the same run).
 
-For MoE models the floor counts the bytes a step really reads (step_read_bytes): every weight that is not
-an expert (attention, norms, routers, embeddings, head) plus, in each MoE layer, the experts the batch's
-tokens route to: top_k of them at bs=1, and E * (1 - (1 - top_k/E)^bs) at bs (the expected number of
-distinct experts under uniform routing), each expert's w13 and w2.
+The floor counts the bytes a step really reads (step_read_bytes): every weight but the embedding table and
+the MoE experts (attention, MLPs, norms, routers, the LM head); of an embedding table that the head does not
+share, the rows of the batch's tokens (bs at most: a lookup reads nothing else); in each MoE layer, the
+experts the batch's tokens route to: top_k of them at bs=1, and E * (1 - (1 - top_k/E)^bs) at bs (the
+expected number of distinct experts under uniform routing), each expert's w13 and w2. (Until 2026-12-01 the
+floor counted an untied embedding table whole: Llama-3.1-8B's 1.05 GB, 6.5% of its bytes.)
 
     python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
     python -m benchmarks.bench_one_batch --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 ...
@@ -93,10 +95,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def step_read_bytes(model: torch.nn.Module, bs: int) -> int:
-    """Weight bytes a decode step of bs tokens reads (all of them for a dense model; see the docstring)."""
+    """Weight bytes a decode step of bs tokens reads (see the module docstring)."""
+    from model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from model_executor.layers.moe import FusedMoE
 
     total = weight_bytes(model)
+    heads = {m.weight.data_ptr() for m in model.modules() if isinstance(m, ParallelLMHead)}
+    for emb in (m for m in model.modules() if type(m) is VocabParallelEmbedding):
+        if emb.weight.data_ptr() in heads:
+            continue  # tied: the head reads the whole table
+        table = emb.weight.numel() * emb.weight.element_size()
+        total += min(bs, emb.weight.shape[0]) * (table // emb.weight.shape[0]) - table  # the tokens' rows
     for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
         # w13 and w2 (and FP8 experts' scales: every tensor of the layer is indexed by expert first)
         own = (*moe.parameters(recurse=False), *moe.buffers(recurse=False))
@@ -244,8 +253,8 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
           f"{wbytes / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"{'FP8 weight-read ' if report['quantization'] and 'fp8' in report['quantization'] else 'all-weights '}floor "
           f"{all_weights_floor_ms:.3f} ms"
-          + ("; MoE: each row's floor counts the experts its batch reads" if step_read_bytes(runner.model, 1) < wbytes
-             else ""))
+          + ("; each row's floor counts the bytes its step reads (embedding rows, routed experts)"
+             if step_read_bytes(runner.model, 1) < wbytes else ""))
     print(f"{'bs':>5} {'eager ms':>10} {'graph ms':>10} {'speedup':>8} {'floor ms':>9} {'graph/floor' if graphs else 'eager/floor':>12} "
           f"{'max|diff|':>10} {'tokens=':>7}")
     for r in results:

@@ -26,3 +26,21 @@ def test_prefill_in_groups_equals_one_extend(tiny_llama, monkeypatch):
     assert k_one.abs().sum() > 0
     torch.testing.assert_close(k_groups, k_one, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits_groups, logits_one, rtol=1e-5, atol=1e-6)
+
+
+def test_floor_counts_the_embedding_rows_a_step_reads():
+    """An untied embedding table counts only the rows of the step's tokens (bs at most); a table the head
+    shares counts whole, once (the head reads all of it)."""
+    from model_executor.model_config import ModelConfig
+    from model_executor.weight_loader import build_model
+
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    untied = build_model(ModelConfig.from_dict({**base, "tie_word_embeddings": False}), torch.float32, "cpu")
+    table = 64 * 32 * 4
+    all_bytes = bench_one_batch.weight_bytes(untied)
+    assert bench_one_batch.step_read_bytes(untied, 1) == all_bytes - table + 32 * 4
+    assert bench_one_batch.step_read_bytes(untied, 5) == all_bytes - table + 5 * 32 * 4
+    assert bench_one_batch.step_read_bytes(untied, 1000) == all_bytes  # every row
+    tied = build_model(ModelConfig.from_dict({**base, "tie_word_embeddings": True}), torch.float32, "cpu")
+    assert bench_one_batch.step_read_bytes(tied, 1) == bench_one_batch.weight_bytes(tied) == all_bytes - table
