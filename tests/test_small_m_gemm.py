@@ -551,3 +551,64 @@ def test_llama_decode_row_folds_the_input_norm_into_qkv(tiny_llama, table, monke
     # (measured: max |diff| 1% of max |logit|, from the normed row's rounding through two layers)
     torch.testing.assert_close(out, unfused, rtol=0.02, atol=0.02 * unfused.abs().max().item())
     assert out.argmax(-1).tolist() == unfused.argmax(-1).tolist()
+
+
+@in_process
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("head_dim,cfg", [(16, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),  # a K tail
+                                          (24, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True})])  # straddling
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
+def test_fused_qkv_rope_store_equals_gemv_then_rotary_store_kv(kind, head_dim, cfg, pool):
+    """One decode token: the input norm, the qkv GEMV, the rotary and the KV store in one kernel have the
+    bits of the norm + GEMV kernel with the same per-program rows followed by the rotary_store_kv kernel:
+    y with its q heads rotated, and the k (rotated) and v written into the pool at the token's slot (an FP8
+    pool divided by its scales). Heads of 24 rows put programs of 8 half rows across two heads; the last
+    program runs past the 8 heads; K = 144 ends mid-step; there is a bias (Qwen2's qkv has one)."""
+    from model_executor.layers.rotary import RotaryEmbedding
+    from model_executor.layers.rotary_store_kv import rotary_store_kv
+
+    hq, hkv, k = 4, 2, 144 if head_dim == 16 else 96
+    n = (hq + 2 * hkv) * head_dim
+    w, s, block, _ = make_weight(kind, n, k, seed=head_dim)
+    gen = torch.Generator().manual_seed(11)
+    x, residual = (torch.randn(2, k, generator=gen) * 2).to(torch.bfloat16).chunk(2)
+    g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    cache = RotaryEmbedding(head_dim, 64, 10000.0).cos_sin_cache
+    positions, loc = torch.tensor([37]), torch.tensor([5])
+    pool_dtype, (k_scale, v_scale) = (torch.bfloat16, (1.0, 1.0)) if pool == "bf16" else (FP8, (2.0, 0.5))
+    pools = [torch.zeros(8, hkv, head_dim, dtype=pool_dtype, device=DEVICE) for _ in range(4)]
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    rope = sm.RopeStore(dev(positions), dev(cache), dev(loc), pools[0], pools[1], hq, hkv, k_scale, v_scale)
+    cfg = sm.GemmConfig(**cfg)
+    y, h = sm.small_m_rmsnorm_linear(dev(x), dev(g), 1e-5, dev(residual), dev(w), dev(s), dev(bias), block,
+                                     rope=rope, config=cfg)
+    ref, h_ref = sm.small_m_rmsnorm_linear(dev(x), dev(g), 1e-5, dev(residual), dev(w), dev(s), dev(bias), block,
+                                           config=cfg)
+    q_ref, k_ref, v_ref = ref.view(1, -1, head_dim).split([hq, hkv, hkv], dim=1)
+    rotary_store_kv(dev(positions), q_ref, k_ref, v_ref, dev(cache), pools[2], pools[3], dev(loc), k_scale, v_scale)
+    assert y.shape == (1, n) and torch.equal(h, h_ref)
+    assert torch.equal(y.cpu(), ref.cpu())  # q rotated; k and v as the linear gives them
+    assert torch.equal(pools[0].float().cpu(), pools[2].float().cpu())
+    assert torch.equal(pools[1].float().cpu(), pools[3].float().cpu())
+    assert pools[0][5].float().abs().sum() > 0 and pools[1][5].float().abs().sum() > 0  # (slot 5 written)
+    assert pools[0][:5].float().abs().sum() == 0 and pools[0][6:].float().abs().sum() == 0  # (and only it)
+
+
+@in_process
+def test_fused_qkv_rope_store_refusals():
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    g = torch.ones(64, dtype=torch.bfloat16)
+    w = torch.zeros(8 * 16, 64, dtype=torch.bfloat16)  # 4 + 2 x 2 heads of 16
+    cache = torch.zeros(32, 16)
+    pool = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
+    rope = sm.RopeStore(torch.tensor([1]), cache, torch.tensor([0]), pool, pool.clone(), 4, 2)
+    gemv = sm.GemmConfig(4, 64, GEMV=True)
+    assert sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w, rope=rope, config=gemv) is not None
+    with pytest.raises(ValueError, match="single-split GEMV"):
+        sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w, rope=rope, config=sm.GemmConfig(4, 32, SPLIT_K=2, GEMV=True))
+    with pytest.raises(ValueError, match="a qkv weight of 8 heads of 16 rows"):
+        sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w[:112], rope=rope, config=gemv)
+    with pytest.raises(ValueError, match="pool buffers must be"):
+        sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w, rope=sm.RopeStore(
+            torch.tensor([1]), cache, torch.tensor([0]), pool[:, :1], pool, 4, 2), config=gemv)

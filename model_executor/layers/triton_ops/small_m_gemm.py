@@ -98,17 +98,52 @@ class GemmConfig:
 # ---------------------------------------------------------------- kernels
 
 
+@triton.jit
+def _rope_store(a, b, offs_n, rows_n, rows_b, N, Y, POS, LOC, COS, KB, VB, stride_cos, stride_kb_slot,
+                stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads, num_kv_heads, k_scale, v_scale,
+                HALF: tl.constexpr):
+    """The ROPE epilogue: a, b [BLOCK_N, 1] float32 sums of rows rows_n and rows_b = rows_n + HALF (half
+    rows offs_n). Rounded to y's dtype first, as the linear's output, then as rotary_store_kv computes."""
+    a = a.to(Y.dtype.element_ty).to(tl.float32)
+    b = b.to(Y.dtype.element_ty).to(tl.float32)
+    valid = (offs_n < N)[:, None]
+    head = (offs_n // HALF)[:, None]
+    j = (offs_n % HALF)[:, None]
+    pos = tl.load(POS).to(tl.int64)
+    slot = tl.load(LOC).to(tl.int64)
+    cos = tl.load(COS + pos * stride_cos + j).to(tl.float32)
+    sin = tl.load(COS + pos * stride_cos + HALF + j).to(tl.float32)
+    ra = a * cos - b * sin
+    rb = b * cos + a * sin
+    is_q = head < num_q_heads
+    is_k = (head >= num_q_heads) & (head < num_q_heads + num_kv_heads)
+    is_v = head >= num_q_heads + num_kv_heads
+    # y: the q heads rotated (in place, as rotary_store_kv leaves q); k and v as the linear gives them
+    tl.store(Y + rows_n[:, None], tl.where(is_q, ra, a).to(Y.dtype.element_ty), mask=valid)
+    tl.store(Y + rows_b[:, None], tl.where(is_q, rb, b).to(Y.dtype.element_ty), mask=valid)
+    k_off = slot * stride_kb_slot + (head - num_q_heads).to(tl.int64) * stride_kb_head + j
+    ka = ra.to(Y.dtype.element_ty).to(tl.float32) / k_scale
+    kb = rb.to(Y.dtype.element_ty).to(tl.float32) / k_scale
+    tl.store(KB + k_off, ka.to(KB.dtype.element_ty), mask=valid & is_k)
+    tl.store(KB + k_off + HALF, kb.to(KB.dtype.element_ty), mask=valid & is_k)
+    v_off = slot * stride_vb_slot + (head - num_q_heads - num_kv_heads).to(tl.int64) * stride_vb_head + j
+    tl.store(VB + v_off, (a / v_scale).to(VB.dtype.element_ty), mask=valid & is_v)
+    tl.store(VB + v_off + HALF, (b / v_scale).to(VB.dtype.element_ty), mask=valid & is_v)
+
+
 # M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count.
 @triton.jit(do_not_specialize=["M", "stride_yk"])
 def _small_m_gemm_kernel(
-    X, W, S, BIAS, Y, R, G, H, M, N, K, k_per_split, eps,
+    X, W, S, BIAS, Y, R, G, H, POS, LOC, COS, KB, VB, M, N, K, k_per_split, eps,
     stride_xm, stride_wn, stride_ym, stride_sn, stride_yk,
+    stride_cos, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads, num_kv_heads,
+    k_scale, v_scale,
     SCALE: tl.constexpr,  # 0: none, 1: per output channel, 2: per (SCALE_BN x SCALE_BK) block
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
@@ -120,14 +155,25 @@ def _small_m_gemm_kernel(
     NORM (GEMV, one split, not with SILU_MUL): the input row is G * rmsnorm(h) for h = x (+ R, rounded to
     x's dtype, as torch adds them; program 0 stores h to H): each step multiplies h by G and sums h^2 as it
     goes, and the sums are scaled by 1 / rms(h) at the end (no pass over x before the weights stream, no
-    normed row in memory; one rounding fewer than RMSNorm then the GEMM, which rounds the normed row)."""
+    normed row in memory; one rounding fewer than RMSNorm then the GEMM, which rounds the normed row).
+    ROPE (GEMV, one split; a decode token's qkv projection, heads of 2 * HALF rows): N counts half rows;
+    index t is row j = t % HALF of head t // HALF, paired like the SiLU's up rows with row j + HALF of the
+    same head. The epilogue stores y with the q heads rotated (NeoX halves, cos/sin of the token's position
+    POS from COS), and writes the rotated k heads and the v heads into the KV pool KB / VB at slot LOC
+    (divided by k_scale / v_scale), rounded as the rotary_store_kv kernel rounds them."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
+    PAIRED: tl.constexpr = SILU_MUL or ROPE  # a second row per output: up (n + N), or the head's other half
     # Out-of-range rows / columns re-read a valid one (loads need no mask; their results are not stored).
-    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    if ROPE:
+        rows_n = tl.where(offs_n < N, (offs_n // HALF) * (2 * HALF) + offs_n % HALF, 0).to(tl.int64)
+        rows_b = rows_n + HALF
+    else:
+        rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        rows_b = rows_n + N
     rows_m = tl.where(offs_m < M, offs_m, 0)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -143,11 +189,11 @@ def _small_m_gemm_kernel(
             if HAS_RESIDUAL:
                 r_ptrs = R + (k_start + offs_k)[None, :]
                 h_ptrs = H + (k_start + offs_k)[None, :]  # (program 0 stores h)
-        if SILU_MUL:
-            up_ptrs = w_ptrs + N * stride_wn
+        if PAIRED:
+            up_ptrs = W + rows_b[:, None] * stride_wn + (k_start + offs_k)[None, :]
             acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             if SCALE == 2:
-                s_up_ptrs = S + ((rows_n + N) // SCALE_BN) * stride_sn
+                s_up_ptrs = S + (rows_b // SCALE_BN) * stride_sn
         # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
         # or when the loop itself asks for stages; without it each step waits for its own loads.
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -180,7 +226,7 @@ def _small_m_gemm_kernel(
             if SCALE == 2:
                 prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
             acc2 += prod
-            if SILU_MUL:
+            if PAIRED:
                 if EVEN_K:
                     w_up = tl.load(up_ptrs)
                 else:
@@ -193,10 +239,13 @@ def _small_m_gemm_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
-        if SILU_MUL:
+        if PAIRED:
             acc_up = tl.sum(acc2_up, axis=1)[:, None]
         if NORM:  # (one split: this program saw all of K)
-            acc = acc * (1.0 / tl.sqrt(tl.sum(sumsq) / K + eps))
+            rstd = 1.0 / tl.sqrt(tl.sum(sumsq) / K + eps)
+            acc = acc * rstd
+            if PAIRED:
+                acc_up = acc_up * rstd
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
@@ -230,12 +279,19 @@ def _small_m_gemm_kernel(
             acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
     if SCALE == 1:
         acc = acc * tl.load(S + rows_n)[:, None]
-        if SILU_MUL:
-            acc_up = acc_up * tl.load(S + rows_n + N)[:, None]
+        if PAIRED:
+            acc_up = acc_up * tl.load(S + rows_b)[:, None]
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     y_ptrs = offs_m[None, :] * stride_ym + offs_n[:, None]
     if PARTIAL:
         tl.store(Y + pid_k * stride_yk + y_ptrs, acc, mask=out_mask)
+    elif ROPE:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rows_n).to(tl.float32)[:, None]
+            acc_up += tl.load(BIAS + rows_b).to(tl.float32)[:, None]
+        _rope_store(acc, acc_up, offs_n, rows_n, rows_b, N, Y, POS, LOC, COS, KB, VB, stride_cos,
+                    stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads, num_kv_heads,
+                    k_scale, v_scale, HALF)
     else:
         if HAS_BIAS:
             acc += tl.load(BIAS + rows_n).to(tl.float32)[:, None]
@@ -319,11 +375,27 @@ class RmsNormInput:
     sum_out: torch.Tensor | None = None  # [1, K], x's dtype; required with a residual
 
 
+@dataclass(frozen=True)
+class RopeStore:
+    """A decode token's rotary and KV store, run in its qkv GEMV's epilogue: q rotated in the output, k
+    rotated and v written into the KV pool at slot loc (as layers/rotary_store_kv.py does)."""
+    positions: torch.Tensor  # [1] the token's position
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim]: cos | sin halves (NeoX)
+    loc: torch.Tensor  # [1] the token's pool slot
+    k_buffer: torch.Tensor  # [slots, num_kv_heads, head_dim]
+    v_buffer: torch.Tensor
+    num_q_heads: int
+    num_kv_heads: int
+    k_scale: float = 1.0  # an FP8 pool holds k / k_scale
+    v_scale: float = 1.0
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
             block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False,
-            norm: RmsNormInput | None = None) -> torch.Tensor:
+            norm: RmsNormInput | None = None, rope: RopeStore | None = None) -> torch.Tensor:
     """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T);
-    norm: x is first normed (and added to a residual) as `norm` says."""
+    norm: x is first normed (and added to a residual) as `norm` says; rope: weight is a qkv projection
+    and the epilogue runs the rotary and the KV store (the q heads of y rotated)."""
     _check(x, weight, scale, bias, block)
     if cfg.GEMV and x.shape[0] > 1:
         raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
@@ -333,13 +405,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         if silu_mul:
             raise ValueError("a fused RMSNorm does not go with the fused SiLU-and-mul")
         _check_norm(x, norm, cfg)
+    if rope is not None:
+        _check_rope(x, weight, rope, cfg, silu_mul)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
     m, k = x.shape
-    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    n = weight.shape[0] // 2 if silu_mul or rope is not None else weight.shape[0]  # (paired: half the rows)
+    y = torch.empty((m, weight.shape[0] if rope is not None else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     block_k = cfg.BLOCK_K
@@ -354,18 +428,25 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     f16_dot = weight.dtype == FP8
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
     residual = norm.residual if norm is not None else None
+    r = rope or _NO_ROPE
+    kb, vb = (rope.k_buffer, rope.v_buffer) if rope is not None else (x, x)
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         residual if residual is not None else x, norm.weight if norm is not None else x,
         norm.sum_out if residual is not None else x,
+        *((rope.positions, rope.loc, rope.cos_sin_cache) if rope is not None else (x, x, x)), kb, vb,
         m, n, k, k_per_split, norm.eps if norm is not None else 0.0,
         x.stride(0), weight.stride(0), n, scale.stride(0) if scale_mode == 2 else 0, m * n,
+        r.cos_sin_cache.stride(0) if rope is not None else 0,
+        *((kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1)) if rope is not None else (0, 0, 0, 0)),
+        r.num_q_heads, r.num_kv_heads, r.k_scale, r.v_scale,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
         GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        ROPE=rope is not None, HALF=rope.cos_sin_cache.shape[-1] // 2 if rope is not None else 1,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -375,6 +456,24 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
             out, bias if bias is not None else out, y, n, splits, m * n, n, n,
             HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4)
     return y
+
+
+_NO_ROPE = RopeStore(None, None, None, None, None, 0, 0)  # (the kernel's unused ROPE arguments)
+
+
+def _check_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, cfg: GemmConfig, silu_mul: bool) -> None:
+    if not cfg.GEMV or cfg.SPLIT_K != 1 or silu_mul or x.shape[0] != 1:
+        raise ValueError(f"the rotary + KV store epilogue runs in a single-split GEMV of one row, got {cfg}")
+    d = rope.cos_sin_cache.shape[-1]
+    heads = rope.num_q_heads + 2 * rope.num_kv_heads
+    if d % 2 or weight.shape[0] != heads * d or rope.cos_sin_cache.stride(-1) != 1:
+        raise ValueError(f"rotary: a qkv weight of {heads} heads of {d} rows, got {tuple(weight.shape)}")
+    for buf in (rope.k_buffer, rope.v_buffer):
+        if buf.dim() != 3 or tuple(buf.shape[1:]) != (rope.num_kv_heads, d) or buf.stride(-1) != 1:
+            raise ValueError(f"KV store: pool buffers must be [slots, {rope.num_kv_heads}, {d}] with unit "
+                             f"stride, got {tuple(buf.shape)}")
+    if rope.positions.numel() != 1 or rope.loc.numel() != 1:
+        raise ValueError("rotary + KV store: one token's position and slot")
 
 
 def _check_norm(x: torch.Tensor, norm: RmsNormInput, cfg: GemmConfig) -> None:
@@ -528,32 +627,32 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return _impl(x, weight, scale, bias, block_n, block_k)
 
 
-def fused_gemv_config(n: int, k: int, kind: str, device: str, silu_mul: bool = False) -> GemmConfig | None:
-    """The config of a one-row GEMV with something fused into it (a SiLU-and-mul, an RMSNorm): the
-    table's choice for the weight when it is a single-split GEMV, else None. silu_mul: the weight is
-    [gate; up] ([2I, K]) and each program takes half its rows from the gate block and half from the up
-    block (the same bytes per program, the same grid)."""
-    if silu_mul and n % 2:
+def fused_gemv_config(n: int, k: int, kind: str, device: str, paired: bool = False) -> GemmConfig | None:
+    """The config of a one-row GEMV with something fused into it (a SiLU-and-mul, an RMSNorm, the rotary
+    and KV store): the table's choice for the weight when it is a single-split GEMV, else None. paired
+    (the SiLU-and-mul, the rotary): each program takes half its rows from one block (gate; a head's first
+    half) and half from the other (up; the second half): the same bytes per program, the same grid."""
+    if paired and n % 2:
         return None
     cfg = choose_config(1, n, k, kind, device)
-    if cfg is None or not cfg.GEMV or cfg.SPLIT_K != 1 or (silu_mul and cfg.BLOCK_N < 2):
+    if cfg is None or not cfg.GEMV or cfg.SPLIT_K != 1 or (paired and cfg.BLOCK_N < 2):
         return None
-    return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2) if silu_mul else cfg
+    return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2) if paired else cfg
 
 
 def silu_and_mul_config(n2: int, k: int, kind: str, device: str) -> GemmConfig | None:
-    """The fused [gate; up] GEMV + SiLU-and-mul's config (fused_gemv_config with silu_mul)."""
-    return fused_gemv_config(n2, k, kind, device, silu_mul=True)
+    """The fused [gate; up] GEMV + SiLU-and-mul's config (fused_gemv_config, paired)."""
+    return fused_gemv_config(n2, k, kind, device, paired=True)
 
 
 def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
-                  config: GemmConfig | None, silu_mul: bool) -> GemmConfig | None:
+                  config: GemmConfig | None, paired: bool) -> GemmConfig | None:
     """`config`, else the table's fused_gemv_config; None for more than one row or while something traces."""
     if x.shape[0] != 1 or _tracing():
         return None
     if config is not None:
         return config
-    return fused_gemv_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), silu_mul)
+    return fused_gemv_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), paired)
 
 
 def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -563,24 +662,26 @@ def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     scales, as small_m_linear) -> [1, I], in one kernel: a decode step's MLP without the activation's own
     launch. None where no single-split GEMV config applies, or while something traces: the caller then runs
     the linear and SiluAndMul."""
-    config = _fused_config(x, weight, block, config, silu_mul=True)
+    config = _fused_config(x, weight, block, config, paired=True)
     return None if config is None else _launch(x, weight, scale, None, block, config, silu_mul=True)
 
 
 def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                            weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                           block: tuple[int, int] | None = None,
+                           block: tuple[int, int] | None = None, rope: RopeStore | None = None,
                            config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(y, h) for one row: h = x + residual (x without one) and y = the GEMM of norm_weight * rmsnorm(h), in
-    one kernel: RMSNorm's launch folded into the linear it feeds (a decode step's qkv projection). None where
-    no single-split GEMV config applies, or while something traces (the caller then runs RMSNorm and the
-    linear). Not offered with the fused SiLU-and-mul: measured slower there than the two kernels (H200,
-    docs/benchmarks.md)."""
-    config = _fused_config(x, weight, block, config, silu_mul=False)
+    one kernel: RMSNorm's launch folded into the linear it feeds (a decode step's qkv projection). With
+    `rope` the weight is that qkv projection and the same kernel runs the rotary and the KV store: y's q
+    heads come out rotated, k and v go into the pool (a paired config: half the table's column tile). None
+    where no single-split GEMV config applies, or while something traces (the caller then runs RMSNorm,
+    the linear and the attention's own rotary and store). Not offered with the fused SiLU-and-mul:
+    measured slower there than the two kernels (H200, docs/benchmarks.md)."""
+    config = _fused_config(x, weight, block, config, paired=rope is not None)
     if config is None:
         return None
     norm = RmsNormInput(norm_weight, eps, residual, None if residual is None else torch.empty_like(x))
-    y = _launch(x, weight, scale, bias, block, config, norm=norm)
+    y = _launch(x, weight, scale, bias, block, config, norm=norm, rope=rope)
     return y, (x if residual is None else norm.sum_out)
 
 
