@@ -612,3 +612,44 @@ def test_fused_qkv_rope_store_refusals():
     with pytest.raises(ValueError, match="pool buffers must be"):
         sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w, rope=sm.RopeStore(
             torch.tensor([1]), cache, torch.tensor([0]), pool[:, :1], pool, 4, 2), config=gemv)
+
+
+@in_process
+def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(tiny_llama, table, monkeypatch):
+    """A bf16 Llama decode step of one request on the triton backend: every layer's input norm, qkv GEMV,
+    rotary and KV store run as one kernel, and the logits and the K/V it stores have the bits of the same
+    step with the rotary and store run by the backend (the qkv GEMV with the norm, then rotary_store_kv)."""
+    from test_cuda_graph_runner import make_decode_batch, release
+
+    from model_executor.layers.attention.radix_attention import RadixAttention
+    from model_executor.layers.attention.triton_backend import TritonAttnBackend
+    from runners.model_runner import ModelRunner, RunnerConfig
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    table({"bf16": {"128,64": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}}})  # qkv: 4 + 2 x 2 heads of 16
+    runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="bfloat16",
+                                      attention_backend="torch_native", max_running_requests=2, max_total_tokens=256,
+                                      disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
+    runner.attn_backend = TritonAttnBackend(runner)  # (the product refuses triton without CUDA)
+    calls = []
+    real = sm.small_m_rmsnorm_linear
+    monkeypatch.setattr(sm, "small_m_rmsnorm_linear", lambda *a, **kw: calls.append(kw.get("rope")) or real(*a, **kw))
+    fb, rows, loc = make_decode_batch(runner, 1, seed=6, max_prompt=12)
+    bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
+    try:
+        with torch.no_grad():
+            calls.clear()
+            fused = runner.forward_eager(fb).clone()
+            assert len(calls) == runner.model_config.num_hidden_layers and all(c is not None for c in calls)
+            kv_fused = [buf[loc].clone() for buf in bufs]
+            for buf in bufs:
+                buf[loc] = float("nan")  # the unfused step must write them again
+            monkeypatch.setattr(RadixAttention, "rope_store", lambda *a: None)
+            calls.clear()
+            unfused = runner.forward_eager(fb)
+            assert calls == [None] * runner.model_config.num_hidden_layers  # the norm still in the GEMV
+    finally:
+        release(runner, rows, fb)
+    assert torch.equal(fused, unfused)
+    for ref, buf in zip(kv_fused, bufs):
+        assert torch.equal(buf[loc], ref)

@@ -16,6 +16,7 @@ from model_executor.distributed import parallel_state as ps
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.quantization import current_linear_method
 from model_executor.layers.quantization.base import copy_into
+from model_executor.layers.rotary_store_kv import RopeStore
 from model_executor.lazy_slice import materialize
 
 
@@ -81,6 +82,13 @@ class LinearBase(nn.Module):
             return fused
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
         return self(h), residual
+
+    def forward_normed_rope(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                            rope: RopeStore) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a qkv layer at a decode token: forward_normed's (y, h) with the rotary and the KV store run in
+        the same kernel (y's q heads rotated; k and v in the pool, as `rope` says), or None where the method
+        cannot: the caller then runs forward_normed and attention's own rotary and store."""
+        return self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps, residual, rope)
 
 
 class ColumnParallelLinear(LinearBase):

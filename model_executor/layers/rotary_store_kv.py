@@ -11,6 +11,8 @@ KVCache.set_kv, which the CPU runs and the kernel is tested against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from model_executor.layers.triton_ops.ops import _tracing
@@ -67,3 +69,19 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     (torch.ops.duet.rotary_store_kv if _tracing() else _rotary_store_kv_impl)(
         positions, q, k, v, cos_sin_cache, k_buffer, v_buffer, loc, float(k_scale), float(v_scale),
         q_norm_weight, k_norm_weight, float(norm_eps))
+
+
+@dataclass(frozen=True)
+class RopeStore:
+    """One decode token's rotary and KV store, for a qkv GEMV that runs them in its epilogue
+    (small_m_gemm's ROPE; RadixAttention.rope_store builds it): q rotated in the GEMV's output, k rotated and
+    v written into the pool at slot loc, as rotary_store_kv does."""
+    positions: torch.Tensor  # [1] the token's position
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim]: cos | sin halves (NeoX)
+    loc: torch.Tensor  # [1] the token's pool slot
+    k_buffer: torch.Tensor  # [slots, num_kv_heads, head_dim]
+    v_buffer: torch.Tensor
+    num_q_heads: int
+    num_kv_heads: int
+    k_scale: float = 1.0  # an FP8 pool holds k / k_scale
+    v_scale: float = 1.0

@@ -59,10 +59,19 @@ class LlamaAttention(nn.Module):
                                    rotary_emb=rotary_emb,
                                    qk_norm=(self.q_norm, self.k_norm) if cfg.qk_norm else None)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Attention from qkv_proj's output (the decoder layer runs qkv_proj, with its input norm)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention of norm(h), h) for h = x + residual (x when residual is None). At a decode token,
+        where the small-M GEMV and the backend allow, the norm, qkv_proj, the rotary and the KV store are
+        one kernel; elsewhere the norm goes into qkv_proj's GEMV where it can."""
+        rope = self.attn.rope_store(fb, positions)
+        fused = None if rope is None else self.qkv_proj.forward_normed_rope(norm, x, residual, rope)
+        if fused is not None:
+            qkv, residual = fused
+            return self.o_proj(self.attn.forward_stored(qkv[:, : self.qkv_proj.q_size], fb)), residual
+        qkv, residual = self.qkv_proj.forward_normed(norm, x, residual)
         q, k, v = self.qkv_proj.split(qkv)
-        return self.o_proj(self.attn(q, k, v, fb, positions))
+        return self.o_proj(self.attn(q, k, v, fb, positions)), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -80,10 +89,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, fb: ForwardBatch):
-        # The input norm goes with qkv_proj: at a decode row, into its GEMV. (The post-attention norm stays a
-        # kernel of its own: inside the gate/up + SiLU GEMV it measured slower than apart.)
-        qkv, residual = self.self_attn.qkv_proj.forward_normed(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(positions, qkv, fb)
+        # The input norm goes with qkv_proj (at a decode row, into its GEMV). The post-attention norm stays a
+        # kernel of its own: inside the gate/up + SiLU GEMV it measured slower than apart.
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, fb)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -26,15 +26,22 @@ class AttentionBackend(ABC):
         one kernel instead of two."""
         return False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
-                fb: ForwardBatch, out: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: RadixAttention,
+                fb: ForwardBatch, out: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hk*D]. Stores the new K/V in the pool and attends into `out` [T, Hq*D]
         (allocated when not given; the piecewise runner passes the buffer its next piece reads) and returns it.
-        positions: given only where fuses_rotary(fb): q and k are then still to be rotated."""
+        positions: given only where fuses_rotary(fb): q and k are then still to be rotated. kv_stored (a
+        decode batch whose kv_store_target took them): q is rotated, K/V are in the pool, k and v are None."""
         num_tokens = q.shape[0]
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty((num_tokens, layer.num_heads * layer.head_dim), dtype=q.dtype, device=q.device)
+        if kv_stored:
+            if not fb.mode.is_decode():
+                raise ValueError("only decode batches reach the attention backend with their K/V stored")
+            self.forward_decode(q.view(num_tokens, layer.num_heads, layer.head_dim), layer, fb,
+                                out.view(num_tokens, layer.num_heads, layer.head_dim))
+            return out
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
@@ -56,6 +63,12 @@ class AttentionBackend(ABC):
         """q: [bs, Hq, D] rotated in place; k rotated and stored with v at fb.out_cache_loc; both normalised
         per head first where layer.qk_norm is set (backends whose fuses_rotary can be True)."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary into its KV store")
+
+    def kv_store_target(self, layer: RadixAttention, fb: ForwardBatch) -> tuple | None:
+        """(k_buffer, v_buffer, slots, k_scale, v_scale) where a decode batch's K/V may be stored by the
+        qkv projection's kernel (with the rotary) before forward(..., kv_stored=True); None: forward stores
+        them itself (the default)."""
+        return None
 
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:

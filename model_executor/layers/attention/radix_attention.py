@@ -22,6 +22,7 @@ from model_executor.layers.attention.attention_op import unified_attention
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.qk_norm_rope import norm_and_rotate
 from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.layers.rotary_store_kv import RopeStore
 
 
 class RadixAttention(nn.Module):
@@ -39,6 +40,24 @@ class RadixAttention(nn.Module):
         # (q_norm, k_norm): the model's modules, held in a tuple so that they are not registered here too
         # (their parameters keep the checkpoint's names, under the model's attention module)
         self.qk_norm = qk_norm
+
+    def rope_store(self, fb: ForwardBatch, positions: torch.Tensor) -> RopeStore | None:
+        """For one decode token whose backend lets the qkv projection store its K/V (kv_store_target): what
+        that projection's kernel needs to run this layer's rotary and KV store itself (then
+        forward_stored). None elsewhere, and for layers with q/k norms (they need whole heads)."""
+        if (self.rotary_emb is None or self.qk_norm is not None or positions.shape[0] != 1
+                or forward_context.is_active()):
+            return None
+        target = fb.attn_backend.kv_store_target(self, fb)
+        if target is None:
+            return None
+        k_buffer, v_buffer, loc, k_scale, v_scale = target
+        return RopeStore(positions, self.rotary_emb.cos_sin_cache, loc, k_buffer, v_buffer, self.num_heads,
+                         self.num_kv_heads, k_scale, v_scale)
+
+    def forward_stored(self, q: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Attention of rotated q [T, Hq*D] whose K/V the qkv projection stored (rope_store)."""
+        return fb.attn_backend.forward(q, None, None, self, fb, kv_stored=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                 positions: torch.Tensor | None = None) -> torch.Tensor:

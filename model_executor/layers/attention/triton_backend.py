@@ -81,6 +81,11 @@ class TritonAttnBackend(AttentionBackend):
     def fuses_rotary(self, fb: ForwardBatch) -> bool:
         return fb.mode.is_decode()
 
+    def kv_store_target(self, layer: RadixAttention, fb: ForwardBatch) -> tuple | None:
+        if not fb.mode.is_decode():
+            return None
+        return (*fb.kv_cache.get_kv(layer.layer_id), fb.out_cache_loc, *fb.kv_cache.get_scales(layer.layer_id))
+
     def rotary_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         layer: RadixAttention, fb: ForwardBatch) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)

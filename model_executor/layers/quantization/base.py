@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from model_executor.layers.rotary_store_kv import RopeStore
 
 
 def copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -79,14 +83,15 @@ class LinearMethod:
         return None if operands is None else small_m_silu_and_mul(x, *operands, layer.bias)
 
     def apply_rmsnorm(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      residual: torch.Tensor | None,
+                      rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(apply(norm_weight * rmsnorm(h)), h) for h = x + residual (x without one) in one kernel where the
         small-M kernel can (one decode row, a single-split GEMV in the table), else None: the caller runs
-        RMSNorm, then the layer."""
+        RMSNorm, then the layer. rope (a qkv layer): the same kernel also runs the rotary and KV store."""
         operands = self.small_m_operands(layer)
         if operands is None:
             return None
-        return small_m_rmsnorm_linear(x, norm_weight, eps, residual, *operands, layer.bias)
+        return small_m_rmsnorm_linear(x, norm_weight, eps, residual, *operands, layer.bias, rope)
 
 
 # Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
@@ -131,7 +136,8 @@ def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                            weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
-                           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           bias: torch.Tensor | None,
+                           rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm (and residual add) fused into the GEMV it feeds (small_m_gemm.small_m_rmsnorm_linear) for
     one row x [..., K] where the small-M kernel runs this weight; None otherwise."""
     kernel = _one_row_kernel(x, weight, block)
@@ -140,7 +146,7 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
         return None
     out = kernel.small_m_rmsnorm_linear(x.reshape(1, -1), norm_weight, eps,
                                         None if residual is None else residual.reshape(1, -1),
-                                        weight, scale, bias, block)
+                                        weight, scale, bias, block, rope=rope)
     if out is None:
         return None
     y, h = out

@@ -63,6 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model_executor.layers.rotary_store_kv import RopeStore
+
 logger = logging.getLogger("duet.small_m_gemm")
 
 MAX_M = 16  # rows of x: the padded dot dimension (tl.dot's minimum)
@@ -373,21 +375,6 @@ class RmsNormInput:
     eps: float
     residual: torch.Tensor | None = None  # [1, K], x's dtype
     sum_out: torch.Tensor | None = None  # [1, K], x's dtype; required with a residual
-
-
-@dataclass(frozen=True)
-class RopeStore:
-    """A decode token's rotary and KV store, run in its qkv GEMV's epilogue: q rotated in the output, k
-    rotated and v written into the KV pool at slot loc (as layers/rotary_store_kv.py does)."""
-    positions: torch.Tensor  # [1] the token's position
-    cos_sin_cache: torch.Tensor  # [max_position, head_dim]: cos | sin halves (NeoX)
-    loc: torch.Tensor  # [1] the token's pool slot
-    k_buffer: torch.Tensor  # [slots, num_kv_heads, head_dim]
-    v_buffer: torch.Tensor
-    num_q_heads: int
-    num_kv_heads: int
-    k_scale: float = 1.0  # an FP8 pool holds k / k_scale
-    v_scale: float = 1.0
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
