@@ -45,8 +45,10 @@ class RadixAttention(nn.Module):
         """For one decode token whose backend lets the qkv projection store its K/V (kv_store_target): what
         that projection's kernel needs to run this layer's rotary and KV store itself (then
         forward_stored). None elsewhere, and for layers with q/k norms (they need whole heads)."""
-        if (self.rotary_emb is None or self.qk_norm is not None or positions.shape[0] != 1
-                or forward_context.is_active()):
+        # (tracing first: a traced token count compared with 1 would add a guard to the graph)
+        if forward_context.is_active() or torch.compiler.is_compiling():
+            return None
+        if self.rotary_emb is None or self.qk_norm is not None or positions.shape[0] != 1:
             return None
         target = fb.attn_backend.kv_store_target(self, fb)
         if target is None:
