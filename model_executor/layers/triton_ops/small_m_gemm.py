@@ -30,7 +30,8 @@ the x row, summed over K at the end (no padding to 16 rows, narrower column tile
 whichever is faster at M = 1. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
 loads of a loop without tl.dot only then. `small_m_silu_and_mul` runs a decode row's [gate; up] GEMV and the
 SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add) that feeds a
-linear (qkv) into its GEMV.
+decode token's qkv projection into its GEMV and, given a RopeStore, runs that token's rotary and KV store in
+the epilogue (rows paired within each head, as the SiLU pairs gate and up rows).
 
 Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
 writes its fp32 partial to a workspace [splits, M, N] and a second kernel adds the splits in order 0..S-1,
@@ -415,18 +416,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     f16_dot = weight.dtype == FP8
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
     residual = norm.residual if norm is not None else None
-    r = rope or _NO_ROPE
-    kb, vb = (rope.k_buffer, rope.v_buffer) if rope is not None else (x, x)
+    rope_ptrs, rope_scalars = _rope_args(rope, x)
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         residual if residual is not None else x, norm.weight if norm is not None else x,
-        norm.sum_out if residual is not None else x,
-        *((rope.positions, rope.loc, rope.cos_sin_cache) if rope is not None else (x, x, x)), kb, vb,
+        norm.sum_out if residual is not None else x, *rope_ptrs,
         m, n, k, k_per_split, norm.eps if norm is not None else 0.0,
-        x.stride(0), weight.stride(0), n, scale.stride(0) if scale_mode == 2 else 0, m * n,
-        r.cos_sin_cache.stride(0) if rope is not None else 0,
-        *((kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1)) if rope is not None else (0, 0, 0, 0)),
-        r.num_q_heads, r.num_kv_heads, r.k_scale, r.v_scale,
+        x.stride(0), weight.stride(0), n, scale.stride(0) if scale_mode == 2 else 0, m * n, *rope_scalars,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
@@ -445,7 +441,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     return y
 
 
-_NO_ROPE = RopeStore(None, None, None, None, None, 0, 0)  # (the kernel's unused ROPE arguments)
+def _rope_args(rope: RopeStore | None, x: torch.Tensor) -> tuple[tuple, tuple]:
+    """The kernel's ROPE arguments: (POS, LOC, COS, KB, VB), then the strides, head counts and scales;
+    placeholders (never read) without a rope."""
+    if rope is None:
+        return (x,) * 5, (0, 0, 0, 0, 0, 0, 0, 1.0, 1.0)
+    kb, vb, cache = rope.k_buffer, rope.v_buffer, rope.cos_sin_cache
+    return ((rope.positions, rope.loc, cache, kb, vb),
+            (cache.stride(0), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), rope.num_q_heads,
+             rope.num_kv_heads, float(rope.k_scale), float(rope.v_scale)))
 
 
 def _check_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, cfg: GemmConfig, silu_mul: bool) -> None:
