@@ -122,3 +122,24 @@ def test_fused_combine_leaves_counters_zero_for_the_next_call(monkeypatch):
                                                 min_chunk)
         assert torch.equal(fused, two_stage), f"call {seed}"
         assert workspace.counters.count_nonzero().item() == 0, f"call {seed}"
+
+
+@in_process
+@pytest.mark.parametrize("num_kv_splits", [3, 5, 12])
+def test_merge_takes_only_the_written_splits(monkeypatch, num_kv_splits):
+    """Both merges load a request's splits as one tile of next_pow2(num_kv_splits) rows: rows past the split
+    count, past the request's chunks, and chunks left empty by the alignment hold stale workspace (NaN here)
+    and must be masked out; a request of no tokens gets zeros, not NaN."""
+    num_heads, num_kv_heads, head_dim, min_chunk = 8, 2, 64, 32
+    seq_lens = [0, 1, 33, 97, 161, 300, 515]
+    block_n = decode_mod.stage1_tile(len(seq_lens), head_dim)[0]
+    plans = [chunk_plan(n, num_kv_splits, min_chunk, block_n) for n in seq_lens]
+    assert any(0 < len(p) < num_kv_splits for p in plans), "the case must have a request with unused splits"
+    assert any(end <= start for p in plans for start, end in p), "the case must have an empty chunk"
+    inputs = make_inputs(seq_lens, num_heads, num_kv_heads, head_dim, seed=num_kv_splits)
+    workspace = decode_mod.alloc_decode_workspace(len(seq_lens), num_heads, head_dim, num_kv_splits, DEVICE)
+
+    two_stage, fused = two_stage_then_fused(monkeypatch, inputs, seq_lens, workspace, num_kv_splits, min_chunk)
+    assert torch.equal(fused, two_stage)
+    assert torch.equal(two_stage[0], torch.zeros_like(two_stage[0]))
+    torch.testing.assert_close(two_stage, ref_decode(inputs, seq_lens), atol=1e-4, rtol=1e-4)

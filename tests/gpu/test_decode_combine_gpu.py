@@ -139,3 +139,35 @@ def test_fused_combine_graph_replays_for_other_lengths(heads):
             two_stage = run(pool, q, rows, seq_lens, eager_ws, splits, fused=False)
             assert torch.equal(o, two_stage), f"trial {trial}, replay {replay}"
             assert ws.counters.count_nonzero().item() == 0, f"trial {trial}, replay {replay}"
+
+
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 8, 64), (40, 2, 128)], ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize("splits", [3, 8, 12, 16])
+@pytest.mark.parametrize("lens", [[0, 1, 520, 1000], [0, 1, 520, 1000, 37, 300]], ids=["bs4", "bs6"])
+def test_merge_takes_only_the_written_splits(heads, splits, lens):
+    """Both merges load a head's chunks as one tile of next_pow2(splits) rows: the stale workspace (NaN
+    here) past the split count, past a request's chunks (1 token: one chunk) and in chunks left empty by the
+    alignment (520 in 8 splits, 1000 in 12) must never reach the output; a request of no tokens gets zeros.
+    bs 4 takes stage 1's 8-warp tile at 128-wide heads (stage 2 the same warps), bs 6 the 4-warp one."""
+    num_heads, num_kv_heads, head_dim = heads
+    bs = len(lens)
+    pool = Pool(lens, num_kv_heads, head_dim, seed=splits)
+    q = torch.randn(bs, num_heads, head_dim, device=DEV).bfloat16()
+    rows = torch.arange(1, bs + 1, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ws = decode_mod.alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
+
+    def stale_then_run(fused):
+        ws.attn_logits.fill_(float("nan"))
+        ws.attn_lse.fill_(float("nan"))
+        return run(pool, q, rows, seq_lens, ws, splits, fused=fused)
+
+    two_stage = stale_then_run(False)
+    assert torch.equal(two_stage[0], torch.zeros_like(two_stage[0]))
+    ref = ref_decode(pool, q, lens)
+    assert ((two_stage.float() - ref).norm() / ref.norm()).item() < 1e-2
+    for i in range(REPEATS):
+        fused = stale_then_run(True)
+        torch.cuda.synchronize()
+        assert torch.equal(fused, two_stage), f"call {i}"
+        assert ws.counters.count_nonzero().item() == 0, f"call {i}"

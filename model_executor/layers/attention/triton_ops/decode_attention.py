@@ -9,12 +9,16 @@ chunk's normalised partial output and its log-sum-exp into the workspace. Stage 
 merges the chunks. With num_kv_splits == 1 there is one stage: each program walks all its request's
 positions and writes the output itself (no workspace, no second launch).
 
+The merge (_merge_chunks) loads all of a head's chunks at once, a [next_pow2(num_kv_splits), head_dim] tile
+and its log-sum-exps (the splits that hold no partial of the request masked out), and weights them by
+exp2(lse - max lse): one round trip to memory, not one per chunk as a walk over them would take.
+
 Fused combine (from 32 requests with 128-wide heads, see fused_combine_default): stage 1 merges the
 chunks itself and there is no stage-2 launch. Each program of a (request, kv-head block) that owns a
 chunk, once its partial is stored, increments that pair's int32 counter; the one that brings it to the
-request's chunk count merges the pair's BLOCK_H heads, in chunk order and with stage 2's arithmetic (same
-bits whichever program arrives last), then puts the counter back to 0, so the next call (or graph replay)
-finds it zeroed with no memset.
+request's chunk count merges the pair's heads one after another, each with stage 2's merge (the same helper
+at the same num_warps: same bits whichever program arrives last), then puts the counter back to 0, so the
+next call (or graph replay) finds it zeroed with no memset.
 
 Chunking, from `seq_lens` read on the device: a request of length L uses n = min(cdiv(L, min_chunk),
 num_kv_splits) chunks of `round_up(cdiv(L, n), BLOCK_N)` positions, so a short request uses few splits
@@ -34,9 +38,8 @@ import triton
 import triton.language as tl
 
 # Stage-1 tile: query heads per program (tl.dot needs M >= 16); the KV positions per loop step, warps and
-# pipeline stages come from stage1_tile.
+# pipeline stages come from stage1_tile (stage 2 takes the same warps, see decode_attention_fwd).
 BLOCK_H = 16
-STAGE2_NUM_WARPS = 4
 
 
 def stage1_tile(batch_size: int, head_dim: int) -> tuple[int, int, int]:
@@ -90,13 +93,23 @@ def decode_split_plan(cap: int, max_seq_len: int, single_stage_max_len: int = SI
     return 1 if max_seq_len <= single_stage_max_len else cap
 
 
+# Where fused_combine_default turns the fused combine on: from this many requests, with heads this wide.
+FUSED_COMBINE_MIN_BS = 32
+FUSED_COMBINE_MIN_HEAD_DIM = 128
+
+
 def fused_combine_default(batch_size: int, head_dim: int) -> bool:
     """Whether stage 1 merges the chunks itself (no stage-2 launch) for a batch of this size: a function of
-    what a graph is captured for, never of the lengths. Both paths give the same bits. From
-    benchmarks/bench_attention.py --combine on the H200 (docs/benchmarks.md): at a handful of requests the
-    last program's serial walk over up to 16 chunks costs more than the second launch saves; from 32 requests
-    with 128-wide heads the fused merge measured slightly faster; elsewhere slower."""
-    return batch_size >= 32 and head_dim >= 128
+    what a graph is captured for, never of the lengths. Both paths give the same bits.
+
+    The last program to arrive merges its block's heads (up to BLOCK_H, one after another), each as one
+    [splits, head_dim] tile, the same merge as stage 2's (one program per head). The thresholds
+    (FUSED_COMBINE_MIN_BS, FUSED_COMBINE_MIN_HEAD_DIM) come from benchmarks/bench_attention.py --combine on
+    the H200 (docs/benchmarks.md), measured when both merges still walked the chunks one at a time: then
+    at a handful of requests the last program's walk over up to 16 chunks cost more than the second launch
+    saved; from 32 requests with 128-wide heads the fused merge measured slightly faster; elsewhere slower.
+    The tile merge is to be re-measured there before they change."""
+    return batch_size >= FUSED_COMBINE_MIN_BS and head_dim >= FUSED_COMBINE_MIN_HEAD_DIM
 
 
 class DecodeWorkspace(NamedTuple):
@@ -133,21 +146,30 @@ def _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, SPLIT_ALIGN: tl.c
 
 
 @triton.jit
-def _merge_chunk(acc, e_sum, e_max, part, lse):
-    """Folds one chunk (its normalised partial output and its log-sum-exp) into a running merge. Stage 2 and
-    the fused combine both call it, so the two paths give the same bits."""
-    n_e_max = tl.maximum(lse, e_max)
-    old_scale = tl.exp2(e_max - n_e_max)
-    new_w = tl.exp2(lse - n_e_max)
-    acc = acc * old_scale + part * new_w
-    e_sum = e_sum * old_scale + new_w
-    return acc, e_sum, n_e_max
+def _written_splits(seq_len, num_kv_splits, min_chunk, SPLITS_P2: tl.constexpr, SPLIT_ALIGN: tl.constexpr):
+    """[SPLITS_P2] split ids and which of them hold a partial of the request: its own chunks (the workspace
+    past them is stale) that have positions (rounding to SPLIT_ALIGN can leave a last chunk empty: its
+    program wrote nothing). (A split past the last chunk starts at or past seq_len, so it is empty too; the
+    first term says what is meant without leaning on that.)"""
+    splits = tl.arange(0, SPLITS_P2)
+    start, end, num_chunks = _split_bounds(seq_len, splits, num_kv_splits, min_chunk, SPLIT_ALIGN)
+    return splits, (splits < num_chunks) & (end > start)
 
 
 @triton.jit
-def _merge_finish(acc, e_sum):
-    # seq_len == 0 (never produced by the engine) gives zeros rather than NaN.
-    return acc / tl.maximum(e_sum, 1e-30)
+def _merge_chunks(mid_o, mid_lse, stride_mid_os, splits, written, mask_d, CACHE: tl.constexpr):
+    """One head's output from its chunks: mid_o [BLOCK_D] and mid_lse point at its split-0 partial and
+    log-sum-exp; splits, written from _written_splits. Stage 2 and the fused combine both call it (at the same
+    num_warps: the reductions' order follows the tile's layout), so the two paths give the same bits."""
+    part = tl.load(mid_o[None, :] + splits[:, None] * stride_mid_os, mask=written[:, None] & mask_d[None, :],
+                   other=0.0, cache_modifier=CACHE)
+    lse = tl.load(mid_lse + splits, mask=written, other=float("-inf"), cache_modifier=CACHE)
+    e_max = tl.max(lse, 0)
+    # No chunk at all (seq_len 0, never produced by the engine): every weight exp2(-inf) = 0 and the output
+    # zeros, rather than exp2(-inf - -inf) = NaN.
+    e_max = tl.where(e_max == float("-inf"), 0.0, e_max)
+    w = tl.exp2(lse - e_max)
+    return tl.sum(w[:, None] * part, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
 
 
 @triton.jit
@@ -168,6 +190,8 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    MERGE_HEADS: tl.constexpr,
     SINGLE_STAGE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
     IN_PRECISION: tl.constexpr,
@@ -247,21 +271,22 @@ def _decode_stage1_kernel(
             if tl.atomic_add(counter, 1) == arrivals - 1:
                 # In Triton's CPU interpreter the programs run one after another, so there the highest
                 # split always combines; tests/gpu/test_decode_combine_gpu.py covers any arrival order.
-                mask_hd = mask_h[:, None] & mask_d[None, :]
-                mid_o = Att_Out + cur_batch * stride_mid_ob + heads[:, None] * stride_mid_oh + offs_d[None, :]
-                mid_lse = Att_Lse + cur_batch * stride_lse_b + heads[:, None] * stride_lse_h  # [BLOCK_H, 1]
-                m_max = tl.full([BLOCK_H, 1], float("-inf"), dtype=tl.float32)
-                m_sum = tl.zeros([BLOCK_H, 1], dtype=tl.float32)
-                m_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-                for chunk in range(num_chunks):
-                    chunk_start, chunk_end, _ = _split_bounds(seq_len, chunk, num_kv_splits, min_chunk, BLOCK_N)
-                    if chunk_end > chunk_start:
-                        # .cg: from L2, past this SM's L1, which other programs' stores did not update
-                        part = tl.load(mid_o + chunk * stride_mid_os, mask=mask_hd, other=0.0, cache_modifier=".cg")
-                        lse = tl.load(mid_lse + chunk, mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
-                        m_acc, m_sum, m_max = _merge_chunk(m_acc, m_sum, m_max, part, lse)
-                tl.store(O + cur_batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                         _merge_finish(m_acc, m_sum).to(O.dtype.element_ty), mask=mask_hd)
+                splits, written = _written_splits(seq_len, num_kv_splits, min_chunk, SPLITS_P2, BLOCK_N)
+                # Head by head, each a [SPLITS_P2, BLOCK_D] tile as in stage 2 (one [BLOCK_H, SPLITS_P2,
+                # BLOCK_D] tile would hold too many registers). Unrolled, without a branch: a head past the
+                # group (a partly filled block) loads and stores nothing.
+                for i in tl.static_range(MERGE_HEADS):
+                    g = head_block * BLOCK_H + i
+                    head = kv_head * KV_GROUP_NUM + g
+                    is_head = g < KV_GROUP_NUM
+                    # (tl.where, not `&`: in Triton's CPU interpreter a block `&` a scalar int1 comes out
+                    # int32, which a mask refuses)
+                    # .cg: from L2, past this SM's L1, which other programs' stores did not update
+                    out = _merge_chunks(Att_Out + cur_batch * stride_mid_ob + head * stride_mid_oh + offs_d,
+                                        Att_Lse + cur_batch * stride_lse_b + head * stride_lse_h, stride_mid_os,
+                                        splits, tl.where(is_head, written, False), mask_d, ".cg")
+                    tl.store(O + cur_batch.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
+                             out.to(O.dtype.element_ty), mask=tl.where(is_head, mask_d, False))
                 tl.store(counter, 0)  # every program of the pair has arrived: zero for the next call
 
 
@@ -275,6 +300,7 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -285,21 +311,12 @@ def _decode_stage2_kernel(
         mask_d = offs_d < HEAD_DIM
     seq_len = tl.load(Seq_lens + cur_batch).to(tl.int32)
 
-    e_max = float("-inf")
-    e_sum = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    mid_o = Att_Out + cur_batch * stride_mid_ob + cur_head * stride_mid_oh + offs_d
-    mid_lse = Att_Lse + cur_batch * stride_lse_b + cur_head * stride_lse_h
-    _, _, num_chunks = _split_bounds(seq_len, 0, num_kv_splits, min_chunk, SPLIT_ALIGN)
-    for split_id in range(num_chunks):  # the request's own chunks only: the rest of the workspace is stale
-        split_start, split_end, _ = _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, SPLIT_ALIGN)
-        if split_end > split_start:  # rounding to SPLIT_ALIGN can leave a last chunk empty: it wrote nothing
-            part = tl.load(mid_o + split_id * stride_mid_os, mask=mask_d, other=0.0)
-            lse = tl.load(mid_lse + split_id)
-            acc, e_sum, e_max = _merge_chunk(acc, e_sum, e_max, part, lse)
-
+    splits, written = _written_splits(seq_len, num_kv_splits, min_chunk, SPLITS_P2, SPLIT_ALIGN)
+    out = _merge_chunks(Att_Out + cur_batch * stride_mid_ob + cur_head * stride_mid_oh + offs_d,
+                        Att_Lse + cur_batch * stride_lse_b + cur_head * stride_lse_h, stride_mid_os,
+                        splits, written, mask_d, "")
     tl.store(O + cur_batch.to(tl.int64) * stride_ob + cur_head * stride_oh + offs_d,
-             _merge_finish(acc, e_sum).to(O.dtype.element_ty), mask=mask_d)
+             out.to(O.dtype.element_ty), mask=mask_d)
 
 
 def decode_attention_fwd(
@@ -359,6 +376,7 @@ def decode_attention_fwd(
     group = num_heads // num_kv_heads
     head_blocks = triton.cdiv(group, BLOCK_H)
     block_d = triton.next_power_of_2(head_dim)
+    splits_p2 = triton.next_power_of_2(num_kv_splits)  # the merge's tile of chunks
     in_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy
     single_stage = num_kv_splits == 1
     block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim)
@@ -388,6 +406,8 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         BLOCK_H=BLOCK_H,
         BLOCK_N=block_n,
+        SPLITS_P2=splits_p2,
+        MERGE_HEADS=min(group, BLOCK_H),  # the heads of a block: all of a group smaller than BLOCK_H
         SINGLE_STAGE=single_stage,
         FUSED_COMBINE=fused,
         IN_PRECISION=in_precision,
@@ -405,5 +425,9 @@ def decode_attention_fwd(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         SPLIT_ALIGN=block_n,
-        num_warps=STAGE2_NUM_WARPS,
+        SPLITS_P2=splits_p2,
+        # Stage 1's warps: the fused combine merges the same [SPLITS_P2, BLOCK_D] tiles inside stage 1, and
+        # a reduction's order follows the tile's layout, which follows num_warps; at the same warps both
+        # merges add in the same order on the GPU and give the same bits.
+        num_warps=num_warps,
     )
