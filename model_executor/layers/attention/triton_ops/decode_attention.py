@@ -5,20 +5,21 @@ before attention runs) are gathered from `k_buffer` / `v_buffer` through `req_to
 
 Stage 1 (grid `(bs, num_kv_heads * head_blocks, num_kv_splits)`): one program takes every query head of a
 KV head (GQA-grouped, up to BLOCK_H query heads per program) and one chunk of the positions; it writes the
-chunk's normalised partial output and its log-sum-exp into the workspace. Stage 2 (grid `(bs, num_heads)`)
-merges the chunks. With num_kv_splits == 1 there is one stage: each program walks all its request's
+chunk's normalised partial output and its log-sum-exp into the workspace. Stage 2 (grid `(bs, num_kv_heads *
+head_blocks)`, stage 1's without the splits) merges the chunks. With num_kv_splits == 1 there is one stage: each program walks all its request's
 positions and writes the output itself (no workspace, no second launch).
 
-The merge (_merge_chunks) loads all of a head's chunks at once, a [next_pow2(num_kv_splits), head_dim] tile
-and its log-sum-exps (the splits that hold no partial of the request masked out), and weights them by
-exp2(lse - max lse): one round trip to memory, not one per chunk as a walk over them would take.
+The merge (_merge_block) loads every chunk of a head block's query heads at once, a [heads,
+next_pow2(num_kv_splits), head_dim] tile and its log-sum-exps (the splits that hold no partial of the request
+masked out), and weights each head's chunks by exp2(lse - its max lse): one round trip to memory, not one per
+chunk as a walk over them would take.
 
 Fused combine (from 32 requests with 128-wide heads, see fused_combine_default): stage 1 merges the
 chunks itself and there is no stage-2 launch. Each program of a (request, kv-head block) that owns a
 chunk, once its partial is stored, increments that pair's int32 counter; the one that brings it to the
-request's chunk count merges the pair's heads one after another, each with stage 2's merge (the same helper
-at the same num_warps: same bits whichever program arrives last), then puts the counter back to 0, so the
-next call (or graph replay) finds it zeroed with no memset.
+request's chunk count merges the pair's heads as a stage-2 program would (the same helper at the same
+num_warps), then puts the counter back to 0, so the next call (or graph replay) finds it zeroed with no
+memset.
 
 Chunking, from `seq_lens` read on the device: a request of length L uses n = min(cdiv(L, min_chunk),
 num_kv_splits) chunks of `round_up(cdiv(L, n), BLOCK_N)` positions, so a short request uses few splits
@@ -157,19 +158,32 @@ def _written_splits(seq_len, num_kv_splits, min_chunk, SPLITS_P2: tl.constexpr, 
 
 
 @triton.jit
-def _merge_chunks(mid_o, mid_lse, stride_mid_os, splits, written, mask_d, CACHE: tl.constexpr):
-    """One head's output from its chunks: mid_o [BLOCK_D] and mid_lse point at its split-0 partial and
-    log-sum-exp; splits, written from _written_splits. Stage 2 and the fused combine both call it (at the same
-    num_warps: the reductions' order follows the tile's layout), so the two paths give the same bits."""
-    part = tl.load(mid_o[None, :] + splits[:, None] * stride_mid_os, mask=written[:, None] & mask_d[None, :],
-                   other=0.0, cache_modifier=CACHE)
-    lse = tl.load(mid_lse + splits, mask=written, other=float("-inf"), cache_modifier=CACHE)
-    e_max = tl.max(lse, 0)
-    # No chunk at all (seq_len 0, never produced by the engine): every weight exp2(-inf) = 0 and the output
-    # zeros, rather than exp2(-inf - -inf) = NaN.
+def _merge_block(Att_Out, Att_Lse, O, cur_batch, kv_head, head_block, seq_len, num_kv_splits, min_chunk,
+                 stride_mid_ob, stride_mid_oh, stride_mid_os, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
+                 offs_d, mask_d, KV_GROUP_NUM: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_HEADS: tl.constexpr,
+                 SPLITS_P2: tl.constexpr, SPLIT_ALIGN: tl.constexpr, CACHE: tl.constexpr):
+    """Merges the chunks of the query heads of one (request, kv head, head block) and stores their output:
+    every head's chunks in one [MERGE_HEADS, SPLITS_P2, BLOCK_D] tile (one round trip to memory), each chunk
+    weighted by exp2(lse - the head's max lse). Stage 2 and the fused combine both call it with the same
+    num_warps (a reduction's order follows the tile's layout, which follows num_warps)."""
+    offs_g = head_block * BLOCK_H + tl.arange(0, MERGE_HEADS)
+    mask_h = offs_g < KV_GROUP_NUM
+    heads = kv_head * KV_GROUP_NUM + offs_g
+    splits, written = _written_splits(seq_len, num_kv_splits, min_chunk, SPLITS_P2, SPLIT_ALIGN)
+    mask_hs = mask_h[:, None] & written[None, :]
+    part = tl.load(Att_Out + cur_batch * stride_mid_ob + heads[:, None, None] * stride_mid_oh
+                   + splits[None, :, None] * stride_mid_os + offs_d[None, None, :],
+                   mask=mask_hs[:, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=CACHE)
+    lse = tl.load(Att_Lse + cur_batch * stride_lse_b + heads[:, None] * stride_lse_h + splits[None, :],
+                  mask=mask_hs, other=float("-inf"), cache_modifier=CACHE)
+    e_max = tl.max(lse, 1)
+    # No chunk at all (seq_len 0, never produced by the engine; or a head past the group): every weight
+    # exp2(-inf) = 0 and the output zeros, rather than exp2(-inf - -inf) = NaN.
     e_max = tl.where(e_max == float("-inf"), 0.0, e_max)
-    w = tl.exp2(lse - e_max)
-    return tl.sum(w[:, None] * part, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    w = tl.exp2(lse - e_max[:, None])
+    out = tl.sum(w[:, :, None] * part, 1) / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
+    tl.store(O + cur_batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -271,22 +285,11 @@ def _decode_stage1_kernel(
             if tl.atomic_add(counter, 1) == arrivals - 1:
                 # In Triton's CPU interpreter the programs run one after another, so there the highest
                 # split always combines; tests/gpu/test_decode_combine_gpu.py covers any arrival order.
-                splits, written = _written_splits(seq_len, num_kv_splits, min_chunk, SPLITS_P2, BLOCK_N)
-                # Head by head, each a [SPLITS_P2, BLOCK_D] tile as in stage 2 (one [BLOCK_H, SPLITS_P2,
-                # BLOCK_D] tile would hold too many registers). Unrolled, without a branch: a head past the
-                # group (a partly filled block) loads and stores nothing.
-                for i in tl.static_range(MERGE_HEADS):
-                    g = head_block * BLOCK_H + i
-                    head = kv_head * KV_GROUP_NUM + g
-                    is_head = g < KV_GROUP_NUM
-                    # (tl.where, not `&`: in Triton's CPU interpreter a block `&` a scalar int1 comes out
-                    # int32, which a mask refuses)
-                    # .cg: from L2, past this SM's L1, which other programs' stores did not update
-                    out = _merge_chunks(Att_Out + cur_batch * stride_mid_ob + head * stride_mid_oh + offs_d,
-                                        Att_Lse + cur_batch * stride_lse_b + head * stride_lse_h, stride_mid_os,
-                                        splits, tl.where(is_head, written, False), mask_d, ".cg")
-                    tl.store(O + cur_batch.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
-                             out.to(O.dtype.element_ty), mask=tl.where(is_head, mask_d, False))
+                # .cg: from L2, past this SM's L1, which other programs' stores did not update
+                _merge_block(Att_Out, Att_Lse, O, cur_batch, kv_head, head_block, seq_len, num_kv_splits,
+                             min_chunk, stride_mid_ob, stride_mid_oh, stride_mid_os, stride_lse_b, stride_lse_h,
+                             stride_ob, stride_oh, offs_d, mask_d, KV_GROUP_NUM, BLOCK_H, MERGE_HEADS, SPLITS_P2,
+                             BLOCK_N, ".cg")
                 tl.store(counter, 0)  # every program of the pair has arrived: zero for the next call
 
 
@@ -297,26 +300,28 @@ def _decode_stage2_kernel(
     stride_mid_ob, stride_mid_oh, stride_mid_os,
     stride_lse_b, stride_lse_h,
     stride_ob, stride_oh,
+    KV_GROUP_NUM: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    MERGE_HEADS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
 ):
+    """Program (request, kv head x head block), as stage 1's: merges that block's heads (_merge_block)."""
     cur_batch = tl.program_id(0)
-    cur_head = tl.program_id(1)
+    pid_h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     if BLOCK_D == HEAD_DIM:  # all-true splat: keeps the loads vectorised
         mask_d = tl.full([BLOCK_D], 1, tl.int1)
     else:
         mask_d = offs_d < HEAD_DIM
     seq_len = tl.load(Seq_lens + cur_batch).to(tl.int32)
-
-    splits, written = _written_splits(seq_len, num_kv_splits, min_chunk, SPLITS_P2, SPLIT_ALIGN)
-    out = _merge_chunks(Att_Out + cur_batch * stride_mid_ob + cur_head * stride_mid_oh + offs_d,
-                        Att_Lse + cur_batch * stride_lse_b + cur_head * stride_lse_h, stride_mid_os,
-                        splits, written, mask_d, "")
-    tl.store(O + cur_batch.to(tl.int64) * stride_ob + cur_head * stride_oh + offs_d,
-             out.to(O.dtype.element_ty), mask=mask_d)
+    _merge_block(Att_Out, Att_Lse, O, cur_batch, pid_h // HEAD_BLOCKS, pid_h % HEAD_BLOCKS, seq_len, num_kv_splits,
+                 min_chunk, stride_mid_ob, stride_mid_oh, stride_mid_os, stride_lse_b, stride_lse_h,
+                 stride_ob, stride_oh, offs_d, mask_d, KV_GROUP_NUM, BLOCK_H, MERGE_HEADS, SPLITS_P2,
+                 SPLIT_ALIGN, "")
 
 
 def decode_attention_fwd(
@@ -376,7 +381,8 @@ def decode_attention_fwd(
     group = num_heads // num_kv_heads
     head_blocks = triton.cdiv(group, BLOCK_H)
     block_d = triton.next_power_of_2(head_dim)
-    splits_p2 = triton.next_power_of_2(num_kv_splits)  # the merge's tile of chunks
+    splits_p2 = triton.next_power_of_2(num_kv_splits)  # the merge's tile: chunks ...
+    merge_heads = triton.next_power_of_2(min(group, BLOCK_H))  # ... of a block's heads (all of a small group)
     in_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy
     single_stage = num_kv_splits == 1
     block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim)
@@ -407,7 +413,7 @@ def decode_attention_fwd(
         BLOCK_H=BLOCK_H,
         BLOCK_N=block_n,
         SPLITS_P2=splits_p2,
-        MERGE_HEADS=min(group, BLOCK_H),  # the heads of a block: all of a group smaller than BLOCK_H
+        MERGE_HEADS=merge_heads,
         SINGLE_STAGE=single_stage,
         FUSED_COMBINE=fused,
         IN_PRECISION=in_precision,
@@ -416,18 +422,21 @@ def decode_attention_fwd(
     )
     if single_stage or fused:
         return
-    _decode_stage2_kernel[(bs, num_heads)](
+    _decode_stage2_kernel[(bs, num_kv_heads * head_blocks)](
         attn_logits, attn_lse, o, seq_lens,
         num_kv_splits, min_chunk,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
         o.stride(0), o.stride(1),
+        KV_GROUP_NUM=group,
+        HEAD_BLOCKS=head_blocks,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        SPLIT_ALIGN=block_n,
+        BLOCK_H=BLOCK_H,
+        MERGE_HEADS=merge_heads,
         SPLITS_P2=splits_p2,
-        # Stage 1's warps: the fused combine merges the same [SPLITS_P2, BLOCK_D] tiles inside stage 1, and
-        # a reduction's order follows the tile's layout, which follows num_warps; at the same warps both
-        # merges add in the same order on the GPU and give the same bits.
+        SPLIT_ALIGN=block_n,
+        # Stage 1's warps: the fused combine merges the same tiles inside stage 1, and a reduction's order
+        # follows the tile's layout, which follows num_warps.
         num_warps=num_warps,
     )
