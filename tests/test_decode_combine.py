@@ -143,3 +143,32 @@ def test_merge_takes_only_the_written_splits(monkeypatch, num_kv_splits):
     assert torch.equal(fused, two_stage)
     assert torch.equal(two_stage[0], torch.zeros_like(two_stage[0]))
     torch.testing.assert_close(two_stage, ref_decode(inputs, seq_lens), atol=1e-4, rtol=1e-4)
+
+
+@in_process
+@pytest.mark.parametrize("bs", [1, 2])
+def test_default_merges_in_stage_one_at_one_request(monkeypatch, bs):
+    """Given the counters and no choice, a batch of one request merges in stage 1 (the measured default:
+    fused_combine_default), two requests launch stage 2; without the counters, stage 2 always."""
+    num_heads, num_kv_heads, head_dim, num_kv_splits = 8, 2, 64, 4
+    seq_lens = [150, 70][:bs]
+    inputs = make_inputs(seq_lens, num_heads, num_kv_heads, head_dim, seed=bs)
+    q, k, v, req_to_token = inputs
+    ws = decode_mod.alloc_decode_workspace(bs, num_heads, head_dim, num_kv_splits, DEVICE)
+    launches = []
+    stage2 = decode_mod._decode_stage2_kernel
+
+    class CountStage2:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return stage2[grid]
+
+    monkeypatch.setattr(decode_mod, "_decode_stage2_kernel", CountStage2())
+    rows = torch.arange(1, bs + 1, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    for counters in (ws.counters, None):
+        o = torch.full_like(q, float("nan"))
+        decode_mod.decode_attention_fwd(q, k, v, o, req_to_token, rows, lens, ws.attn_logits, ws.attn_lse,
+                                        num_kv_splits, 1 / math.sqrt(head_dim), counters=counters)
+        torch.testing.assert_close(o, ref_decode(inputs, seq_lens), atol=1e-4, rtol=1e-4)
+    assert len(launches) == (1 if bs == 1 else 2)

@@ -14,7 +14,7 @@ next_pow2(num_kv_splits), head_dim] tile and its log-sum-exps (the splits that h
 masked out), and weights each head's chunks by exp2(lse - its max lse): one round trip to memory, not one per
 chunk as a walk over them would take.
 
-Fused combine (from 32 requests with 128-wide heads, see fused_combine_default): stage 1 merges the
+Fused combine (at one request, see fused_combine_default): stage 1 merges the
 chunks itself and there is no stage-2 launch. Each program of a (request, kv-head block) that owns a
 chunk, once its partial is stored, increments that pair's int32 counter; the one that brings it to the
 request's chunk count merges the pair's heads as a stage-2 program would (the same helper at the same
@@ -94,23 +94,19 @@ def decode_split_plan(cap: int, max_seq_len: int, single_stage_max_len: int = SI
     return 1 if max_seq_len <= single_stage_max_len else cap
 
 
-# Where fused_combine_default turns the fused combine on: from this many requests, with heads this wide.
-FUSED_COMBINE_MIN_BS = 32
-FUSED_COMBINE_MIN_HEAD_DIM = 128
+# The largest batch for which fused_combine_default merges in stage 1.
+FUSED_COMBINE_MAX_BS = 1
 
 
 def fused_combine_default(batch_size: int, head_dim: int) -> bool:
     """Whether stage 1 merges the chunks itself (no stage-2 launch) for a batch of this size: a function of
     what a graph is captured for, never of the lengths. Both paths give the same bits.
 
-    The last program to arrive merges its block's heads (up to BLOCK_H, one after another), each as one
-    [splits, head_dim] tile, the same merge as stage 2's (one program per head). The thresholds
-    (FUSED_COMBINE_MIN_BS, FUSED_COMBINE_MIN_HEAD_DIM) come from benchmarks/bench_attention.py --combine on
-    the H200 (docs/benchmarks.md), measured when both merges still walked the chunks one at a time: then
-    at a handful of requests the last program's walk over up to 16 chunks cost more than the second launch
-    saved; from 32 requests with 128-wide heads the fused merge measured slightly faster; elsewhere slower.
-    The tile merge is to be re-measured there before they change."""
-    return batch_size >= FUSED_COMBINE_MIN_BS and head_dim >= FUSED_COMBINE_MIN_HEAD_DIM
+    From benchmarks/bench_attention.py --combine on the H200 (docs/benchmarks.md, eighth session): at one
+    request the fused merge saves 0.3-0.6 us per call (1B, 8B and Qwen3-30B heads at 520 tokens); at 4 and 8
+    requests it is mixed (-0.9 to +0.9 us); from 32 requests slower (8B heads at 256 requests by 20 us: the last
+    program of each block merges alone while the rest of the GPU idles). head_dim is not used at present."""
+    return batch_size <= FUSED_COMBINE_MAX_BS
 
 
 class DecodeWorkspace(NamedTuple):
@@ -360,7 +356,8 @@ def decode_attention_fwd(
     counters: the workspace's int32 arrival counters (DecodeWorkspace.counters: zeros, left zeros); needed
     when the chunks are merged by stage 1.
     fused_combine: merge the chunks in stage 1 (True) or in a second launch (False, stage 2); default
-    fused_combine_default(bs, head_dim). Same bits either way; unused when num_kv_splits is 1.
+    fused_combine_default(bs, head_dim) when counters are given, else False. Same bits either way; unused
+    when num_kv_splits is 1.
     No host reads of device data, no allocations: safe to capture in a CUDA graph.
     """
     bs, num_heads, head_dim = q.shape
@@ -386,8 +383,8 @@ def decode_attention_fwd(
     in_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy
     single_stage = num_kv_splits == 1
     block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim)
-    if fused_combine is None:
-        fused_combine = fused_combine_default(bs, head_dim)
+    if fused_combine is None:  # (the default needs the counters: without them, two stages)
+        fused_combine = counters is not None and fused_combine_default(bs, head_dim)
     fused = fused_combine and not single_stage
     if fused:
         assert counters is not None, "the fused combine needs the workspace's counters (alloc_decode_workspace)"
