@@ -58,13 +58,14 @@ class GraphInputBuffers:
             kv_cache=model_runner.kv_cache, attn_backend=backend, seq_lens_cpu=[self.seq_len_fill] * bs)
 
     def load(self, fb: ForwardBatch, padded_bs: int) -> None:
-        """Copy the real rows in and reset rows bs..padded_bs to padding (token 0, slot 0, row 0). The
-        copies go as one multi-tensor launch (per dtype) rather than one copy each: a replay waits for them."""
+        """Copy the real rows in and reset rows bs..padded_bs to padding (token 0, slot 0, row 0). The int64
+        rows go as one multi-tensor launch rather than a copy each (a replay waits for them); torch takes
+        that path only for sources of one dtype, so the int32 seq_lens is a copy of its own."""
         bs = fb.batch_size
         torch._foreach_copy_([self.input_ids[:bs], self.positions[:bs], self.req_pool_indices[:bs],
-                              self.out_cache_loc[:bs], self.seq_lens[:bs]],
-                             [fb.input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc, fb.seq_lens],
-                             non_blocking=True)
+                              self.out_cache_loc[:bs]],
+                             [fb.input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc], non_blocking=True)
+        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
         if padded_bs > bs:
             torch._foreach_zero_([buf[bs:padded_bs] for buf in (self.input_ids, self.positions,
                                                                 self.req_pool_indices, self.out_cache_loc)])
