@@ -127,9 +127,9 @@ def test_fused_combine_leaves_counters_zero_for_the_next_call(monkeypatch):
 @in_process
 @pytest.mark.parametrize("num_kv_splits", [3, 5, 12])
 def test_merge_takes_only_the_written_splits(monkeypatch, num_kv_splits):
-    """Both merges load a request's splits as one tile of next_pow2(num_kv_splits) rows: rows past the split
-    count, past the request's chunks, and chunks left empty by the alignment hold stale workspace (NaN here)
-    and must be masked out; a request of no tokens gets zeros, not NaN."""
+    """Both merges load a request's splits as one tile of next_pow2(num_kv_splits) rows per head: rows past
+    the split count, past the request's chunks, and chunks left empty by the alignment hold stale workspace
+    (NaN here) and must be masked out; a request of no tokens gets zeros, not NaN."""
     num_heads, num_kv_heads, head_dim, min_chunk = 8, 2, 64, 32
     seq_lens = [0, 1, 33, 97, 161, 300, 515]
     block_n = decode_mod.stage1_tile(len(seq_lens), head_dim)[0]
