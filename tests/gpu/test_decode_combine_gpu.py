@@ -146,9 +146,10 @@ def test_fused_combine_graph_replays_for_other_lengths(heads):
 @pytest.mark.parametrize("lens", [[0, 1, 520, 1000], [0, 1, 520, 1000, 37, 300]], ids=["bs4", "bs6"])
 def test_merge_takes_only_the_written_splits(heads, splits, lens):
     """Both merges load a head block's chunks as one tile of next_pow2(splits) rows per head: the stale
-    workspace (NaN here) past the split count, past a request's chunks (1 token: one chunk) and in chunks left empty by the
-    alignment (520 in 8 splits, 1000 in 12) must never reach the output; a request of no tokens gets zeros.
-    bs 4 takes stage 1's 8-warp tile at 128-wide heads (stage 2 the same warps), bs 6 the 4-warp one."""
+    workspace (NaN here) past the split count, past a request's chunks (1 token: one chunk) and in chunks
+    left empty by the alignment (520 in 8 splits, 1000 in 12) must never reach the output; a request of no
+    tokens gets zeros. bs 4 takes stage 1's 8-warp tile at 128-wide heads (stage 2 the same warps), bs 6
+    the 4-warp one."""
     num_heads, num_kv_heads, head_dim = heads
     bs = len(lens)
     pool = Pool(lens, num_kv_heads, head_dim, seed=splits)
