@@ -44,3 +44,16 @@ def test_floor_counts_the_embedding_rows_a_step_reads():
     assert bench_one_batch.step_read_bytes(untied, 1000) == all_bytes  # every row
     tied = build_model(ModelConfig.from_dict({**base, "tie_word_embeddings": True}), torch.float32, "cpu")
     assert bench_one_batch.step_read_bytes(tied, 1) == bench_one_batch.weight_bytes(tied) == all_bytes - table
+
+
+def test_back_to_back_timing_syncs_once_after_the_timed_steps(monkeypatch):
+    """time_back_to_back launches every step without waiting for the one before (one sync after the last,
+    as the overlap scheduler keeps the GPU busy); time_steps waits after each."""
+    calls = []
+    monkeypatch.setattr(bench_one_batch, "sync", lambda device: calls.append("sync"))
+    batches = [f"step{i}" for i in range(6)]
+    bench_one_batch.time_back_to_back(lambda fb: calls.append(fb), batches, torch.device("cpu"))
+    assert calls == batches[:3] + ["sync"] + batches + ["sync"]
+    calls.clear()
+    bench_one_batch.time_steps(lambda fb: calls.append(fb), batches, torch.device("cpu"))
+    assert calls == batches[:3] + ["sync"] + [c for fb in batches for c in (fb, "sync")]
