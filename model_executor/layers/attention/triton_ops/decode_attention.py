@@ -6,20 +6,20 @@ before attention runs) are gathered from `k_buffer` / `v_buffer` through `req_to
 Stage 1 (grid `(bs, num_kv_heads * head_blocks, num_kv_splits)`): one program takes every query head of a
 KV head (GQA-grouped, up to BLOCK_H query heads per program) and one chunk of the positions; it writes the
 chunk's normalised partial output and its log-sum-exp into the workspace. Stage 2 (grid `(bs, num_kv_heads *
-head_blocks)`, stage 1's without the splits) merges the chunks. With num_kv_splits == 1 there is one stage: each program walks all its request's
-positions and writes the output itself (no workspace, no second launch).
+head_blocks)`, stage 1's without the splits) merges the chunks. With num_kv_splits == 1 there is one stage:
+each program walks all its request's positions and writes the output itself (no workspace, no second
+launch).
 
 The merge (_merge_block) loads every chunk of a head block's query heads at once, a [heads,
 next_pow2(num_kv_splits), head_dim] tile and its log-sum-exps (the splits that hold no partial of the request
 masked out), and weights each head's chunks by exp2(lse - its max lse): one round trip to memory, not one per
 chunk as a walk over them would take.
 
-Fused combine (at one request, see fused_combine_default): stage 1 merges the
-chunks itself and there is no stage-2 launch. Each program of a (request, kv-head block) that owns a
-chunk, once its partial is stored, increments that pair's int32 counter; the one that brings it to the
-request's chunk count merges the pair's heads as a stage-2 program would (the same helper at the same
-num_warps), then puts the counter back to 0, so the next call (or graph replay) finds it zeroed with no
-memset.
+Fused combine (at one request, see fused_combine_default): stage 1 merges the chunks itself and there is
+no stage-2 launch. Each program of a (request, kv-head block) that owns a chunk, once its partial is stored,
+increments that pair's int32 counter; the one that brings it to the request's chunk count merges the pair's
+heads as a stage-2 program would (the same helper at the same num_warps), then puts the counter back to 0,
+so the next call (or graph replay) finds it zeroed with no memset.
 
 Chunking, from `seq_lens` read on the device: a request of length L uses n = min(cdiv(L, min_chunk),
 num_kv_splits) chunks of `round_up(cdiv(L, n), BLOCK_N)` positions, so a short request uses few splits
