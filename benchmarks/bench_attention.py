@@ -130,7 +130,7 @@ def combine_rows(heads, bs: int, ctx: int) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = dec.decode_split_plan(dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072)),
                                  ctx)
-    base = {"heads": list(heads), "bs": bs, "ctx": ctx, "fused_default": dec.fused_combine_default(bs, head_dim)}
+    base = {"heads": list(heads), "bs": bs, "ctx": ctx, "fused_default": dec.fused_combine_default(bs)}
 
     def timed(splits: int, fused: bool) -> tuple[float, torch.Tensor]:
         ws = alloc_decode_workspace(bs, num_heads, head_dim, splits, "cuda")

@@ -155,12 +155,16 @@ def prepare(runner: ModelRunner, bs: int, input_len: int, steps: int, seed: int 
     return batches, prefill_ms, (rows, loc)
 
 
+def _warm_up(fn, batches, device) -> None:
+    for fb in batches[:3]:
+        fn(fb)
+    sync(device)
+
+
 def time_steps(fn, batches, device) -> float:
     """Median ms per decode step over the batches (after one warm-up pass)."""
     with torch.inference_mode():
-        for fb in batches[:3]:
-            fn(fb)
-        sync(device)
+        _warm_up(fn, batches, device)
         times = []
         for fb in batches:
             t0 = time.perf_counter()
@@ -175,9 +179,7 @@ def time_back_to_back(fn, batches, device) -> float:
     warm-up pass): the GPU's time per step, as the overlap scheduler keeps it busy, without time_steps' host
     launch and sync between steps (which a synchronous server loop does pay)."""
     with torch.inference_mode():
-        for fb in batches[:3]:
-            fn(fb)
-        sync(device)
+        _warm_up(fn, batches, device)
         t0 = time.perf_counter()
         for fb in batches:
             fn(fb)

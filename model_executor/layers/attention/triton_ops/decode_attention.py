@@ -98,14 +98,14 @@ def decode_split_plan(cap: int, max_seq_len: int, single_stage_max_len: int = SI
 FUSED_COMBINE_MAX_BS = 1
 
 
-def fused_combine_default(batch_size: int, head_dim: int) -> bool:
+def fused_combine_default(batch_size: int) -> bool:
     """Whether stage 1 merges the chunks itself (no stage-2 launch) for a batch of this size: a function of
     what a graph is captured for, never of the lengths. Both paths give the same bits.
 
     From benchmarks/bench_attention.py --combine on the H200 (docs/benchmarks.md, eighth session): at one
     request the fused merge saves 0.3-0.6 us per call (1B, 8B and Qwen3-30B heads at 520 tokens); at 4 and 8
     requests it is mixed (-0.9 to +0.9 us); from 32 requests slower (8B heads at 256 requests by 20 us: the last
-    program of each block merges alone while the rest of the GPU idles). head_dim is not used at present."""
+    program of each block merges alone while the rest of the GPU idles)."""
     return batch_size <= FUSED_COMBINE_MAX_BS
 
 
@@ -144,13 +144,12 @@ def _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, SPLIT_ALIGN: tl.c
 
 @triton.jit
 def _written_splits(seq_len, num_kv_splits, min_chunk, SPLITS_P2: tl.constexpr, SPLIT_ALIGN: tl.constexpr):
-    """[SPLITS_P2] split ids and which of them hold a partial of the request: its own chunks (the workspace
-    past them is stale) that have positions (rounding to SPLIT_ALIGN can leave a last chunk empty: its
-    program wrote nothing). (A split past the last chunk starts at or past seq_len, so it is empty too; the
-    first term says what is meant without leaning on that.)"""
+    """[SPLITS_P2] split ids and which of them hold a partial of the request: the chunks with positions.
+    That leaves out the splits past its last chunk (they start at or past seq_len: the workspace there is
+    stale) and a last chunk emptied by the rounding to SPLIT_ALIGN (its program wrote nothing)."""
     splits = tl.arange(0, SPLITS_P2)
-    start, end, num_chunks = _split_bounds(seq_len, splits, num_kv_splits, min_chunk, SPLIT_ALIGN)
-    return splits, (splits < num_chunks) & (end > start)
+    start, end, _ = _split_bounds(seq_len, splits, num_kv_splits, min_chunk, SPLIT_ALIGN)
+    return splits, end > start
 
 
 @triton.jit
@@ -356,7 +355,7 @@ def decode_attention_fwd(
     counters: the workspace's int32 arrival counters (DecodeWorkspace.counters: zeros, left zeros); needed
     when the chunks are merged by stage 1.
     fused_combine: merge the chunks in stage 1 (True) or in a second launch (False, stage 2); default
-    fused_combine_default(bs, head_dim) when counters are given, else False. Same bits either way; unused
+    fused_combine_default(bs) when counters are given, else False. Same bits either way; unused
     when num_kv_splits is 1.
     No host reads of device data, no allocations: safe to capture in a CUDA graph.
     """
@@ -384,7 +383,7 @@ def decode_attention_fwd(
     single_stage = num_kv_splits == 1
     block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim)
     if fused_combine is None:  # (the default needs the counters: without them, two stages)
-        fused_combine = counters is not None and fused_combine_default(bs, head_dim)
+        fused_combine = counters is not None and fused_combine_default(bs)
     fused = fused_combine and not single_stage
     if fused:
         assert counters is not None, "the fused combine needs the workspace's counters (alloc_decode_workspace)"
