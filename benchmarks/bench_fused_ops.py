@@ -9,7 +9,9 @@ For each shape and token count: add+RMSNorm, rotary, SiLU-and-mul and the KV sto
 forward_native; the decode rotary + KV store kernel against the rotary kernel then the store kernel; for Qwen3
 shapes, q/k RMSNorm + rotary + KV store in one kernel against qk_norm_rope then the store. Each call is
 repeated CALLS times in one graph (no launch overhead, as in the decode graphs). --gemv: at one row, the
-RMSNorm folded into the qkv GEMV against add+RMSNorm then the GEMV, over copies of cold weights. Prints a table, writes JSON.
+RMSNorm folded into the qkv GEMV against add+RMSNorm then the GEMV, and o_proj + residual add + the
+post-attention norm + gate/up + SiLU in two kernels against three, over copies of cold weights. Prints a
+table, writes JSON.
 The builders are shared with tests/gpu/test_fused_ops_gpu.py (bf16 at serving shapes).
 """
 
@@ -135,7 +137,29 @@ def gemv_pairs(shape, kind, gen) -> dict:
     if fused[0]() is None:
         print(f"{shape} {kind} qkv: no single-split GEMV in the table, skipped")
         return {}
-    return {f"{kind} rmsnorm+qkv vs add+rmsnorm, qkv": (fused, other)}
+    return {f"{kind} rmsnorm+qkv vs add+rmsnorm, qkv": (fused, other), **post_norm_pairs(shape, kind, gen)}
+
+
+def post_norm_pairs(shape, kind, gen) -> dict:
+    """At one decode row: o_proj with the residual add and the norm's sums in its epilogue, then the gate/up
+    + SiLU GEMV on the pre-normed row (two kernels), against o_proj, add+RMSNorm, gate/up + SiLU (three)."""
+    from benchmarks.tune_small_m_gemm import Weights
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    hidden, inter, num_heads, _, head_dim = SHAPES[shape]
+    norm = make_norm(hidden, gen)
+    x, residual = randn(1, num_heads * head_dim, gen=gen), randn(1, hidden, gen=gen)
+    o_wts, gu_wts = Weights(kind, hidden, num_heads * head_dim, gen), Weights(kind, 2 * inter, hidden, gen)
+    copies, n_o, n_gu = max(len(o_wts.w), len(gu_wts.w)), len(o_wts.w), len(gu_wts.w)
+    pairs = [(o_wts.w[i % n_o], o_wts.s[i % n_o], gu_wts.w[i % n_gu], gu_wts.s[i % n_gu]) for i in range(copies)]
+    fused = [lambda w=w, s=s, gw=gw, gs=gs: sm.small_m_add_rmsnorm_silu_and_mul(
+        x, w, s, None, None, residual, norm.weight, norm.eps, gw, gs, None) for w, s, gw, gs in pairs]
+    other = [lambda w=w, s=s, gw=gw, gs=gs: sm.small_m_silu_and_mul(
+        norm(sm.small_m_linear(x, w, s), residual)[0], gw, gs) for w, s, gw, gs in pairs]
+    if fused[0]() is None or other[0]() is None:
+        print(f"{shape} {kind} o_proj, gate/up: no single-split GEMVs in the table, skipped")
+        return {}
+    return {f"{kind} o_proj+add+norm, gate/up+silu vs 3 kernels": (fused, other)}
 
 
 def parse_shape(text: str) -> str:

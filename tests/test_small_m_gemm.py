@@ -653,3 +653,137 @@ def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(ti
     assert torch.equal(fused, unfused)
     for ref, buf in zip(kv_fused, bufs):
         assert torch.equal(buf[loc], ref)
+
+
+O_PROJ_GEMV = {"BLOCK_N": 32, "BLOCK_K": 32, "GEMV": True}  # (N = 144: a partial last column tile)
+
+
+def _add_norm_case(kind, k, cfg, seed=0):
+    """A decode row x [1, 80] through o_proj [k, 80] (+ bias) + residual, RMSNorm (weight g) over its k
+    columns, and a [gate; up] weight [80, k]: operands on the device, the fused pair's outputs, and the
+    dequantized gate/up weight."""
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    w_o, s_o, block, _ = make_weight(kind, k, 80, seed=seed + 1)
+    w_gu, s_gu, _, w_gu_deq = make_weight(kind, 80, k, seed=seed + 2)
+    gen = torch.Generator().manual_seed(seed + 3)
+    x = (torch.randn(1, 80, generator=gen) * 2).to(torch.bfloat16)
+    residual = (torch.randn(1, k, generator=gen) * 4).to(torch.bfloat16)
+    g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
+    bias = torch.randn(k, generator=gen).to(torch.bfloat16)
+    ops = dict(x=dev(x), w_o=dev(w_o), s_o=dev(s_o), bias=dev(bias), block=block, residual=dev(residual), g=dev(g),
+               w_gu=dev(w_gu), s_gu=dev(s_gu))
+    row, h = sm.small_m_linear_add_rmsnorm(ops["x"], ops["w_o"], ops["s_o"], ops["bias"], block, ops["residual"],
+                                           ops["g"], 1e-5, config=sm.GemmConfig(**O_PROJ_GEMV))
+    act = sm.small_m_silu_and_mul(row, ops["w_gu"], ops["s_gu"], block, config=sm.GemmConfig(**cfg))
+    return ops, row, h, act, w_gu_deq
+
+
+@in_process
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("k,cfg", FUSED_GEMV_CASES)
+def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg):
+    """One decode row: o_proj's GEMV with the residual add and the norm's sums in its epilogue, then the
+    [gate; up] GEMV + SiLU-and-mul on that pre-normed row. h is the plain GEMV's output (same config) plus
+    the residual as torch adds them; the weighted row is g * h; the partial sums (one per program, the last
+    column tile partial) add up to sum(h^2); the activation is silu(gate) * up of the float32 reference of
+    RMSNorm(h) within the roundings of the unfused path (1 / rms is far from 1: h's values are ~4)."""
+    ops, row, h, act, w_gu_deq = _add_norm_case(kind, k, cfg)
+    o = sm.small_m_linear(ops["x"], ops["w_o"], ops["s_o"], ops["bias"], ops["block"],
+                          config=sm.GemmConfig(**O_PROJ_GEMV))
+    h_ref = (o + ops["residual"]).cpu()
+    weighted_ref = (h.float() * ops["g"].float()).to(torch.bfloat16).cpu()
+    if triton_mode.interpreting():  # (the interpreter truncates float32 -> bfloat16: within an ulp)
+        torch.testing.assert_close(h.float().cpu(), h_ref.float(), rtol=2.0**-7, atol=0)
+        torch.testing.assert_close(row.weighted.float().cpu(), weighted_ref.float(), rtol=2.0**-7, atol=0)
+    else:
+        assert torch.equal(h.cpu(), h_ref) and torch.equal(row.weighted.cpu(), weighted_ref)
+    assert row.partials.shape == (-(-k // O_PROJ_GEMV["BLOCK_N"]),) and row.eps == 1e-5
+    torch.testing.assert_close(row.partials.sum().cpu(), h.float().pow(2).sum().cpu(), rtol=1e-5, atol=0)
+    ref = rmsnorm_reference(h.cpu(), ops["g"].cpu(), 1e-5) @ w_gu_deq.t()
+    ref = torch.nn.functional.silu(ref[:, :40]) * ref[:, 40:]
+    assert act.shape == (1, 40)
+    torch.testing.assert_close(act.float().cpu(), ref, rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())
+
+
+@in_process
+def test_add_rmsnorm_refusals(table):
+    """The epilogue and the pre-normed input need a single-split GEMV of one row and well-formed operands;
+    the pair runs only when the table gives both weights a single-split GEMV (nothing launched otherwise)."""
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    w = torch.randn(48, 64).to(torch.bfloat16)
+    r = torch.randn(1, 48).to(torch.bfloat16)
+    g = torch.ones(48, dtype=torch.bfloat16)
+    gemv = sm.GemmConfig(8, 32, GEMV=True)
+    with pytest.raises(ValueError, match="single-split GEMV"):
+        sm.small_m_linear_add_rmsnorm(x, w, None, None, None, r, g, 1e-6, config=sm.GemmConfig(8, 32, SPLIT_K=2,
+                                                                                                GEMV=True))
+    with pytest.raises(ValueError, match="RMSNorm residual"):
+        sm.small_m_linear_add_rmsnorm(x, w, None, None, None, r[:, :40], g, 1e-6, config=gemv)
+    with pytest.raises(ValueError, match="RMSNorm weight"):
+        sm.small_m_linear_add_rmsnorm(x, w, None, None, None, r, g[:40], 1e-6, config=gemv)
+    row, _ = sm.small_m_linear_add_rmsnorm(x, w, None, None, None, r, g, 1e-6, config=gemv)
+    gu = torch.randn(32, 48).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="single-split GEMV"):
+        sm.small_m_silu_and_mul(row, gu, config=sm.GemmConfig(8, 32, SPLIT_K=2, GEMV=True))
+    with pytest.raises(ValueError, match="either pre-normed or normed"):
+        sm._launch(row.weighted, gu, None, None, None, gemv, norm=sm.RmsNormInput(g, 1e-6), prenormed=row)
+    with pytest.raises(ValueError, match="partial sums must be"):
+        bad = sm.PrenormedRow(row.weighted, row.partials.double(), 1e-6)
+        sm.small_m_silu_and_mul(bad, gu, config=gemv)
+    # the pair: both weights need a single-split GEMV in the table (here only o_proj has one)
+    table({"bf16": {"48,64": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}, "32,48": {"1": "cublas"}}})
+    assert sm.small_m_add_rmsnorm_silu_and_mul(x, w, None, None, None, r, g, 1e-6, gu, None, None) is None
+    table({"bf16": {"48,64": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 2, "GEMV": True}},
+                    "32,48": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}}})
+    assert sm.small_m_add_rmsnorm_silu_and_mul(x, w, None, None, None, r, g, 1e-6, gu, None, None) is None
+    table({"bf16": {"48,64": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}},
+                    "32,48": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}}})
+    two = torch.randn(2, 64).to(torch.bfloat16)
+    assert sm.small_m_add_rmsnorm_silu_and_mul(two, w, None, None, None, r.expand(2, -1).contiguous(), g, 1e-6,
+                                               gu, None, None) is None
+    act, h = sm.small_m_add_rmsnorm_silu_and_mul(x, w, None, None, None, r, g, 1e-6, gu, None, None)
+    assert act.shape == (1, 16) and h.shape == (1, 48)
+
+
+@in_process
+def test_llama_decode_row_runs_the_post_attention_norm_in_o_proj_and_gate_up(tiny_llama, table, monkeypatch):
+    """A bf16 Llama decode step of one request: every layer's o_proj adds the residual and sums h^2 in its GEMV,
+    the gate/up + SiLU GEMV applies 1 / rms (no RMSNorm launch), and the logits stay within bf16 rounding of
+    the same step with o_proj, the norm and the MLP run apart (and the same greedy token)."""
+    from test_cuda_graph_runner import make_decode_batch, release
+
+    from model_executor.models import llama
+    from runners.model_runner import ModelRunner, RunnerConfig
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    gemv = {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}
+    table({"bf16": {"128,64": gemv, "64,64": gemv, "256,64": gemv, "64,128": gemv}})
+    runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="bfloat16",
+                                      max_running_requests=2, max_total_tokens=256,
+                                      disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
+    fused = []
+    real = sm.small_m_add_rmsnorm_silu_and_mul
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sm, "small_m_add_rmsnorm_silu_and_mul", counting)
+    norms = []
+    real_norm = llama.RMSNorm.forward
+    monkeypatch.setattr(llama.RMSNorm, "forward", lambda self, *a: norms.append(1) or real_norm(self, *a))
+    fb, rows, _ = make_decode_batch(runner, 1, seed=5, max_prompt=12)
+    try:
+        with torch.no_grad():
+            fused.clear()  # (the prefill's rows are many: it fused nothing)
+            norms.clear()
+            out = runner.forward_eager(fb).float()
+            assert fused == [True] * runner.model_config.num_hidden_layers
+            assert len(norms) == 1  # the final norm only (the input norms run in the qkv GEMVs)
+            monkeypatch.setattr(llama, "add_rmsnorm_silu_and_mul", lambda *a: None)
+            unfused = runner.forward_eager(fb).float()
+            assert len(norms) == 2 + runner.model_config.num_hidden_layers
+    finally:
+        release(runner, rows, fb)
+    torch.testing.assert_close(out, unfused, rtol=0.02, atol=0.02 * unfused.abs().max().item())
+    assert out.argmax(-1).tolist() == unfused.argmax(-1).tolist()

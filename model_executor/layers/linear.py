@@ -15,7 +15,7 @@ from torch import nn
 from model_executor.distributed import parallel_state as ps
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.quantization import current_linear_method
-from model_executor.layers.quantization.base import copy_into
+from model_executor.layers.quantization.base import copy_into, small_m_add_rmsnorm_silu_and_mul
 from model_executor.layers.rotary_store_kv import RopeStore
 from model_executor.lazy_slice import materialize
 
@@ -173,3 +173,19 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+def add_rmsnorm_silu_and_mul(o_proj: RowParallelLinear, gate_up: MergedColumnParallelLinear, norm: RMSNorm,
+                             x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(silu(gate) * up of gate_up(norm(h)), h) for h = o_proj(x) + residual, at one decode row, in two
+    kernels (o_proj's GEMV adds the residual and sums h^2; the gate/up + SiLU GEMV scales by 1 / rms(h)),
+    or None where they cannot run: o_proj sharded over tensor-parallel ranks (its all-reduce comes before
+    the add), a bias on gate/up, a method with a GEMM of its own, no single-split GEMV config for either. The
+    caller then runs o_proj, the norm and the MLP apart."""
+    if o_proj.tp_size > 1 or gate_up.bias is not None:
+        return None
+    o_ops = o_proj.quant_method.small_m_operands(o_proj)
+    gu_ops = gate_up.quant_method.small_m_operands(gate_up)
+    if o_ops is None or gu_ops is None:
+        return None
+    return small_m_add_rmsnorm_silu_and_mul(x, *o_ops, o_proj.bias, residual, norm.weight, norm.eps, *gu_ops)

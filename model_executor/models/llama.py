@@ -19,6 +19,7 @@ from model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    add_rmsnorm_silu_and_mul,
     default_weight_loader,
 )
 from model_executor.layers.logits import compute_logits
@@ -41,6 +42,18 @@ class LlamaMLP(nn.Module):
             act = self.act(self.gate_up_proj(x))
         return self.down_proj(act)
 
+    def forward_after(self, o_proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
+                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(h)), h) for h = o_proj(x) + residual. At a decode row where the small-M GEMV runs both
+        o_proj and gate/up, the residual add and the norm's work go into those two kernels' (the norm's own
+        launch goes); elsewhere o_proj, RMSNorm and the MLP run apart."""
+        fused = add_rmsnorm_silu_and_mul(o_proj, self.gate_up_proj, norm, x, residual)
+        if fused is not None:
+            act, h = fused
+            return self.down_proj(act), h
+        hidden, residual = norm(o_proj(x), residual)
+        return self(hidden), residual
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
@@ -61,17 +74,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention of norm(h), h) for h = x + residual (x when residual is None). At a decode token,
-        where the small-M GEMV and the backend allow, the norm, qkv_proj, the rotary and the KV store are
-        one kernel; elsewhere the norm goes into qkv_proj's GEMV where it can."""
+        """(attention of norm(h), h) for h = x + residual (x when residual is None), before o_proj (the
+        decoder layer runs o_proj, with what follows it where it can). At a decode token, where the small-M
+        GEMV and the backend allow, the norm, qkv_proj, the rotary and the KV store are one kernel;
+        elsewhere the norm goes into qkv_proj's GEMV where it can."""
         rope = self.attn.rope_store(fb, positions)
         fused = None if rope is None else self.qkv_proj.forward_normed_rope(norm, x, residual, rope)
         if fused is not None:
             qkv, residual = fused
-            return self.o_proj(self.attn.forward_stored(qkv[:, : self.qkv_proj.q_size], fb)), residual
+            return self.attn.forward_stored(qkv[:, : self.qkv_proj.q_size], fb), residual
         qkv, residual = self.qkv_proj.forward_normed(norm, x, residual)
         q, k, v = self.qkv_proj.split(qkv)
-        return self.o_proj(self.attn(q, k, v, fb, positions)), residual
+        return self.attn(q, k, v, fb, positions), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,10 +103,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, fb: ForwardBatch):
-        # The input norm goes with qkv_proj (at a decode row, into its GEMV). The post-attention norm stays a
-        # kernel of its own: inside the gate/up + SiLU GEMV it measured slower than apart.
-        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, fb)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        # The input norm goes with qkv_proj (at a decode row, into its GEMV); the post-attention norm, at a
+        # decode row, into o_proj's epilogue (the add and the sums of squares) and the gate/up GEMV (the
+        # 1 / rms): computed whole inside the gate/up GEMV it measured slower than apart.
+        attn, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, fb)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp.forward_after(self.self_attn.o_proj, attn, residual, self.post_attention_layernorm)
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(hidden), residual
 
 

@@ -153,6 +153,29 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     return y.reshape(*x.shape[:-1], y.shape[-1]), h.reshape(x.shape)
 
 
+def small_m_add_rmsnorm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                                     block: tuple[int, int] | None, bias: torch.Tensor | None,
+                                     residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                     gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None,
+                                     gate_up_block: tuple[int, int] | None
+                                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A linear (weight), the residual add and RMSNorm, then the [gate; up] GEMV + SiLU-and-mul, in two
+    kernels (small_m_gemm.small_m_add_rmsnorm_silu_and_mul) for one row x [..., K] where the small-M kernel
+    runs the linear's weight; None otherwise. Returns (act, h), each shaped as x's rows."""
+    kernel = _one_row_kernel(x, weight, block)
+    n = weight.shape[0]
+    if kernel is None or residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype \
+            or not residual.is_contiguous():
+        return None
+    out = kernel.small_m_add_rmsnorm_silu_and_mul(x.reshape(1, -1), weight, scale, bias, block,
+                                                  residual.reshape(1, -1), norm_weight, eps,
+                                                  gate_up, gate_up_scale, gate_up_block)
+    if out is None:
+        return None
+    act, h = out
+    return act.reshape(*x.shape[:-1], act.shape[-1]), h.reshape(residual.shape)
+
+
 def finish_loading(model: nn.Module) -> None:
     """Each quantized layer's finish_loading, once the checkpoint (or random init) has filled the model."""
     for module in model.modules():

@@ -137,7 +137,7 @@ def _rope_store(a, b, offs_n, rows_n, rows_b, N, Y, POS, LOC, COS, KB, VB, strid
 # M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count.
 @triton.jit(do_not_specialize=["M", "stride_yk"])
 def _small_m_gemm_kernel(
-    X, W, S, BIAS, Y, R, G, H, POS, LOC, COS, KB, VB, M, N, K, k_per_split, eps,
+    X, W, S, BIAS, Y, R, G, H, P, POS, LOC, COS, KB, VB, M, N, K, k_per_split, eps, num_p,
     stride_xm, stride_wn, stride_ym, stride_sn, stride_yk,
     stride_cos, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads, num_kv_heads,
     k_scale, v_scale,
@@ -147,6 +147,7 @@ def _small_m_gemm_kernel(
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+    ADD_NORM: tl.constexpr, PRENORMED: tl.constexpr, NUM_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
@@ -163,7 +164,13 @@ def _small_m_gemm_kernel(
     index t is row j = t % HALF of head t // HALF, paired like the SiLU's up rows with row j + HALF of the
     same head. The epilogue stores y with the q heads rotated (NeoX halves, cos/sin of the token's position
     POS from COS), and writes the rotated k heads and the v heads into the KV pool KB / VB at slot LOC
-    (divided by k_scale / v_scale), rounded as the rotary_store_kv kernel rounds them."""
+    (divided by k_scale / v_scale), rounded as the rotary_store_kv kernel rounds them.
+    ADD_NORM (GEMV, one split, not paired; the o_proj of a decode token whose output feeds an RMSNorm):
+    h = y + R (y rounded to its dtype first, as the linear's output; h rounded as torch adds) goes to H, the
+    program's sum of h^2 over its columns to P[pid_n], and Y receives G * h (rounded): the next GEMV's input
+    before the 1 / rms(h) that only the sum of all of P gives. PRENORMED (GEMV, one split): x is such a G * h
+    row and P its num_p partial sums (NUM_P: a power of two >= num_p); the sums are scaled by
+    1 / sqrt(sum(P) / K + eps) at the end, as NORM scales them."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -197,6 +204,12 @@ def _small_m_gemm_kernel(
             acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             if SCALE == 2:
                 s_up_ptrs = S + (rows_b // SCALE_BN) * stride_sn
+        if ADD_NORM:  # this program's columns of the residual and the norm weight, before the weights stream
+            r_n = tl.load(R + rows_n).to(tl.float32)[:, None]
+            g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
+        if PRENORMED:  # the row's sum of h^2 (its partials are L2-resident: the kernel before wrote them)
+            offs_p = tl.arange(0, NUM_P)
+            rstd = 1.0 / tl.sqrt(tl.sum(tl.load(P + offs_p, mask=offs_p < num_p, other=0.0)) / K + eps)
         # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
         # or when the loop itself asks for stages; without it each step waits for its own loads.
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -246,6 +259,7 @@ def _small_m_gemm_kernel(
             acc_up = tl.sum(acc2_up, axis=1)[:, None]
         if NORM:  # (one split: this program saw all of K)
             rstd = 1.0 / tl.sqrt(tl.sum(sumsq) / K + eps)
+        if NORM or PRENORMED:
             acc = acc * rstd
             if PAIRED:
                 acc_up = acc_up * rstd
@@ -302,6 +316,12 @@ def _small_m_gemm_kernel(
             gate = acc.to(Y.dtype.element_ty).to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32)
             acc = silu * acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        if ADD_NORM:  # (one row: y_ptrs index columns; H and Y have its layout)
+            h = (acc.to(Y.dtype.element_ty).to(tl.float32) + r_n).to(Y.dtype.element_ty)
+            tl.store(H + y_ptrs, h, mask=out_mask)
+            hf = h.to(tl.float32)
+            tl.store(P + pid_n, tl.sum(tl.where(out_mask, hf * hf, 0.0)))
+            acc = hf * g_n
         tl.store(Y + y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
 
 
@@ -378,12 +398,42 @@ class RmsNormInput:
     sum_out: torch.Tensor | None = None  # [1, K], x's dtype; required with a residual
 
 
+@dataclass(frozen=True)
+class PrenormedRow:
+    """A GEMM input row given before its RMSNorm's last step: `weighted` = norm weight * h (rounded to h's
+    dtype) and `partials`, sums of h^2 over blocks of h's columns. The GEMM it feeds scales its sums by
+    1 / rms(h): the GEMM of RMSNorm(h) within one rounding, with no normed row in memory and no pass over h
+    before the weights stream (small_m_linear_add_rmsnorm makes one)."""
+    weighted: torch.Tensor  # [1, K]
+    partials: torch.Tensor  # [P] float32
+    eps: float
+
+
+@dataclass(frozen=True)
+class AddRmsNormOutput:
+    """The ADD_NORM epilogue's operands: h = y + residual goes to `h`, its sums of h^2 per program to
+    `partials`, and the kernel's own output becomes norm_weight * h."""
+    residual: torch.Tensor  # [1, N], x's dtype
+    norm_weight: torch.Tensor  # [N]
+    h: torch.Tensor  # [1, N], x's dtype
+    partials: torch.Tensor  # [programs] float32
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
             block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False,
-            norm: RmsNormInput | None = None, rope: RopeStore | None = None) -> torch.Tensor:
+            norm: RmsNormInput | None = None, rope: RopeStore | None = None,
+            add_norm: AddRmsNormOutput | None = None, prenormed: PrenormedRow | None = None) -> torch.Tensor:
     """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T);
     norm: x is first normed (and added to a residual) as `norm` says; rope: weight is a qkv projection
-    and the epilogue runs the rotary and the KV store (the q heads of y rotated)."""
+    and the epilogue runs the rotary and the KV store (the q heads of y rotated); add_norm: the epilogue
+    adds the residual and prepares the next GEMM's PrenormedRow (y is its weighted row); prenormed: the
+    input is that row (x is prenormed.weighted)."""
+    if (add_norm is not None or prenormed is not None) and (not cfg.GEMV or cfg.SPLIT_K != 1):
+        raise ValueError(f"a pre-normed input or an add + RMSNorm epilogue runs in a single-split GEMV, got {cfg}")
+    if add_norm is not None and (silu_mul or norm is not None or rope is not None or prenormed is not None):
+        raise ValueError("the add + RMSNorm epilogue goes with a plain GEMV only")
+    if prenormed is not None and norm is not None:
+        raise ValueError("an input is either pre-normed or normed in the kernel, not both")
     _check(x, weight, scale, bias, block)
     if cfg.GEMV and x.shape[0] > 1:
         raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
@@ -395,6 +445,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         _check_norm(x, norm, cfg)
     if rope is not None:
         _check_rope(x, weight, rope, cfg, silu_mul)
+    if add_norm is not None:
+        _check_add_norm(x, weight, add_norm, cfg)
+    if prenormed is not None:
+        _check_prenormed(x, prenormed)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if bias is not None and bias.stride(-1) != 1:
@@ -417,19 +471,27 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
     residual = norm.residual if norm is not None else None
     rope_ptrs, rope_scalars = _rope_args(rope, x)
+    if add_norm is not None:
+        residual, norm_weight, h_out, partials = add_norm.residual, add_norm.norm_weight, add_norm.h, add_norm.partials
+    else:
+        norm_weight = norm.weight if norm is not None else x
+        h_out = norm.sum_out if residual is not None else x
+        partials = prenormed.partials if prenormed is not None else x
+    eps = norm.eps if norm is not None else prenormed.eps if prenormed is not None else 0.0
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
-        residual if residual is not None else x, norm.weight if norm is not None else x,
-        norm.sum_out if residual is not None else x, *rope_ptrs,
-        m, n, k, k_per_split, norm.eps if norm is not None else 0.0,
+        residual if residual is not None else x, norm_weight, h_out, partials, *rope_ptrs,
+        m, n, k, k_per_split, eps, partials.numel() if prenormed is not None else 0,
         x.stride(0), weight.stride(0), n, scale.stride(0) if scale_mode == 2 else 0, m * n, *rope_scalars,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
         GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1, SILU_MUL=silu_mul,
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        NORM=norm is not None, HAS_RESIDUAL=norm is not None and residual is not None,
         ROPE=rope is not None, HALF=rope.cos_sin_cache.shape[-1] // 2 if rope is not None else 1,
+        ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
+        NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -482,6 +544,29 @@ def _check_norm(x: torch.Tensor, norm: RmsNormInput, cfg: GemmConfig) -> None:
         raise ValueError("RMSNorm sum_out without a residual (the sum is x itself)")
     if x.stride(-1) != 1 or not x.is_contiguous():
         raise ValueError("a fused RMSNorm needs a contiguous x")
+
+
+def _check_add_norm(x: torch.Tensor, weight: torch.Tensor, add_norm: AddRmsNormOutput, cfg: GemmConfig) -> None:
+    n = weight.shape[0]
+    if x.shape[0] != 1:
+        raise ValueError(f"the add + RMSNorm epilogue runs one row, got {x.shape[0]}")
+    if add_norm.norm_weight.shape != (n,) or add_norm.norm_weight.stride(-1) != 1:
+        raise ValueError(f"RMSNorm weight must be [{n}] with unit stride, got {tuple(add_norm.norm_weight.shape)}")
+    for name in ("residual", "h"):
+        t = getattr(add_norm, name)
+        if t.shape != (1, n) or t.dtype != x.dtype or not t.is_contiguous():
+            raise ValueError(f"RMSNorm {name} must be a contiguous (1, {n}) {x.dtype} tensor, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    if add_norm.partials.shape != (triton.cdiv(n, cfg.BLOCK_N),) or add_norm.partials.dtype != torch.float32:
+        raise ValueError(f"the partial sums must be [{triton.cdiv(n, cfg.BLOCK_N)}] float32 (one per program)")
+
+
+def _check_prenormed(x: torch.Tensor, row: PrenormedRow) -> None:
+    if x is not row.weighted or x.shape[0] != 1 or not x.is_contiguous():
+        raise ValueError("a pre-normed input is its weighted row: one contiguous row")
+    p = row.partials
+    if p.dim() != 1 or p.dtype != torch.float32 or not p.is_contiguous() or p.numel() == 0:
+        raise ValueError(f"pre-normed partial sums must be a contiguous 1-d float32 tensor, got {tuple(p.shape)}")
 
 
 # ---------------------------------------------------------------- configs
@@ -646,15 +731,60 @@ def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] 
     return fused_gemv_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), paired)
 
 
-def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
                          block: tuple[int, int] | None = None,
                          config: GemmConfig | None = None) -> torch.Tensor | None:
-    """silu(x @ gate^T) * (x @ up^T) for one row x [1, K] and a [gate; up] weight [2I, K] (FP8: with its
-    scales, as small_m_linear) -> [1, I], in one kernel: a decode step's MLP without the activation's own
-    launch. None where no single-split GEMV config applies, or while something traces: the caller then runs
-    the linear and SiluAndMul."""
-    config = _fused_config(x, weight, block, config, paired=True)
-    return None if config is None else _launch(x, weight, scale, None, block, config, silu_mul=True)
+    """silu(x @ gate^T) * (x @ up^T) for one row x [1, K] (or a PrenormedRow: the row it stands for) and a
+    [gate; up] weight [2I, K] (FP8: with its scales, as small_m_linear) -> [1, I], in one kernel: a decode
+    step's MLP without the activation's own launch. None where no single-split GEMV config applies, or while
+    something traces: the caller then runs the linear and SiluAndMul."""
+    prenormed = x if isinstance(x, PrenormedRow) else None
+    row = x.weighted if prenormed is not None else x
+    config = _fused_config(row, weight, block, config, paired=True)
+    if config is None:
+        return None
+    return _launch(row, weight, scale, None, block, config, silu_mul=True, prenormed=prenormed)
+
+
+def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                               bias: torch.Tensor | None, block: tuple[int, int] | None, residual: torch.Tensor,
+                               norm_weight: torch.Tensor, eps: float,
+                               config: GemmConfig | None = None) -> tuple[PrenormedRow, torch.Tensor] | None:
+    """(row, h) for one row x [1, K]: h = x @ W^T (+ bias) + residual, and `row`, the PrenormedRow of
+    norm_weight * rmsnorm(h) for the GEMV that h's norm feeds, in one kernel: a decode token's o_proj with
+    the residual add and the post-attention RMSNorm's work in its epilogue (the norm's own launch goes).
+    None where no single-split GEMV config applies, or while something traces."""
+    config = _fused_config(x, weight, block, config, paired=False)
+    if config is None:
+        return None
+    n = weight.shape[0]
+    out = AddRmsNormOutput(residual, norm_weight, torch.empty_like(residual),
+                           torch.empty(triton.cdiv(n, config.BLOCK_N), dtype=torch.float32, device=x.device))
+    weighted = _launch(x, weight, scale, bias, block, config, add_norm=out)
+    return PrenormedRow(weighted, out.partials, eps), out.h
+
+
+def small_m_add_rmsnorm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                                     bias: torch.Tensor | None, block: tuple[int, int] | None,
+                                     residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                     gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None,
+                                     gate_up_block: tuple[int, int] | None
+                                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(silu(gate) * up of rmsnorm(h), h) for h = x @ W^T (+ bias) + residual, one decode row, in two kernels
+    instead of three: the linear with the residual add and the norm's sums (small_m_linear_add_rmsnorm),
+    then the [gate; up] GEMV + SiLU-and-mul on its PrenormedRow. None (nothing launched) unless both have a
+    single-split GEMV config: the caller then runs the linear, RMSNorm and the MLP apart."""
+    if x.shape[0] != 1 or _tracing():
+        return None
+    gu_cfg = silu_and_mul_config(gate_up.shape[0], gate_up.shape[1], weight_kind(gate_up, gate_up_block),
+                                 _device_key(x))
+    if gu_cfg is None:
+        return None
+    fused = small_m_linear_add_rmsnorm(x, weight, scale, bias, block, residual, norm_weight, eps)
+    if fused is None:
+        return None
+    row, h = fused
+    return small_m_silu_and_mul(row, gate_up, gate_up_scale, gate_up_block, config=gu_cfg), h
 
 
 def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
