@@ -152,8 +152,11 @@ def post_norm_pairs(shape, kind, gen) -> dict:
     o_wts, gu_wts = Weights(kind, hidden, num_heads * head_dim, gen), Weights(kind, 2 * inter, hidden, gen)
     copies, n_o, n_gu = max(len(o_wts.w), len(gu_wts.w)), len(o_wts.w), len(gu_wts.w)
     pairs = [(o_wts.w[i % n_o], o_wts.s[i % n_o], gu_wts.w[i % n_gu], gu_wts.s[i % n_gu]) for i in range(copies)]
-    fused = [lambda w=w, s=s, gw=gw, gs=gs: sm.small_m_add_rmsnorm_silu_and_mul(
-        x, w, s, None, None, residual, norm.weight, norm.eps, gw, gs, None) for w, s, gw, gs in pairs]
+    def fused_pair(w, s, gw, gs):
+        out = sm.small_m_linear_add_rmsnorm(x, w, s, None, None, residual, norm.weight, norm.eps)
+        return None if out is None else sm.small_m_silu_and_mul(out[0], gw, gs)
+
+    fused = [lambda w=w, s=s, gw=gw, gs=gs: fused_pair(w, s, gw, gs) for w, s, gw, gs in pairs]
     other = [lambda w=w, s=s, gw=gw, gs=gs: sm.small_m_silu_and_mul(
         norm(sm.small_m_linear(x, w, s), residual)[0], gw, gs) for w, s, gw, gs in pairs]
     if fused[0]() is None or other[0]() is None:

@@ -706,7 +706,7 @@ def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg):
 
 
 @in_process
-def test_add_rmsnorm_refusals(table):
+def test_add_rmsnorm_refusals(table, monkeypatch):
     """The epilogue and the pre-normed input need a single-split GEMV of one row and well-formed operands;
     the pair runs only when the table gives both weights a single-split GEMV (nothing launched otherwise)."""
     x = torch.randn(1, 64).to(torch.bfloat16)
@@ -730,60 +730,110 @@ def test_add_rmsnorm_refusals(table):
     with pytest.raises(ValueError, match="partial sums must be"):
         bad = sm.PrenormedRow(row.weighted, row.partials.double(), 1e-6)
         sm.small_m_silu_and_mul(bad, gu, config=gemv)
-    # the pair: both weights need a single-split GEMV in the table (here only o_proj has one)
-    table({"bf16": {"48,64": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}, "32,48": {"1": "cublas"}}})
-    assert sm.small_m_add_rmsnorm_silu_and_mul(x, w, None, None, None, r, g, 1e-6, gu, None, None) is None
-    table({"bf16": {"48,64": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 2, "GEMV": True}},
-                    "32,48": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}}})
-    assert sm.small_m_add_rmsnorm_silu_and_mul(x, w, None, None, None, r, g, 1e-6, gu, None, None) is None
-    table({"bf16": {"48,64": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}},
-                    "32,48": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}}})
-    two = torch.randn(2, 64).to(torch.bfloat16)
-    assert sm.small_m_add_rmsnorm_silu_and_mul(two, w, None, None, None, r.expand(2, -1).contiguous(), g, 1e-6,
-                                               gu, None, None) is None
-    act, h = sm.small_m_add_rmsnorm_silu_and_mul(x, w, None, None, None, r, g, 1e-6, gu, None, None)
-    assert act.shape == (1, 16) and h.shape == (1, 48)
+    # the layer-level entry: both weights need a single-split GEMV in the table (the producer's, and the
+    # consumer's, which takes the row); one row only
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    gemv_entry = {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}
+
+    def pair(rows=x, residual=r):
+        return qbase.small_m_linear_add_rmsnorm(rows, w, None, None, None, residual, g, 1e-6, gu, None)
+
+    table({"bf16": {"48,64": gemv_entry, "32,48": {"1": "cublas"}}})
+    assert pair() is None
+    table({"bf16": {"48,64": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 2, "GEMV": True}}, "32,48": gemv_entry}})
+    assert pair() is None
+    table({"bf16": {"48,64": gemv_entry, "32,48": gemv_entry}})
+    assert pair(torch.randn(2, 64).to(torch.bfloat16), r.expand(2, -1).contiguous()) is None
+    assert pair(x, r.float()) is None
+    row, h = pair()
+    assert isinstance(row, sm.PrenormedRow) and h.shape == (1, 48)
+    assert qbase.small_m_silu_and_mul(row, gu, None, None, None).shape == (1, 16)
 
 
 @in_process
-def test_llama_decode_row_runs_the_post_attention_norm_in_o_proj_and_gate_up(tiny_llama, table, monkeypatch):
-    """A bf16 Llama decode step of one request: every layer's o_proj adds the residual and sums h^2 in its GEMV,
-    the gate/up + SiLU GEMV applies 1 / rms (no RMSNorm launch), and the logits stay within bf16 rounding of
-    the same step with o_proj, the norm and the MLP run apart (and the same greedy token)."""
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("head_dim,cfg", [(16, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),
+                                          (24, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True})])
+def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, cfg):
+    """The next layer's qkv GEMV on a PrenormedRow (a down projection's epilogue made it): y is the float32
+    reference of RMSNorm(h) @ W within the unfused roundings, and with the rotary epilogue it has the bits
+    of the same GEMV followed by rotary_store_kv (as the normed qkv kernel's test checks)."""
+    from model_executor.layers.rotary import RotaryEmbedding
+    from model_executor.layers.rotary_store_kv import rotary_store_kv
+
+    hq, hkv, k = 4, 2, 144
+    n = (hq + 2 * hkv) * head_dim
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    w_d, s_d, block, _ = make_weight(kind, k, 80, seed=head_dim)  # the down projection: K 80 -> 144
+    w, s, _, w_deq = make_weight(kind, n, k, seed=head_dim + 1)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(1, 80, generator=gen).to(torch.bfloat16)
+    residual = (torch.randn(1, k, generator=gen) * 3).to(torch.bfloat16)
+    g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
+    row, h = sm.small_m_linear_add_rmsnorm(dev(x), dev(w_d), dev(s_d), None, block, dev(residual), dev(g), 1e-5,
+                                           config=sm.GemmConfig(**O_PROJ_GEMV))
+    cfg = sm.GemmConfig(**cfg)
+    y = sm.small_m_prenormed_linear(row, dev(w), dev(s), None, block, config=cfg)
+    ref = rmsnorm_reference(h.cpu(), g, 1e-5) @ w_deq.t()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())
+    cache = RotaryEmbedding(head_dim, 64, 10000.0).cos_sin_cache
+    positions, loc = torch.tensor([21]), torch.tensor([3])
+    pools = [torch.zeros(8, hkv, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    rope = sm.RopeStore(dev(positions), dev(cache), dev(loc), pools[0], pools[1], hq, hkv)
+    y_rope = sm.small_m_prenormed_linear(row, dev(w), dev(s), None, block, rope=rope, config=cfg)
+    q_ref, k_ref, v_ref = y.view(1, -1, head_dim).split([hq, hkv, hkv], dim=1)
+    rotary_store_kv(dev(positions), q_ref, k_ref, v_ref, dev(cache), pools[2], pools[3], dev(loc), 1.0, 1.0)
+    assert torch.equal(y_rope.cpu(), y.cpu())  # (y's q heads rotated in place by rotary_store_kv)
+    assert torch.equal(pools[0].cpu(), pools[2].cpu()) and torch.equal(pools[1].cpu(), pools[3].cpu())
+    assert pools[0][3].float().abs().sum() > 0
+
+
+@in_process
+def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, table, monkeypatch):
+    """A bf16 Llama decode step of one request on the triton backend: o_proj's and down's GEMVs add the
+    residual and sum h^2 in their epilogues (down: not in the last layer, whose output goes to the final
+    norm), gate/up + SiLU and the next layer's qkv (+ rotary + KV store) take the PrenormedRow; only the
+    final RMSNorm runs as a norm. The logits and the K/V stored stay within bf16 rounding of the same step
+    with o_proj, down and the norms run apart (and the greedy token is the same)."""
     from test_cuda_graph_runner import make_decode_batch, release
 
+    from model_executor.layers.attention.triton_backend import TritonAttnBackend
     from model_executor.models import llama
     from runners.model_runner import ModelRunner, RunnerConfig
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     gemv = {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}
-    table({"bf16": {"128,64": gemv, "64,64": gemv, "256,64": gemv, "64,128": gemv}})
+    table({"bf16": {"128,64": gemv, "64,64": gemv, "256,64": gemv, "64,128": gemv}})  # qkv, o, gate/up, down
     runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="bfloat16",
-                                      max_running_requests=2, max_total_tokens=256,
+                                      attention_backend="torch_native", max_running_requests=2, max_total_tokens=256,
                                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
-    fused = []
-    real = sm.small_m_add_rmsnorm_silu_and_mul
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        fused.append(out is not None)
-        return out
-
-    monkeypatch.setattr(sm, "small_m_add_rmsnorm_silu_and_mul", counting)
-    norms = []
+    runner.attn_backend = TritonAttnBackend(runner)  # (the product refuses triton without CUDA)
+    calls = {"add_norm": [], "prenormed": [], "norm": []}
+    for name, key in (("small_m_linear_add_rmsnorm", "add_norm"), ("small_m_prenormed_linear", "prenormed")):
+        real = getattr(sm, name)
+        monkeypatch.setattr(sm, name, lambda *a, real=real, key=key, **kw: calls[key].append(kw.get("rope")) or
+                            real(*a, **kw))
     real_norm = llama.RMSNorm.forward
-    monkeypatch.setattr(llama.RMSNorm, "forward", lambda self, *a: norms.append(1) or real_norm(self, *a))
-    fb, rows, _ = make_decode_batch(runner, 1, seed=5, max_prompt=12)
+    monkeypatch.setattr(llama.RMSNorm, "forward", lambda self, *a: calls["norm"].append(1) or real_norm(self, *a))
+    fb, rows, loc = make_decode_batch(runner, 1, seed=5, max_prompt=12)
+    bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
+    layers = runner.model_config.num_hidden_layers
     try:
         with torch.no_grad():
-            fused.clear()  # (the prefill's rows are many: it fused nothing)
-            norms.clear()
+            for v in calls.values():
+                v.clear()  # (the prefill's rows are many: it fused nothing)
             out = runner.forward_eager(fb).float()
-            assert fused == [True] * runner.model_config.num_hidden_layers
-            assert len(norms) == 1  # the final norm only (the input norms run in the qkv GEMVs)
-            monkeypatch.setattr(llama, "add_rmsnorm_silu_and_mul", lambda *a: None)
+            kv_fused = [buf[loc].clone() for buf in bufs]
+            assert len(calls["add_norm"]) == 2 * layers - 1  # o_proj in each layer, down in all but the last
+            assert len(calls["prenormed"]) == layers - 1 and all(r is not None for r in calls["prenormed"])
+            assert len(calls["norm"]) == 1  # the final norm (layer 0's input norm runs in its qkv GEMV)
+            monkeypatch.setattr(llama, "linear_add_rmsnorm", lambda *a: None)
+            calls["norm"].clear()
             unfused = runner.forward_eager(fb).float()
-            assert len(norms) == 2 + runner.model_config.num_hidden_layers
+            assert len(calls["norm"]) == 1 + layers  # the post-attention norms and the final one
     finally:
         release(runner, rows, fb)
     torch.testing.assert_close(out, unfused, rtol=0.02, atol=0.02 * unfused.abs().max().item())
     assert out.argmax(-1).tolist() == unfused.argmax(-1).tolist()
+    for fused_kv, buf in zip(kv_fused, bufs):
+        torch.testing.assert_close(buf[loc].float(), fused_kv.float(), rtol=2.0**-5, atol=2.0**-5)

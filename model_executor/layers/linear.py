@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from model_executor.distributed import parallel_state as ps
-from model_executor.layers.norm import RMSNorm
+from model_executor.layers.norm import PrenormedRow, RMSNorm
 from model_executor.layers.quantization import current_linear_method
-from model_executor.layers.quantization.base import copy_into, small_m_add_rmsnorm_silu_and_mul
+from model_executor.layers.quantization.base import copy_into, small_m_linear_add_rmsnorm
 from model_executor.layers.rotary_store_kv import RopeStore
 from model_executor.lazy_slice import materialize
 
@@ -73,17 +73,20 @@ class LinearBase(nn.Module):
         None (the caller runs forward and SiluAndMul)."""
         return self.quant_method.apply_silu_and_mul(self, x)
 
-    def forward_normed(self, norm: RMSNorm, x: torch.Tensor,
+    def forward_normed(self, norm: RMSNorm, x: torch.Tensor | PrenormedRow,
                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(h)), h) for h = x + residual (x when residual is None). At a decode row where the
-        method can, the norm runs inside the layer's GEMV: one kernel instead of two."""
+        """(self(norm(h)), h) for h = x + residual (x when residual is None; residual when x is a
+        PrenormedRow of it). At a decode row where the method can, the norm runs inside the layer's GEMV:
+        one kernel instead of two (with a PrenormedRow, the kernel that made h did the norm's sums)."""
         fused = self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps, residual)
         if fused is not None:
             return fused
+        if isinstance(x, PrenormedRow):
+            return self(norm(residual)), residual
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
         return self(h), residual
 
-    def forward_normed_rope(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward_normed_rope(self, norm: RMSNorm, x: torch.Tensor | PrenormedRow, residual: torch.Tensor | None,
                             rope: RopeStore) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a qkv layer at a decode token: forward_normed's (y, h) with the rotary and the KV store run in
         the same kernel (y's q heads rotated; k and v in the pool, as `rope` says), or None where the method
@@ -175,17 +178,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-def add_rmsnorm_silu_and_mul(o_proj: RowParallelLinear, gate_up: MergedColumnParallelLinear, norm: RMSNorm,
-                             x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(silu(gate) * up of gate_up(norm(h)), h) for h = o_proj(x) + residual, at one decode row, in two
-    kernels (o_proj's GEMV adds the residual and sums h^2; the gate/up + SiLU GEMV scales by 1 / rms(h)),
-    or None where they cannot run: o_proj sharded over tensor-parallel ranks (its all-reduce comes before
-    the add), a bias on gate/up, a method with a GEMM of its own, no single-split GEMV config for either. The
-    caller then runs o_proj, the norm and the MLP apart."""
-    if o_proj.tp_size > 1 or gate_up.bias is not None:
+
+def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                       consumer: LinearBase) -> tuple[PrenormedRow, torch.Tensor] | None:
+    """(row, h) for h = linear(x) + residual at one decode row: the residual add and the sums of h^2 for
+    norm(h) run in the epilogue of linear's GEMV, and `row` (a PrenormedRow) goes to `consumer`, the layer
+    norm(h) feeds (which scales by 1 / rms in its GEMV: the norm's own launch goes). None where that cannot
+    run: linear sharded over tensor-parallel ranks (its all-reduce comes before the add), a method with a
+    GEMM of its own, no single-split GEMV config for linear or consumer. The caller then runs linear and the
+    norm apart."""
+    if linear.tp_size > 1:
         return None
-    o_ops = o_proj.quant_method.small_m_operands(o_proj)
-    gu_ops = gate_up.quant_method.small_m_operands(gate_up)
-    if o_ops is None or gu_ops is None:
+    ops = linear.quant_method.small_m_operands(linear)
+    consumer_ops = consumer.quant_method.small_m_operands(consumer)
+    if ops is None or consumer_ops is None:
         return None
-    return small_m_add_rmsnorm_silu_and_mul(x, *o_ops, o_proj.bias, residual, norm.weight, norm.eps, *gu_ops)
+    return small_m_linear_add_rmsnorm(x, *ops, linear.bias, residual, norm.weight, norm.eps, consumer_ops[0],
+                                      consumer_ops[2])

@@ -1,11 +1,26 @@
-"""RMSNorm with an optional fused residual add."""
+"""RMSNorm with an optional fused residual add, and PrenormedRow: a decode row on its way into a norm that the
+small-M GEMVs run in pieces (the kernel before sums h^2, the GEMV after scales by 1 / rms)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from model_executor.layers import triton_ops
+
+
+@dataclass(frozen=True)
+class PrenormedRow:
+    """A GEMM input row given before its RMSNorm's last step: `weighted` = norm weight * h (rounded to h's
+    dtype) and `partials`, sums of h^2 over blocks of h's columns. The GEMM it feeds scales its sums by
+    1 / rms(h): the GEMM of RMSNorm(h) within one rounding, with no normed row in memory and no pass over h
+    before the weights stream. small_m_gemm.small_m_linear_add_rmsnorm makes one, with h beside it; a
+    consumer that cannot take the row runs RMSNorm on h."""
+    weighted: torch.Tensor  # [1, K]
+    partials: torch.Tensor  # [P] float32
+    eps: float
 
 
 class RMSNorm(nn.Module):

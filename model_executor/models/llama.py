@@ -16,15 +16,16 @@ from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention.radix_attention import RadixAttention
 from model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_executor.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    add_rmsnorm_silu_and_mul,
     default_weight_loader,
+    linear_add_rmsnorm,
 )
 from model_executor.layers.logits import compute_logits
 from model_executor.layers.moe.layer import DOWN, GATE, UP, FusedMoE, SparseMoeBlock
-from model_executor.layers.norm import RMSNorm
+from model_executor.layers.norm import PrenormedRow, RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import CheckpointMismatchError, ModelConfig
 
@@ -42,17 +43,25 @@ class LlamaMLP(nn.Module):
             act = self.act(self.gate_up_proj(x))
         return self.down_proj(act)
 
-    def forward_after(self, o_proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
-                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(h)), h) for h = o_proj(x) + residual. At a decode row where the small-M GEMV runs both
-        o_proj and gate/up, the residual add and the norm's work go into those two kernels' (the norm's own
-        launch goes); elsewhere o_proj, RMSNorm and the MLP run apart."""
-        fused = add_rmsnorm_silu_and_mul(o_proj, self.gate_up_proj, norm, x, residual)
-        if fused is not None:
-            act, h = fused
-            return self.down_proj(act), h
-        hidden, residual = norm(o_proj(x), residual)
-        return self(hidden), residual
+    def forward_after(self, o_proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                      next_input: tuple[RMSNorm, LinearBase] | None = None
+                      ) -> tuple[torch.Tensor | PrenormedRow, torch.Tensor]:
+        """(self(norm(h)), h) for h = o_proj(x) + residual. At a decode row where the small-M GEMVs run, the
+        residual add and the norm's sums go into o_proj's epilogue and the 1 / rms into the gate/up GEMV (the
+        norm's own launch goes). With next_input, the (norm, linear) that the layer's output h' = mlp + h
+        feeds next, the down projection's epilogue likewise adds h and returns (PrenormedRow of h', h')."""
+        fused = linear_add_rmsnorm(o_proj, x, residual, norm, self.gate_up_proj)
+        hidden, residual = fused if fused is not None else norm(o_proj(x), residual)
+        act = self.gate_up_proj.silu_and_mul(hidden)
+        if act is None:
+            if isinstance(hidden, PrenormedRow):  # (not expected: linear_add_rmsnorm checked gate/up's config)
+                hidden = norm(residual)
+            act = self.act(self.gate_up_proj(hidden))
+        if next_input is not None:
+            fused = linear_add_rmsnorm(self.down_proj, act, residual, *next_input)
+            if fused is not None:
+                return fused
+        return self.down_proj(act), residual
 
 
 class LlamaAttention(nn.Module):
@@ -102,13 +111,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, fb: ForwardBatch):
-        # The input norm goes with qkv_proj (at a decode row, into its GEMV); the post-attention norm, at a
-        # decode row, into o_proj's epilogue (the add and the sums of squares) and the gate/up GEMV (the
-        # 1 / rms): computed whole inside the gate/up GEMV it measured slower than apart.
+    def forward(self, positions, hidden, residual, fb: ForwardBatch, next_layer: LlamaDecoderLayer | None = None):
+        """(hidden, residual) for the next layer: hidden is the MLP's output, or at a decode row (a dense
+        MLP, a next layer) a PrenormedRow of the next layer's input norm (residual then holds the sum).
+        At a decode row the input norm goes into qkv_proj's GEMV (whole, or its 1 / rms after a
+        PrenormedRow); the post-attention norm into o_proj's epilogue (the add and the sums of squares) and
+        the gate/up GEMV (the 1 / rms). Computed whole inside the gate/up GEMV it measured slower."""
         attn, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, fb)
         if isinstance(self.mlp, LlamaMLP):
-            return self.mlp.forward_after(self.self_attn.o_proj, attn, residual, self.post_attention_layernorm)
+            next_input = None if next_layer is None else (next_layer.input_layernorm,
+                                                          next_layer.self_attn.qkv_proj)
+            return self.mlp.forward_after(self.self_attn.o_proj, attn, residual, self.post_attention_layernorm,
+                                          next_input)
         hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(hidden), residual
 
@@ -128,8 +142,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, fb)
+        for i, layer in enumerate(self.layers):
+            next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            hidden, residual = layer(positions, hidden, residual, fb, next_layer)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

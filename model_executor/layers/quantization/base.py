@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_executor.layers.norm import PrenormedRow
+
 if TYPE_CHECKING:
     from model_executor.layers.rotary_store_kv import RopeStore
 
@@ -87,7 +89,8 @@ class LinearMethod:
                       rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(apply(norm_weight * rmsnorm(h)), h) for h = x + residual (x without one) in one kernel where the
         small-M kernel can (one decode row, a single-split GEMV in the table), else None: the caller runs
-        RMSNorm, then the layer. rope (a qkv layer): the same kernel also runs the rotary and KV store."""
+        RMSNorm, then the layer. rope (a qkv layer): the same kernel also runs the rotary and KV store. x may
+        be a PrenormedRow (residual: its h): the kernel before did the norm's sums."""
         operands = self.small_m_operands(layer)
         if operands is None:
             return None
@@ -125,10 +128,14 @@ def _one_row_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int
     return small_m_kernel(x, weight, block)
 
 
-def small_m_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None,
                          block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The fused gate/up GEMV + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for one row x [..., K]
-    where the small-M kernel runs this weight; None otherwise (and with a bias, which it does not add)."""
+    """The fused gate/up GEMV + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for one row x [..., K] (or
+    a PrenormedRow) where the small-M kernel runs this weight; None otherwise (and with a bias, which it
+    does not add)."""
+    if isinstance(x, PrenormedRow):
+        kernel = _one_row_kernel(x.weighted, weight, block) if bias is None else None
+        return None if kernel is None else kernel.small_m_silu_and_mul(x, weight, scale, block)
     kernel = _one_row_kernel(x, weight, block) if bias is None else None
     out = kernel.small_m_silu_and_mul(x.reshape(1, -1), weight, scale, block) if kernel is not None else None
     return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
@@ -139,7 +146,12 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
                            bias: torch.Tensor | None,
                            rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm (and residual add) fused into the GEMV it feeds (small_m_gemm.small_m_rmsnorm_linear) for
-    one row x [..., K] where the small-M kernel runs this weight; None otherwise."""
+    one row x [..., K] where the small-M kernel runs this weight; None otherwise. x may be a PrenormedRow
+    (residual is then its h, returned as it is): the GEMM scales the row the kernel before prepared."""
+    if isinstance(x, PrenormedRow):
+        kernel = _one_row_kernel(x.weighted, weight, block)
+        y = None if kernel is None else kernel.small_m_prenormed_linear(x, weight, scale, bias, block, rope=rope)
+        return None if y is None else (y, residual)
     kernel = _one_row_kernel(x, weight, block)
     if kernel is None or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                                     or not residual.is_contiguous())):
@@ -153,27 +165,20 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     return y.reshape(*x.shape[:-1], y.shape[-1]), h.reshape(x.shape)
 
 
-def small_m_add_rmsnorm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                                     block: tuple[int, int] | None, bias: torch.Tensor | None,
-                                     residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                     gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None,
-                                     gate_up_block: tuple[int, int] | None
-                                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A linear (weight), the residual add and RMSNorm, then the [gate; up] GEMV + SiLU-and-mul, in two
-    kernels (small_m_gemm.small_m_add_rmsnorm_silu_and_mul) for one row x [..., K] where the small-M kernel
-    runs the linear's weight; None otherwise. Returns (act, h), each shaped as x's rows."""
+def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                               block: tuple[int, int] | None, bias: torch.Tensor | None, residual: torch.Tensor,
+                               norm_weight: torch.Tensor, eps: float, consumer: torch.Tensor,
+                               consumer_block: tuple[int, int] | None) -> tuple[PrenormedRow, torch.Tensor] | None:
+    """(row, h) for h = x @ weight^T (+ bias) + residual at one row x [..., K], from the GEMV's epilogue
+    (small_m_gemm.small_m_linear_add_rmsnorm), where the small-M kernel runs this weight as a single-split
+    GEMV and can feed `row` to the GEMM of `consumer` (the weight norm(h) goes into); None otherwise."""
     kernel = _one_row_kernel(x, weight, block)
-    n = weight.shape[0]
-    if kernel is None or residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype \
-            or not residual.is_contiguous():
+    if kernel is None or residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype \
+            or not residual.is_contiguous() or not kernel.takes_prenormed(residual, consumer, consumer_block):
         return None
-    out = kernel.small_m_add_rmsnorm_silu_and_mul(x.reshape(1, -1), weight, scale, bias, block,
-                                                  residual.reshape(1, -1), norm_weight, eps,
-                                                  gate_up, gate_up_scale, gate_up_block)
-    if out is None:
-        return None
-    act, h = out
-    return act.reshape(*x.shape[:-1], act.shape[-1]), h.reshape(residual.shape)
+    out = kernel.small_m_linear_add_rmsnorm(x.reshape(1, -1), weight, scale, bias, block, residual.reshape(1, -1),
+                                            norm_weight, eps)
+    return None if out is None else (out[0], out[1].reshape(residual.shape))
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -31,7 +31,12 @@ whichever is faster at M = 1. Its K loop names its pipeline depth (num_stages) i
 loads of a loop without tl.dot only then. `small_m_silu_and_mul` runs a decode row's [gate; up] GEMV and the
 SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add) that feeds a
 decode token's qkv projection into its GEMV and, given a RopeStore, runs that token's rotary and KV store in
-the epilogue (rows paired within each head, as the SiLU pairs gate and up rows).
+the epilogue (rows paired within each head, as the SiLU pairs gate and up rows). A norm between two
+GEMVs can also go in pieces: `small_m_linear_add_rmsnorm` adds the residual in its epilogue and writes
+norm weight * h and the sums of h^2 per program (a PrenormedRow), and the next GEMV (`small_m_silu_and_mul`,
+`small_m_prenormed_linear`, with the rotary epilogue too) takes that row and scales by 1 / rms at the end:
+a decode layer's post-attention norm between o_proj and gate/up, and the next layer's input norm between
+down and qkv.
 
 Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
 writes its fp32 partial to a workspace [splits, M, N] and a second kernel adds the splits in order 0..S-1,
@@ -64,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from model_executor.layers.norm import PrenormedRow
 from model_executor.layers.rotary_store_kv import RopeStore
 
 logger = logging.getLogger("duet.small_m_gemm")
@@ -396,17 +402,6 @@ class RmsNormInput:
     eps: float
     residual: torch.Tensor | None = None  # [1, K], x's dtype
     sum_out: torch.Tensor | None = None  # [1, K], x's dtype; required with a residual
-
-
-@dataclass(frozen=True)
-class PrenormedRow:
-    """A GEMM input row given before its RMSNorm's last step: `weighted` = norm weight * h (rounded to h's
-    dtype) and `partials`, sums of h^2 over blocks of h's columns. The GEMM it feeds scales its sums by
-    1 / rms(h): the GEMM of RMSNorm(h) within one rounding, with no normed row in memory and no pass over h
-    before the weights stream (small_m_linear_add_rmsnorm makes one)."""
-    weighted: torch.Tensor  # [1, K]
-    partials: torch.Tensor  # [P] float32
-    eps: float
 
 
 @dataclass(frozen=True)
@@ -764,27 +759,22 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
     return PrenormedRow(weighted, out.partials, eps), out.h
 
 
-def small_m_add_rmsnorm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                                     bias: torch.Tensor | None, block: tuple[int, int] | None,
-                                     residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                     gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None,
-                                     gate_up_block: tuple[int, int] | None
-                                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(silu(gate) * up of rmsnorm(h), h) for h = x @ W^T (+ bias) + residual, one decode row, in two kernels
-    instead of three: the linear with the residual add and the norm's sums (small_m_linear_add_rmsnorm),
-    then the [gate; up] GEMV + SiLU-and-mul on its PrenormedRow. None (nothing launched) unless both have a
-    single-split GEMV config: the caller then runs the linear, RMSNorm and the MLP apart."""
-    if x.shape[0] != 1 or _tracing():
+def takes_prenormed(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether a GEMM of this weight at x's one row can take a PrenormedRow (a single-split GEMV in the
+    table, paired or not: the SiLU-and-mul and the rotary epilogue take half the column tile)."""
+    return _fused_config(x, weight, block, None, paired=True) is not None
+
+
+def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                             bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                             rope: RopeStore | None = None, config: GemmConfig | None = None) -> torch.Tensor | None:
+    """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (one row): small_m_rmsnorm_linear's y with
+    the norm's work already done by the kernel that made h. With `rope`, the qkv projection's rotary and KV
+    store run in the same kernel. None where no single-split GEMV config applies, or while something traces."""
+    config = _fused_config(row.weighted, weight, block, config, paired=rope is not None)
+    if config is None:
         return None
-    gu_cfg = silu_and_mul_config(gate_up.shape[0], gate_up.shape[1], weight_kind(gate_up, gate_up_block),
-                                 _device_key(x))
-    if gu_cfg is None:
-        return None
-    fused = small_m_linear_add_rmsnorm(x, weight, scale, bias, block, residual, norm_weight, eps)
-    if fused is None:
-        return None
-    row, h = fused
-    return small_m_silu_and_mul(row, gate_up, gate_up_scale, gate_up_block, config=gu_cfg), h
+    return _launch(row.weighted, weight, scale, bias, block, config, rope=rope, prenormed=row)
 
 
 def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
