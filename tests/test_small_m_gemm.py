@@ -670,8 +670,8 @@ def _add_norm_case(kind, k, cfg, seed=0):
     residual = (torch.randn(1, k, generator=gen) * 4).to(torch.bfloat16)
     g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
     bias = torch.randn(k, generator=gen).to(torch.bfloat16)
-    ops = dict(x=dev(x), w_o=dev(w_o), s_o=dev(s_o), bias=dev(bias), block=block, residual=dev(residual), g=dev(g),
-               w_gu=dev(w_gu), s_gu=dev(s_gu))
+    ops = {"x": dev(x), "w_o": dev(w_o), "s_o": dev(s_o), "bias": dev(bias), "block": block,
+           "residual": dev(residual), "g": dev(g), "w_gu": dev(w_gu), "s_gu": dev(s_gu)}
     row, h = sm.small_m_linear_add_rmsnorm(ops["x"], ops["w_o"], ops["s_o"], ops["bias"], block, ops["residual"],
                                            ops["g"], 1e-5, config=sm.GemmConfig(**O_PROJ_GEMV))
     act = sm.small_m_silu_and_mul(row, ops["w_gu"], ops["s_gu"], block, config=sm.GemmConfig(**cfg))

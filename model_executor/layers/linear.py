@@ -178,7 +178,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-
 def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                        consumer: LinearBase) -> tuple[PrenormedRow, torch.Tensor] | None:
     """(row, h) for h = linear(x) + residual at one decode row: the residual add and the sums of h^2 for

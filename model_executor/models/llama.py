@@ -81,10 +81,10 @@ class LlamaAttention(nn.Module):
                                    rotary_emb=rotary_emb,
                                    qk_norm=(self.q_norm, self.k_norm) if cfg.qk_norm else None)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention of norm(h), h) for h = x + residual (x when residual is None), before o_proj (the
-        decoder layer runs o_proj, with what follows it where it can). At a decode token, where the small-M
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | PrenormedRow, residual: torch.Tensor | None,
+                norm: RMSNorm, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention of norm(h), h) for h = x + residual (x when residual is None; residual when x is a
+        PrenormedRow of it), before o_proj (the decoder layer runs o_proj, with what follows it where it can). At a decode token, where the small-M
         GEMV and the backend allow, the norm, qkv_proj, the rotary and the KV store are one kernel;
         elsewhere the norm goes into qkv_proj's GEMV where it can."""
         rope = self.attn.rope_store(fb, positions)

@@ -204,7 +204,7 @@ def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(kind
     normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * g.float()
     ref = normed @ g_deq.t()
     ref = torch.nn.functional.silu(ref[:, :inter]) * ref[:, inter:]
-    tol = dict(rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())  # (the weighted row's rounding, then two)
+    tol = {"rtol": 2.0**-5, "atol": 2.0**-6 * ref.abs().max().item()}  # (the weighted row's rounding, then two)
     torch.testing.assert_close(act.float(), ref, **tol)
     normed_bf16 = triton_ops.rmsnorm(h, g, 1e-5)
     unfused = sm.small_m_silu_and_mul(normed_bf16, gw, gs, gblock)

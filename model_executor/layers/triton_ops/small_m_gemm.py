@@ -171,7 +171,7 @@ def _small_m_gemm_kernel(
     same head. The epilogue stores y with the q heads rotated (NeoX halves, cos/sin of the token's position
     POS from COS), and writes the rotated k heads and the v heads into the KV pool KB / VB at slot LOC
     (divided by k_scale / v_scale), rounded as the rotary_store_kv kernel rounds them.
-    ADD_NORM (GEMV, one split, not paired; the o_proj of a decode token whose output feeds an RMSNorm):
+    ADD_NORM (GEMV, one split, not paired; a decode token's o_proj or down, whose output feeds an RMSNorm):
     h = y + R (y rounded to its dtype first, as the linear's output; h rounded as torch adds) goes to H, the
     program's sum of h^2 over its columns to P[pid_n], and Y receives G * h (rounded): the next GEMV's input
     before the 1 / rms(h) that only the sum of all of P gives. PRENORMED (GEMV, one split): x is such a G * h
