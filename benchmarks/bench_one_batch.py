@@ -16,7 +16,9 @@ scales; the embedding, LM head and MoE routers' gates in bf16).
 
 Graph rows time each step on its own (host launch, replay, sync: the latency a synchronous loop sees; the
 "graph ms" column, the one the issues' targets are stated in) and the same steps launched back to back with
-one sync at the end ("b2b ms": the GPU's time per step, as the overlap scheduler keeps it busy).
+one sync at the end ("b2b ms": the GPU's time per step, as the overlap scheduler keeps it busy). "host ms"
+is the part of a graph step before the replay call returns (input copies and the graph launch queued): of
+graph ms minus b2b ms, what the host spends launching rather than what the sync's wake-up adds.
 
 --tp-size N runs N spawned ranks (one GPU each, NCCL; gloo on CPU), every rank timing the same batches;
 rank 0 reports. The weight floor is then one rank's shard over one GPU's bandwidth.
@@ -161,17 +163,31 @@ def _warm_up(fn, batches, device) -> None:
     sync(device)
 
 
-def time_steps(fn, batches, device) -> float:
-    """Median ms per decode step over the batches (after one warm-up pass)."""
+def _step_times(fn, batches, device) -> tuple[list[float], list[float]]:
+    """Per decode step (after one warm-up pass), ms from the call until the sync returns, and ms until the
+    call itself returns (the host's part: input copies and launches queued, nothing waited for)."""
     with torch.inference_mode():
         _warm_up(fn, batches, device)
-        times = []
+        steps, launches = [], []
         for fb in batches:
             t0 = time.perf_counter()
             fn(fb)
+            t1 = time.perf_counter()
             sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+            launches.append((t1 - t0) * 1e3)
+            steps.append((time.perf_counter() - t0) * 1e3)
+    return steps, launches
+
+
+def time_steps(fn, batches, device) -> float:
+    """Median ms per decode step over the batches (after one warm-up pass)."""
+    return statistics.median(_step_times(fn, batches, device)[0])
+
+
+def time_steps_and_launch(fn, batches, device) -> tuple[float, float]:
+    """(median ms per step, median ms of it before fn returned): what of a synchronous step is the host's."""
+    steps, launches = _step_times(fn, batches, device)
+    return statistics.median(steps), statistics.median(launches)
 
 
 def time_back_to_back(fn, batches, device) -> float:
@@ -242,9 +258,10 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
             with torch.inference_mode():
                 eager_logits = runner.forward_eager(batches[0]).clone()
                 graph_logits = graph_runner.replay(batches[0]).clone()
-            graph_ms = time_steps(graph_runner.replay, batches, device)
+            graph_ms, host_ms = time_steps_and_launch(graph_runner.replay, batches, device)
             b2b_ms = time_back_to_back(graph_runner.replay, batches, device)
             row.update({"graph_ms": round(graph_ms, 4), "speedup": round(eager_ms / graph_ms, 3),
+                        "graph_host_ms": round(host_ms, 4),
                         "graph_over_floor": round(graph_ms / floor_ms, 3), "graph_b2b_ms": round(b2b_ms, 4),
                         "graph_b2b_over_floor": round(b2b_ms / floor_ms, 3),
                         "graph_vs_eager_max_abs_diff": (eager_logits - graph_logits).abs().max().item(),
@@ -279,12 +296,13 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
           + ("; each row's floor counts the bytes its step reads (embedding rows, routed experts)"
              if step_read_bytes(runner.model, 1) < wbytes else ""))
     print(f"{'bs':>5} {'eager ms':>10} {'graph ms':>10} {'speedup':>8} {'floor ms':>9} {'graph/floor' if graphs else 'eager/floor':>12} "
-          f"{'max|diff|':>10} {'tokens=':>7}" + (f" {'b2b ms':>8} {'b2b/floor':>10}" if graphs else ""))
+          f"{'max|diff|':>10} {'tokens=':>7}" + (f" {'b2b ms':>8} {'b2b/floor':>10} {'host ms':>8}" if graphs else ""))
     for r in results:
         if graphs:
             print(f"{r['batch_size']:>5} {r['eager_ms']:>10.3f} {r['graph_ms']:>10.3f} {r['speedup']:>8.2f} "
                   f"{r['floor_ms']:>9.3f} {r['graph_over_floor']:>12.2f} {r['graph_vs_eager_max_abs_diff']:>10.2e} "
-                  f"{r['greedy_tokens_equal']!s:>7} {r['graph_b2b_ms']:>8.3f} {r['graph_b2b_over_floor']:>10.2f}")
+                  f"{r['greedy_tokens_equal']!s:>7} {r['graph_b2b_ms']:>8.3f} {r['graph_b2b_over_floor']:>10.2f} "
+                  f"{r['graph_host_ms']:>8.3f}")
         else:  # no graphs on the CPU: eager against the floor
             print(f"{r['batch_size']:>5} {r['eager_ms']:>10.3f} {'-':>10} {'-':>8} {r['floor_ms']:>9.3f} "
                   f"{r['eager_over_floor']:>12.2f} {'-':>10} {'-':>7}")

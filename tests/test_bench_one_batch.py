@@ -3,6 +3,7 @@ GPU memory): the KV cache it leaves and the decode step after it equal those of 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import bench_one_batch
@@ -57,3 +58,18 @@ def test_back_to_back_timing_syncs_once_after_the_timed_steps(monkeypatch):
     calls.clear()
     bench_one_batch.time_steps(lambda fb: calls.append(fb), batches, torch.device("cpu"))
     assert calls == batches[:3] + ["sync"] + [c for fb in batches for c in (fb, "sync")]
+
+
+def test_launch_time_is_taken_before_each_sync(monkeypatch):
+    """time_steps_and_launch reads the clock when the step's call returns, before its sync: the sync's
+    wait counts in the step time only (a fake clock that advances by 5 ms per sync and 1 ms per call)."""
+    now = [0.0]
+
+    def advance(ms):
+        now[0] += ms / 1e3
+
+    monkeypatch.setattr(bench_one_batch, "sync", lambda device: advance(5))
+    monkeypatch.setattr(bench_one_batch.time, "perf_counter", lambda: now[0])
+    step_ms, host_ms = bench_one_batch.time_steps_and_launch(lambda fb: advance(1), list(range(6)),
+                                                             torch.device("cpu"))
+    assert host_ms == pytest.approx(1.0) and step_ms == pytest.approx(6.0)
