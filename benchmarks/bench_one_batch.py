@@ -163,9 +163,10 @@ def _warm_up(fn, batches, device) -> None:
     sync(device)
 
 
-def _step_times(fn, batches, device) -> tuple[list[float], list[float]]:
-    """Per decode step (after one warm-up pass), ms from the call until the sync returns, and ms until the
-    call itself returns (the host's part: input copies and launches queued, nothing waited for)."""
+def time_steps_and_launch(fn, batches, device) -> tuple[float, float]:
+    """(median ms per decode step, median ms of it before fn returned) over the batches, after one warm-up
+    pass: each step from the call until the sync returns, and until the call itself returns (the host's
+    part: input copies and launches queued, nothing waited for)."""
     with torch.inference_mode():
         _warm_up(fn, batches, device)
         steps, launches = [], []
@@ -176,18 +177,12 @@ def _step_times(fn, batches, device) -> tuple[list[float], list[float]]:
             sync(device)
             launches.append((t1 - t0) * 1e3)
             steps.append((time.perf_counter() - t0) * 1e3)
-    return steps, launches
+    return statistics.median(steps), statistics.median(launches)
 
 
 def time_steps(fn, batches, device) -> float:
     """Median ms per decode step over the batches (after one warm-up pass)."""
-    return statistics.median(_step_times(fn, batches, device)[0])
-
-
-def time_steps_and_launch(fn, batches, device) -> tuple[float, float]:
-    """(median ms per step, median ms of it before fn returned): what of a synchronous step is the host's."""
-    steps, launches = _step_times(fn, batches, device)
-    return statistics.median(steps), statistics.median(launches)
+    return time_steps_and_launch(fn, batches, device)[0]
 
 
 def time_back_to_back(fn, batches, device) -> float:

@@ -133,11 +133,13 @@ def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, s
     """The fused gate/up GEMV + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for one row x [..., K] (or
     a PrenormedRow) where the small-M kernel runs this weight; None otherwise (and with a bias, which it
     does not add)."""
-    if isinstance(x, PrenormedRow):
-        kernel = _one_row_kernel(x.weighted, weight, block) if bias is None else None
-        return None if kernel is None else kernel.small_m_silu_and_mul(x, weight, scale, block)
-    kernel = _one_row_kernel(x, weight, block) if bias is None else None
-    out = kernel.small_m_silu_and_mul(x.reshape(1, -1), weight, scale, block) if kernel is not None else None
+    prenormed = isinstance(x, PrenormedRow)
+    kernel = _one_row_kernel(x.weighted if prenormed else x, weight, block) if bias is None else None
+    if kernel is None:
+        return None
+    if prenormed:  # (its row is already [1, K], and so is the output's)
+        return kernel.small_m_silu_and_mul(x, weight, scale, block)
+    out = kernel.small_m_silu_and_mul(x.reshape(1, -1), weight, scale, block)
     return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
