@@ -339,33 +339,6 @@ def test_fused_silu_and_mul_equals_linear_then_silu_and_mul(kind, k, cfg):
 
 
 @in_process
-def test_fused_entries_of_their_own_take_precedence(table, monkeypatch):
-    """A fused GEMV's own table entry ("bf16:<fusion>", from tune_fused_gemv) is used as written (BLOCK_N
-    counts pairs: not halved), even where the plain weight runs cuBLAS or split K; an entry that is not a
-    single-split GEMV is ignored; without one the plain choice is halved as before."""
-    gemv = {"BLOCK_N": 8, "BLOCK_K": 64, "GEMV": True}
-    own = {"BLOCK_N": 2, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2, "GEMV": True}
-    table({"bf16": {"32,64": {"1": "cublas"}, "48,64": {"1": {**gemv, "SPLIT_K": 2}}, "64,64": {"1": gemv}},
-           "bf16:silu": {"32,64": {"1": own}},
-           "bf16:add_norm": {"48,64": {"1": own}},
-           "bf16:rope": {"64,64": {"1": {**own, "SPLIT_K": 2}}}})
-    assert sm.fused_gemv_config(32, 64, "bf16", "cpu", paired=True) is None  # the plain choice: cuBLAS
-    assert sm.silu_and_mul_config(32, 64, "bf16", "cpu") == sm.GemmConfig(**own)
-    assert sm.fused_gemv_config(48, 64, "bf16", "cpu", fusion="add_norm") == sm.GemmConfig(**own)
-    assert sm.fused_gemv_config(48, 64, "bf16", "cpu", fusion="silu") is None  # no silu entry; split K
-    assert sm.fused_gemv_config(64, 64, "bf16", "cpu", paired=True, fusion="rope") == sm.GemmConfig(4, 64, GEMV=True)
-    launched = []
-    monkeypatch.setattr(sm, "_launch", lambda *a, **kw: launched.append(a[5]) or torch.zeros(1, a[1].shape[0]))
-    x = torch.zeros(1, 64, dtype=torch.bfloat16)
-    assert sm.takes_prenormed(x, torch.zeros(32, 64, dtype=torch.bfloat16), None)  # through its silu entry
-    assert not sm.takes_prenormed(x, torch.zeros(48, 64, dtype=torch.bfloat16), None)
-    sm.small_m_silu_and_mul(x, torch.zeros(32, 64, dtype=torch.bfloat16))
-    sm.small_m_linear_add_rmsnorm(x, torch.zeros(48, 64, dtype=torch.bfloat16), None, None, None,
-                                  torch.zeros(1, 48, dtype=torch.bfloat16), torch.ones(48, dtype=torch.bfloat16), 1e-6)
-    assert launched == [sm.GemmConfig(**own), sm.GemmConfig(**own)]
-
-
-@in_process
 def test_fused_silu_and_mul_config_and_refusals(table):
     gemv = {"BLOCK_N": 8, "BLOCK_K": 64, "GEMV": True}
     table({"bf16": {"32,64": {"1": gemv}, "48,64": {"1": {**gemv, "SPLIT_K": 2}}, "64,64": {"1": TUNED},

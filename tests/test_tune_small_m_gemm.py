@@ -69,17 +69,3 @@ def test_merge_keeps_other_shapes_and_replaces_retuned_ones():
         "bf16": {"1,2": {"1": "cublas"}, "3,4": {"1": {"BLOCK_N": 8}, "16": "cublas"}, "7,8": {"1": "cublas"}},
         "fp8": {"5,6": {"1": "w8a8"}}}
     assert kept["bf16"]["3,4"] == {"1": "cublas", "16": "cublas"}  # the input is not modified
-
-
-def test_fused_tuner_times_each_layers_fused_gemvs_and_refuses_without_cuda(monkeypatch, capsys):
-    from benchmarks import tune_fused_gemv as fused
-
-    assert fused.fused_shapes(ModelConfig.from_pretrained(shape_path("llama-3.1-8b"))) == [
-        ("rope", (6144, 4096)), ("add_norm", (4096, 4096)), ("silu", (28672, 4096)), ("add_norm", (4096, 14336))]
-    assert fused.fused_shapes(ModelConfig.from_pretrained(shape_path("qwen3-30b-a3b"))) == [
-        ("rope", (5120, 2048)), ("add_norm", (2048, 4096))]  # no dense MLP
-    assert fused.tile_grid("bf16", 1024, paired=True) == [(bn, bk) for bn in (1, 2, 4, 8) for bk in (512, 1024)]
-    assert {bk for _, bk in fused.tile_grid("fp8_block", 4096, paired=False)} == {128}  # the scale block
-    monkeypatch.setattr(fused.torch.cuda, "is_available", lambda: False)
-    assert fused.main([]) == 2
-    assert "needs a CUDA device" in capsys.readouterr().err

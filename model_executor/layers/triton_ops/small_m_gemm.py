@@ -698,24 +698,13 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return _impl(x, weight, scale, bias, block_n, block_k)
 
 
-# The fused one-row GEMVs with table entries of their own (kind "<kind>:<fusion>", M = 1; tune_fused_gemv)
-FUSIONS = ("silu", "rope", "add_norm")
-
-
-def fused_gemv_config(n: int, k: int, kind: str, device: str, paired: bool = False,
-                      fusion: str | None = None) -> GemmConfig | None:
+def fused_gemv_config(n: int, k: int, kind: str, device: str, paired: bool = False) -> GemmConfig | None:
     """The config of a one-row GEMV with something fused into it (a SiLU-and-mul, an RMSNorm, the rotary
-    and KV store): the table's own entry for that fusion ("<kind>:<fusion>", M = 1) where the tuner wrote
-    one, else the weight's plain choice when it is a single-split GEMV, else None. paired (the SiLU-and-mul,
-    the rotary): each program takes half its rows from one block (gate; a head's first half) and half from
-    the other (up; the second half); BLOCK_N counts those pairs, so the plain choice's tile is halved (the
-    same bytes per program, the same grid)."""
+    and KV store): the table's choice for the weight when it is a single-split GEMV, else None. paired
+    (the SiLU-and-mul, the rotary): each program takes half its rows from one block (gate; a head's first
+    half) and half from the other (up; the second half): the same bytes per program, the same grid."""
     if paired and n % 2:
         return None
-    if fusion is not None:
-        own = (tuned_configs(device, f"{kind}:{fusion}", n, k) or {}).get(1)
-        if own is not None and own.GEMV and own.SPLIT_K == 1:
-            return own
     cfg = choose_config(1, n, k, kind, device)
     if cfg is None or not cfg.GEMV or cfg.SPLIT_K != 1 or (paired and cfg.BLOCK_N < 2):
         return None
@@ -724,18 +713,17 @@ def fused_gemv_config(n: int, k: int, kind: str, device: str, paired: bool = Fal
 
 def silu_and_mul_config(n2: int, k: int, kind: str, device: str) -> GemmConfig | None:
     """The fused [gate; up] GEMV + SiLU-and-mul's config (fused_gemv_config, paired)."""
-    return fused_gemv_config(n2, k, kind, device, paired=True, fusion="silu")
+    return fused_gemv_config(n2, k, kind, device, paired=True)
 
 
 def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
-                  config: GemmConfig | None, paired: bool, fusion: str | None) -> GemmConfig | None:
+                  config: GemmConfig | None, paired: bool) -> GemmConfig | None:
     """`config`, else the table's fused_gemv_config; None for more than one row or while something traces."""
     if x.shape[0] != 1 or _tracing():
         return None
     if config is not None:
         return config
-    return fused_gemv_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), paired,
-                             fusion)
+    return fused_gemv_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), paired)
 
 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -747,7 +735,7 @@ def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, s
     something traces: the caller then runs the linear and SiluAndMul."""
     prenormed = x if isinstance(x, PrenormedRow) else None
     row = x.weighted if prenormed is not None else x
-    config = _fused_config(row, weight, block, config, paired=True, fusion="silu")
+    config = _fused_config(row, weight, block, config, paired=True)
     if config is None:
         return None
     return _launch(row, weight, scale, None, block, config, silu_mul=True, prenormed=prenormed)
@@ -761,7 +749,7 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
     norm_weight * rmsnorm(h) for the GEMV that h's norm feeds, in one kernel: a decode token's o_proj with
     the residual add and the post-attention RMSNorm's work in its epilogue (the norm's own launch goes).
     None where no single-split GEMV config applies, or while something traces."""
-    config = _fused_config(x, weight, block, config, paired=False, fusion="add_norm")
+    config = _fused_config(x, weight, block, config, paired=False)
     if config is None:
         return None
     n = weight.shape[0]
@@ -772,10 +760,9 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
 
 
 def takes_prenormed(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether a GEMM of this weight at x's one row can take a PrenormedRow: a single-split GEMV in the
-    table, paired (the SiLU-and-mul and the rotary epilogue take half the column tile), or an entry of
-    the table's own for the weight as one of those two."""
-    return any(_fused_config(x, weight, block, None, paired=True, fusion=f) is not None for f in ("silu", "rope"))
+    """Whether a GEMM of this weight at x's one row can take a PrenormedRow (a single-split GEMV in the
+    table, paired or not: the SiLU-and-mul and the rotary epilogue take half the column tile)."""
+    return _fused_config(x, weight, block, None, paired=True) is not None
 
 
 def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -784,8 +771,7 @@ def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: tor
     """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (one row): small_m_rmsnorm_linear's y with
     the norm's work already done by the kernel that made h. With `rope`, the qkv projection's rotary and KV
     store run in the same kernel. None where no single-split GEMV config applies, or while something traces."""
-    config = _fused_config(row.weighted, weight, block, config, paired=rope is not None,
-                           fusion="rope" if rope is not None else None)
+    config = _fused_config(row.weighted, weight, block, config, paired=rope is not None)
     if config is None:
         return None
     return _launch(row.weighted, weight, scale, bias, block, config, rope=rope, prenormed=row)
@@ -802,8 +788,7 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     where no single-split GEMV config applies, or while something traces (the caller then runs RMSNorm,
     the linear and the attention's own rotary and store). Not offered with the fused SiLU-and-mul:
     measured slower there than the two kernels (H200, docs/benchmarks.md)."""
-    config = _fused_config(x, weight, block, config, paired=rope is not None,
-                           fusion="rope" if rope is not None else None)
+    config = _fused_config(x, weight, block, config, paired=rope is not None)
     if config is None:
         return None
     norm = RmsNormInput(norm_weight, eps, residual, None if residual is None else torch.empty_like(x))
