@@ -33,7 +33,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     req_pool_indices: torch.Tensor  # [bs] int64, rows of req_to_token
-    seq_lens: torch.Tensor  # [bs] int32, total KV length after this step
+    seq_lens: torch.Tensor  # [bs] int64 (the other index rows' dtype), total KV length after this step
     out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot written by each new token
     req_to_token_pool: ReqToTokenPool
     kv_cache: KVCache
@@ -99,7 +99,7 @@ class ForwardBatch:
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
             req_to_token_pool=req_to_token_pool,
             kv_cache=kv_cache,

@@ -33,7 +33,7 @@ class GraphInputBuffers:
     input_ids: torch.Tensor  # [max_bs] int64
     positions: torch.Tensor  # [max_bs] int64
     req_pool_indices: torch.Tensor  # [max_bs] int64
-    seq_lens: torch.Tensor  # [max_bs] int32
+    seq_lens: torch.Tensor  # [max_bs] int64
     out_cache_loc: torch.Tensor  # [max_bs] int64
     logits: torch.Tensor  # [max_bs, vocab] float32, outside the graph pool
     seq_len_fill: int
@@ -44,7 +44,7 @@ class GraphInputBuffers:
             return torch.zeros(max_bs, dtype=dtype, device=device)
 
         return cls(input_ids=zeros(torch.int64), positions=zeros(torch.int64), req_pool_indices=zeros(torch.int64),
-                   seq_lens=torch.full((max_bs,), seq_len_fill, dtype=torch.int32, device=device),
+                   seq_lens=torch.full((max_bs,), seq_len_fill, dtype=torch.int64, device=device),
                    out_cache_loc=zeros(torch.int64),
                    logits=torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device),
                    seq_len_fill=seq_len_fill)
@@ -58,14 +58,14 @@ class GraphInputBuffers:
             kv_cache=model_runner.kv_cache, attn_backend=backend, seq_lens_cpu=[self.seq_len_fill] * bs)
 
     def load(self, fb: ForwardBatch, padded_bs: int) -> None:
-        """Copy the real rows in and reset rows bs..padded_bs to padding (token 0, slot 0, row 0). The int64
-        rows go as one multi-tensor launch rather than a copy each (a replay waits for them); torch takes
-        that path only for sources of one dtype, so the int32 seq_lens is a copy of its own."""
+        """Copy the real rows in and reset rows bs..padded_bs to padding (token 0, slot 0, row 0). The five
+        rows go as one multi-tensor launch rather than a copy each (a replay waits for them; each launch is
+        host time before it): torch takes that path only for rows of one dtype, hence int64 seq_lens."""
         bs = fb.batch_size
         torch._foreach_copy_([self.input_ids[:bs], self.positions[:bs], self.req_pool_indices[:bs],
-                              self.out_cache_loc[:bs]],
-                             [fb.input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc], non_blocking=True)
-        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
+                              self.out_cache_loc[:bs], self.seq_lens[:bs]],
+                             [fb.input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc, fb.seq_lens],
+                             non_blocking=True)
         if padded_bs > bs:
             torch._foreach_zero_([buf[bs:padded_bs] for buf in (self.input_ids, self.positions,
                                                                 self.req_pool_indices, self.out_cache_loc)])

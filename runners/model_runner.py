@@ -300,7 +300,7 @@ class ModelRunner:
         return ForwardBatch(
             mode=ForwardMode.DECODE, batch_size=bs,
             input_ids=self.last_token_ids[rows_d] if input_ids is None else dev[3 * bs :],
-            positions=positions_d, req_pool_indices=rows_d, seq_lens=seq_lens_d.to(torch.int32),
+            positions=positions_d, req_pool_indices=rows_d, seq_lens=seq_lens_d,
             out_cache_loc=slots_d, req_to_token_pool=self.req_to_token_pool, kv_cache=self.kv_cache,
             attn_backend=self.attn_backend, seq_lens_cpu=list(seq_lens))
 

@@ -23,7 +23,7 @@ def check_decode_batch(runner: ModelRunner, with_input_ids: bool) -> None:
         assert fb.batch_size == 5 and fb.seq_lens_cpu == seq_lens
         assert fb.req_pool_indices.tolist() == rows
         assert fb.positions.tolist() == [n - 1 for n in seq_lens]
-        assert fb.seq_lens.tolist() == seq_lens and fb.seq_lens.dtype == torch.int32
+        assert fb.seq_lens.tolist() == seq_lens and fb.seq_lens.dtype == torch.int64
         assert fb.out_cache_loc.tolist() == loc.tolist()
         assert fb.input_ids.tolist() == (ids if with_input_ids else [40, 41, 42, 43, 44])
         for table in (pool.req_to_token, pool.req_to_token_cpu):  # the same tensor on CPU
