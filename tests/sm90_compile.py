@@ -1,0 +1,183 @@
+"""Compile duet's Triton kernels for an H100 / H200 (sm_90) on a machine without a GPU.
+
+The CPU tests run the kernels in Triton's interpreter, which executes their Python: it does not type-check
+them as the compiler does, nor lower them (a module-level float read inside a kernel runs there and is a
+compile error on a GPU). This script calls the launchers with CPU tensors while each kernel's `run` only
+records its arguments, then compiles every recorded launch for GPUTarget("cuda", 90, 32) with the
+specializations a GPU launch would give (16-byte aligned pointers, integers divisible by 16 marked so), down
+to a cubin through the ptxas that Triton's wheel carries. It prints one line per case and exits non-zero if
+any case does not compile. tests/test_sm90_compile.py runs it in a subprocess with Triton in compiled mode.
+
+    python tests/sm90_compile.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+           torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.int8: "*i8"}
+OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+class Recorder:
+    """While active, the given kernels record their launches instead of running."""
+
+    def __init__(self, *kernels):
+        self.kernels, self.launches = kernels, []
+
+    def __enter__(self):
+        for kernel in self.kernels:
+            kernel.run = lambda *args, grid, warmup, _k=kernel, **kw: self.launches.append((_k, args, kw))
+        return self
+
+    def __exit__(self, *exc):
+        for kernel in self.kernels:
+            del kernel.run
+
+
+def compile_launch(kernel, args, kwargs):
+    """Compile one recorded launch for sm_90; returns Triton's compiled kernel."""
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
+    values = dict(zip(kernel.arg_names, args), **kwargs)
+    unspecialized = {kernel.arg_names[i] if isinstance(i, int) else i for i in (kernel.do_not_specialize or ())}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        value = values[name]
+        if i in kernel.constexprs or value is None or isinstance(value, (bool, str)):
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = POINTER[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0 and value and name not in unspecialized:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: argument {name} of type {type(value).__name__}")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=options)
+
+
+def cases():
+    """(name, the kernels it launches, a function that launches them with CPU tensors)."""
+    from model_executor.layers.attention.triton_ops import decode_attention as dec
+    from model_executor.layers.attention.triton_ops import extend_attention as ext
+    from model_executor.layers.norm import PrenormedRow
+    from model_executor.layers.quantization import fp8_ops
+    from model_executor.layers.rotary_store_kv import RopeStore
+    from model_executor.layers.triton_ops import kernels, rotary_store_kv
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    gemv = sm.GemmConfig(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=3, GEMV=True)
+    x = torch.randn(1, 512, dtype=bf16)
+    w = torch.randn(256, 512, dtype=bf16)
+    w8, s8 = torch.randn(256, 512).to(fp8), torch.rand(256)
+    row = PrenormedRow(x, torch.rand(8), 1e-5)
+    gemm = (sm._small_m_gemm_kernel, sm._split_k_reduce_kernel)
+
+    def rope():
+        heads, d = 4 + 2 * 2, 32
+        return RopeStore(torch.tensor([3]), torch.randn(16, d), torch.tensor([5]), torch.zeros(8, 2, d, dtype=bf16),
+                         torch.zeros(8, 2, d, dtype=bf16), 4, 2), torch.randn(heads * d, 512, dtype=bf16)
+
+    def decode(pool_dtype, fused):
+        bs, hq, hk, d = 2, 8, 2, 64
+        q = torch.randn(bs, hq, d, dtype=bf16)
+        pool = torch.randn(64, hk, d).to(pool_dtype)
+        logits, lse, counters = dec.alloc_decode_workspace(bs, hq, d, 4, "cpu")
+        dec.decode_attention_fwd(q, pool, pool, torch.empty_like(q), torch.zeros(3, 64, dtype=torch.int32),
+                                 torch.tensor([1, 2]), torch.tensor([40, 50]), logits, lse, 4, 0.125,
+                                 counters=counters, fused_combine=fused)
+
+    def extend(pool_dtype):
+        n, hq, hk, d = 16, 8, 2, 64
+        q, k = torch.randn(n, hq, d, dtype=bf16), torch.randn(n, hk, d, dtype=bf16)
+        pool = torch.randn(64, hk, d).to(pool_dtype)
+        t = lambda *v: torch.tensor(v)
+        ext.extend_attention_fwd(q, k, k.clone(), torch.empty_like(q), pool, pool, torch.arange(n),
+                                 torch.zeros(2, 64, dtype=torch.int32), t(1), t(40), t(n), t(0), n, 1 / math.sqrt(d))
+
+    def w8a8_block():
+        a = torch.randn(20, 256, dtype=bf16)
+        aq, a_s = fp8_ops._per_token_group_quant_impl(a, 128)
+        fp8_ops._w8a8_block_matmul_impl(aq, torch.randn(256, 256).to(fp8), a_s, torch.rand(2, 2), 128, 128, bf16)
+
+    def norms():
+        t = torch.randn(3, 512, dtype=bf16)
+        kernels.rmsnorm_fwd(t, torch.ones(512, dtype=bf16), 1e-5, torch.empty_like(t), t.clone(), torch.empty_like(t))
+        kernels.silu_and_mul_fwd(torch.randn(3, 1024, dtype=bf16), torch.empty(3, 512, dtype=bf16))
+
+    def rotary_store(qk_norm):
+        q, k = torch.randn(2, 8, 64, dtype=bf16), torch.randn(2, 2, 64, dtype=bf16)
+        pool = torch.zeros(16, 2, 64, dtype=bf16)
+        norm = {"q_norm_weight": torch.ones(64, dtype=bf16), "k_norm_weight": torch.ones(64, dtype=bf16),
+                "norm_eps": 1e-6} if qk_norm else {}
+        rotary_store_kv.rotary_store_kv_fwd(torch.tensor([3, 4]), q, k, k.clone(), torch.randn(16, 64), pool,
+                                            pool.clone(), torch.tensor([5, 6]), 1.0, 1.0, **norm)
+
+    return [
+        ("small-M GEMV bf16", gemm, lambda: sm._launch(x, w, None, None, None, gemv)),
+        ("small-M GEMV bf16, SiLU-and-mul on a PrenormedRow", gemm,
+         lambda: sm._launch(x, w, None, None, None, gemv, silu_mul=True, prenormed=row)),
+        ("small-M GEMV bf16, RMSNorm + residual, rotary + KV store", gemm,
+         lambda: sm._launch(x, rope()[1], None, None, None, gemv, rope=rope()[0],
+                            norm=sm.RmsNormInput(torch.ones(512, dtype=bf16), 1e-5, x.clone(), torch.empty_like(x)))),
+        ("small-M GEMV bf16, add + RMSNorm epilogue", gemm,
+         lambda: sm._launch(x, w, None, None, None, gemv, add_norm=sm.AddRmsNormOutput(
+             torch.randn(1, 256, dtype=bf16), torch.ones(256, dtype=bf16), torch.empty(1, 256, dtype=bf16),
+             torch.empty(64)))),
+        ("small-M GEMV FP8 per channel", gemm, lambda: sm._launch(x, w8, s8, None, None, gemv)),
+        ("small-M tl.dot FP8 block scales, split K", gemm,
+         lambda: sm._launch(torch.randn(3, 512, dtype=bf16), w8, torch.rand(2, 4), None, (128, 128),
+                            sm.GemmConfig(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2))),
+        ("decode attention, bf16 pool, merge in stage 1", (dec._decode_stage1_kernel, dec._decode_stage2_kernel),
+         lambda: decode(bf16, True)),
+        ("decode attention, FP8 pool, stage 2", (dec._decode_stage1_kernel, dec._decode_stage2_kernel),
+         lambda: decode(fp8, False)),
+        ("extend attention, bf16 pool", (ext._extend_kernel,), lambda: extend(bf16)),
+        ("extend attention, FP8 pool", (ext._extend_kernel,), lambda: extend(fp8)),
+        ("FP8 activation quantization + W8A8 block GEMM",
+         (fp8_ops._per_token_group_quant_kernel, fp8_ops._w8a8_block_matmul_kernel), w8a8_block),
+        ("add + RMSNorm, SiLU-and-mul", (kernels._rmsnorm_kernel, kernels._silu_and_mul_kernel), norms),
+        ("rotary + KV store", (rotary_store_kv._rotary_store_kv_kernel,), lambda: rotary_store(False)),
+        ("q/k norm + rotary + KV store", (rotary_store_kv._rotary_store_kv_kernel,), lambda: rotary_store(True)),
+    ]
+
+
+def main() -> int:
+    failed = 0
+    for name, kernels_, launch in cases():
+        try:
+            with Recorder(*kernels_) as rec:
+                launch()
+            if not rec.launches:
+                raise RuntimeError("no launch recorded")
+            built = [compile_launch(*launch_) for launch_ in rec.launches]
+            print(f"ok {name}: " + ", ".join(f"{k.fn.__name__} ({len(c.asm['cubin'])} B cubin)"
+                                             for (k, _, _), c in zip(rec.launches, built)), flush=True)
+        except Exception:  # noqa: BLE001 (report every case, then fail)
+            failed += 1
+            print(f"FAILED {name}:\n{traceback.format_exc(limit=-3)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
