@@ -52,6 +52,8 @@ class Recorder:
 def compile_launch(kernel, args, kwargs):
     """Compile one recorded launch for sm_90; returns Triton's compiled kernel."""
     kwargs = dict(kwargs)
+    if kwargs.get("DOT_F32"):  # the interpreter's bf16-dot workaround (CPU tensors); off in a GPU launch
+        kwargs.update(DOT_F32=False, **({"DOT_PRECISION": "tf32"} if "DOT_PRECISION" in kwargs else {}))
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
     values = dict(zip(kernel.arg_names, args), **kwargs)
     unspecialized = {kernel.arg_names[i] if isinstance(i, int) else i for i in (kernel.do_not_specialize or ())}
