@@ -81,10 +81,12 @@ def cases():
     """(name, the kernels it launches, a function that launches them with CPU tensors)."""
     from model_executor.layers.attention.triton_ops import decode_attention as dec
     from model_executor.layers.attention.triton_ops import extend_attention as ext
+    from model_executor.layers.moe import kernels as moe
+    from model_executor.layers.moe import router_kernel, small_batch
     from model_executor.layers.norm import PrenormedRow
     from model_executor.layers.quantization import fp8_ops
     from model_executor.layers.rotary_store_kv import RopeStore
-    from model_executor.layers.triton_ops import kernels, rotary_store_kv
+    from model_executor.layers.triton_ops import kernels, qk_norm_rope, rotary_store_kv
     from model_executor.layers.triton_ops import small_m_gemm as sm
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
@@ -135,7 +137,35 @@ def cases():
         rotary_store_kv.rotary_store_kv_fwd(torch.tensor([3, 4]), q, k, k.clone(), torch.randn(16, 64), pool,
                                             pool.clone(), torch.tensor([5, 6]), 1.0, 1.0, **norm)
 
+    def experts(path, fp8_weights):
+        e, hidden, inter, tokens, top_k = 8, 256, 128, 3, 2
+        w13, w2 = torch.randn(e, 2 * inter, hidden, dtype=bf16), torch.randn(e, hidden, inter, dtype=bf16)
+        scales = {}
+        if fp8_weights:
+            w13, w2 = w13.to(fp8), w2.to(fp8)
+            scales = {"w13_scale": torch.rand(e, 2 * inter), "w2_scale": torch.rand(e, hidden)}
+        ids = torch.randint(0, e, (tokens, top_k), generator=torch.Generator().manual_seed(0)).to(torch.int32)
+        moe.fused_experts_triton(torch.randn(tokens, hidden, dtype=bf16), w13, w2, torch.rand(tokens, top_k), ids,
+                                 path=path, **scales)
+
+    def extend_rotary_and_store():
+        q, k = torch.randn(5, 8, 64, dtype=bf16), torch.randn(5, 2, 64, dtype=bf16)
+        pos, cache, pool = torch.arange(5), torch.randn(16, 64), torch.zeros(16, 2, 64, dtype=bf16)
+        kernels.rotary_fwd(pos, q, k, cache)
+        qk_norm_rope.qk_norm_rope_fwd(pos, q, k, torch.ones(64, dtype=bf16), torch.ones(64, dtype=bf16), 1e-6, cache)
+        kernels.store_kv_fwd(pool, pool.clone(), torch.arange(5), k, k.clone())
+
+    def router():
+        router_kernel.topk_softmax(torch.randn(3, 64, dtype=bf16), 4, True)
+
     return [
+        ("MoE experts, small-batch GEMVs, bf16", (small_batch._gate_up_gemv_kernel, small_batch._down_gemv_combine_kernel),
+         lambda: experts("small_batch", False)),
+        ("MoE experts, small-batch GEMVs, FP8 per channel",
+         (small_batch._gate_up_gemv_kernel, small_batch._down_gemv_combine_kernel), lambda: experts("small_batch", True)),
+        ("MoE experts, align + grouped GEMMs, bf16", (moe._moe_align_kernel, moe._fused_moe_gemm_kernel),
+         lambda: experts("grouped", False)),
+        ("MoE router top-k softmax", (router_kernel._topk_softmax_kernel,), router),
         ("small-M GEMV bf16", gemm, lambda: sm._launch(x, w, None, None, None, gemv)),
         ("small-M GEMV bf16, SiLU-and-mul on a PrenormedRow", gemm,
          lambda: sm._launch(x, w, None, None, None, gemv, silu_mul=True, prenormed=row)),
@@ -160,6 +190,8 @@ def cases():
          (fp8_ops._per_token_group_quant_kernel, fp8_ops._w8a8_block_matmul_kernel), w8a8_block),
         ("add + RMSNorm, SiLU-and-mul", (kernels._rmsnorm_kernel, kernels._silu_and_mul_kernel), norms),
         ("rotary + KV store", (rotary_store_kv._rotary_store_kv_kernel,), lambda: rotary_store(False)),
+        ("extend: rotary, q/k norm + rotary, KV store",
+         (kernels._rotary_kernel, qk_norm_rope._qk_norm_rope_kernel, kernels._store_kv_kernel), extend_rotary_and_store),
         ("q/k norm + rotary + KV store", (rotary_store_kv._rotary_store_kv_kernel,), lambda: rotary_store(True)),
     ]
 
