@@ -53,7 +53,9 @@ def compile_launch(kernel, args, kwargs):
     """Compile one recorded launch for sm_90; returns Triton's compiled kernel."""
     kwargs = dict(kwargs)
     if kwargs.get("DOT_F32"):  # the interpreter's bf16-dot workaround (CPU tensors); off in a GPU launch
-        kwargs.update(DOT_F32=False, **({"DOT_PRECISION": "tf32"} if "DOT_PRECISION" in kwargs else {}))
+        kwargs["DOT_F32"] = False
+        if "DOT_PRECISION" in kwargs:
+            kwargs["DOT_PRECISION"] = "tf32"
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
     values = dict(zip(kernel.arg_names, args), **kwargs)
     unspecialized = {kernel.arg_names[i] if isinstance(i, int) else i for i in (kernel.do_not_specialize or ())}
@@ -158,11 +160,10 @@ def cases():
     def router():
         router_kernel.topk_softmax(torch.randn(3, 64, dtype=bf16), 4, True)
 
+    moe_gemvs = (small_batch._gate_up_gemv_kernel, small_batch._down_gemv_combine_kernel)
     return [
-        ("MoE experts, small-batch GEMVs, bf16", (small_batch._gate_up_gemv_kernel, small_batch._down_gemv_combine_kernel),
-         lambda: experts("small_batch", False)),
-        ("MoE experts, small-batch GEMVs, FP8 per channel",
-         (small_batch._gate_up_gemv_kernel, small_batch._down_gemv_combine_kernel), lambda: experts("small_batch", True)),
+        ("MoE experts, small-batch GEMVs, bf16", moe_gemvs, lambda: experts("small_batch", False)),
+        ("MoE experts, small-batch GEMVs, FP8 per channel", moe_gemvs, lambda: experts("small_batch", True)),
         ("MoE experts, align + grouped GEMMs, bf16", (moe._moe_align_kernel, moe._fused_moe_gemm_kernel),
          lambda: experts("grouped", False)),
         ("MoE router top-k softmax", (router_kernel._topk_softmax_kernel,), router),
@@ -191,7 +192,8 @@ def cases():
         ("add + RMSNorm, SiLU-and-mul", (kernels._rmsnorm_kernel, kernels._silu_and_mul_kernel), norms),
         ("rotary + KV store", (rotary_store_kv._rotary_store_kv_kernel,), lambda: rotary_store(False)),
         ("extend: rotary, q/k norm + rotary, KV store",
-         (kernels._rotary_kernel, qk_norm_rope._qk_norm_rope_kernel, kernels._store_kv_kernel), extend_rotary_and_store),
+         (kernels._rotary_kernel, qk_norm_rope._qk_norm_rope_kernel, kernels._store_kv_kernel),
+         extend_rotary_and_store),
         ("q/k norm + rotary + KV store", (rotary_store_kv._rotary_store_kv_kernel,), lambda: rotary_store(True)),
     ]
 

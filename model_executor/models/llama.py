@@ -84,9 +84,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor | PrenormedRow, residual: torch.Tensor | None,
                 norm: RMSNorm, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention of norm(h), h) for h = x + residual (x when residual is None; residual when x is a
-        PrenormedRow of it), before o_proj (the decoder layer runs o_proj, with what follows it where it can). At a decode token, where the small-M
-        GEMV and the backend allow, the norm, qkv_proj, the rotary and the KV store are one kernel;
-        elsewhere the norm goes into qkv_proj's GEMV where it can."""
+        PrenormedRow of it), before o_proj (the decoder layer runs o_proj, with what follows it where it
+        can). At a decode token, where the small-M GEMV and the backend allow, the norm, qkv_proj, the rotary
+        and the KV store are one kernel; elsewhere the norm goes into qkv_proj's GEMV where it can."""
         rope = self.attn.rope_store(fb, positions)
         fused = None if rope is None else self.qkv_proj.forward_normed_rope(norm, x, residual, rope)
         if fused is not None:
