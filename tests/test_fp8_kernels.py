@@ -174,3 +174,31 @@ def test_extend_over_fp8_pool_with_scales():
     values = torch.cat([v8[pre].float().cpu() * v_scale, v_new])
     ref = _ref_attention(q, keys, values, 1 / math.sqrt(d), torch.arange(prefix, prefix + new))
     torch.testing.assert_close(o.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@in_process
+def test_extend_over_fp8_pool_with_fp16_queries_runs_fp16_dots_on_the_prefix():
+    """fp16 queries (the interpreter's bf16 dots are wrong; bf16 takes the same path on the GPU): the FP8
+    prefix's dots run in fp16 with q scaled by Q_PRESCALE (taken back out in the scale), the new tokens' in
+    q's dtype; a float32 output within fp16's rounding of a float64 reference."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hk, d, num_slots, k_scale, v_scale = 4, 2, 64, 96, 0.25, 4.0
+    k, v = _pool(num_slots, hk, d, gen)
+    k8, v8 = (k / k_scale).to(FP8).to(DEVICE), (v / v_scale).to(FP8).to(DEVICE)
+    prefix, new = 60, 12
+    req_to_token = torch.zeros(2, 96, dtype=torch.int32)
+    req_to_token[1, : prefix + new] = (torch.randperm(num_slots, generator=gen)[: prefix + new] + 1).int()
+    loc = req_to_token[1, prefix : prefix + new].long()
+    k_new, v_new = (torch.randn(new, hk, d, generator=gen).half() for _ in range(2))
+    q = (torch.randn(new, hq, d, generator=gen) / math.sqrt(d)).half()
+    o = torch.empty(new, hq, d, device=DEVICE)
+    t = lambda *xs: torch.tensor(xs, device=DEVICE)
+    extend_mod.extend_attention_fwd(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), o, k8, v8, loc.to(DEVICE),
+                                    req_to_token.to(DEVICE), t(1), t(prefix + new), t(new), t(0), new,
+                                    1 / math.sqrt(d), config=extend_mod.ExtendConfig(16, 16, 4, 1),
+                                    k_scale=k_scale, v_scale=v_scale)
+    pre = req_to_token[1, :prefix].long()
+    keys = torch.cat([k8[pre].double().cpu() * k_scale, k_new.double()])
+    values = torch.cat([v8[pre].double().cpu() * v_scale, v_new.double()])
+    ref = _ref_attention(q.double(), keys, values, 1 / math.sqrt(d), torch.arange(prefix, prefix + new))
+    torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-3, atol=1e-3)

@@ -216,6 +216,7 @@ def _decode_stage1_kernel(
     FUSED_COMBINE: tl.constexpr,
     IN_PRECISION: tl.constexpr,
     KV_F16: tl.constexpr,
+    Q_PRESCALE: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -430,6 +431,7 @@ def decode_attention_fwd(
         FUSED_COMBINE=fused,
         IN_PRECISION=in_precision,
         KV_F16=kv_f16,
+        Q_PRESCALE=Q_PRESCALE,
         num_warps=num_warps,
         num_stages=num_stages,
     )
