@@ -3,6 +3,7 @@
     python -m benchmarks.bench_attention --json out.json                      # decode plans + tiles, extend tiles
     python -m benchmarks.bench_attention --decode-only --heads 32,8,128 --points 256x520 64x520
     python -m benchmarks.bench_attention --combine --json combine.json       # two-stage vs fused combine
+    python -m benchmarks.bench_attention --decode-only --kv-dtype fp8_e4m3 --points 128x4096   # an FP8 pool
 
 Decode: for each head shape (num_heads, num_kv_heads, head_dim) and (batch, context) point, both stages of
 `decode_attention_fwd` captured in one CUDA graph (no launch overhead, as in the decode graphs): the split plan
@@ -63,25 +64,31 @@ def graph_us(fn) -> float:
     return time_calls([fn] * GRAPH_CALLS)
 
 
-class KvPool:
-    """A bf16 KV pool whose requests' slots are scattered (as after a server has run a while)."""
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
-    def __init__(self, bs: int, ctx: int, num_kv_heads: int, head_dim: int, seed: int = 0):
+
+class KvPool:
+    """A KV pool (bf16, or FP8 as --kv-cache-dtype fp8_e4m3 stores it) whose requests' slots are scattered
+    (as after a server has run a while)."""
+
+    def __init__(self, bs: int, ctx: int, num_kv_heads: int, head_dim: int, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         slots = bs * ctx
-        self.k = torch.randn(slots + 1, num_kv_heads, head_dim, device="cuda", generator=gen).bfloat16()
-        self.v = torch.randn(slots + 1, num_kv_heads, head_dim, device="cuda", generator=gen).bfloat16()
+        self.k = torch.randn(slots + 1, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+        self.v = torch.randn(slots + 1, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
         perm = torch.randperm(slots, device="cuda", generator=gen).to(torch.int32) + 1
         self.req_to_token = torch.zeros(bs + 1, ctx + 16, dtype=torch.int32, device="cuda")
         self.req_to_token[1:, :ctx] = perm.view(bs, ctx)
 
 
-def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = False) -> list[dict]:
+def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = False,
+                kv_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     from model_executor.layers.attention.triton_ops import alloc_decode_workspace, decode_attention_fwd
     from model_executor.layers.attention.triton_ops import decode_attention as dec
 
     num_heads, num_kv_heads, head_dim = heads
-    pool = KvPool(bs, ctx, num_kv_heads, head_dim)
+    pool = KvPool(bs, ctx, num_kv_heads, head_dim, dtype=kv_dtype)
     q = torch.randn(bs, num_heads, head_dim, device="cuda").bfloat16()
     o = torch.empty_like(q)
     rows = torch.arange(1, bs + 1, device="cuda")
@@ -89,7 +96,7 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = dec.decode_split_plan(dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072)),
                                  ctx)
-    kv_bytes = 2 * bs * ctx * num_kv_heads * head_dim * 2
+    kv_bytes = 2 * bs * ctx * num_kv_heads * head_dim * pool.k.element_size()
     floor_us = kv_bytes / (copy_tb_s * 1e6)
     out = []
 
@@ -102,7 +109,8 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
         except Exception as exc:  # noqa: BLE001 - a tile that does not fit: report it, go on
             us = None
             print(f"  tile {tile} failed: {type(exc).__name__}: {str(exc)[:100]}")
-        out.append({"heads": list(heads), "bs": bs, "ctx": ctx, "splits": splits, "plan": splits == plan,
+        out.append({"heads": list(heads), "bs": bs, "ctx": ctx, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+                    "splits": splits, "plan": splits == plan,
                     "min_chunk": min_chunk, "block_n": tile[0], "num_warps": tile[1], "num_stages": tile[2],
                     "us": None if us is None else round(us, 2),
                     "x_floor": None if us is None else round(us / floor_us, 2), "floor_us": round(floor_us, 2)})
@@ -205,10 +213,13 @@ def main(argv=None) -> int:
     p.add_argument("--plan-only", action="store_true", help="decode: only the split plan, with every tile")
     p.add_argument("--combine", action="store_true",
                    help="only decode's merge of the chunks: second launch (stage 2) vs fused into stage 1")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="decode: the pool's dtype")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
     if args.combine and args.plan_only:
         p.error("--combine and --plan-only are separate runs; give one of them")
+    if args.kv_dtype != "bf16" and not args.decode_only:
+        p.error("--kv-dtype is for the decode rows: add --decode-only")
     heads_list = args.heads or (COMBINE_HEADS if args.combine else HEAD_SHAPES)
     points = args.points or (COMBINE_POINTS if args.combine else DECODE_POINTS)
     if not torch.cuda.is_available():
@@ -233,7 +244,7 @@ def main(argv=None) -> int:
     print(f"{'heads':>10} {'bs':>4} {'ctx':>5} {'splits':>6} {'chunk':>5} {'tile':>10} {'us':>9} {'x floor':>8}")
     for heads in heads_list:
         for bs, ctx in points:
-            rows = decode_rows(heads, bs, ctx, copy_tb_s, args.plan_only)
+            rows = decode_rows(heads, bs, ctx, copy_tb_s, args.plan_only, KV_DTYPES[args.kv_dtype])
             result["decode"] += rows
             for r in rows:
                 tile = f"{r['block_n']}/{r['num_warps']}/{r['num_stages']}"

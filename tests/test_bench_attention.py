@@ -34,3 +34,10 @@ def test_combine_and_plan_only_are_refused_together(capsys):
         ba.main(["--combine", "--plan-only"])
     assert exc.value.code == 2
     assert "--combine and --plan-only are separate runs" in capsys.readouterr().err
+
+
+def test_kv_dtype_is_refused_outside_the_decode_rows(capsys):
+    with pytest.raises(SystemExit) as exc:
+        ba.main(["--kv-dtype", "fp8_e4m3"])
+    assert exc.value.code == 2
+    assert "--kv-dtype is for the decode rows" in capsys.readouterr().err

@@ -117,6 +117,37 @@ def test_decode_over_fp8_pool_with_scales():
 
 
 @in_process
+@pytest.mark.parametrize("q_scale", [1.0, 300.0])
+def test_decode_over_fp8_pool_with_bf16_queries_runs_fp16_dots(q_scale):
+    """bf16 queries over an FP8 pool: stage 1's dots run in fp16 (q scaled by Q_PRESCALE, taken back out in
+    the softmax scale), one and two stages, large q included: a float32 output within fp16's rounding of the
+    probabilities of a float64 reference (measured 2.8e-4 in the interpreter, whose bf16 dots are wrong)."""
+    assert decode_mod.kv_dots_in_fp16(torch.bfloat16, FP8) and not decode_mod.kv_dots_in_fp16(torch.float32, FP8)
+    assert not decode_mod.kv_dots_in_fp16(torch.bfloat16, torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    hq, hk, d, num_slots, k_scale, v_scale = 8, 2, 64, 160, 0.5, 2.0
+    k, v = _pool(num_slots, hk, d, gen)
+    k8, v8 = (k / k_scale).to(FP8), (v / v_scale).to(FP8)
+    seq_lens, rows = [40, 90], [1, 2]
+    req_to_token = torch.zeros(4, 96, dtype=torch.int32)
+    perm = torch.randperm(num_slots, generator=gen) + 1
+    req_to_token[1, :40], req_to_token[2, :90] = perm[:40].int(), perm[40:130].int()
+    q = (torch.randn(2, hq, d, generator=gen) * q_scale / math.sqrt(d)).bfloat16()
+    for splits in (1, 2):
+        logits, lse, counters = decode_mod.alloc_decode_workspace(2, hq, d, splits, DEVICE)
+        o = torch.empty(2, hq, d, device=DEVICE)
+        decode_mod.decode_attention_fwd(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), o, req_to_token.to(DEVICE),
+                                        torch.tensor(rows, device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
+                                        logits, lse, splits, 1 / math.sqrt(d), k_scale=k_scale, v_scale=v_scale,
+                                        counters=counters)
+        for b, (row, n) in enumerate(zip(rows, seq_lens)):
+            slots = req_to_token[row, :n].long()
+            ref = _ref_attention(q[b : b + 1].double(), k8[slots].double() * k_scale, v8[slots].double() * v_scale,
+                                 1 / math.sqrt(d), torch.tensor([n - 1]))
+            torch.testing.assert_close(o[b : b + 1].cpu().double(), ref, rtol=1e-3, atol=1e-3)
+
+
+@in_process
 def test_extend_over_fp8_pool_with_scales():
     """Extend reads the cached prefix from the FP8 pool (scaled back), attends the new tokens unquantized,
     and stores them as K / k_scale, V / v_scale in FP8."""
@@ -143,3 +174,31 @@ def test_extend_over_fp8_pool_with_scales():
     values = torch.cat([v8[pre].float().cpu() * v_scale, v_new])
     ref = _ref_attention(q, keys, values, 1 / math.sqrt(d), torch.arange(prefix, prefix + new))
     torch.testing.assert_close(o.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@in_process
+def test_extend_over_fp8_pool_with_fp16_queries_runs_fp16_dots_on_the_prefix():
+    """fp16 queries (the interpreter's bf16 dots are wrong; bf16 takes the same path on the GPU): the FP8
+    prefix's dots run in fp16 with q scaled by Q_PRESCALE (taken back out in the scale), the new tokens' in
+    q's dtype; a float32 output within fp16's rounding of a float64 reference."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hk, d, num_slots, k_scale, v_scale = 4, 2, 64, 96, 0.25, 4.0
+    k, v = _pool(num_slots, hk, d, gen)
+    k8, v8 = (k / k_scale).to(FP8).to(DEVICE), (v / v_scale).to(FP8).to(DEVICE)
+    prefix, new = 60, 12
+    req_to_token = torch.zeros(2, 96, dtype=torch.int32)
+    req_to_token[1, : prefix + new] = (torch.randperm(num_slots, generator=gen)[: prefix + new] + 1).int()
+    loc = req_to_token[1, prefix : prefix + new].long()
+    k_new, v_new = (torch.randn(new, hk, d, generator=gen).half() for _ in range(2))
+    q = (torch.randn(new, hq, d, generator=gen) / math.sqrt(d)).half()
+    o = torch.empty(new, hq, d, device=DEVICE)
+    t = lambda *xs: torch.tensor(xs, device=DEVICE)
+    extend_mod.extend_attention_fwd(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), o, k8, v8, loc.to(DEVICE),
+                                    req_to_token.to(DEVICE), t(1), t(prefix + new), t(new), t(0), new,
+                                    1 / math.sqrt(d), config=extend_mod.ExtendConfig(16, 16, 4, 1),
+                                    k_scale=k_scale, v_scale=v_scale)
+    pre = req_to_token[1, :prefix].long()
+    keys = torch.cat([k8[pre].double().cpu() * k_scale, k_new.double()])
+    values = torch.cat([v8[pre].double().cpu() * v_scale, v_new.double()])
+    ref = _ref_attention(q.double(), keys, values, 1 / math.sqrt(d), torch.arange(prefix, prefix + new))
+    torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-3, atol=1e-3)

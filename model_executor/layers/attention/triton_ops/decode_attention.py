@@ -66,6 +66,17 @@ PROGRAMS_PER_SM = 4
 SINGLE_STAGE_MAX_LEN = 128
 
 _LOG2E = 1.4426950408889634
+# An FP8 pool's dots run in fp16 (e4m3 -> fp16 is one packed conversion per two values; -> bf16 needs a second
+# instruction per value, and at long contexts those conversions, not the pool's bytes, bound stage 1). bf16 q
+# goes to fp16 times this power of two (exact for |q| from ~2^-10 to ~1e6; qk_scale takes it back out), the
+# probabilities p in [0, 1] as they are (fp16 keeps more of them than bf16 does).
+Q_PRESCALE = 2.0**-4
+
+
+def kv_dots_in_fp16(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether stage 1 runs its dots in fp16: an FP8 pool under bf16 / fp16 queries (float32 queries keep
+    float32 dots)."""
+    return kv_dtype == torch.float8_e4m3fn and q_dtype in (torch.bfloat16, torch.float16)
 
 
 def get_num_kv_splits(max_context_len: int, min_chunk: int = MIN_CHUNK, max_splits: int = MAX_KV_SPLITS) -> int:
@@ -204,6 +215,8 @@ def _decode_stage1_kernel(
     SINGLE_STAGE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
     IN_PRECISION: tl.constexpr,
+    KV_F16: tl.constexpr,
+    Q_PRESCALE: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -233,6 +246,8 @@ def _decode_stage1_kernel(
     if has_work:
         q = tl.load(Q + cur_batch.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        if KV_F16:  # an FP8 pool: every dot in fp16 (Q_PRESCALE); k, p and v follow q's dtype below
+            q = (q.to(tl.float32) * Q_PRESCALE).to(tl.float16)
         e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -381,6 +396,8 @@ def decode_attention_fwd(
     merge_heads = triton.next_power_of_2(min(group, BLOCK_H))  # ... of a block's heads (all of a small group)
     in_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy
     single_stage = num_kv_splits == 1
+    kv_f16 = kv_dots_in_fp16(q.dtype, k_buffer.dtype)
+    qk_scale = sm_scale * k_scale * _LOG2E / (Q_PRESCALE if kv_f16 else 1.0)
     block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim)
     if fused_combine is None:  # (the default needs the counters: without them, two stages)
         fused_combine = counters is not None and fused_combine_default(bs)
@@ -393,7 +410,7 @@ def decode_attention_fwd(
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse, o,
         counters if fused else attn_lse,  # (a placeholder pointer when there is no combine in stage 1)
-        sm_scale * k_scale * _LOG2E, v_scale, num_kv_splits, min_chunk,
+        qk_scale, v_scale, num_kv_splits, min_chunk,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -413,6 +430,8 @@ def decode_attention_fwd(
         SINGLE_STAGE=single_stage,
         FUSED_COMBINE=fused,
         IN_PRECISION=in_precision,
+        KV_F16=kv_f16,
+        Q_PRESCALE=Q_PRESCALE,
         num_warps=num_warps,
         num_stages=num_stages,
     )

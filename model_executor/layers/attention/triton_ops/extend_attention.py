@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model_executor.layers.attention.triton_ops.decode_attention import Q_PRESCALE, kv_dots_in_fp16
+
 _LOG2E = 1.4426950408889634
 
 
@@ -107,6 +109,8 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IN_PRECISION: tl.constexpr,
+    POOL_F16: tl.constexpr,
+    Q_PRESCALE: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -160,11 +164,18 @@ def _extend_kernel(
     slot_table = Req_to_token + req_row * stride_req_b
     new_row_base = start_loc - prefix_len  # position p >= prefix_len is new row new_row_base + p
 
-    # 1. The cached prefix, from the pool: visible to every row.
-    acc, e_sum, e_max = _attend_block_range(
-        acc, e_sum, e_max, q, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
-        0, prefix_len, qk_scale * k_scale, v_scale, offs_d, mask_d,
-        BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION)
+    # 1. The cached prefix, from the pool: visible to every row. An FP8 pool's dots run in fp16, q scaled by
+    # Q_PRESCALE (decode_attention.kv_dots_in_fp16; the new tokens' dots below keep q's dtype).
+    if POOL_F16:
+        acc, e_sum, e_max = _attend_block_range(
+            acc, e_sum, e_max, (q.to(tl.float32) * Q_PRESCALE).to(tl.float16), q_pos, k_pool, v_pool, stride_kbs,
+            stride_vbs, slot_table, 0, 0, prefix_len, qk_scale * k_scale / Q_PRESCALE, v_scale, offs_d, mask_d,
+            BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION)
+    else:
+        acc, e_sum, e_max = _attend_block_range(
+            acc, e_sum, e_max, q, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
+            0, prefix_len, qk_scale * k_scale, v_scale, offs_d, mask_d,
+            BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION)
     # 2. New tokens before the tile's first query: visible to every row.
     shared_end = prefix_len + block_m * BLOCK_M
     acc, e_sum, e_max = _attend_block_range(
@@ -247,6 +258,8 @@ def extend_attention_fwd(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         IN_PRECISION=_dot_precision(q.dtype),
+        POOL_F16=kv_dots_in_fp16(q.dtype, k_buffer.dtype),
+        Q_PRESCALE=Q_PRESCALE,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
