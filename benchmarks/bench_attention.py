@@ -94,8 +94,9 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
     rows = torch.arange(1, bs + 1, device="cuda")
     lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = dec.decode_split_plan(dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072)),
-                                 ctx)
+    cap = dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072),
+                               dec.programs_per_sm(q.dtype, kv_dtype))
+    plan = dec.decode_split_plan(cap, ctx)
     kv_bytes = 2 * bs * ctx * num_kv_heads * head_dim * pool.k.element_size()
     floor_us = kv_bytes / (copy_tb_s * 1e6)
     out = []

@@ -225,8 +225,33 @@ def test_split_plan():
     assert [cap(bs, 32, 8, 132, 16, 2) for bs in (1, 2, 4, 8, 16, 32, 64)] == [16, 16, 8, 4, 2, 1, 1]
     assert cap(1, 40, 2, 4, 16, 2) == 2  # a group of 20: two head blocks per KV head, 4 programs a split
     assert cap(3, 32, 8, 132, 5, 2) == 5  # at most the workspace's splits
+    # An FP8 pool read by bf16 / fp16 queries splits up to twice the programs (Llama-3.1-8B heads, 132 SMs)
+    per_sm = decode_mod.programs_per_sm
+    assert per_sm(torch.bfloat16, torch.bfloat16) == 4 and per_sm(torch.float32, torch.float8_e4m3fn) == 4
+    assert per_sm(torch.bfloat16, torch.float8_e4m3fn) == per_sm(torch.float16, torch.float8_e4m3fn) == 8
+    assert [cap(bs, 32, 8, 132, 16, 8) for bs in (32, 64, 96, 128)] == [4, 2, 1, 1]
+    assert [cap(bs, 32, 8, 132, 16, 4) for bs in (32, 64, 96, 128)] == [2, 1, 1, 1]
     plan = decode_mod.decode_split_plan
     assert plan(8, 128, 128) == 1 and plan(8, 129, 128) == 8 and plan(1, 5000, 128) == 1
+
+
+@in_process
+def test_backend_split_cap_follows_the_pool_dtype():
+    """The triton backend's plan (what its decode graphs are captured for) counts FP8 pools' programs per SM."""
+    from types import SimpleNamespace
+
+    from model_executor.layers.attention.triton_backend import TritonAttnBackend
+
+    def backend(kv_dtype):
+        cfg = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+        runner = SimpleNamespace(model_config=cfg, context_len=4096, device=torch.device("cpu"), dtype=torch.bfloat16,
+                                 kv_dtype=kv_dtype, req_to_token_pool=SimpleNamespace(size=128))
+        b = TritonAttnBackend(runner)
+        b.num_sms = 132  # the H200's (off CUDA the backend counts INTERPRETER_NUM_SMS)
+        return b
+
+    assert [backend(torch.bfloat16).split_cap(bs) for bs in (32, 64)] == [2, 1]
+    assert [backend(torch.float8_e4m3fn).split_cap(bs) for bs in (32, 64)] == [4, 2]
 
 
 # ---------------------------------------------------------------- extend
