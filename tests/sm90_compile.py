@@ -4,7 +4,8 @@ The CPU tests run the kernels in Triton's interpreter, which executes their Pyth
 them as the compiler does, nor lower them (a module-level float read inside a kernel runs there and is a
 compile error on a GPU). This script calls the launchers with CPU tensors while each kernel's `run` only
 records its arguments, then compiles every recorded launch for GPUTarget("cuda", 90, 32) with the
-specializations a GPU launch would give (16-byte aligned pointers, integers divisible by 16 marked so), down
+specializations a GPU launch would give (16-byte aligned pointers, integers divisible by 16 marked so, an
+integer 1 a constant), down
 to a cubin through the ptxas that Triton's wheel carries. It prints one line per case and exits non-zero if
 any case does not compile. tests/test_sm90_compile.py runs it in a subprocess with Triton in compiled mode.
 
@@ -67,6 +68,8 @@ def compile_launch(kernel, args, kwargs):
         elif isinstance(value, torch.Tensor):
             signature[name] = POINTER[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, int) and value == 1 and name not in unspecialized:
+            signature[name], constexprs[name] = "constexpr", 1  # as a launch specializes a 1 (a unit stride)
         elif isinstance(value, int):
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value % 16 == 0 and value and name not in unspecialized:
