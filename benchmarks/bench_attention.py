@@ -82,6 +82,17 @@ class KvPool:
         self.req_to_token[1:, :ctx] = perm.view(bs, ctx)
 
 
+def plan_splits(heads, bs: int, ctx: int, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    """The split count the triton backend's plan gives a batch of bs requests of ctx tokens on this GPU."""
+    from model_executor.layers.attention.triton_ops import decode_attention as dec
+
+    num_heads, num_kv_heads, _ = heads
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cap = dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072),
+                               dec.programs_per_sm(q_dtype, kv_dtype))
+    return dec.decode_split_plan(cap, ctx)
+
+
 def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = False,
                 kv_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     from model_executor.layers.attention.triton_ops import alloc_decode_workspace, decode_attention_fwd
@@ -93,10 +104,7 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
     o = torch.empty_like(q)
     rows = torch.arange(1, bs + 1, device="cuda")
     lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cap = dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072),
-                               dec.programs_per_sm(q.dtype, kv_dtype))
-    plan = dec.decode_split_plan(cap, ctx)
+    plan = plan_splits(heads, bs, ctx, q.dtype, kv_dtype)
     kv_bytes = 2 * bs * ctx * num_kv_heads * head_dim * pool.k.element_size()
     floor_us = kv_bytes / (copy_tb_s * 1e6)
     out = []
@@ -136,9 +144,7 @@ def combine_rows(heads, bs: int, ctx: int) -> list[dict]:
     q = torch.randn(bs, num_heads, head_dim, device="cuda").bfloat16()
     rows = torch.arange(1, bs + 1, device="cuda")
     lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = dec.decode_split_plan(dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072)),
-                                 ctx)
+    plan = plan_splits(heads, bs, ctx, q.dtype, pool.k.dtype)
     base = {"heads": list(heads), "bs": bs, "ctx": ctx, "fused_default": dec.fused_combine_default(bs)}
 
     def timed(splits: int, fused: bool) -> tuple[float, torch.Tensor]:

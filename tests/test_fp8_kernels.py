@@ -90,30 +90,75 @@ def _ref_attention(q, k, v, sm_scale, q_pos):
     return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, -1), v)
 
 
+def _fp8_pool_and_slots(gen, num_slots, hk, d, k_scale, v_scale, lengths, width):
+    """A pool holding K / k_scale and V / v_scale in FP8, and a req_to_token [len(lengths) + 2, width] whose
+    rows 1.. hold each request's scattered slots (lengths[i] of them)."""
+    k, v = _pool(num_slots, hk, d, gen)
+    req_to_token = torch.zeros(len(lengths) + 2, width, dtype=torch.int32)
+    perm = torch.randperm(num_slots, generator=gen) + 1
+    start = 0
+    for row, n in enumerate(lengths, 1):
+        req_to_token[row, :n] = perm[start : start + n].int()
+        start += n
+    return (k / k_scale).to(FP8), (v / v_scale).to(FP8), req_to_token
+
+
+def _decode(q, k8, v8, req_to_token, seq_lens, splits, k_scale, v_scale):
+    """decode_attention_fwd of request b (row b + 1) over the FP8 pool; the float32 output on the CPU."""
+    bs, hq, d = q.shape
+    logits, lse, counters = decode_mod.alloc_decode_workspace(bs, hq, d, splits, DEVICE)
+    o = torch.empty(bs, hq, d, device=DEVICE)
+    decode_mod.decode_attention_fwd(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), o, req_to_token.to(DEVICE),
+                                    torch.arange(1, bs + 1, device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
+                                    logits, lse, splits, 1 / math.sqrt(d), k_scale=k_scale, v_scale=v_scale,
+                                    counters=counters)
+    return o.cpu()
+
+
+def _decode_refs(q, k8, v8, req_to_token, seq_lens, k_scale, v_scale):
+    """Per request, the reference over the dequantized pool, in q's dtype."""
+    refs = []
+    for b, n in enumerate(seq_lens):
+        slots = req_to_token[b + 1, :n].long()
+        refs.append(_ref_attention(q[b : b + 1], k8[slots].to(q.dtype) * k_scale, v8[slots].to(q.dtype) * v_scale,
+                                   1 / math.sqrt(q.shape[-1]), torch.tensor([n - 1])))
+    return refs
+
+
+def _extend(q, k_new, v_new, k8, v8, req_to_token, prefix, k_scale, v_scale):
+    """extend_attention_fwd of one request (row 1: prefix cached tokens, then q's) over the FP8 pool (on the
+    device; the new tokens' K / V are stored into it); the float32 output on the CPU."""
+    new, hq, d = q.shape
+    o = torch.empty(new, hq, d, device=DEVICE)
+    loc = req_to_token[1, prefix : prefix + new].long()
+    t = lambda *xs: torch.tensor(xs, device=DEVICE)
+    extend_mod.extend_attention_fwd(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), o, k8, v8, loc.to(DEVICE),
+                                    req_to_token.to(DEVICE), t(1), t(prefix + new), t(new), t(0), new,
+                                    1 / math.sqrt(d), config=extend_mod.ExtendConfig(16, 16, 4, 1),
+                                    k_scale=k_scale, v_scale=v_scale)
+    return o.cpu()
+
+
+def _extend_ref(q, k_new, v_new, k8, v8, req_to_token, prefix, k_scale, v_scale):
+    """The reference over the dequantized prefix and the new tokens as given, in q's dtype."""
+    new = q.shape[0]
+    pre = req_to_token[1, :prefix].long()
+    keys = torch.cat([k8[pre].cpu().to(q.dtype) * k_scale, k_new.to(q.dtype)])
+    values = torch.cat([v8[pre].cpu().to(q.dtype) * v_scale, v_new.to(q.dtype)])
+    return _ref_attention(q, keys, values, 1 / math.sqrt(q.shape[-1]), torch.arange(prefix, prefix + new))
+
+
 @in_process
 def test_decode_over_fp8_pool_with_scales():
     """The pool holds K / k_scale and V / v_scale in FP8; attention equals the reference over the
     dequantized pool (the scales must be applied exactly once, K's inside the softmax, V's outside)."""
     gen = torch.Generator().manual_seed(2)
-    hq, hk, d, num_slots, k_scale, v_scale = 4, 2, 64, 80, 0.5, 2.0
-    k, v = _pool(num_slots, hk, d, gen)
-    k8, v8 = (k / k_scale).to(FP8), (v / v_scale).to(FP8)
-    seq_lens, rows = [30, 45], [1, 2]
-    req_to_token = torch.zeros(4, 64, dtype=torch.int32)
-    perm = torch.randperm(num_slots, generator=gen) + 1
-    req_to_token[1, :30], req_to_token[2, :45] = perm[:30].int(), perm[30:75].int()
+    hq, hk, d, num_slots, k_scale, v_scale, seq_lens = 4, 2, 64, 80, 0.5, 2.0, [30, 45]
+    k8, v8, req_to_token = _fp8_pool_and_slots(gen, num_slots, hk, d, k_scale, v_scale, seq_lens, 64)
     q = torch.randn(2, hq, d, generator=gen)
-    logits, lse, counters = decode_mod.alloc_decode_workspace(2, hq, d, 2, DEVICE)
-    o = torch.empty(2, hq, d, device=DEVICE)
-    decode_mod.decode_attention_fwd(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), o, req_to_token.to(DEVICE),
-                                    torch.tensor(rows, device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
-                                    logits, lse, 2, 1 / math.sqrt(d), k_scale=k_scale, v_scale=v_scale,
-                                    counters=counters)
-    for b, (row, n) in enumerate(zip(rows, seq_lens)):
-        slots = req_to_token[row, :n].long()
-        ref = _ref_attention(q[b : b + 1], k8[slots].float() * k_scale, v8[slots].float() * v_scale,
-                             1 / math.sqrt(d), torch.tensor([n - 1]))
-        torch.testing.assert_close(o[b : b + 1].cpu(), ref, rtol=1e-4, atol=1e-4)
+    o = _decode(q, k8, v8, req_to_token, seq_lens, 2, k_scale, v_scale)
+    for b, ref in enumerate(_decode_refs(q, k8, v8, req_to_token, seq_lens, k_scale, v_scale)):
+        torch.testing.assert_close(o[b : b + 1], ref, rtol=1e-4, atol=1e-4)
 
 
 @in_process
@@ -125,26 +170,14 @@ def test_decode_over_fp8_pool_with_bf16_queries_runs_fp16_dots(q_scale):
     assert decode_mod.kv_dots_in_fp16(torch.bfloat16, FP8) and not decode_mod.kv_dots_in_fp16(torch.float32, FP8)
     assert not decode_mod.kv_dots_in_fp16(torch.bfloat16, torch.bfloat16)
     gen = torch.Generator().manual_seed(4)
-    hq, hk, d, num_slots, k_scale, v_scale = 8, 2, 64, 160, 0.5, 2.0
-    k, v = _pool(num_slots, hk, d, gen)
-    k8, v8 = (k / k_scale).to(FP8), (v / v_scale).to(FP8)
-    seq_lens, rows = [40, 90], [1, 2]
-    req_to_token = torch.zeros(4, 96, dtype=torch.int32)
-    perm = torch.randperm(num_slots, generator=gen) + 1
-    req_to_token[1, :40], req_to_token[2, :90] = perm[:40].int(), perm[40:130].int()
+    hq, hk, d, num_slots, k_scale, v_scale, seq_lens = 8, 2, 64, 160, 0.5, 2.0, [40, 90]
+    k8, v8, req_to_token = _fp8_pool_and_slots(gen, num_slots, hk, d, k_scale, v_scale, seq_lens, 96)
     q = (torch.randn(2, hq, d, generator=gen) * q_scale / math.sqrt(d)).bfloat16()
+    refs = _decode_refs(q.double(), k8, v8, req_to_token, seq_lens, k_scale, v_scale)
     for splits in (1, 2):
-        logits, lse, counters = decode_mod.alloc_decode_workspace(2, hq, d, splits, DEVICE)
-        o = torch.empty(2, hq, d, device=DEVICE)
-        decode_mod.decode_attention_fwd(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), o, req_to_token.to(DEVICE),
-                                        torch.tensor(rows, device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
-                                        logits, lse, splits, 1 / math.sqrt(d), k_scale=k_scale, v_scale=v_scale,
-                                        counters=counters)
-        for b, (row, n) in enumerate(zip(rows, seq_lens)):
-            slots = req_to_token[row, :n].long()
-            ref = _ref_attention(q[b : b + 1].double(), k8[slots].double() * k_scale, v8[slots].double() * v_scale,
-                                 1 / math.sqrt(d), torch.tensor([n - 1]))
-            torch.testing.assert_close(o[b : b + 1].cpu().double(), ref, rtol=1e-3, atol=1e-3)
+        o = _decode(q, k8, v8, req_to_token, seq_lens, splits, k_scale, v_scale)
+        for b, ref in enumerate(refs):
+            torch.testing.assert_close(o[b : b + 1].double(), ref, rtol=1e-3, atol=1e-3)
 
 
 @in_process
@@ -152,28 +185,17 @@ def test_extend_over_fp8_pool_with_scales():
     """Extend reads the cached prefix from the FP8 pool (scaled back), attends the new tokens unquantized,
     and stores them as K / k_scale, V / v_scale in FP8."""
     gen = torch.Generator().manual_seed(3)
-    hq, hk, d, num_slots, k_scale, v_scale = 4, 2, 64, 64, 0.25, 4.0
-    k, v = _pool(num_slots, hk, d, gen)
-    k8, v8 = (k / k_scale).to(FP8).to(DEVICE), (v / v_scale).to(FP8).to(DEVICE)
-    prefix, new = 20, 12
-    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
-    req_to_token[1, : prefix + new] = (torch.randperm(num_slots, generator=gen)[: prefix + new] + 1).int()
+    hq, hk, d, num_slots, k_scale, v_scale, prefix, new = 4, 2, 64, 64, 0.25, 4.0, 20, 12
+    k8, v8, req_to_token = _fp8_pool_and_slots(gen, num_slots, hk, d, k_scale, v_scale, [prefix + new], 64)
+    k8, v8 = k8.to(DEVICE), v8.to(DEVICE)
     loc = req_to_token[1, prefix : prefix + new].long()
     k_new, v_new = torch.randn(new, hk, d, generator=gen), torch.randn(new, hk, d, generator=gen)
     q = torch.randn(new, hq, d, generator=gen)
-    o = torch.empty(new, hq, d, device=DEVICE)
-    t = lambda *xs: torch.tensor(xs, device=DEVICE)
-    extend_mod.extend_attention_fwd(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), o, k8, v8, loc.to(DEVICE),
-                                    req_to_token.to(DEVICE), t(1), t(prefix + new), t(new), t(0), new,
-                                    1 / math.sqrt(d), config=extend_mod.ExtendConfig(16, 16, 4, 1),
-                                    k_scale=k_scale, v_scale=v_scale)
+    o = _extend(q, k_new, v_new, k8, v8, req_to_token, prefix, k_scale, v_scale)
     fp8_codes_match(k8[loc], (k_new / k_scale).to(FP8), k_new / k_scale)
     fp8_codes_match(v8[loc], (v_new / v_scale).to(FP8), v_new / v_scale)
-    pre = req_to_token[1, :prefix].long()
-    keys = torch.cat([k8[pre].float().cpu() * k_scale, k_new])
-    values = torch.cat([v8[pre].float().cpu() * v_scale, v_new])
-    ref = _ref_attention(q, keys, values, 1 / math.sqrt(d), torch.arange(prefix, prefix + new))
-    torch.testing.assert_close(o.cpu(), ref, rtol=1e-4, atol=1e-4)
+    ref = _extend_ref(q, k_new, v_new, k8, v8, req_to_token, prefix, k_scale, v_scale)
+    torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-4)
 
 
 @in_process
@@ -182,23 +204,11 @@ def test_extend_over_fp8_pool_with_fp16_queries_runs_fp16_dots_on_the_prefix():
     prefix's dots run in fp16 with q scaled by Q_PRESCALE (taken back out in the scale), the new tokens' in
     q's dtype; a float32 output within fp16's rounding of a float64 reference."""
     gen = torch.Generator().manual_seed(5)
-    hq, hk, d, num_slots, k_scale, v_scale = 4, 2, 64, 96, 0.25, 4.0
-    k, v = _pool(num_slots, hk, d, gen)
-    k8, v8 = (k / k_scale).to(FP8).to(DEVICE), (v / v_scale).to(FP8).to(DEVICE)
-    prefix, new = 60, 12
-    req_to_token = torch.zeros(2, 96, dtype=torch.int32)
-    req_to_token[1, : prefix + new] = (torch.randperm(num_slots, generator=gen)[: prefix + new] + 1).int()
-    loc = req_to_token[1, prefix : prefix + new].long()
+    hq, hk, d, num_slots, k_scale, v_scale, prefix, new = 4, 2, 64, 96, 0.25, 4.0, 60, 12
+    k8, v8, req_to_token = _fp8_pool_and_slots(gen, num_slots, hk, d, k_scale, v_scale, [prefix + new], 96)
+    k8, v8 = k8.to(DEVICE), v8.to(DEVICE)
     k_new, v_new = (torch.randn(new, hk, d, generator=gen).half() for _ in range(2))
     q = (torch.randn(new, hq, d, generator=gen) / math.sqrt(d)).half()
-    o = torch.empty(new, hq, d, device=DEVICE)
-    t = lambda *xs: torch.tensor(xs, device=DEVICE)
-    extend_mod.extend_attention_fwd(q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), o, k8, v8, loc.to(DEVICE),
-                                    req_to_token.to(DEVICE), t(1), t(prefix + new), t(new), t(0), new,
-                                    1 / math.sqrt(d), config=extend_mod.ExtendConfig(16, 16, 4, 1),
-                                    k_scale=k_scale, v_scale=v_scale)
-    pre = req_to_token[1, :prefix].long()
-    keys = torch.cat([k8[pre].double().cpu() * k_scale, k_new.double()])
-    values = torch.cat([v8[pre].double().cpu() * v_scale, v_new.double()])
-    ref = _ref_attention(q.double(), keys, values, 1 / math.sqrt(d), torch.arange(prefix, prefix + new))
-    torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-3, atol=1e-3)
+    o = _extend(q, k_new, v_new, k8, v8, req_to_token, prefix, k_scale, v_scale)
+    ref = _extend_ref(q.double(), k_new, v_new, k8, v8, req_to_token, prefix, k_scale, v_scale)
+    torch.testing.assert_close(o.double(), ref, rtol=1e-3, atol=1e-3)

@@ -167,15 +167,15 @@ def _extend_kernel(
     # 1. The cached prefix, from the pool: visible to every row. An FP8 pool's dots run in fp16, q scaled by
     # Q_PRESCALE (decode_attention.kv_dots_in_fp16; the new tokens' dots below keep q's dtype).
     if POOL_F16:
-        acc, e_sum, e_max = _attend_block_range(
-            acc, e_sum, e_max, (q.to(tl.float32) * Q_PRESCALE).to(tl.float16), q_pos, k_pool, v_pool, stride_kbs,
-            stride_vbs, slot_table, 0, 0, prefix_len, qk_scale * k_scale / Q_PRESCALE, v_scale, offs_d, mask_d,
-            BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION)
+        q_pool = (q.to(tl.float32) * Q_PRESCALE).to(tl.float16)
+        pool_qk_scale = qk_scale * k_scale / Q_PRESCALE
     else:
-        acc, e_sum, e_max = _attend_block_range(
-            acc, e_sum, e_max, q, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
-            0, prefix_len, qk_scale * k_scale, v_scale, offs_d, mask_d,
-            BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION)
+        q_pool = q
+        pool_qk_scale = qk_scale * k_scale
+    acc, e_sum, e_max = _attend_block_range(
+        acc, e_sum, e_max, q_pool, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
+        0, prefix_len, pool_qk_scale, v_scale, offs_d, mask_d,
+        BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION)
     # 2. New tokens before the tile's first query: visible to every row.
     shared_end = prefix_len + block_m * BLOCK_M
     acc, e_sum, e_max = _attend_block_range(
