@@ -91,7 +91,7 @@ def cases():
     from model_executor.layers.norm import PrenormedRow
     from model_executor.layers.quantization import fp8_ops
     from model_executor.layers.rotary_store_kv import RopeStore
-    from model_executor.layers.triton_ops import kernels, qk_norm_rope, rotary_store_kv
+    from model_executor.layers.triton_ops import kernels, l2_prefetch, qk_norm_rope, rotary_store_kv
     from model_executor.layers.triton_ops import small_m_gemm as sm
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
@@ -160,6 +160,10 @@ def cases():
         qk_norm_rope.qk_norm_rope_fwd(pos, q, k, torch.ones(64, dtype=bf16), torch.ones(64, dtype=bf16), 1e-6, cache)
         kernels.store_kv_fwd(pool, pool.clone(), torch.arange(5), k, k.clone())
 
+    def prefetch():  # the rows of a weight (as on a GPU, where l2_prefetch plans and launches this)
+        w = torch.zeros(64, 4096, dtype=torch.uint8)
+        l2_prefetch._launch(w, *l2_prefetch.plan(w, 1024, chunk=512))
+
     def router():
         router_kernel.topk_softmax(torch.randn(3, 64, dtype=bf16), 4, True)
 
@@ -198,6 +202,7 @@ def cases():
          (kernels._rotary_kernel, qk_norm_rope._qk_norm_rope_kernel, kernels._store_kv_kernel),
          extend_rotary_and_store),
         ("q/k norm + rotary + KV store", (rotary_store_kv._rotary_store_kv_kernel,), lambda: rotary_store(True)),
+        ("L2 prefetch of a weight's rows", (l2_prefetch._l2_prefetch_kernel,), prefetch),
     ]
 
 

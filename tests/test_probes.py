@@ -19,3 +19,12 @@ def test_fp8_gemv_probe_refuses_without_cuda(monkeypatch, capsys):
     assert fp8_probe.main([]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "needs a CUDA device" in err
+
+
+def test_l2_prefetch_probe_refuses_without_cuda(monkeypatch, capsys):
+    from benchmarks import probe_l2_prefetch as l2_probe
+
+    monkeypatch.setattr(l2_probe.torch.cuda, "is_available", lambda: False)
+    assert l2_probe.main([]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs a CUDA device" in err

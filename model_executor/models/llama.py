@@ -27,6 +27,7 @@ from model_executor.layers.logits import compute_logits
 from model_executor.layers.moe.layer import DOWN, GATE, UP, FusedMoE, SparseMoeBlock
 from model_executor.layers.norm import PrenormedRow, RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.layers.triton_ops.l2_prefetch import l2_prefetch
 from model_executor.model_config import CheckpointMismatchError, ModelConfig
 
 
@@ -65,6 +66,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    # At a decode step, start bringing o_proj's weight into L2 before the attention kernel (whose memory
+    # traffic is small at short contexts) so that o_proj reads it from there: an experiment, off unless
+    # enable_l2_prefetch turns it on (benchmarks/bench_one_batch.py --l2-prefetch; not while torch.compile
+    # traces: it is a Triton launch, not a registered op).
+    prefetch_o_proj = False
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         hd = cfg.head_dim
@@ -91,10 +98,16 @@ class LlamaAttention(nn.Module):
         fused = None if rope is None else self.qkv_proj.forward_normed_rope(norm, x, residual, rope)
         if fused is not None:
             qkv, residual = fused
+            self._prefetch_o_proj(fb)
             return self.attn.forward_stored(qkv[:, : self.qkv_proj.q_size], fb), residual
         qkv, residual = self.qkv_proj.forward_normed(norm, x, residual)
         q, k, v = self.qkv_proj.split(qkv)
+        self._prefetch_o_proj(fb)
         return self.attn(q, k, v, fb, positions), residual
+
+    def _prefetch_o_proj(self, fb: ForwardBatch) -> None:
+        if self.prefetch_o_proj and fb.mode.is_decode() and not torch.compiler.is_compiling():
+            l2_prefetch(self.o_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -147,6 +160,15 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, fb, next_layer)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+def enable_l2_prefetch(model: nn.Module, on: bool = True) -> int:
+    """Turn LlamaAttention's o_proj prefetch on (or off) in every attention layer of model (before its CUDA
+    graphs are captured); returns how many layers it set."""
+    layers = [m for m in model.modules() if isinstance(m, LlamaAttention)]
+    for m in layers:
+        m.prefetch_o_proj = on
+    return len(layers)
 
 
 class LlamaForCausalLM(nn.Module):

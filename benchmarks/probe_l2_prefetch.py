@@ -1,0 +1,162 @@
+"""probe_l2_prefetch: does bringing the next weight into L2 while a latency-bound kernel runs shorten a one-row
+decode step? (issues 18, 23)
+
+Llama-3.1-8B FP8 at bs=1 spends 2.38 of 2.61 ms in 129 GEMVs at 3.37 TB/s on average (eleventh session's
+profile); its decode attention, ~6.7 us a layer, reads little and leaves the memory bus nearly idle. Each
+layer's o_proj (16.8 MB of FP8) fits in the H200's 50 MB L2: prefetched when attention starts
+(model_executor/layers/triton_ops/l2_prefetch.py), it would be read from L2. Three measurements, each
+one CUDA graph over --layers layers with their own weights (the set far exceeds L2), median of REPLAYS:
+
+1. `prefetch alone`: the prefetch kernel of one o_proj per call. About a launch if nothing waits for the
+   bytes; ~4 us (16.8 MB at ~4 TB/s) if a kernel's end waits for its prefetches.
+2. `window -> o_proj`: a spin kernel of --window-us (attention's stand-in: one program reading the clock,
+   no memory traffic), then o_proj (the small-M kernel at its table config); with and without o_proj
+   prefetched just before the window.
+3. `layer chain`: qkv -> window -> o_proj -> gate/up with SiLU-and-mul -> down, as a decode layer runs them
+   (without the norms fused into them); prefetching none, o_proj, or o_proj and the first
+   --gate-up-row-bytes of every gate/up row before the window.
+
+    python -m benchmarks.probe_l2_prefetch --json out.json
+    python -m benchmarks.probe_l2_prefetch --window-us 0 6.7 --gate-up-row-bytes 256 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+HIDDEN, Q_ROWS, KV_ROWS, INTER = 4096, 4096, 1024, 14336  # Llama-3.1-8B
+REPLAYS = 20
+
+
+@triton.jit
+def _spin_kernel(OUT, ns):
+    """One program that waits ns nanoseconds on the global timer (no memory traffic but one store)."""
+    zero = tl.program_id(0)
+    start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [zero], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    now = start
+    while now - start < ns:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [zero], dtype=tl.int64,
+                                        is_pure=False, pack=1)
+    tl.store(OUT, now - start)
+
+
+class Layer:
+    """One decode layer's FP8 weights (per-channel scales), random."""
+
+    def __init__(self, gen: torch.Generator):
+        from model_executor.layers.quantization import fp8_math as fm
+
+        def weight(n: int, k: int):
+            return fm.quantize_fp8_per_channel((torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16())
+
+        self.qkv = weight(Q_ROWS + 2 * KV_ROWS, HIDDEN)
+        self.o = weight(HIDDEN, Q_ROWS)
+        self.gate_up = weight(2 * INTER, HIDDEN)
+        self.down = weight(HIDDEN, INTER)
+
+
+def replay_ms(calls) -> float:
+    """Median milliseconds of one replay of a CUDA graph that runs calls() once."""
+    calls()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--window-us", type=float, nargs="+", default=[6.7], help="attention's stand-in per layer")
+    p.add_argument("--gate-up-row-bytes", type=int, nargs="+", default=[256],
+                   help="bytes of every gate/up row also prefetched in the window")
+    p.add_argument("--json", dest="json_out")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_l2_prefetch needs a CUDA device", file=sys.stderr)
+        return 2
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+    from model_executor.layers.triton_ops.l2_prefetch import l2_prefetch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = [Layer(gen) for _ in range(args.layers)]
+    x = torch.randn(1, HIDDEN, device="cuda", generator=gen).bfloat16()
+    act = torch.randn(1, INTER, device="cuda", generator=gen).bfloat16()
+    clock = torch.zeros(1, dtype=torch.int64, device="cuda")
+    if sm.small_m_silu_and_mul(x, *layers[0].gate_up) is None:
+        print("probe_l2_prefetch: no fused gate/up GEMV config for this GPU (the small-M table)", file=sys.stderr)
+        return 2
+    o_bytes = layers[0].o[0].numel()
+    rows = []
+
+    def spin(us: float):
+        if us > 0:
+            _spin_kernel[(1,)](clock, int(us * 1000), num_warps=1)
+
+    def report(section: str, variant: str, ms: float, **extra):
+        per_layer = ms * 1e3 / args.layers
+        rows.append({"section": section, "variant": variant, "ms": ms, "us_per_layer": per_layer, **extra})
+        print(f"{section:>18} {variant:>34} {ms:>9.3f} {per_layer:>9.2f}", flush=True)
+
+    print(f"{'section':>18} {'variant':>34} {'graph ms':>9} {'us/layer':>9}")
+    report("prefetch alone", f"o_proj {o_bytes / 1e6:.1f} MB", replay_ms(lambda: [l2_prefetch(l.o[0]) for l in layers]))
+
+    for window in args.window_us:
+        for prefetch in (False, True):
+            def window_then_o(window=window, prefetch=prefetch):
+                for l in layers:
+                    if prefetch:
+                        l2_prefetch(l.o[0])
+                    spin(window)
+                    sm.small_m_linear(x, *l.o)
+
+            report("window -> o_proj", f"window {window} us, {'o_proj prefetched' if prefetch else 'none'}",
+                   replay_ms(window_then_o), window_us=window, prefetch_o=prefetch)
+        report("window alone", f"window {window} us", replay_ms(lambda window=window: [spin(window) for _ in layers]),
+               window_us=window)
+
+        variants = [("none", False, 0), ("o_proj", True, 0)] + [
+            (f"o_proj + gate/up rows' first {b} B", True, b) for b in args.gate_up_row_bytes]
+        for name, prefetch_o, gu_bytes in variants:
+            def chain(window=window, prefetch_o=prefetch_o, gu_bytes=gu_bytes):
+                for l in layers:
+                    sm.small_m_linear(x, *l.qkv)
+                    if prefetch_o:
+                        l2_prefetch(l.o[0])
+                    if gu_bytes:
+                        l2_prefetch(l.gate_up[0], row_bytes=gu_bytes)
+                    spin(window)
+                    sm.small_m_linear(x, *l.o)
+                    sm.small_m_silu_and_mul(x, *l.gate_up)
+                    sm.small_m_linear(act, *l.down)
+
+            report("layer chain", f"window {window} us, {name}", replay_ms(chain), window_us=window,
+                   prefetch_o=prefetch_o, gate_up_row_bytes=gu_bytes)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "layers": args.layers, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
