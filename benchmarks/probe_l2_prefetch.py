@@ -13,19 +13,25 @@ one CUDA graph over --layers layers with their own weights (the set far exceeds 
    no memory traffic), then o_proj (the small-M kernel at its table config); with and without o_proj
    prefetched just before the window.
 3. `layer chain`: qkv -> window -> o_proj -> gate/up with SiLU-and-mul -> down, as a decode layer runs them
-   (without the norms fused into them); prefetching none, o_proj, or o_proj and the first
-   --gate-up-row-bytes of every gate/up row before the window.
+   (without the norms fused into them), prefetching (`Variant`): nothing; o_proj before the window (what
+   `bench_one_batch --l2-prefetch` does in the model); that and the first --gate-up-row-bytes of every gate/up
+   row; o_proj on a side stream from qkv's start (a graph branch: it can then take qkv's GEMV time too, if
+   qkv's 25 MB do not evict it); o_proj before the window and, on a side stream from each GEMV's start, the
+   first --next-row-bytes of every row of the next GEMV's weight (for the next kernel's ramp; lines that
+   the running GEMV's own stream evicts are wasted).
 
     python -m benchmarks.probe_l2_prefetch --json out.json
-    python -m benchmarks.probe_l2_prefetch --window-us 0 6.7 --gate-up-row-bytes 256 512
+    python -m benchmarks.probe_l2_prefetch --window-us 0 6.7 --gate-up-row-bytes 256 512 --next-row-bytes 512
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -63,6 +69,26 @@ class Layer:
         self.down = weight(HIDDEN, INTER)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """What the layer chain prefetches."""
+
+    name: str
+    o_at_window: bool = False  # o_proj, in the stream just before the window
+    o_at_qkv: bool = False  # o_proj, on a side stream from qkv's start (so over qkv's GEMV and the window)
+    gate_up_row_bytes: int = 0  # the first bytes of every gate/up row too, before the window
+    next_row_bytes: int = 0  # from each GEMV's start, on a side stream: the first bytes of the next one's rows
+
+
+def chain_variants(args) -> list[Variant]:
+    return ([Variant("none"), Variant("o_proj at the window", o_at_window=True)]
+            + [Variant(f"o_proj + gate/up rows' first {b} B at the window", o_at_window=True, gate_up_row_bytes=b)
+               for b in args.gate_up_row_bytes]
+            + [Variant("o_proj from qkv's start (side stream)", o_at_qkv=True)]
+            + [Variant(f"o_proj at the window + next GEMV rows' first {b} B (side stream)", o_at_window=True,
+                       next_row_bytes=b) for b in args.next_row_bytes])
+
+
 def replay_ms(calls) -> float:
     """Median milliseconds of one replay of a CUDA graph that runs calls() once."""
     calls()  # compile outside the capture
@@ -90,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--window-us", type=float, nargs="+", default=[6.7], help="attention's stand-in per layer")
     p.add_argument("--gate-up-row-bytes", type=int, nargs="+", default=[256],
                    help="bytes of every gate/up row also prefetched in the window")
+    p.add_argument("--next-row-bytes", type=int, nargs="+", default=[256, 1024],
+                   help="bytes of every row of the next GEMV's weight prefetched from each GEMV's start")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -113,12 +141,44 @@ def main(argv=None) -> int:
         if us > 0:
             _spin_kernel[(1,)](clock, int(us * 1000), num_warps=1)
 
+    side = torch.cuda.Stream()
+
+    def fork_prefetch(w: torch.Tensor, row_bytes: int | None):
+        """l2_prefetch on a side stream, from this point of the main stream on (joined by join())."""
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            l2_prefetch(w, row_bytes=row_bytes)
+
+    def join():
+        torch.cuda.current_stream().wait_stream(side)
+
+    def chain(v: Variant, window: float):
+        seq = [(name, l, w, a) for l in layers
+               for name, w, a in (("qkv", l.qkv, x), ("o", l.o, x), ("gate_up", l.gate_up, x), ("down", l.down, act))]
+        for i, (name, l, (w, s), a) in enumerate(seq):
+            nxt = seq[i + 1][2][0] if i + 1 < len(seq) else None
+            if name == "o":
+                if v.o_at_window:
+                    l2_prefetch(w)
+                if v.gate_up_row_bytes:
+                    l2_prefetch(l.gate_up[0], row_bytes=v.gate_up_row_bytes)
+                spin(window)
+            if name == "qkv" and v.o_at_qkv:
+                fork_prefetch(l.o[0], None)
+            elif v.next_row_bytes and nxt is not None:
+                fork_prefetch(nxt, v.next_row_bytes)
+            if name == "gate_up":
+                sm.small_m_silu_and_mul(a, w, s)
+            else:
+                sm.small_m_linear(a, w, s)
+            join()
+
     def report(section: str, variant: str, ms: float, **extra):
         per_layer = ms * 1e3 / args.layers
         rows.append({"section": section, "variant": variant, "ms": ms, "us_per_layer": per_layer, **extra})
-        print(f"{section:>18} {variant:>34} {ms:>9.3f} {per_layer:>9.2f}", flush=True)
+        print(f"{section:>18} {variant:>66} {ms:>9.3f} {per_layer:>9.2f}", flush=True)
 
-    print(f"{'section':>18} {'variant':>34} {'graph ms':>9} {'us/layer':>9}")
+    print(f"{'section':>18} {'variant':>66} {'graph ms':>9} {'us/layer':>9}")
     report("prefetch alone", f"o_proj {o_bytes / 1e6:.1f} MB", replay_ms(lambda: [l2_prefetch(l.o[0]) for l in layers]))
 
     for window in args.window_us:
@@ -135,23 +195,9 @@ def main(argv=None) -> int:
         report("window alone", f"window {window} us", replay_ms(lambda window=window: [spin(window) for _ in layers]),
                window_us=window)
 
-        variants = [("none", False, 0), ("o_proj", True, 0)] + [
-            (f"o_proj + gate/up rows' first {b} B", True, b) for b in args.gate_up_row_bytes]
-        for name, prefetch_o, gu_bytes in variants:
-            def chain(window=window, prefetch_o=prefetch_o, gu_bytes=gu_bytes):
-                for l in layers:
-                    sm.small_m_linear(x, *l.qkv)
-                    if prefetch_o:
-                        l2_prefetch(l.o[0])
-                    if gu_bytes:
-                        l2_prefetch(l.gate_up[0], row_bytes=gu_bytes)
-                    spin(window)
-                    sm.small_m_linear(x, *l.o)
-                    sm.small_m_silu_and_mul(x, *l.gate_up)
-                    sm.small_m_linear(act, *l.down)
-
-            report("layer chain", f"window {window} us, {name}", replay_ms(chain), window_us=window,
-                   prefetch_o=prefetch_o, gate_up_row_bytes=gu_bytes)
+        for v in chain_variants(args):
+            report("layer chain", f"window {window} us, {v.name}", replay_ms(lambda v=v, w=window: chain(v, w)),
+                   window_us=window, **dataclasses.asdict(v))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "layers": args.layers, "rows": rows}, f, indent=1)
