@@ -516,13 +516,17 @@ def test_request_size_limit(server):
 
 def test_huge_prompt_does_not_stall_other_clients(server):
     """Regression: a 7 MB prompt (just under the body limit) used to be tokenized on the event loop, which
-    stalled every other client for ~4 s on this machine; it is now tokenized in a worker thread."""
+    stalled every other client for ~4 s on this machine; it is now tokenized in a worker thread. On the loop,
+    one /health poll would wait for nearly the whole request; the check is relative to the request's own
+    time (a loaded machine slows both), not a fixed number of seconds."""
     text = "hello world " * 600_000
     result = {}
 
     def big():
+        start = time.monotonic()
         result["resp"] = httpx.post(f"{server.url}/v1/completions", json={"prompt": text, "max_tokens": 1},
                                     timeout=120)
+        result["took"] = time.monotonic() - start
 
     t = threading.Thread(target=big)
     t.start()
@@ -537,11 +541,11 @@ def test_huge_prompt_does_not_stall_other_clients(server):
             polls += 1
             time.sleep(0.02)
     t.join()
-    resp = result["resp"]
+    resp, took = result["resp"], result["took"]
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
-    print(f"\nhuge prompt: {polls} /health polls while it was tokenized, worst latency {worst:.3f} s")
+    print(f"\nhuge prompt: {took:.2f} s, {polls} /health polls meanwhile, worst latency {worst:.3f} s")
+    assert worst < 0.5 * took, f"/health took {worst:.2f} s of the huge prompt's {took:.2f} s"
     assert polls >= 5, "the huge prompt was answered too fast to measure anything"
-    assert worst < 1.0, f"/health took {worst:.2f} s while a huge prompt was tokenized"
 
 
 def test_openapi_documents_the_error_body(server):
