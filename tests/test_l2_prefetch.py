@@ -52,23 +52,24 @@ def test_off_a_hopper_gpu_it_does_nothing():
 
 
 def test_decode_layers_prefetch_their_o_proj_only_when_enabled(tiny_llama, monkeypatch):
-    """enable_l2_prefetch: each decode step prefetches every layer's o_proj weight, in layer order (an extend
-    step none); off again, nothing."""
+    """enable_l2_prefetch: each decode step prefetches every layer's o_proj weight (whole), and with
+    gate_up_row_bytes the first bytes of its gate/up rows, in layer order (an extend step none); off, nothing."""
     from benchmarks import bench_one_batch
     from model_executor.models import llama
     from runners.model_runner import ModelRunner, RunnerConfig
 
     calls = []
-    monkeypatch.setattr(llama, "l2_prefetch", lambda t, *a, **k: calls.append(t))
+    monkeypatch.setattr(llama, "l2_prefetch", lambda t, row_bytes=None: calls.append((id(t), row_bytes)))
     runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), max_running_requests=8, max_total_tokens=256,
                                       disable_cuda_graph=True))
-    o_weights = [layer.self_attn.o_proj.weight for layer in runner.model.model.layers]
-    assert llama.enable_l2_prefetch(runner.model) == len(o_weights) > 1
+    layers = runner.model.model.layers
+    assert llama.enable_l2_prefetch(runner.model, gate_up_row_bytes=48) == len(layers) > 1
     batches, _, _ = bench_one_batch.prepare(runner, bs=2, input_len=8, steps=2)
     assert calls == []  # the prefill
     with torch.inference_mode():
         runner.forward_eager(batches[0])
-    assert [id(t) for t in calls] == [id(w) for w in o_weights]
+    assert calls == [c for layer in layers for c in ((id(layer.self_attn.o_proj.weight), None),
+                                                      (id(layer.mlp.gate_up_proj.weight), 48))]
     calls.clear()
     llama.enable_l2_prefetch(runner.model, on=False)
     with torch.inference_mode():

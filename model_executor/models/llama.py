@@ -66,11 +66,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    # At a decode step, start bringing o_proj's weight into L2 before the attention kernel (whose memory
-    # traffic is small at short contexts) so that o_proj reads it from there: an experiment, off unless
-    # enable_l2_prefetch turns it on (benchmarks/bench_one_batch.py --l2-prefetch; not while torch.compile
-    # traces: it is a Triton launch, not a registered op).
-    prefetch_o_proj = False
+    # At a decode step, start bringing weights into L2 before the attention kernel (whose memory traffic is
+    # small at short contexts): o_proj's, and the first bytes of the gate/up rows, which the GEMVs after it
+    # then read from there. An experiment: empty unless enable_l2_prefetch fills it (bench_one_batch
+    # --l2-prefetch); (weight, bytes of each row or None for all of it). Not while torch.compile traces: it is
+    # a Triton launch, not a registered op.
+    l2_prefetch_before_attention: tuple[tuple[torch.Tensor, int | None], ...] = ()
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
@@ -98,16 +99,17 @@ class LlamaAttention(nn.Module):
         fused = None if rope is None else self.qkv_proj.forward_normed_rope(norm, x, residual, rope)
         if fused is not None:
             qkv, residual = fused
-            self._prefetch_o_proj(fb)
+            self._prefetch(fb)
             return self.attn.forward_stored(qkv[:, : self.qkv_proj.q_size], fb), residual
         qkv, residual = self.qkv_proj.forward_normed(norm, x, residual)
         q, k, v = self.qkv_proj.split(qkv)
-        self._prefetch_o_proj(fb)
+        self._prefetch(fb)
         return self.attn(q, k, v, fb, positions), residual
 
-    def _prefetch_o_proj(self, fb: ForwardBatch) -> None:
-        if self.prefetch_o_proj and fb.mode.is_decode() and not torch.compiler.is_compiling():
-            l2_prefetch(self.o_proj.weight)
+    def _prefetch(self, fb: ForwardBatch) -> None:
+        if self.l2_prefetch_before_attention and fb.mode.is_decode() and not torch.compiler.is_compiling():
+            for weight, row_bytes in self.l2_prefetch_before_attention:
+                l2_prefetch(weight, row_bytes)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,12 +164,16 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-def enable_l2_prefetch(model: nn.Module, on: bool = True) -> int:
-    """Turn LlamaAttention's o_proj prefetch on (or off) in every attention layer of model (before its CUDA
-    graphs are captured); returns how many layers it set."""
-    layers = [m for m in model.modules() if isinstance(m, LlamaAttention)]
-    for m in layers:
-        m.prefetch_o_proj = on
+def enable_l2_prefetch(model: nn.Module, on: bool = True, gate_up_row_bytes: int = 0) -> int:
+    """Every decoder layer of model prefetches its o_proj weight before a decode step's attention, and with
+    gate_up_row_bytes the first bytes of every gate/up row (dense MLPs); on=False: nothing. Before the CUDA
+    graphs are captured. Returns how many layers it set."""
+    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    for layer in layers:
+        plan = [(layer.self_attn.o_proj.weight, None)]
+        if gate_up_row_bytes and isinstance(layer.mlp, LlamaMLP):
+            plan.append((layer.mlp.gate_up_proj.weight, gate_up_row_bytes))
+        layer.self_attn.l2_prefetch_before_attention = tuple(plan) if on else ()
     return len(layers)
 
 
