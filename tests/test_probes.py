@@ -28,3 +28,12 @@ def test_l2_prefetch_probe_refuses_without_cuda(monkeypatch, capsys):
     assert l2_probe.main([]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "needs a CUDA device" in err
+
+
+def test_medium_m_gemm_probe_refuses_without_cuda(monkeypatch, capsys):
+    from benchmarks import probe_medium_m_gemm as mm_probe
+
+    monkeypatch.setattr(mm_probe.torch.cuda, "is_available", lambda: False)
+    assert mm_probe.main([]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs a CUDA device" in err
