@@ -233,7 +233,7 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(cfg)
     if args.l2_prefetch and not enable_l2_prefetch(runner.model, gate_up_row_bytes=args.l2_prefetch_gate_up_bytes):
-        raise SystemExit(f"--l2-prefetch: {type(runner.model).__name__} has no Llama attention layers")
+        raise SystemExit(f"--l2-prefetch: {type(runner.model).__name__} has no Llama decoder layers")
     bandwidth = measure_copy_bandwidth(device)
     wbytes = weight_bytes(runner.model)
     all_weights_floor_ms = wbytes / bandwidth * 1e3
