@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from model_executor.sampling_params import MAX_TOP_LOGPROBS
 from server.protocol import ApiError, ChatCompletionRequest, ChatMessage
@@ -37,6 +37,7 @@ from server.serving_common import (
     chat_logprobs,
     check_stream_options,
     sse,
+    start_stream,
     unless_disconnected,
 )
 from server.tokenizer_manager import GenRequest
@@ -258,6 +259,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        generated = await start_stream(request, tm.generate(gen, rid))
+        if isinstance(generated, Response):
+            return generated
 
         async def stream() -> AsyncIterator[str]:
             usage = UsageTracker(n, 1)
@@ -269,7 +273,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             try:
                 for i in range(n):
                     yield chunk(i, {"role": "assistant", "content": ""})
-                async for c in tm.generate(gen, rid):
+                async for c in generated:
                     usage.update(c)
                     out = outs[c.index]
                     lp = None

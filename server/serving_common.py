@@ -1,11 +1,13 @@
 """What the serving modules share: the per-app context (tokenizer manager, defaults, model names), SSE
-framing, client-disconnect handling, usage over choices and the logprob formatting of both OpenAI shapes."""
+framing, a stream's start (its first chunk awaited before the 200), client-disconnect handling, usage over
+choices and the logprob formatting of both OpenAI shapes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -89,6 +91,40 @@ async def unless_disconnected(request: Request, coro):
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+_END = object()
+
+
+async def start_stream(request: Request, chunks: AsyncIterator[GenChunk]) -> AsyncIterator[GenChunk] | Response:
+    """Wait for a streamed request's first chunk before its 200 goes out, so that an error the engine finds
+    before any output (a constraint that admits no token at all, a prompt it refuses, a dead engine) is the
+    response's own status and OpenAI error body, as for a request that does not stream; errors after output
+    stay events in the stream. Returns the chunks (the first one included), or a 499 Response when the
+    client left while waiting (its requests aborted). The first event goes out no later than before: it is
+    this chunk's."""
+    it = aiter(chunks)
+
+    async def first():
+        try:
+            return await anext(it)
+        except StopAsyncIteration:
+            return _END
+
+    got = await unless_disconnected(request, first())
+    if isinstance(got, Response):
+        return got
+
+    async def rest() -> AsyncIterator[GenChunk]:
+        try:
+            if got is not _END:
+                yield got
+                async for chunk in it:
+                    yield chunk
+        finally:
+            await it.aclose()  # (a client gone mid-stream: the requests still running are aborted now)
+
+    return rest()
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

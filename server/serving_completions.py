@@ -7,7 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from model_executor.sampling_params import MAX_TOP_LOGPROBS
 from server.protocol import ApiError, CompletionRequest
@@ -22,6 +22,7 @@ from server.serving_common import (
     completion_logprobs,
     prompt_completion_logprobs,
     sse,
+    start_stream,
     unless_disconnected,
     vllm_prompt_logprobs,
 )
@@ -95,6 +96,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        generated = await start_stream(request, tm.generate(gen, rid))
+        if isinstance(generated, Response):
+            return generated
 
         async def stream() -> AsyncIterator[str]:
             usage = UsageTracker(n, len(prompts))
@@ -110,7 +114,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                 for i, e in enumerate(echoes):
                     if e and not echo_lp:
                         yield chunk(i, e)
-                async for c in tm.generate(gen, rid):
+                async for c in generated:
                     usage.update(c)
                     lp = None
                     text = c.text

@@ -7,12 +7,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from model_executor.sampling_params import MAX_TOP_LOGPROBS
 from server.protocol import ApiError, GenerateRequest
 from server.protocol_convert import build_params, logit_bias_pairs, request_grammar
-from server.serving_common import SSE_DONE, SSE_HEADERS, ServingContext, sse, unless_disconnected
+from server.serving_common import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ServingContext,
+    sse,
+    start_stream,
+    unless_disconnected,
+)
 from server.tokenizer_manager import GenChunk, GenRequest
 
 
@@ -96,9 +103,13 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
         return {"text": acc.text, "output_ids": list(acc.output_ids), "meta_info": meta}
 
     if req.stream:
+        chunks = await start_stream(request, tm.generate(gen, rid))
+        if isinstance(chunks, Response):
+            return chunks
+
         async def stream() -> AsyncIterator[str]:
             try:
-                async for c in tm.generate(gen, rid):
+                async for c in chunks:
                     out = absorb(c)
                     if c.text or c.token_ids or c.finish:
                         yield sse(out)  # SGLang streams the cumulative text

@@ -395,6 +395,38 @@ def test_client_disconnect_frees_the_request(server, model, client):
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
 
 
+def test_a_client_gone_before_a_streams_first_chunk_has_its_request_aborted():
+    """A streamed request's 200 waits for its first chunk (serving_common.start_stream). A client that leaves
+    meanwhile (its request queued behind one that holds the KV cache) has it aborted then, not when it would
+    have started."""
+    if use_real_scheduler():
+        pytest.skip("the fake scheduler's KV budget and step time make the queueing deterministic")
+    srv = ServerProcess("--max-total-tokens", "595", env={"DUET_FAKE_STEP_S": "0.05"}).wait_healthy()
+    try:
+        hold = {"prompt": "hold", "max_tokens": 500, "stream": True, "ignore_eos": True}  # 25 s of steps
+        queued = {"prompt": "queued", "max_tokens": 590, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=hold, timeout=60) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            for _ in range(20):  # ten tokens: with its prompt it holds more of the cache than "queued" may leave
+                next(lines)
+            # No status line while it waits for a first token: the client gives up.
+            with pytest.raises(httpx.ReadTimeout), httpx.stream(
+                    "POST", f"{srv.url}/v1/completions", json=queued, timeout=httpx.Timeout(10, read=1.0)):
+                pass
+            deadline = time.monotonic() + 10
+            while True:
+                info = httpx.get(f"{srv.url}/server_info", timeout=10).json()
+                if info["num_inflight_requests"] == 1 and info["stats"]["num_waiting"] == 0:
+                    break
+                assert time.monotonic() < deadline, \
+                    f"the queued request was not aborted: {info['num_inflight_requests']} in flight, {info['stats']}"
+                time.sleep(0.1)
+            assert info["stats"]["num_running"] == 1
+    finally:
+        assert srv.stop() == 0
+
+
 def test_explicit_nulls_mean_defaults(server, model):
     body = {"model": model, "prompt": "nulls", "n": None, "stream": None, "max_tokens": None, "temperature": None,
             "top_p": None, "stop": None, "seed": None, "logprobs": None, "echo": None, "ignore_eos": True,
