@@ -232,6 +232,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         if grammar is not None:
             raise ApiError(400, f"{grammar_param} cannot be combined with tool_choice {plan.mode}", grammar_param)
         grammar = json_schema_spec(tool_call_schema(plan.tools, plan.name, req.parallel_tool_calls), "tools")
+        grammar_param = "tools"
     input_ids = await tm.encode_chat_async(messages, tools=plan.tools, template_kwargs=req.chat_template_kwargs)
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
@@ -252,7 +253,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     tm.check_length(len(input_ids), max_tokens, "messages", max_param)
     tm.check_alive()
     n = req.n
-    gen = [GenRequest(input_ids, p) for p in choices_params(params, n)]
+    gen = [GenRequest(input_ids, p, grammar_param) for p in choices_params(params, n)]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     outs = [_ChoiceOutput(plan, ctx.args.reasoning_parser, ctx.args.tool_call_parser) for _ in range(n)]

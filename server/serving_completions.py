@@ -63,7 +63,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     else:
         prompts = [(list(p), None) for p in prompt]
     check_n(req.n, len(prompts))
-    grammar, _ = request_grammar(req, ctx.grammar_enabled)
+    grammar, grammar_param = request_grammar(req, ctx.grammar_enabled)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     # echo with logprobs scores the prompt (OpenAI's legacy shape); prompt_logprobs too (vLLM's field).
     echo_lp = req.echo and req.logprobs is not None
@@ -84,7 +84,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         tm.check_length(len(ids), max_tokens, "prompt", "max_tokens")
     tm.check_alive()
     n = req.n
-    gen = [GenRequest(ids, p) for ids, _ in prompts for p in choices_params(params, n)]
+    gen = [GenRequest(ids, p, grammar_param) for ids, _ in prompts for p in choices_params(params, n)]
     prompt_ids = [g.input_ids for g in gen]
     echoes = []
     if req.echo:

@@ -52,7 +52,7 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
         if not 0 <= start < len(ids):
             raise ApiError(400, f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
                                 f"[0, {len(ids)}), got {start}", "logprob_start_len")
-    grammar, _ = request_grammar(sp, ctx.grammar_enabled, param_prefix="sampling_params.")
+    grammar, grammar_param = request_grammar(sp, ctx.grammar_enabled, param_prefix="sampling_params.")
     params = build_params(defaults=ctx.sampling, max_tokens=sp.max_new_tokens, temperature=sp.temperature,
                           top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed, stop=sp.stop,
                           stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
@@ -73,7 +73,7 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
     tm.check_length(len(ids), sp.max_new_tokens, param, "sampling_params.max_new_tokens")
     tm.check_alive()
     rid = f"gen-{uuid.uuid4().hex}"
-    gen = [GenRequest(ids, params)]
+    gen = [GenRequest(ids, params, grammar_param)]
     acc = _Accumulator()
     # SGLang's entries: [logprob, token id, its text (return_text_in_logprobs) or None].
     text_of = tm.token_str if req.return_text_in_logprobs else (lambda _: None)

@@ -72,10 +72,12 @@ def load_chat_template(value: str) -> str:
 
 @dataclass
 class GenRequest:
-    """One scheduler request: a prompt and its sampling parameters (one per choice)."""
+    """One scheduler request: a prompt and its sampling parameters (one per choice). constraint_param: the
+    request field its output constraint came from, which the 400 of a constraint that cannot be met names."""
 
     input_ids: list[int]
     params: SamplingParams
+    constraint_param: str | None = None
 
 
 @dataclass
@@ -186,6 +188,7 @@ class _ReqState:
     cached_tokens: int = 0
     replica: int | None = None  # the data-parallel replica serving it (None: not sent)
     prompt_only: bool = False  # max_tokens 0 with prompt logprobs: one token is generated and dropped
+    constraint_param: str | None = None  # (GenRequest's)
     first_token_at: float | None = None
     last_token_at: float | None = None
     done: bool = False
@@ -415,7 +418,8 @@ class TokenizerManager:
         queue = _Inbox()
         now = time.monotonic()
         states = [_ReqState(rid=f"{rid}-{i}", index=i, params=r.params, queue=queue,
-                            prompt_tokens=len(r.input_ids), created=now) for i, r in enumerate(reqs)]
+                            prompt_tokens=len(r.input_ids), created=now, constraint_param=r.constraint_param)
+                  for i, r in enumerate(reqs)]
         outcome = "abort"
         if self.log_requests:
             for st in states:
@@ -490,7 +494,7 @@ class TokenizerManager:
             raise ApiError(500, f"generation failed: {finish.message or 'internal error'}",
                            type="InternalServerError")
         if finish is not None and finish.kind == "invalid":
-            raise ApiError(400, finish.message or "the request cannot be completed as asked")
+            raise ApiError(400, finish.message or "the request cannot be completed as asked", st.constraint_param)
         st.text += frag.text
         stops = st.params.stop
         if stops:

@@ -238,15 +238,17 @@ def test_a_grammar_that_leads_nowhere_is_a_400(server):
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert "regex constraint admits no token after 1 generated tokens" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "regex"
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "x", "max_tokens": 8, "regex": r"[^\s\S]", "stream": True}),
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 8, "regex": r"[^\s\S]", "stream": True}, "regex"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
-                              "regex": r"[^\s\S]", "stream": True}),
-    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 8, "regex": r"[^\s\S]"}, "stream": True}),
+                              "regex": r"[^\s\S]", "stream": True}, "regex"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 8, "regex": r"[^\s\S]"}, "stream": True},
+     "sampling_params.regex"),
 ])
-def test_a_stream_that_fails_before_any_output_is_an_http_400(server, path, body):
+def test_a_stream_that_fails_before_any_output_is_an_http_400(server, path, body, param):
     """A streamed request whose grammar admits no first token: the 400 is the response's status with the
     OpenAI error body (its first chunk is awaited before the 200), not an error event inside a 200 stream
     (the fuzz's finding)."""
@@ -254,6 +256,7 @@ def test_a_stream_that_fails_before_any_output_is_an_http_400(server, path, body
     assert r.status_code == 400, r.text
     assert r.headers["content-type"].startswith("application/json")
     assert "regex constraint admits no token after 0 generated tokens" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == param
 
 
 def test_a_stream_that_fails_after_output_ends_with_an_error_event(server):
@@ -266,3 +269,4 @@ def test_a_stream_that_fails_after_output_ends_with_an_error_event(server):
     assert json.loads(events[0])["choices"][0]["text"] == "a"
     err = json.loads(events[-2])["error"]
     assert err["code"] == 400 and "admits no token after 1 generated tokens" in err["message"]
+    assert err["param"] == "regex"
