@@ -5,7 +5,7 @@ Llama-3.1-8B FP8 at bs=1 spends 2.38 of 2.61 ms in 129 GEMVs at 3.37 TB/s on ave
 profile); its decode attention, ~6.7 us a layer, reads little and leaves the memory bus nearly idle. Each
 layer's o_proj (16.8 MB of FP8) fits in the H200's 50 MB L2: prefetched when attention starts
 (model_executor/layers/triton_ops/l2_prefetch.py), it would be read from L2. Three measurements, each
-one CUDA graph over --layers layers with their own weights (the set far exceeds L2), median of REPLAYS:
+one CUDA graph over --layers layers with their own weights (the set far exceeds L2), median of its replays:
 
 1. `prefetch alone`: the prefetch kernel of one o_proj per call. About a launch if nothing waits for the
    bytes; ~4 us (16.8 MB at ~4 TB/s) if a kernel's end waits for its prefetches.
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from dataclasses import dataclass
 
@@ -38,8 +37,6 @@ import triton
 import triton.language as tl
 
 HIDDEN, Q_ROWS, KV_ROWS, INTER = 4096, 4096, 1024, 14336  # Llama-3.1-8B
-REPLAYS = 20
-
 
 @triton.jit
 def _spin_kernel(OUT, ns):
@@ -91,23 +88,9 @@ def chain_variants(args) -> list[Variant]:
 
 def replay_ms(calls) -> float:
     """Median milliseconds of one replay of a CUDA graph that runs calls() once."""
-    calls()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times)
+    from benchmarks.tune_small_m_gemm import time_calls
+
+    return time_calls([calls]) / 1e3
 
 
 def main(argv=None) -> int:
