@@ -101,8 +101,8 @@ async def start_stream(request: Request, chunks: AsyncIterator[GenChunk]) -> Asy
     before any output (a constraint that admits no token at all, a prompt it refuses, a dead engine) is the
     response's own status and OpenAI error body, as for a request that does not stream; errors after output
     stay events in the stream. Returns the chunks (the first one included), or a 499 Response when the
-    client left while waiting (its requests aborted). The first event goes out no later than before: it is
-    this chunk's."""
+    client left while waiting (its requests aborted). What a stream sends before its first token (the chat
+    role chunk, a completions echo) therefore goes out with that token, not ahead of it."""
     it = aiter(chunks)
 
     async def first():
