@@ -7,11 +7,12 @@ layer's o_proj (16.8 MB of FP8) fits in the H200's 50 MB L2: prefetched when att
 (model_executor/layers/triton_ops/l2_prefetch.py), it would be read from L2. Three measurements, each
 one CUDA graph over --layers layers with their own weights (the set far exceeds L2), median of its replays:
 
-1. `prefetch alone`: the prefetch kernel of one o_proj per call. About a launch if nothing waits for the
-   bytes; ~4 us (16.8 MB at ~4 TB/s) if a kernel's end waits for its prefetches.
+1. `prefetch alone`: the prefetch kernel of one o_proj per call, per --chunk-kb (8 KB chunks spread one
+   o_proj over ~65 programs, 512 KB over one). About a launch if nothing waits for the bytes; ~4 us (16.8 MB
+   at ~4 TB/s) if a kernel's end waits for its prefetches.
 2. `window -> o_proj`: a spin kernel of --window-us (attention's stand-in: one program reading the clock,
-   no memory traffic), then o_proj (the small-M kernel at its table config); with and without o_proj
-   prefetched just before the window.
+   no memory traffic), then o_proj (the small-M kernel at its table config); without, and with o_proj
+   prefetched just before the window per chunk size (how many SMs' copy engines issue it matters).
 3. `layer chain`: qkv -> window -> o_proj -> gate/up with SiLU-and-mul -> down, as a decode layer runs them
    (without the norms fused into them), prefetching (`Variant`): nothing; o_proj before the window (what
    `bench_one_batch --l2-prefetch` does in the model); that and the first --gate-up-row-bytes of every gate/up
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--window-us", type=float, nargs="+", default=[6.7], help="attention's stand-in per layer")
     p.add_argument("--gate-up-row-bytes", type=int, nargs="+", default=[256],
                    help="bytes of every gate/up row also prefetched in the window")
+    p.add_argument("--chunk-kb", type=int, nargs="+", default=[8, 64, 512],
+                   help="prefetch chunk sizes for the prefetch-alone and window -> o_proj rows (the chain: 8)")
     p.add_argument("--next-row-bytes", type=int, nargs="+", default=[256, 1024],
                    help="bytes of every row of the next GEMV's weight prefetched from each GEMV's start")
     p.add_argument("--json", dest="json_out")
@@ -162,19 +165,22 @@ def main(argv=None) -> int:
         print(f"{section:>18} {variant:>66} {ms:>9.3f} {per_layer:>9.2f}", flush=True)
 
     print(f"{'section':>18} {'variant':>66} {'graph ms':>9} {'us/layer':>9}")
-    report("prefetch alone", f"o_proj {o_bytes / 1e6:.1f} MB", replay_ms(lambda: [l2_prefetch(l.o[0]) for l in layers]))
+    for kb in args.chunk_kb:
+        report("prefetch alone", f"o_proj {o_bytes / 1e6:.1f} MB in {kb} KB chunks",
+               replay_ms(lambda kb=kb: [l2_prefetch(l.o[0], chunk=kb * 1024) for l in layers]), chunk_kb=kb)
 
     for window in args.window_us:
-        for prefetch in (False, True):
-            def window_then_o(window=window, prefetch=prefetch):
+        for kb in [None, *args.chunk_kb]:  # None: no prefetch
+            def window_then_o(window=window, kb=kb):
                 for l in layers:
-                    if prefetch:
-                        l2_prefetch(l.o[0])
+                    if kb is not None:
+                        l2_prefetch(l.o[0], chunk=kb * 1024)
                     spin(window)
                     sm.small_m_linear(x, *l.o)
 
-            report("window -> o_proj", f"window {window} us, {'o_proj prefetched' if prefetch else 'none'}",
-                   replay_ms(window_then_o), window_us=window, prefetch_o=prefetch)
+            report("window -> o_proj", f"window {window} us, " + (
+                "none" if kb is None else f"o_proj prefetched in {kb} KB chunks"),
+                replay_ms(window_then_o), window_us=window, chunk_kb=kb)
         report("window alone", f"window {window} us", replay_ms(lambda window=window: [spin(window) for _ in layers]),
                window_us=window)
 

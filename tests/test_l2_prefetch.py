@@ -39,6 +39,8 @@ def test_rows_mode_stops_at_the_row_and_whole_mode_covers_the_tensor():
 def test_bad_requests_are_refused():
     with pytest.raises(ValueError, match="multiple of 16"):
         l2.plan(torch.zeros(4, 64), 64, chunk=100)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        l2.plan(torch.zeros(4, 64), 64, chunk=1 << 20)
     with pytest.raises(ValueError, match="contiguous rows"):
         l2.plan(torch.zeros(64, 4).t(), 64)
     with pytest.raises(ValueError, match="contiguous"):

@@ -6,7 +6,7 @@ a few microseconds a layer at a short context, with the memory bus nearly idle).
 before such a window lets the memory system fill L2 with the next GEMV's weight while the window runs.
 
 `l2_prefetch(t, row_bytes)` issues sm_90's `cp.async.bulk.prefetch.L2.global`, one instruction per chunk of
-up to `chunk` bytes, from one thread each: either over the first `row_bytes` of every row of a 2-D tensor
+up to `chunk` bytes, from one thread each (32 a program): either over the first `row_bytes` of every row of a 2-D tensor
 (rows contiguous; every program of a row-blocked GEMV then finds the start of its rows in L2) or over the
 whole tensor (`row_bytes=None`). The instruction is a hint with no result: nothing waits for the bytes, and
 no program result depends on it. Off a CUDA device of compute capability 9 or more it does nothing.
@@ -19,9 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 64 * 1024  # bytes per prefetch instruction (a multiple of 16, as the instruction requires)
+# Bytes per prefetch instruction: a multiple of 16, as the instruction requires (sm_90 encodes at most 1 MB).
+# Small chunks and one warp a program spread a weight over many SMs: each SM's copy engine turns its bulk
+# requests into line requests at a bounded rate, so a few SMs could not keep the memory bus busy.
+CHUNK = 8 * 1024
+MAX_CHUNK = (1 << 20) - 16  # the SASS keeps size / 16 in 16 bits
 ALIGN = 16
-BLOCK = 128  # chunks per program: one per thread at 4 warps
+BLOCK = 32  # chunks per program: one per thread of its one warp
 
 
 @triton.jit
@@ -46,8 +50,8 @@ def supported(t: torch.Tensor) -> bool:
 def plan(t: torch.Tensor, row_bytes: int | None, chunk: int = CHUNK) -> tuple[int, int, int, int, int, int]:
     """_launch's arguments after the tensor: (row stride, row bytes, chunk; in bytes), chunks per row, chunks,
     programs."""
-    if chunk <= 0 or chunk % ALIGN:
-        raise ValueError(f"chunk must be a positive multiple of {ALIGN} bytes, got {chunk}")
+    if not 0 < chunk <= MAX_CHUNK or chunk % ALIGN:
+        raise ValueError(f"chunk must be a multiple of {ALIGN} bytes in (0, {MAX_CHUNK}], got {chunk}")
     size = t.element_size()
     if row_bytes is None:  # the whole tensor as one row
         if not t.is_contiguous():
@@ -79,4 +83,4 @@ def l2_prefetch(t: torch.Tensor, row_bytes: int | None = None, chunk: int = CHUN
 
 def _launch(t: torch.Tensor, stride: int, row_bytes: int, chunk: int, chunks_per_row: int, total: int,
             programs: int) -> None:
-    _l2_prefetch_kernel[(programs,)](t, stride, row_bytes, chunk, chunks_per_row, total, BLOCK=BLOCK, num_warps=4)
+    _l2_prefetch_kernel[(programs,)](t, stride, row_bytes, chunk, chunks_per_row, total, BLOCK=BLOCK, num_warps=1)
