@@ -225,6 +225,9 @@ def _operations():
     out = [(label, GenerationMode.POSITIVE, POSITIVE_EXAMPLES) for label in post]
     out += [(label, GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES) for label in post]
     out += [(label, TAMED, TAMED_EXAMPLES) for label in post]
+    # No generation behind them (tokenizer only): positive and negative bodies, no taming needed.
+    out += [(label, mode, NEGATIVE_EXAMPLES) for label in ("POST /tokenize", "POST /detokenize")
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
     out += [("GET /v1/models/{model_id}", GenerationMode.POSITIVE, OTHER_EXAMPLES),
             ("GET /v1/models", GenerationMode.POSITIVE, OTHER_EXAMPLES)]
     return out
