@@ -30,10 +30,11 @@ WARPS_STAGES = ((4, 3), (8, 3), (4, 4))
 
 
 @triton.jit
-def _gemm_kernel(X, W, Y, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym, stride_ys,
+def _gemm_kernel(X, W, Y, M, k_per_split, stride_xm, stride_wn, stride_ym, stride_ys,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (n, m, s): Y[s][m-tile, n-tile] = X[m-tile, K range s] @ W[n-tile, K range s]^T in fp32 (SPLIT 1:
-    Y is the output, in its dtype). N, K multiples of the tiles; M rows masked."""
+    """Program (n, m, s): Y[s][m-tile, n-tile] = X[m-tile, K range s] @ W[n-tile, K range s]^T, stored in Y's
+    dtype (fp32 partials when K is split; with one split Y is the output). N and K multiples of the tiles;
+    M rows masked."""
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -61,8 +62,8 @@ def triton_call(x: torch.Tensor, w: torch.Tensor, bn: int, bk: int, split: int, 
     ws = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     grid = (n // bn, triton.cdiv(m, bm), split)
 
-    def call(w=w):
-        _gemm_kernel[grid](x, w, ws, m, n, k, k // split, x.stride(0), w.stride(0), n, m * n,
+    def call():
+        _gemm_kernel[grid](x, w, ws, m, k // split, x.stride(0), w.stride(0), n, m * n,
                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         if split > 1:
             torch.sum(ws, dim=0, out=out)
