@@ -103,7 +103,7 @@ def _fp8_pool_and_slots(gen, num_slots, hk, d, k_scale, v_scale, lengths, width)
     return (k / k_scale).to(FP8), (v / v_scale).to(FP8), req_to_token
 
 
-def _decode(q, k8, v8, req_to_token, seq_lens, splits, k_scale, v_scale):
+def _decode(q, k8, v8, req_to_token, seq_lens, splits, k_scale, v_scale, v_words=None):
     """decode_attention_fwd of request b (row b + 1) over the FP8 pool; the float32 output on the CPU."""
     bs, hq, d = q.shape
     logits, lse, counters = decode_mod.alloc_decode_workspace(bs, hq, d, splits, DEVICE)
@@ -111,7 +111,7 @@ def _decode(q, k8, v8, req_to_token, seq_lens, splits, k_scale, v_scale):
     decode_mod.decode_attention_fwd(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), o, req_to_token.to(DEVICE),
                                     torch.arange(1, bs + 1, device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
                                     logits, lse, splits, 1 / math.sqrt(d), k_scale=k_scale, v_scale=v_scale,
-                                    counters=counters)
+                                    counters=counters, v_words=v_words)
     return o.cpu()
 
 
@@ -165,8 +165,9 @@ def test_decode_over_fp8_pool_with_scales():
 @pytest.mark.parametrize("q_scale", [1.0, 300.0])
 def test_decode_over_fp8_pool_with_bf16_queries_runs_fp16_dots(q_scale):
     """bf16 queries over an FP8 pool: stage 1's dots run in fp16 (q scaled by Q_PRESCALE, taken back out in
-    the softmax scale), one and two stages, large q included: a float32 output within fp16's rounding of the
-    probabilities of a float64 reference (measured 2.8e-4 in the interpreter, whose bf16 dots are wrong)."""
+    the softmax scale), one and two stages, large q included, V loaded as bytes and as 32-bit words: a float32
+    output within fp16's rounding of the probabilities of a float64 reference (measured 2.8e-4 in the
+    interpreter, whose bf16 dots are wrong), the same values from both loads."""
     assert decode_mod.kv_dots_in_fp16(torch.bfloat16, FP8) and not decode_mod.kv_dots_in_fp16(torch.float32, FP8)
     assert not decode_mod.kv_dots_in_fp16(torch.bfloat16, torch.bfloat16)
     gen = torch.Generator().manual_seed(4)
@@ -175,9 +176,11 @@ def test_decode_over_fp8_pool_with_bf16_queries_runs_fp16_dots(q_scale):
     q = (torch.randn(2, hq, d, generator=gen) * q_scale / math.sqrt(d)).bfloat16()
     refs = _decode_refs(q.double(), k8, v8, req_to_token, seq_lens, k_scale, v_scale)
     for splits in (1, 2):
-        o = _decode(q, k8, v8, req_to_token, seq_lens, splits, k_scale, v_scale)
+        o = _decode(q, k8, v8, req_to_token, seq_lens, splits, k_scale, v_scale, v_words=True)
         for b, ref in enumerate(refs):
             torch.testing.assert_close(o[b : b + 1].double(), ref, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(_decode(q, k8, v8, req_to_token, seq_lens, splits, k_scale, v_scale, v_words=False),
+                                   o, rtol=0, atol=0)
 
 
 @in_process

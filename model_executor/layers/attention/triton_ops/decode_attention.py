@@ -129,6 +129,21 @@ def fused_combine_default(batch_size: int) -> bool:
     return batch_size <= FUSED_COMBINE_MAX_BS
 
 
+# The smallest batch for which v_words_default reads an FP8 pool's V as 32-bit words.
+V_WORDS_MIN_BS = 32
+
+
+def v_words_default(batch_size: int) -> bool:
+    """Whether stage 1 over an FP8 pool (fp16 dots) loads V as 32-bit words converted in that layout
+    (_load_e4m3_rows_as_f16) rather than as fp8 bytes: a function of what a graph is captured for. Same values
+    either way.
+
+    From benchmarks/bench_attention.py --decode-only --kv-dtype fp8_e4m3 on the H200 (docs/benchmarks.md,
+    thirteenth session; Llama-3.1-8B heads at 4k): 5-7% faster at 32, 64 and 128 requests, 3-5% slower at one
+    request (a latency-bound program gains nothing from fewer instructions and pays the conversions)."""
+    return batch_size >= V_WORDS_MIN_BS
+
+
 class DecodeWorkspace(NamedTuple):
     """What `decode_attention_fwd` needs besides its inputs, allocated once (a graph bakes the addresses in).
 
@@ -403,6 +418,7 @@ def decode_attention_fwd(
     tile: tuple[int, int, int] | None = None,
     counters: torch.Tensor | None = None,
     fused_combine: bool | None = None,
+    v_words: bool | None = None,
 ) -> None:
     """Decode attention; writes `o` in place.
 
@@ -423,6 +439,8 @@ def decode_attention_fwd(
     fused_combine: merge the chunks in stage 1 (True) or in a second launch (False, stage 2); default
     fused_combine_default(bs) when counters are given, else False. Same bits either way; unused
     when num_kv_splits is 1.
+    v_words: over an FP8 pool with fp16 dots, load V as 32-bit words (True) or as bytes (False); default
+    v_words_default(bs). Same values either way; unused otherwise (and when the pool is not 4-byte aligned).
     No host reads of device data, no allocations: safe to capture in a CUDA graph.
     """
     bs, num_heads, head_dim = q.shape
@@ -449,8 +467,10 @@ def decode_attention_fwd(
     single_stage = num_kv_splits == 1
     kv_f16 = kv_dots_in_fp16(q.dtype, k_buffer.dtype)
     qk_scale = sm_scale * k_scale * _LOG2E / (Q_PRESCALE if kv_f16 else 1.0)
-    v_words = kv_f16 and block_d == head_dim and v_buffer.data_ptr() % 4 == 0 and v_buffer.stride(1) % 4 == 0 \
-        and v_buffer.stride(0) % 4 == 0  # (V read as 32-bit words: _load_e4m3_rows_as_f16)
+    if v_words is None:
+        v_words = v_words_default(bs)
+    v_words = (v_words and kv_f16 and block_d == head_dim  # (V read as 32-bit words: _load_e4m3_rows_as_f16)
+               and v_buffer.data_ptr() % 4 == 0 and v_buffer.stride(1) % 4 == 0 and v_buffer.stride(0) % 4 == 0)
     block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim)
     if fused_combine is None:  # (the default needs the counters: without them, two stages)
         fused_combine = counters is not None and fused_combine_default(bs)
