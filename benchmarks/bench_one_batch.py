@@ -37,7 +37,6 @@ import torch
 
 from model_executor.configs import SHAPES, shape_path
 from model_executor.forward_batch import ForwardMode
-from model_executor.models.llama import enable_l2_prefetch
 from runners.capture_lists import get_batch_sizes_to_capture
 from runners.cuda_graph_runner import CudaGraphRunner
 from runners.model_runner import ModelRunner, RunnerConfig
@@ -60,10 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capture-default-list", action="store_true",
                    help="also capture the default decode list (max_bs 256) and report its time and memory")
     p.add_argument("--json", dest="json_out", help="write the results here")
-    p.add_argument("--l2-prefetch", action="store_true",
-                   help="experiment: each decode layer prefetches o_proj's weight into L2 before its attention")
-    p.add_argument("--l2-prefetch-gate-up-bytes", type=int, default=0, metavar="B",
-                   help="with --l2-prefetch: also the first B bytes of every gate/up row")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process and GPU each)")
     args = p.parse_args(argv)
     if args.tp_size < 1:
@@ -232,8 +227,6 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
                        tp_rank=tp_rank, tp_size=args.tp_size, dist_init_method=init_method,
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(cfg)
-    if args.l2_prefetch and not enable_l2_prefetch(runner.model, gate_up_row_bytes=args.l2_prefetch_gate_up_bytes):
-        raise SystemExit(f"--l2-prefetch: {type(runner.model).__name__} has no Llama decoder layers")
     bandwidth = measure_copy_bandwidth(device)
     wbytes = weight_bytes(runner.model)
     all_weights_floor_ms = wbytes / bandwidth * 1e3
@@ -285,17 +278,14 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
         "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3),
         "capture_seconds": round(graph_runner.capture_seconds, 2) if graphs else None,
         "capture_gib": round(graph_runner.capture_bytes / 2**30, 3) if graphs else None,
-        "default_list_capture": default_capture, "l2_prefetch": args.l2_prefetch,
-        "l2_prefetch_gate_up_bytes": args.l2_prefetch_gate_up_bytes if args.l2_prefetch else 0,
+        "default_list_capture": default_capture,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
         "results": results,
     }
     weights_kind = f"{report['quantization']} weights" if report["quantization"] else "weights"
     print(f"model {report['model']} on {report['gpu']} x{args.tp_size} ({report['dtype']}, {report['attention_backend']}, "
           f"KV {report['kv_cache_dtype']}), input {args.input_len}, {steps} decode steps; {weights_kind} "
-          f"{wbytes / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s"
-          + (f", o_proj (+ {args.l2_prefetch_gate_up_bytes} B of each gate/up row) prefetched into L2 before attention"
-             if args.l2_prefetch else "") + ", "
+          f"{wbytes / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"{'FP8 weight-read ' if report['quantization'] and 'fp8' in report['quantization'] else 'all-weights '}floor "
           f"{all_weights_floor_ms:.3f} ms"
           + ("; each row's floor counts the bytes its step reads (embedding rows, routed experts)"

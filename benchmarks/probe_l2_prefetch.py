@@ -3,9 +3,13 @@ decode step? (issues 18, 23)
 
 Llama-3.1-8B FP8 at bs=1 spends 2.38 of 2.61 ms in 129 GEMVs at 3.37 TB/s on average (eleventh session's
 profile); its decode attention, ~6.7 us a layer, reads little and leaves the memory bus nearly idle. Each
-layer's o_proj (16.8 MB of FP8) fits in the H200's 50 MB L2: prefetched when attention starts
-(model_executor/layers/triton_ops/l2_prefetch.py), it would be read from L2. Three measurements, each
-one CUDA graph over --layers layers with their own weights (the set far exceeds L2), median of its replays:
+layer's o_proj (16.8 MB of FP8) fits in the H200's 50 MB L2: prefetched when attention starts (`l2_prefetch`
+below: sm_90's cp.async.bulk.prefetch.L2), it would be read from L2. Measured on the H200 it does not pay: the
+prefetch of one o_proj alone takes 3.34 us (it runs at HBM bandwidth, not for free), o_proj after it is not
+faster, and the model with it (once bench_one_batch --l2-prefetch, since removed) was slower (8B FP8 bs=1:
+2.701/2.642 ms without, 2.778/2.719 with, 2.796/2.853 with the gate/up rows' first 256 B too). This probe
+stays as the record. Three measurements, each one CUDA graph over --layers layers with their own weights (the
+set far exceeds L2), median of its replays:
 
 1. `prefetch alone`: the prefetch kernel of one o_proj per call, per --chunk-kb (8 KB chunks spread one
    o_proj over ~65 programs, 512 KB over one). About a launch if nothing waits for the bytes; ~4 us (16.8 MB
@@ -14,12 +18,12 @@ one CUDA graph over --layers layers with their own weights (the set far exceeds 
    no memory traffic), then o_proj (the small-M kernel at its table config); without, and with o_proj
    prefetched just before the window per chunk size (how many SMs' copy engines issue it matters).
 3. `layer chain`: qkv -> window -> o_proj -> gate/up with SiLU-and-mul -> down, as a decode layer runs them
-   (without the norms fused into them), prefetching (`Variant`): nothing; o_proj before the window (what
-   `bench_one_batch --l2-prefetch` does in the model); that and the first --gate-up-row-bytes of every gate/up
-   row; o_proj on a side stream from qkv's start (a graph branch: it can then take qkv's GEMV time too, if
-   qkv's 25 MB do not evict it); o_proj before the window and, on a side stream from each GEMV's start, the
-   first --next-row-bytes of every row of the next GEMV's weight (for the next kernel's ramp; lines that
-   the running GEMV's own stream evicts are wasted).
+   (without the norms fused into them), prefetching (`Variant`): nothing; o_proj before the window; that and
+   the first --gate-up-row-bytes of every gate/up row; o_proj on a side stream from qkv's start (a graph
+   branch, joined after qkv's GEMV: it takes qkv's GEMV time, if qkv's 25 MB do not evict it); o_proj before
+   the window and, on a side stream from each GEMV's start, the first --next-row-bytes of every row of the
+   next GEMV's weight (for the next kernel's ramp; lines that the running GEMV's own stream evicts are
+   wasted).
 
     python -m benchmarks.probe_l2_prefetch --json out.json
     python -m benchmarks.probe_l2_prefetch --window-us 0 6.7 --gate-up-row-bytes 256 512 --next-row-bytes 512
@@ -38,6 +42,70 @@ import triton
 import triton.language as tl
 
 HIDDEN, Q_ROWS, KV_ROWS, INTER = 4096, 4096, 1024, 14336  # Llama-3.1-8B
+
+# The prefetch: bytes per instruction, a multiple of 16 as the instruction requires (sm_90 keeps size / 16 in
+# 16 bits). Small chunks and one warp a program spread a weight over many SMs (each SM's copy engine turns its
+# bulk requests into line requests at a bounded rate).
+CHUNK = 8 * 1024
+MAX_CHUNK = (1 << 20) - 16
+ALIGN = 16
+BLOCK = 32  # chunks per program: one per thread of its one warp
+
+
+@triton.jit
+def _l2_prefetch_kernel(P, row_stride, row_bytes, chunk, chunks_per_row, total, BLOCK: tl.constexpr):
+    """One cp.async.bulk.prefetch.L2.global per element e: chunk e % chunks_per_row of row e // chunks_per_row,
+    i.e. bytes [c * chunk, +chunk) of it, cut at row_bytes (all multiples of 16). A hint with no result:
+    nothing waits for the bytes."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = (e // chunks_per_row).to(tl.int64)
+    start = (e % chunks_per_row).to(tl.int64) * chunk
+    size = tl.minimum(row_bytes - start, chunk)
+    size = tl.where(e < total, size, 0).to(tl.int32)
+    ptrs = P + row * row_stride + start
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def plan(t: torch.Tensor, row_bytes: int | None, chunk: int = CHUNK) -> tuple[int, int, int, int, int, int]:
+    """_launch's arguments after the tensor: (row stride, row bytes, chunk; in bytes), chunks per row, chunks,
+    programs."""
+    if not 0 < chunk <= MAX_CHUNK or chunk % ALIGN:
+        raise ValueError(f"chunk must be a multiple of {ALIGN} bytes in (0, {MAX_CHUNK}], got {chunk}")
+    size = t.element_size()
+    if row_bytes is None:  # the whole tensor as one row
+        if not t.is_contiguous():
+            raise ValueError("prefetching a whole tensor needs it contiguous")
+        rows, stride, row_bytes = 1, 0, t.numel() * size
+    else:
+        if t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError("prefetching rows needs a 2-D tensor with contiguous rows")
+        rows, stride = t.shape[0], t.stride(0) * size
+        row_bytes = min(row_bytes, t.shape[1] * size)
+        if stride % ALIGN:
+            raise ValueError(f"the row stride ({stride} bytes) is not a multiple of {ALIGN}")
+    row_bytes -= row_bytes % ALIGN  # the instruction's sizes are multiples of 16: a short tail stays unfetched
+    chunks_per_row = max(1, triton.cdiv(row_bytes, chunk))
+    total = rows * chunks_per_row
+    return stride, row_bytes, chunk, chunks_per_row, total, triton.cdiv(total, BLOCK)
+
+
+def l2_prefetch(t: torch.Tensor, row_bytes: int | None = None, chunk: int = CHUNK) -> None:
+    """Prefetch into L2 the first row_bytes of each row of t (2-D), or all of t (row_bytes None). Off a CUDA
+    device of compute capability 9 or more it does nothing."""
+    if not (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9) or t.numel() == 0:
+        return
+    if t.data_ptr() % ALIGN:
+        raise ValueError(f"l2_prefetch needs a {ALIGN}-byte aligned tensor")
+    args = plan(t, row_bytes, chunk)
+    if args[1]:  # (row bytes: none when the rows are shorter than 16 bytes)
+        _launch(t.view(torch.uint8), *args)
+
+
+def _launch(t: torch.Tensor, stride: int, row_bytes: int, chunk: int, chunks_per_row: int, total: int,
+            programs: int) -> None:
+    _l2_prefetch_kernel[(programs,)](t, stride, row_bytes, chunk, chunks_per_row, total, BLOCK=BLOCK, num_warps=1)
 
 @triton.jit
 def _spin_kernel(OUT, ns):
@@ -73,7 +141,7 @@ class Variant:
 
     name: str
     o_at_window: bool = False  # o_proj, in the stream just before the window
-    o_at_qkv: bool = False  # o_proj, on a side stream from qkv's start (so over qkv's GEMV and the window)
+    o_at_qkv: bool = False  # o_proj, on a side stream from qkv's start (over qkv's GEMV; joined after it)
     gate_up_row_bytes: int = 0  # the first bytes of every gate/up row too, before the window
     next_row_bytes: int = 0  # from each GEMV's start, on a side stream: the first bytes of the next one's rows
 
@@ -110,7 +178,6 @@ def main(argv=None) -> int:
         print("probe_l2_prefetch needs a CUDA device", file=sys.stderr)
         return 2
     from model_executor.layers.triton_ops import small_m_gemm as sm
-    from model_executor.layers.triton_ops.l2_prefetch import l2_prefetch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [Layer(gen) for _ in range(args.layers)]
@@ -128,17 +195,29 @@ def main(argv=None) -> int:
             _spin_kernel[(1,)](clock, int(us * 1000), num_warps=1)
 
     side = torch.cuda.Stream()
+    forked = False  # side has work from the current stream since the last join
 
+    # Under capture the current stream may only wait on side once side has joined the capture (by waiting on
+    # the capturing stream): waiting on its work from the warm-up outside the capture fails the capture
+    # ("dependency created on uncaptured work in another stream"). So every use of side starts from the
+    # current stream, and join() waits only after such a fork.
     def fork_prefetch(w: torch.Tensor, row_bytes: int | None):
-        """l2_prefetch on a side stream, from this point of the main stream on (joined by join())."""
+        """l2_prefetch on a side stream, from this point of the current stream on (joined by join())."""
+        nonlocal forked
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             l2_prefetch(w, row_bytes=row_bytes)
+        forked = True
 
     def join():
-        torch.cuda.current_stream().wait_stream(side)
+        nonlocal forked
+        if forked:
+            torch.cuda.current_stream().wait_stream(side)
+            forked = False
 
     def chain(v: Variant, window: float):
+        nonlocal forked
+        forked = False
         seq = [(name, l, w, a) for l in layers
                for name, w, a in (("qkv", l.qkv, x), ("o", l.o, x), ("gate_up", l.gate_up, x), ("down", l.down, act))]
         for i, (name, l, (w, s), a) in enumerate(seq):

@@ -84,6 +84,7 @@ def compile_launch(kernel, args, kwargs):
 
 def cases():
     """(name, the kernels it launches, a function that launches them with CPU tensors)."""
+    from benchmarks import probe_l2_prefetch as l2_prefetch
     from model_executor.layers.attention.triton_ops import decode_attention as dec
     from model_executor.layers.attention.triton_ops import extend_attention as ext
     from model_executor.layers.moe import kernels as moe
@@ -91,7 +92,7 @@ def cases():
     from model_executor.layers.norm import PrenormedRow
     from model_executor.layers.quantization import fp8_ops
     from model_executor.layers.rotary_store_kv import RopeStore
-    from model_executor.layers.triton_ops import kernels, l2_prefetch, qk_norm_rope, rotary_store_kv
+    from model_executor.layers.triton_ops import kernels, qk_norm_rope, rotary_store_kv
     from model_executor.layers.triton_ops import small_m_gemm as sm
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
@@ -160,7 +161,7 @@ def cases():
         qk_norm_rope.qk_norm_rope_fwd(pos, q, k, torch.ones(64, dtype=bf16), torch.ones(64, dtype=bf16), 1e-6, cache)
         kernels.store_kv_fwd(pool, pool.clone(), torch.arange(5), k, k.clone())
 
-    def prefetch():  # the rows of a weight (as on a GPU, where l2_prefetch plans and launches this)
+    def prefetch():  # the rows of a weight (as the probe's l2_prefetch plans and launches this on a GPU)
         w = torch.zeros(64, 4096, dtype=torch.uint8)
         l2_prefetch._launch(w, *l2_prefetch.plan(w, 1024, chunk=512))
 

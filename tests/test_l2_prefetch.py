@@ -1,12 +1,12 @@
-"""l2_prefetch's host side: how a weight is cut into prefetch chunks (the kernel itself is a hint with no
-result; tests/sm90_compile.py compiles it for sm_90, benchmarks/probe_l2_prefetch.py times it on a GPU)."""
+"""benchmarks/probe_l2_prefetch.py's l2_prefetch, host side: how a weight is cut into prefetch chunks (the kernel
+itself is a hint with no result; tests/sm90_compile.py compiles it for sm_90, the probe times it on a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model_executor.layers.triton_ops import l2_prefetch as l2
+from benchmarks import probe_l2_prefetch as l2
 
 
 def chunks(t: torch.Tensor, row_bytes, chunk: int) -> list[tuple[int, int]]:
@@ -51,29 +51,3 @@ def test_bad_requests_are_refused():
 
 def test_off_a_hopper_gpu_it_does_nothing():
     l2.l2_prefetch(torch.zeros(4, 64))  # a CPU tensor: no launch, no error
-
-
-def test_decode_layers_prefetch_their_o_proj_only_when_enabled(tiny_llama, monkeypatch):
-    """enable_l2_prefetch: each decode step prefetches every layer's o_proj weight (whole), and with
-    gate_up_row_bytes the first bytes of its gate/up rows, in layer order (an extend step none); off, nothing."""
-    from benchmarks import bench_one_batch
-    from model_executor.models import llama
-    from runners.model_runner import ModelRunner, RunnerConfig
-
-    calls = []
-    monkeypatch.setattr(llama, "l2_prefetch", lambda t, row_bytes=None: calls.append((id(t), row_bytes)))
-    runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), max_running_requests=8, max_total_tokens=256,
-                                      disable_cuda_graph=True))
-    layers = runner.model.model.layers
-    assert llama.enable_l2_prefetch(runner.model, gate_up_row_bytes=48) == len(layers) > 1
-    batches, _, _ = bench_one_batch.prepare(runner, bs=2, input_len=8, steps=2)
-    assert calls == []  # the prefill
-    with torch.inference_mode():
-        runner.forward_eager(batches[0])
-    assert calls == [c for layer in layers for c in ((id(layer.self_attn.o_proj.weight), None),
-                                                      (id(layer.mlp.gate_up_proj.weight), 48))]
-    calls.clear()
-    llama.enable_l2_prefetch(runner.model, on=False)
-    with torch.inference_mode():
-        runner.forward_eager(batches[1])
-    assert calls == []

@@ -27,7 +27,6 @@ from model_executor.layers.logits import compute_logits
 from model_executor.layers.moe.layer import DOWN, GATE, UP, FusedMoE, SparseMoeBlock
 from model_executor.layers.norm import PrenormedRow, RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
-from model_executor.layers.triton_ops.l2_prefetch import l2_prefetch
 from model_executor.model_config import CheckpointMismatchError, ModelConfig
 
 
@@ -66,13 +65,6 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    # At a decode step, start bringing weights into L2 before the attention kernel (whose memory traffic is
-    # small at short contexts): o_proj's, and the first bytes of the gate/up rows, which the GEMVs after it
-    # then read from there. An experiment: empty unless enable_l2_prefetch fills it (bench_one_batch
-    # --l2-prefetch); (weight, bytes of each row or None for all of it). Not while torch.compile traces: it is
-    # a Triton launch, not a registered op.
-    l2_prefetch_before_attention: tuple[tuple[torch.Tensor, int | None], ...] = ()
-
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         hd = cfg.head_dim
@@ -99,17 +91,10 @@ class LlamaAttention(nn.Module):
         fused = None if rope is None else self.qkv_proj.forward_normed_rope(norm, x, residual, rope)
         if fused is not None:
             qkv, residual = fused
-            self._prefetch(fb)
             return self.attn.forward_stored(qkv[:, : self.qkv_proj.q_size], fb), residual
         qkv, residual = self.qkv_proj.forward_normed(norm, x, residual)
         q, k, v = self.qkv_proj.split(qkv)
-        self._prefetch(fb)
         return self.attn(q, k, v, fb, positions), residual
-
-    def _prefetch(self, fb: ForwardBatch) -> None:
-        if self.l2_prefetch_before_attention and fb.mode.is_decode() and not torch.compiler.is_compiling():
-            for weight, row_bytes in self.l2_prefetch_before_attention:
-                l2_prefetch(weight, row_bytes)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,19 +147,6 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, fb, next_layer)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-
-def enable_l2_prefetch(model: nn.Module, on: bool = True, gate_up_row_bytes: int = 0) -> int:
-    """Every decoder layer of model prefetches its o_proj weight before a decode step's attention, and with
-    gate_up_row_bytes the first bytes of every gate/up row (dense MLPs); on=False: nothing. Before the CUDA
-    graphs are captured. Returns how many layers it set."""
-    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
-    for layer in layers:
-        plan = [(layer.self_attn.o_proj.weight, None)]
-        if gate_up_row_bytes and isinstance(layer.mlp, LlamaMLP):
-            plan.append((layer.mlp.gate_up_proj.weight, gate_up_row_bytes))
-        layer.self_attn.l2_prefetch_before_attention = tuple(plan) if on else ()
-    return len(layers)
 
 
 class LlamaForCausalLM(nn.Module):
