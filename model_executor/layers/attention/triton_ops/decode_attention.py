@@ -44,12 +44,19 @@ import triton.language as tl
 BLOCK_H = 16
 
 
-def stage1_tile(batch_size: int, head_dim: int) -> tuple[int, int, int]:
+def stage1_tile(batch_size: int, head_dim: int, kv_f16: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of stage 1 for a batch of this size: a function of what a graph is
     captured for (never of the lengths, which change between replays). Chosen from the tile sweep of
     benchmarks/bench_attention.py on the H200 (docs/benchmarks.md): a handful of requests gain from longer
     steps over their positions, large batches of 128-wide heads from a third pipeline stage; elsewhere no
-    other tile measured better."""
+    other tile measured better.
+
+    An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) under 32 requests takes (64, 4, 2) at both head
+    sizes, its V loaded as words from V_WORDS_MIN_BS (thirteenth session's sweep, Llama-3.1-8B and -3.2-1B heads:
+    23-31% faster than the bf16 pool's tile at 4-16 requests of 4k, 13% at one request of 512, within 1% at one
+    of 4k)."""
+    if kv_f16 and batch_size < 32:
+        return (64, 4, 2)
     if batch_size <= 4:
         return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
     if batch_size >= 32 and head_dim >= 128:
@@ -130,7 +137,7 @@ def fused_combine_default(batch_size: int) -> bool:
 
 
 # The smallest batch for which v_words_default reads an FP8 pool's V as 32-bit words.
-V_WORDS_MIN_BS = 32
+V_WORDS_MIN_BS = 2
 
 
 def v_words_default(batch_size: int) -> bool:
@@ -139,8 +146,9 @@ def v_words_default(batch_size: int) -> bool:
     either way.
 
     From benchmarks/bench_attention.py --decode-only --kv-dtype fp8_e4m3 on the H200 (docs/benchmarks.md,
-    thirteenth session; Llama-3.1-8B heads at 4k): 5-7% faster at 32, 64 and 128 requests, 3-5% slower at one
-    request (a latency-bound program gains nothing from fewer instructions and pays the conversions)."""
+    thirteenth session; Llama-3.1-8B heads at 4k): 5-7% faster at 32, 64 and 128 requests; at 4, 8 and 16 with
+    stage1_tile's (64, 4, 2) 37%, 30% and 33% faster than bytes with it; at one request as fast at 4k and 3%
+    slower at 512 (2 and 3 requests: not measured, words as from 4)."""
     return batch_size >= V_WORDS_MIN_BS
 
 
@@ -433,7 +441,7 @@ def decode_attention_fwd(
     min_chunk: a request of L tokens uses min(cdiv(L, min_chunk), num_kv_splits) chunks.
     sm_scale: softmax scale; k_scale, v_scale: the pool's dequantization scales (an FP8 pool holds
     K / k_scale, V / v_scale).
-    tile: stage 1's (BLOCK_N, num_warps, num_stages); default stage1_tile(bs, head_dim).
+    tile: stage 1's (BLOCK_N, num_warps, num_stages); default stage1_tile(bs, head_dim, fp16 dots).
     counters: the workspace's int32 arrival counters (DecodeWorkspace.counters: zeros, left zeros); needed
     when the chunks are merged by stage 1.
     fused_combine: merge the chunks in stage 1 (True) or in a second launch (False, stage 2); default
@@ -471,7 +479,7 @@ def decode_attention_fwd(
         v_words = v_words_default(bs)
     v_words = (v_words and kv_f16 and block_d == head_dim  # (V read as 32-bit words: _load_e4m3_rows_as_f16)
                and v_buffer.data_ptr() % 4 == 0 and v_buffer.stride(1) % 4 == 0 and v_buffer.stride(0) % 4 == 0)
-    block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim)
+    block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim, kv_f16)
     if fused_combine is None:  # (the default needs the counters: without them, two stages)
         fused_combine = counters is not None and fused_combine_default(bs)
     fused = fused_combine and not single_stage
