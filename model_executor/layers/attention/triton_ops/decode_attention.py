@@ -51,11 +51,12 @@ def stage1_tile(batch_size: int, head_dim: int, kv_f16: bool = False) -> tuple[i
     steps over their positions, large batches of 128-wide heads from a third pipeline stage; elsewhere no
     other tile measured better.
 
-    An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) under 32 requests takes (64, 4, 2) at both head
-    sizes, its V loaded as words from V_WORDS_MIN_BS (thirteenth session's sweep, Llama-3.1-8B and -3.2-1B heads:
-    23-31% faster than the bf16 pool's tile at 4-16 requests of 4k, 13% at one request of 512, within 1% at one
-    of 4k)."""
-    if kv_f16 and batch_size < 32:
+    An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) from 2 to 31 requests takes (64, 4, 2) at both
+    head sizes, its V loaded as words (v_words_default). Thirteenth session's sweep, Llama-3.1-8B and -3.2-1B
+    heads at 4k: 23-31% faster than the bf16 pool's tile at 4-16 requests (2 and 3: not measured, as from 4).
+    At one request the kernel alone was 13% faster at 512 tokens and within 1% at 4k, but Llama-3.1-8B's step at
+    4k was 2.5% slower in three runs of each: one request keeps the bf16 pool's tile."""
+    if kv_f16 and 1 < batch_size < 32:
         return (64, 4, 2)
     if batch_size <= 4:
         return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
