@@ -53,8 +53,8 @@ def stage1_tile(batch_size: int, head_dim: int, kv_f16: bool = False) -> tuple[i
 
     An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) from 2 to 31 requests takes (64, 4, 2) at both
     head sizes, its V loaded as words (v_words_default). Thirteenth session's sweep, Llama-3.1-8B and -3.2-1B
-    heads at 4k: 23-31% faster than the bf16 pool's tile at 4-16 requests (2 and 3: not measured, as from 4).
-    At one request the kernel alone was 13% faster at 512 tokens and within 1% at 4k, but Llama-3.1-8B's step at
+    heads at 4k: 23-28% faster than the bf16 pool's tile at 4-16 requests (2 and 3: not measured, as from 4).
+    At one request the kernel alone was 13% faster at 512 tokens and 1% slower at 4k, but Llama-3.1-8B's step at
     4k was 2.5% slower in three runs of each: one request keeps the bf16 pool's tile."""
     if kv_f16 and 1 < batch_size < 32:
         return (64, 4, 2)
@@ -148,7 +148,7 @@ def v_words_default(batch_size: int) -> bool:
 
     From benchmarks/bench_attention.py --decode-only --kv-dtype fp8_e4m3 on the H200 (docs/benchmarks.md,
     thirteenth session; Llama-3.1-8B heads at 4k): 5-7% faster at 32, 64 and 128 requests; at 4, 8 and 16 with
-    stage1_tile's (64, 4, 2) 37%, 30% and 33% faster than bytes with it; at one request as fast at 4k and 3%
+    stage1_tile's (64, 4, 2) 37%, 30% and 33% faster than bytes with it; at one request as fast at 4k and 4%
     slower at 512 (2 and 3 requests: not measured, words as from 4)."""
     return batch_size >= V_WORDS_MIN_BS
 
