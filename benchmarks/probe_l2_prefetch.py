@@ -17,6 +17,8 @@ set far exceeds L2), median of its replays:
 2. `window -> o_proj`: a spin kernel of --window-us (attention's stand-in: one program reading the clock,
    no memory traffic), then o_proj (the small-M kernel at its table config); without, and with o_proj
    prefetched just before the window per chunk size (how many SMs' copy engines issue it matters).
+   `o_proj twice`: each o_proj GEMV run twice in a row, the second from L2 (what o_proj costs from L2, for
+   the difference against o_proj alone).
 3. `layer chain`: qkv -> window -> o_proj -> gate/up with SiLU-and-mul -> down, as a decode layer runs them
    (without the norms fused into them), prefetching (`Variant`): nothing; o_proj before the window; that and
    the first --gate-up-row-bytes of every gate/up row; o_proj on a side stream from qkv's start (a graph
@@ -248,6 +250,12 @@ def main(argv=None) -> int:
     for kb in args.chunk_kb:
         report("prefetch alone", f"o_proj {o_bytes / 1e6:.1f} MB in {kb} KB chunks",
                replay_ms(lambda kb=kb: [l2_prefetch(l.o[0], chunk=kb * 1024) for l in layers]), chunk_kb=kb)
+
+    # o_proj read twice in a row: the second read finds the weight in L2 (16.8 MB of 50) if anything does. Its
+    # time less o_proj alone's (the first window row) is what o_proj costs from L2: near o_proj alone, the GEMV
+    # is not bound by DRAM at one row; much less, a prefetch that landed would have paid.
+    report("o_proj twice", "the second from L2", replay_ms(lambda: [sm.small_m_linear(x, *l.o) for l in layers
+                                                                   for _ in range(2)]))
 
     for window in args.window_us:
         for kb in [None, *args.chunk_kb]:  # None: no prefetch
