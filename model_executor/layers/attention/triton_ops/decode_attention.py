@@ -141,16 +141,18 @@ def fused_combine_default(batch_size: int) -> bool:
 V_WORDS_MIN_BS = 2
 
 
-def v_words_default(batch_size: int) -> bool:
+def v_words_default(batch_size: int, block_n: int) -> bool:
     """Whether stage 1 over an FP8 pool (fp16 dots) loads V as 32-bit words converted in that layout
-    (_load_e4m3_rows_as_f16) rather than as fp8 bytes: a function of what a graph is captured for. Same values
-    either way.
+    (_load_e4m3_rows_as_f16) rather than as fp8 bytes, for a batch of this size and stage 1's BLOCK_N: a
+    function of what a graph is captured for. Same values either way.
 
     From benchmarks/bench_attention.py --decode-only --kv-dtype fp8_e4m3 on the H200 (docs/benchmarks.md,
     thirteenth session; Llama-3.1-8B heads at 4k): 5-7% faster at 32, 64 and 128 requests; at 4, 8 and 16 with
     stage1_tile's (64, 4, 2) 37%, 30% and 33% faster than bytes with it; at one request as fast at 4k and 4%
-    slower at 512 (2 and 3 requests: not measured, words as from 4)."""
-    return batch_size >= V_WORDS_MIN_BS
+    slower at 512 (2 and 3 requests: not measured, words as from 4). Only with tiles of 64 positions or more:
+    with 32 words were 20% slower at 128 requests (621 vs 518 us) and 3% slower for Llama-3.2-1B heads at 8 and
+    16, the tile 1B heads keep from 32 requests."""
+    return batch_size >= V_WORDS_MIN_BS and block_n >= 64
 
 
 class DecodeWorkspace(NamedTuple):
@@ -449,7 +451,7 @@ def decode_attention_fwd(
     fused_combine_default(bs) when counters are given, else False. Same bits either way; unused
     when num_kv_splits is 1.
     v_words: over an FP8 pool with fp16 dots, load V as 32-bit words (True) or as bytes (False); default
-    v_words_default(bs). Same values either way; unused otherwise (and when the pool is not 4-byte aligned).
+    v_words_default(bs, BLOCK_N). Same values either way; unused otherwise (and when the pool is not 4-byte aligned).
     No host reads of device data, no allocations: safe to capture in a CUDA graph.
     """
     bs, num_heads, head_dim = q.shape
@@ -476,11 +478,11 @@ def decode_attention_fwd(
     single_stage = num_kv_splits == 1
     kv_f16 = kv_dots_in_fp16(q.dtype, k_buffer.dtype)
     qk_scale = sm_scale * k_scale * _LOG2E / (Q_PRESCALE if kv_f16 else 1.0)
+    block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim, kv_f16)
     if v_words is None:
-        v_words = v_words_default(bs)
+        v_words = v_words_default(bs, block_n)
     v_words = (v_words and kv_f16 and block_d == head_dim  # (V read as 32-bit words: _load_e4m3_rows_as_f16)
                and v_buffer.data_ptr() % 4 == 0 and v_buffer.stride(1) % 4 == 0 and v_buffer.stride(0) % 4 == 0)
-    block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim, kv_f16)
     if fused_combine is None:  # (the default needs the counters: without them, two stages)
         fused_combine = counters is not None and fused_combine_default(bs)
     fused = fused_combine and not single_stage
