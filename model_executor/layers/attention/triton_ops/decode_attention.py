@@ -78,6 +78,9 @@ SINGLE_STAGE_MAX_LEN = 128
 PROGRAMS_PER_SM_FP16_DOTS = 8
 
 _LOG2E = 1.4426950408889634
+# Triton's CPU interpreter (chosen by the environment before triton is first imported) cannot run the inline PTX
+# of _e4m3_words_to_f16; read once, not per call.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # An FP8 pool's dots run in fp16 (e4m3 -> fp16 is one packed conversion per two values; -> bf16 needs a second
 # instruction per value, and at long contexts those conversions, not the pool's bytes, bound stage 1). bf16 q
 # goes to fp16 times this power of two (exact for |q| from ~2^-10 to ~1e6; qk_scale takes it back out), the
@@ -517,7 +520,7 @@ def decode_attention_fwd(
         KV_F16=kv_f16,
         Q_PRESCALE=Q_PRESCALE,
         V_WORDS=v_words,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",  # (inline PTX cannot run there)
+        INTERPRET=_INTERPRET,
         num_warps=num_warps,
         num_stages=num_stages,
     )
