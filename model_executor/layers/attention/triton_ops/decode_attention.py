@@ -51,13 +51,15 @@ def stage1_tile(batch_size: int, head_dim: int, kv_f16: bool = False) -> tuple[i
     steps over their positions, large batches of 128-wide heads from a third pipeline stage; elsewhere no
     other tile measured better.
 
-    An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) from 2 to 31 requests takes (64, 4, 2) at both
-    head sizes, its V loaded as words (v_words_default). Thirteenth session's sweep, Llama-3.1-8B and -3.2-1B
-    heads at 4k: 23-28% faster than the bf16 pool's tile at 4-16 requests (2 and 3: not measured, as from 4).
-    At one request the kernel alone was 13% faster at 512 tokens and 1% slower at 4k, but Llama-3.1-8B's step at
-    4k was 2.5% slower in three runs of each: one request keeps the bf16 pool's tile."""
-    if kv_f16 and 1 < batch_size < 32:
-        return (64, 4, 2)
+    An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) takes (64, 4, 2) from 2 to 31 requests and
+    (64, 4, 3) from 32, at both head sizes, its V loaded as words (v_words_default). Thirteenth session's sweep,
+    Llama-3.1-8B and -3.2-1B heads at 4k: 23-28% faster than the bf16 pool's tile at 4-16 requests; fourteenth
+    session's: at 2 requests within 4% of the best tile, and from 32 requests (64, 4, 3) the fastest for both
+    (1B heads: 31-38% faster than the bf16 pool's (32, 4, 2) at 32, 64 and 128 requests). At one request the
+    kernel alone was 13% faster at 512 tokens and 1% slower at 4k, but Llama-3.1-8B's step at 4k was 2.5% slower
+    in three runs of each: one request keeps the bf16 pool's tile."""
+    if kv_f16 and batch_size > 1:
+        return (64, 4, 2) if batch_size < 32 else (64, 4, 3)
     if batch_size <= 4:
         return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
     if batch_size >= 32 and head_dim >= 128:
@@ -154,7 +156,7 @@ def v_words_default(batch_size: int, block_n: int) -> bool:
     stage1_tile's (64, 4, 2) 37%, 30% and 33% faster than bytes with it; at one request as fast at 4k and 4%
     slower at 512 (2 and 3 requests: not measured, words as from 4). Only with tiles of 64 positions or more:
     with 32 words were 20% slower at 128 requests (621 vs 518 us) and 3% slower for Llama-3.2-1B heads at 8 and
-    16, the tile 1B heads keep from 32 requests."""
+    16 (stage1_tile gives an FP8 pool 64 from 2 requests; a tile passed by the caller may be narrower)."""
     return batch_size >= V_WORDS_MIN_BS and block_n >= 64
 
 
