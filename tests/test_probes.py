@@ -12,6 +12,8 @@ import pytest
     ("probe_fp8_gemv_f16acc", []),
     ("probe_l2_prefetch", []),
     ("probe_medium_m_gemm", []),
+    ("probe_fp8_mma_gemv", []),
+    ("probe_persistent_layer", []),
 ])
 def test_refuses_without_cuda(monkeypatch, capsys, name, argv):
     probe = importlib.import_module(f"benchmarks.{name}")
