@@ -48,8 +48,10 @@ def stage1_tile(batch_size: int, head_dim: int, kv_f16: bool = False) -> tuple[i
     """(BLOCK_N, num_warps, num_stages) of stage 1 for a batch of this size: a function of what a graph is
     captured for (never of the lengths, which change between replays). Chosen from the tile sweep of
     benchmarks/bench_attention.py on the H200 (docs/benchmarks.md): a handful of requests gain from longer
-    steps over their positions, large batches of 128-wide heads from a third pipeline stage; elsewhere no
-    other tile measured better.
+    steps over their positions, large batches of 128-wide heads from a third pipeline stage, and so do 64-wide
+    heads from 32 to 96 requests (fourteenth session, Llama-3.2-1B heads at 512 and 4k tokens: 13-45% faster
+    than (32, 4, 2) at 32, 48, 64 and 96 requests; at 128 requests 8-15% slower, and at 256 3% slower (fifth
+    session), so from 97 requests they keep (32, 4, 2)); elsewhere no other tile measured better.
 
     An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) takes (64, 4, 2) from 2 to 31 requests and
     (64, 4, 3) from 32, at both head sizes, its V loaded as words (v_words_default). Thirteenth session's sweep,
@@ -62,7 +64,7 @@ def stage1_tile(batch_size: int, head_dim: int, kv_f16: bool = False) -> tuple[i
         return (64, 4, 2) if batch_size < 32 else (64, 4, 3)
     if batch_size <= 4:
         return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
-    if batch_size >= 32 and head_dim >= 128:
+    if batch_size >= 32 and (head_dim >= 128 or batch_size <= 96):
         return (64, 4, 3)
     return (32, 4, 2)
 
