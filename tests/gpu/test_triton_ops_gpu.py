@@ -140,6 +140,35 @@ def test_decode_bf16(heads, context, split):
         assert rel_err(o[b], ref[b]) < 1e-2, f"row {b} (len {lens[b]})"
 
 
+RULE_TILES = sorted({decode_mod.stage1_tile(bs, d, f16) for bs in range(1, 257) for d in (64, 128)
+                     for f16 in (False, True)})
+
+
+@pytest.mark.parametrize("heads", HEAD_CONFIGS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize("tile", RULE_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_decode_every_tile_of_the_rule(heads, tile, kv_dtype):
+    """Each stage-1 tile stage1_tile can give, at each head width and pool dtype (an FP8 pool's V as words where
+    the tile allows, as by default from 2 requests), against the fp32 reference of the same pool values: the
+    sweep that picks tiles times them, this checks them."""
+    num_heads, num_kv_heads, head_dim = heads
+    lens = [4096, 1, 4095, 3000, 1025, 33, 2048, 4000, 64, 65, 200]
+    pool = Pool(lens, num_kv_heads, head_dim, dtype=kv_dtype, seed=4)
+    rows = list(range(1, len(lens) + 1))
+    bs = len(lens)
+    splits = get_num_kv_splits(max(lens))
+    q = torch.randn(bs, num_heads, head_dim, device=DEV).to(torch.bfloat16)
+    o = torch.empty_like(q)
+    logits, lse, counters = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, torch.tensor(rows, device=DEV),
+                         torch.tensor(lens, dtype=torch.int32, device=DEV), logits, lse, splits, sm_scale,
+                         tile=tile, counters=counters)
+    ref = decode_ref(pool, q, rows, lens, sm_scale)
+    for b in range(bs):
+        assert rel_err(o[b], ref[b]) < 1e-2, f"row {b} (len {lens[b]})"
+
+
 @pytest.mark.parametrize("splits", [get_num_kv_splits(4096), 5, 1])
 def test_decode_cuda_graph_replay_matches_eager(splits):
     num_heads, num_kv_heads, head_dim = 32, 8, 128

@@ -49,22 +49,25 @@ def stage1_tile(batch_size: int, head_dim: int, kv_f16: bool = False) -> tuple[i
     captured for (never of the lengths, which change between replays). Chosen from the tile sweep of
     benchmarks/bench_attention.py on the H200 (docs/benchmarks.md): a handful of requests gain from longer
     steps over their positions, large batches of 128-wide heads from a third pipeline stage, and so do 64-wide
-    heads from 32 to 96 requests (fourteenth session, Llama-3.2-1B heads at 512 and 4k tokens: 13-45% faster
+    heads from 25 to 96 requests (fourteenth session, Llama-3.2-1B heads at 512 and 4k tokens: 13-45% faster
     than (32, 4, 2) at 32, 48, 64 and 96 requests; at 128 requests 8-15% slower, and at 256 3% slower (fifth
     session), so from 97 requests they keep (32, 4, 2)); elsewhere no other tile measured better.
 
-    An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) takes (64, 4, 2) from 2 to 31 requests and
-    (64, 4, 3) from 32, at both head sizes, its V loaded as words (v_words_default). Thirteenth session's sweep,
+    The thresholds sit just above sizes of the default capture list (4, 24, 96: runners/capture_lists.py), so a
+    batch run eagerly takes the tile of the graph it would be padded to (25-31 requests replay the graph of 32).
+
+    An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) takes (64, 4, 2) from 2 to 24 requests and
+    (64, 4, 3) from 25, at both head sizes, its V loaded as words (v_words_default). Thirteenth session's sweep,
     Llama-3.1-8B and -3.2-1B heads at 4k: 23-28% faster than the bf16 pool's tile at 4-16 requests; fourteenth
     session's: at 2 requests within 4% of the best tile, and from 32 requests (64, 4, 3) the fastest for both
     (1B heads: 31-38% faster than the bf16 pool's (32, 4, 2) at 32, 64 and 128 requests). At one request the
     kernel alone was 13% faster at 512 tokens and 1% slower at 4k, but Llama-3.1-8B's step at 4k was 2.5% slower
     in three runs of each: one request keeps the bf16 pool's tile."""
     if kv_f16 and batch_size > 1:
-        return (64, 4, 2) if batch_size < 32 else (64, 4, 3)
+        return (64, 4, 2) if batch_size <= 24 else (64, 4, 3)
     if batch_size <= 4:
         return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
-    if batch_size >= 32 and (head_dim >= 128 or batch_size <= 96):
+    if batch_size > 24 and (head_dim >= 128 or batch_size <= 96):
         return (64, 4, 3)
     return (32, 4, 2)
 
