@@ -196,6 +196,22 @@ def test_decode_every_stage1_tile_of_the_rule(tile, num_kv_splits):
 
 
 @in_process
+@pytest.mark.parametrize("max_bs", [256, 512])
+def test_stage1_tile_of_a_batch_is_the_tile_of_the_graph_it_pads_to(max_bs):
+    """A batch run eagerly and the default capture list's graph it would be padded to take the same stage-1
+    tile (a different BLOCK_N sums the positions in other chunks: other roundings), for both head widths
+    and pool kinds."""
+    from runners.capture_lists import get_batch_sizes_to_capture, pick_size
+
+    sizes = get_batch_sizes_to_capture(max_bs)
+    for bs in range(1, max_bs + 1):
+        for d in (64, 128):
+            for f16 in (False, True):
+                padded = pick_size(sizes, bs)
+                assert decode_mod.stage1_tile(bs, d, f16) == decode_mod.stage1_tile(padded, d, f16), (bs, padded, d, f16)
+
+
+@in_process
 def test_decode_splits_follow_each_requests_length():
     """A request uses min(cdiv(len, min_chunk), num_kv_splits) splits: the workspace rows of its other
     splits stay untouched (here NaN); one stage (num_kv_splits 1) touches no workspace at all."""
