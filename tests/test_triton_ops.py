@@ -182,7 +182,7 @@ def test_decode_adaptive_splits_mixed_lengths(num_kv_splits):
 def test_decode_every_stage1_tile_of_the_rule(tile, num_kv_splits):
     """Each tile stage1_tile can choose, with chunk bounds aligned to its BLOCK_N in both stages: lengths
     around the 32 and 64 boundaries, one stage and split."""
-    assert {decode_mod.stage1_tile(bs, d, f16) for bs in (1, 8, 64) for d in (64, 128) for f16 in (False, True)} == {
+    assert {decode_mod.stage1_tile(bs, d, f16) for bs in range(1, 257) for d in (64, 128) for f16 in (False, True)} == {
         (32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 4, 3)}
     gen = torch.Generator().manual_seed(6)
     seq_lens, rows = [1, 33, 64, 65, 97, 200], [1, 2, 3, 4, 5, 6]

@@ -46,28 +46,29 @@ BLOCK_H = 16
 
 def stage1_tile(batch_size: int, head_dim: int, kv_f16: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of stage 1 for a batch of this size: a function of what a graph is
-    captured for (never of the lengths, which change between replays). Chosen from the tile sweep of
-    benchmarks/bench_attention.py on the H200 (docs/benchmarks.md): a handful of requests gain from longer
-    steps over their positions, large batches of 128-wide heads from a third pipeline stage, and so do 64-wide
-    heads from 25 to 96 requests (fourteenth session, Llama-3.2-1B heads at 512 and 4k tokens: 13-45% faster
-    than (32, 4, 2) at 32, 48, 64 and 96 requests; at 128 requests 8-15% slower, and at 256 3% slower (fifth
-    session), so from 97 requests they keep (32, 4, 2)); elsewhere no other tile measured better.
+    captured for (never of the lengths, which change between replays). Chosen from the tile sweeps of
+    benchmarks/bench_attention.py on the H200 (docs/benchmarks.md):
+
+    - up to 4 requests, longer steps over their positions (8 warps for 128-wide heads);
+    - from 5, a 64-position step and a third pipeline stage, for 128-wide heads at any batch and for 64-wide
+      heads up to 96 requests. Fourteenth session, Llama-3.1-8B and -3.2-1B heads at 512, 2048 and 4k tokens,
+      against the (32, 4, 2) the rule had below 32 requests: 16 and 24 requests 3-31% faster for 128-wide
+      heads, 2-36% for 64-wide; 8 requests 6-12% faster at 2048 and 4k, 1% (64-wide) and 8% (128-wide) slower
+      at 512; 32-96 requests of 64-wide heads 13-45% faster; 64-wide from 128 requests 8-15% slower, so from
+      97 they keep (32, 4, 2);
+    - an FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) from 2 to 24 requests (64, 4, 2), from 25
+      (64, 4, 3), at both head widths, its V loaded as words (v_words_default): 23-28% faster than the bf16
+      pool's tile of the time at 4-16 requests (thirteenth session, 4k), 31-38% for 64-wide heads at 32-256.
+      At one request the kernel alone was 13% faster at 512 tokens and 1% slower at 4k, but Llama-3.1-8B's
+      step at 4k was 2.5% slower in three runs of each: one request keeps the bf16 pool's tile.
 
     The thresholds sit just above sizes of the default capture list (4, 24, 96: runners/capture_lists.py), so a
-    batch run eagerly takes the tile of the graph it would be padded to (25-31 requests replay the graph of 32).
-
-    An FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) takes (64, 4, 2) from 2 to 24 requests and
-    (64, 4, 3) from 25, at both head sizes, its V loaded as words (v_words_default). Thirteenth session's sweep,
-    Llama-3.1-8B and -3.2-1B heads at 4k: 23-28% faster than the bf16 pool's tile at 4-16 requests; fourteenth
-    session's: at 2 requests within 4% of the best tile, and from 32 requests (64, 4, 3) the fastest for both
-    (1B heads: 31-38% faster than the bf16 pool's (32, 4, 2) at 32, 64 and 128 requests). At one request the
-    kernel alone was 13% faster at 512 tokens and 1% slower at 4k, but Llama-3.1-8B's step at 4k was 2.5% slower
-    in three runs of each: one request keeps the bf16 pool's tile."""
+    batch run eagerly takes the tile of the graph it would be padded to."""
     if kv_f16 and batch_size > 1:
         return (64, 4, 2) if batch_size <= 24 else (64, 4, 3)
     if batch_size <= 4:
         return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
-    if batch_size > 24 and (head_dim >= 128 or batch_size <= 96):
+    if head_dim >= 128 or batch_size <= 96:
         return (64, 4, 3)
     return (32, 4, 2)
 
