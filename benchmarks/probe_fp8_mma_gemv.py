@@ -13,6 +13,8 @@ its table config (model_executor/layers/triton_ops/configs):
 - `pre`: x quantized beforehand ([16, K] e4m3 columns, a scale per K block and column): the best case, what
   the loop costs when a producer kernel writes x in e4m3;
 - `inline`: each program loads its step's x block in bf16 and splits it (a max over the block per step);
+- `inline, scales given`: the same with the block scales read (as a producer kernel could leave them, e.g. by
+  an atomic max per block): what building the 16-column operand every step costs without the max;
 - `terms 1`: `inline` with hi only (plain W8A8 with a scale per K block): the error without the lo term.
 
 Each row reports us per call, TB/s of weight read, and the max relative error against float32 products of
@@ -47,6 +49,7 @@ LO = 16.0  # the lo term's factor: the residual of an e4m3 rounding is at most 1
 @triton.jit
 def mma_gemv(W, S, XQ, XS, X, Y, KR, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
              INLINE: tl.constexpr, TERMS: tl.constexpr, R: tl.constexpr, LO: tl.constexpr):
+    # INLINE: 0 x pre-split (XQ, XS); 1 split here, scales from a max per step; 2 split here, scales from XS
     """y[n] = sum_k W[n, k] x[k] * S[n] for one row, W read as [N * R, KR = K / R] (row n's R segments are
     rows n * R .. n * R + R - 1), so that N = 4096 still gives enough programs of BN >= 64 rows (the wgmma
     tile). The dot is acc[BN, 16] = W_tile[BN, BK] @ xq[BK, 16]; column c holds term c % TERMS of x's segment
@@ -65,7 +68,11 @@ def mma_gemv(W, S, XQ, XS, X, Y, KR, BN: tl.constexpr, BK: tl.constexpr, STAGES:
         if INLINE:  # [BK, 16]: column c has segment c // TERMS's block of x
             xb = tl.load(X + seg[None, :] * KR + (k + offs_k)[:, None], mask=valid_c[None, :], other=0.0)
             xb = xb.to(tl.float32)
-            s = tl.maximum(tl.max(tl.abs(xb), axis=0), 1e-30) / 448.0  # [16]
+            if INLINE == 2:  # the scales given (XS, as `pre` has them): only the split is done here
+                given = tl.load(XS + (k // BK) * 16 + offs_c)
+                s = tl.where(valid_c, tl.where(term == 0, given, given * LO), 1.0)
+            else:
+                s = tl.maximum(tl.max(tl.abs(xb), axis=0), 1e-30) / 448.0  # [16]
             xs = xb * (1.0 / s)[None, :]
             hi = xs.to(tl.float8e4nv).to(tl.float32)
             if TERMS == 2:
@@ -139,9 +146,9 @@ def measure_shape(n: int, k: int, tiles, stages_list, rs, top, gen, read_only=Fa
     us = time_calls([lambda w=w, s=s: sm.small_m_linear(x, w, s) for w, s in zip(wts.w, wts.s)])
     err = rel_err(sm.small_m_linear(x, wts.w[0], wts.s[0]).squeeze(0), ref)
     rows = [{"n": n, "k": k, "variant": f"table {cfg}", "us": us, "tb_s": wts.bytes / us / 1e6, "rel_err": err}]
-    print(f"{n:>6} {k:>6} {'today (table)':>26} {us:>8.2f} {wts.bytes / us / 1e6:>6.2f} {err:>9.2e}", flush=True)
+    print(f"{n:>6} {k:>6} {'today (table)':>36} {us:>8.2f} {wts.bytes / us / 1e6:>6.2f} {err:>9.2e}", flush=True)
     def run(bn, bk, r, stages, mode):
-        inline, terms = {"pre": (False, 2), "inline": (True, 2), "terms 1": (True, 1)}[mode]
+        inline, terms = {"pre": (0, 2), "inline": (1, 2), "inline, scales given": (2, 2), "terms 1": (1, 1)}[mode]
         xq, xs = split_x(x, bk, r, terms)
 
         def call(w, s):
@@ -153,11 +160,11 @@ def measure_shape(n: int, k: int, tiles, stages_list, rs, top, gen, read_only=Fa
             call(wts.w[0], wts.s[0])
             e = rel_err(y.squeeze(0), ref)
         except Exception as exc:  # a tile that does not compile or fit: reported, not fatal
-            print(f"{n:>6} {k:>6} {name:>26}  failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            print(f"{n:>6} {k:>6} {name:>36}  failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             return None
         row = {"n": n, "k": k, "variant": name, "us": t, "tb_s": wts.bytes / t / 1e6, "rel_err": e,
                "tile": (bn, bk, r, stages)}
-        print(f"{n:>6} {k:>6} {name:>26} {t:>8.2f} {wts.bytes / t / 1e6:>6.2f} {e:>9.2e}", flush=True)
+        print(f"{n:>6} {k:>6} {name:>36} {t:>8.2f} {wts.bytes / t / 1e6:>6.2f} {e:>9.2e}", flush=True)
         rows.append(row)
         return row
 
@@ -170,10 +177,10 @@ def measure_shape(n: int, k: int, tiles, stages_list, rs, top, gen, read_only=Fa
             for w in wts.w])
         name = f"read {bn}x{bk} s{st}"
         rows.append({"n": n, "k": k, "variant": name, "us": t, "tb_s": wts.bytes / t / 1e6})
-        print(f"{n:>6} {k:>6} {name:>26} {t:>8.2f} {wts.bytes / t / 1e6:>6.2f}", flush=True)
+        print(f"{n:>6} {k:>6} {name:>36} {t:>8.2f} {wts.bytes / t / 1e6:>6.2f}", flush=True)
     t = time_calls([lambda w=w: w.view(torch.int32).sum(dim=1, dtype=torch.int32) for w in wts.w])
     rows.append({"n": n, "k": k, "variant": "torch row sums", "us": t, "tb_s": wts.bytes / t / 1e6})
-    print(f"{n:>6} {k:>6} {'torch row sums (int32)':>26} {t:>8.2f} {wts.bytes / t / 1e6:>6.2f}", flush=True)
+    print(f"{n:>6} {k:>6} {'torch row sums (int32)':>36} {t:>8.2f} {wts.bytes / t / 1e6:>6.2f}", flush=True)
     if read_only:
         return rows
     # x pre-split over the grid (the loop's own cost), then x split in the kernel at the best `top` tiles
@@ -182,6 +189,7 @@ def measure_shape(n: int, k: int, tiles, stages_list, rs, top, gen, read_only=Fa
     best = sorted((row for row in pre if row), key=lambda row: row["us"])[:top]
     for i, row in enumerate(best):
         run(*row["tile"], "inline")
+        run(*row["tile"], "inline, scales given")
         if i == 0:
             run(*row["tile"], "terms 1")
     return rows
@@ -204,7 +212,7 @@ def main(argv=None) -> int:
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{'N':>6} {'K':>6} {'variant':>26} {'us':>8} {'TB/s':>6} {'rel err':>9}")
+    print(f"{'N':>6} {'K':>6} {'variant':>36} {'us':>8} {'TB/s':>6} {'rel err':>9}")
     rows = []
     for n, k in shapes:
         rows += measure_shape(n, k, tiles, args.stages, args.r, args.top, gen, args.read_only)

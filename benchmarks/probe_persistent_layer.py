@@ -13,7 +13,9 @@ each GEMV's input the one before's output), run as
 - `persistent G`: one launch a layer of G programs (G a multiple of the SM count, all resident at once) that
   walk each matrix's row tiles in turn (tile t goes to program t % G) with a grid barrier between matrices
   (an arrival counter: each program adds one, then polls it until all G have arrived; the counters are zeroed
-  once per replay). The same tiles and loop as `4 kernels`, so the same bits.
+  once per replay). The same tiles and loop as `4 kernels`, so the same bits;
+- `persistent flat G`: the same, each matrix as one pipelined loop over the program's (tile, K step) pairs, so
+  that its loads stay in flight across its tiles (the nested version fills and drains the pipeline per tile).
 
 Reported: us per layer, the chain's weight bytes per us (TB/s), and max |diff| against `4 kernels`. A barrier
 that never completes (programs not all resident) gives up after --max-spins polls and is reported, not hung.
@@ -66,6 +68,26 @@ def _gemv_phase(W, S, X, Y, N, K, pid, G, BN: tl.constexpr, BK: tl.constexpr, ST
 
 
 @triton.jit
+def _gemv_phase_flat(W, S, X, Y, N, K, pid, G, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """_gemv_phase as one loop over this program's (tile, K step) pairs: the loads stay pipelined across its
+    tiles (the nested loop fills and drains the pipeline once per tile). Same sums in the same order."""
+    steps = K // BK
+    tiles = tl.cdiv(N // BN - pid, G)  # tiles pid, pid + G, ... (none when pid is past the last)
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for i in tl.range(0, tiles * steps, num_stages=STAGES):
+        offs_n = (pid + (i // steps) * G) * BN + tl.arange(0, BN)
+        k = (i % steps) * BK
+        w = tl.load(W + offs_n[:, None].to(tl.int64) * K + (k + offs_k)[None, :])
+        x = tl.load(X + k + offs_k[None, :], cache_modifier=".cg")
+        acc += w.to(tl.float32) * x.to(tl.float32)
+        if i % steps == steps - 1:
+            out = tl.sum(acc, axis=1) * tl.load(S + offs_n)
+            tl.store(Y + offs_n, out.to(Y.dtype.element_ty))
+            acc = tl.zeros([BN, BK], dtype=tl.float32)
+
+
+@triton.jit
 def _grid_barrier(C, G, MAX_SPINS, ERR):
     """Every program's stores before it are visible to every program after it. One thread arrives (after
     the CTA barrier, with release at gpu scope: the atomic's default acq_rel), polls with volatile loads,
@@ -99,18 +121,28 @@ def layer_kernel(Wo, So, Wg, Sg, Wd, Sd, Wq, Sq, Xa, Yo, Yg, Yd, Yq, C, ERR, MAX
                  BN_O: tl.constexpr, BK_O: tl.constexpr, ST_O: tl.constexpr,
                  BN_G: tl.constexpr, BK_G: tl.constexpr, ST_G: tl.constexpr,
                  BN_D: tl.constexpr, BK_D: tl.constexpr, ST_D: tl.constexpr,
-                 BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr):
+                 BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr, FLAT: tl.constexpr):
     """o_proj -> gate/up -> down -> qkv in one launch, a grid barrier between them (down reads the first
-    I2 / 2 values of gate/up's output, a stand-in for SiLU-and-mul's)."""
+    I2 / 2 values of gate/up's output, a stand-in for SiLU-and-mul's). FLAT: each matrix as one pipelined
+    loop over the program's (tile, K step) pairs (_gemv_phase_flat)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    _gemv_phase(Wo, So, Xa, Yo, H, H, pid, G, BN_O, BK_O, ST_O)
-    _grid_barrier(C, G, MAX_SPINS, ERR)
-    _gemv_phase(Wg, Sg, Yo, Yg, I2, H, pid, G, BN_G, BK_G, ST_G)
-    _grid_barrier(C + 1, G, MAX_SPINS, ERR)
-    _gemv_phase(Wd, Sd, Yg, Yd, H, I2 // 2, pid, G, BN_D, BK_D, ST_D)
-    _grid_barrier(C + 2, G, MAX_SPINS, ERR)
-    _gemv_phase(Wq, Sq, Yd, Yq, QN, H, pid, G, BN_Q, BK_Q, ST_Q)
+    if FLAT:
+        _gemv_phase_flat(Wo, So, Xa, Yo, H, H, pid, G, BN_O, BK_O, ST_O)
+        _grid_barrier(C, G, MAX_SPINS, ERR)
+        _gemv_phase_flat(Wg, Sg, Yo, Yg, I2, H, pid, G, BN_G, BK_G, ST_G)
+        _grid_barrier(C + 1, G, MAX_SPINS, ERR)
+        _gemv_phase_flat(Wd, Sd, Yg, Yd, H, I2 // 2, pid, G, BN_D, BK_D, ST_D)
+        _grid_barrier(C + 2, G, MAX_SPINS, ERR)
+        _gemv_phase_flat(Wq, Sq, Yd, Yq, QN, H, pid, G, BN_Q, BK_Q, ST_Q)
+    else:
+        _gemv_phase(Wo, So, Xa, Yo, H, H, pid, G, BN_O, BK_O, ST_O)
+        _grid_barrier(C, G, MAX_SPINS, ERR)
+        _gemv_phase(Wg, Sg, Yo, Yg, I2, H, pid, G, BN_G, BK_G, ST_G)
+        _grid_barrier(C + 1, G, MAX_SPINS, ERR)
+        _gemv_phase(Wd, Sd, Yg, Yd, H, I2 // 2, pid, G, BN_D, BK_D, ST_D)
+        _grid_barrier(C + 2, G, MAX_SPINS, ERR)
+        _gemv_phase(Wq, Sq, Yd, Yq, QN, H, pid, G, BN_Q, BK_Q, ST_Q)
 
 
 class Layer:
@@ -145,16 +177,16 @@ def run_today(x: torch.Tensor, layer: Layer) -> torch.Tensor:
 
 
 def run_persistent(x: torch.Tensor, layer: Layer, counters: torch.Tensor, err: torch.Tensor, grid: int,
-                   max_spins: int) -> torch.Tensor:
+                   max_spins: int, flat: bool = False) -> torch.Tensor:
     cfg = {}
     for name, tag in zip(ORDER, ("O", "G", "D", "Q")):
         _, _, bn, bk, st = PHASES[name]
         cfg.update({f"BN_{tag}": bn, f"BK_{tag}": bk, f"ST_{tag}": st})
     y = layer.y
-    compiled = layer_kernel[(grid,)](layer.w["o"], layer.s["o"], layer.w["gate_up"], layer.s["gate_up"], layer.w["down"],
-                          layer.s["down"], layer.w["qkv"], layer.s["qkv"], x, y["o"], y["gate_up"], y["down"],
-                          y["qkv"], counters, err, max_spins, H=HIDDEN, I2=2 * INTER, QN=QKV, num_warps=4,
-                          num_stages=4, **cfg)
+    compiled = layer_kernel[(grid,)](
+        layer.w["o"], layer.s["o"], layer.w["gate_up"], layer.s["gate_up"], layer.w["down"], layer.s["down"],
+        layer.w["qkv"], layer.s["qkv"], x, y["o"], y["gate_up"], y["down"], y["qkv"], counters, err, max_spins,
+        H=HIDDEN, I2=2 * INTER, QN=QKV, FLAT=flat, num_warps=4, num_stages=4, **cfg)
     return y["qkv"][:HIDDEN], compiled
 
 
@@ -225,39 +257,44 @@ def main(argv=None) -> int:
         diff = None if ref is None else float((out.float() - ref.float()).abs().max())
         row = {"variant": name, "us_per_layer": us, "tb_s": bytes_per_layer / us / 1e6, "max_diff": diff}
         rows.append(row)
-        print(f"{name:>22} {us:>9.2f} {row['tb_s']:>6.2f} {'' if diff is None else f'{diff:.3g}':>9}", flush=True)
+        print(f"{name:>30} {us:>9.2f} {row['tb_s']:>6.2f} {'' if diff is None else f'{diff:.3g}':>9}", flush=True)
         return out
 
     print(f"{torch.cuda.get_device_name()}, {sms} SMs; {args.layers} layers of {bytes_per_layer / 1e6:.1f} MB")
-    print(f"{'variant':>22} {'us/layer':>9} {'TB/s':>6} {'max diff':>9}")
+    print(f"{'variant':>30} {'us/layer':>9} {'TB/s':>6} {'max diff':>9}")
     ref = report("4 kernels", chain(run_4_kernels)).clone()
     report("today (table)", chain(run_today))
-    # compile once (one program runs every tile alone: no barrier waits) and read its occupancy
-    _, compiled = run_persistent(x0, layers[0], counters, err, 1, args.max_spins)
-    torch.cuda.synchronize()
-    occ = occupancy(compiled)
-    print(f"persistent kernel: {compiled.n_regs} registers, {compiled.metadata.shared} B shared -> {occ} per SM")
-    for per_sm in args.per_sm:
-        if per_sm > occ:
-            print(f"persistent x{per_sm}: skipped (occupancy {occ})")
-            continue
-        grid = sms * per_sm
-
-        def step(x, layer, grid=grid):
-            return run_persistent(x, layer, counters[3 * layers.index(layer):], err, grid, args.max_spins)[0]
-
-        def fn(step=step):
-            counters.zero_()
-            return chain(step)()
-        err.zero_()
-        report(f"persistent {grid} ({per_sm}/SM)", fn, ref)
+    occupancies = {}
+    for flat in (False, True):
+        kind = "flat" if flat else "nested"
+        # compile once (one program runs every tile alone: no barrier waits) and read its occupancy
+        _, compiled = run_persistent(x0, layers[0], counters, err, 1, args.max_spins, flat)
         torch.cuda.synchronize()
-        if int(err.item()):
-            rows[-1]["barrier_timed_out"] = True
-            print(f"persistent x{per_sm}: a barrier gave up (programs not all resident?)")
+        occ = occupancies[kind] = occupancy(compiled)
+        print(f"persistent kernel ({kind}): {compiled.n_regs} registers, {compiled.metadata.shared} B shared "
+              f"-> {occ} per SM")
+        for per_sm in args.per_sm:
+            if per_sm > occ:
+                print(f"persistent {kind} x{per_sm}: skipped (occupancy {occ})")
+                continue
+            grid = sms * per_sm
+
+            def step(x, layer, grid=grid, flat=flat):
+                return run_persistent(x, layer, counters[3 * layers.index(layer):], err, grid, args.max_spins,
+                                      flat)[0]
+
+            def fn(step=step):
+                counters.zero_()
+                return chain(step)()
+            err.zero_()
+            report(f"persistent {kind} {grid} ({per_sm}/SM)", fn, ref)
+            torch.cuda.synchronize()
+            if int(err.item()):
+                rows[-1]["barrier_timed_out"] = True
+                print(f"persistent {kind} x{per_sm}: a barrier gave up (programs not all resident?)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "sms": sms, "occupancy": occ, "rows": rows}, f,
+            json.dump({"device": torch.cuda.get_device_name(), "sms": sms, "occupancy": occupancies, "rows": rows}, f,
                       indent=1)
     return 0
 
