@@ -124,7 +124,7 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
                     "us": None if us is None else round(us, 2),
                     "x_floor": None if us is None else round(us / floor_us, 2), "floor_us": round(floor_us, 2)})
 
-    default_tile = dec.stage1_tile(bs, head_dim, dec.kv_dots_in_fp16(q.dtype, kv_dtype))
+    default_tile = dec.stage1_tile(bs, head_dim, num_kv_heads, dec.kv_dots_in_fp16(q.dtype, kv_dtype))
     for splits in [plan] if plan_only else sorted({1, 2, 4, 8, 16, plan}):
         for min_chunk in ([32, 64, 128, 256] if splits > 1 and not plan_only else [dec.MIN_CHUNK]):
             measure(splits, min_chunk, default_tile)

@@ -97,7 +97,7 @@ def test_fused_combine_same_bits_as_two_stage(monkeypatch, heads):
     # 1: one position; 20: shorter than one chunk; 300: every split, the last ones left empty by the
     # alignment (they must still arrive); 64 / 65: one chunk / two
     seq_lens, num_kv_splits, min_chunk = [1, 20, 300, 64, 65, 157], 8, 32
-    block_n = decode_mod.stage1_tile(len(seq_lens), head_dim)[0]
+    block_n = decode_mod.stage1_tile(len(seq_lens), head_dim, num_kv_heads)[0]
     plan = chunk_plan(300, num_kv_splits, min_chunk, block_n)
     assert len(plan) == num_kv_splits and plan[-1][1] <= plan[-1][0], "the case must have an empty chunk"
     assert decode_mod.triton.cdiv(num_heads // num_kv_heads, decode_mod.BLOCK_H) == (2 if num_heads == 40 else 1)
@@ -132,7 +132,7 @@ def test_merge_takes_only_the_written_splits(monkeypatch, num_kv_splits):
     (NaN here) and must be masked out; a request of no tokens gets zeros, not NaN."""
     num_heads, num_kv_heads, head_dim, min_chunk = 8, 2, 64, 32
     seq_lens = [0, 1, 33, 97, 161, 300, 515]
-    block_n = decode_mod.stage1_tile(len(seq_lens), head_dim)[0]
+    block_n = decode_mod.stage1_tile(len(seq_lens), head_dim, num_kv_heads)[0]
     plans = [chunk_plan(n, num_kv_splits, min_chunk, block_n) for n in seq_lens]
     assert any(0 < len(p) < num_kv_splits for p in plans), "the case must have a request with unused splits"
     assert any(end <= start for p in plans for start, end in p), "the case must have an empty chunk"

@@ -182,7 +182,8 @@ def test_decode_adaptive_splits_mixed_lengths(num_kv_splits):
 def test_decode_every_stage1_tile_of_the_rule(tile, num_kv_splits):
     """Each tile stage1_tile can choose, with chunk bounds aligned to its BLOCK_N in both stages: lengths
     around the 32 and 64 boundaries, one stage and split."""
-    assert {decode_mod.stage1_tile(bs, d, f16) for bs in range(1, 257) for d in (64, 128) for f16 in (False, True)} == {
+    assert {decode_mod.stage1_tile(bs, d, kv, f16) for bs in range(1, 257) for d in (64, 128) for kv in (3, 8)
+            for f16 in (False, True)} == {
         (32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 4, 3)}
     gen = torch.Generator().manual_seed(6)
     seq_lens, rows = [1, 33, 64, 65, 97, 200], [1, 2, 3, 4, 5, 6]
@@ -196,19 +197,28 @@ def test_decode_every_stage1_tile_of_the_rule(tile, num_kv_splits):
 
 
 @in_process
-@pytest.mark.parametrize("max_bs", [256, 512])
+@pytest.mark.parametrize("max_bs", [256, 512, 1024])
 def test_stage1_tile_of_a_batch_is_the_tile_of_the_graph_it_pads_to(max_bs):
     """A batch run eagerly and the default capture list's graph it would be padded to take the same stage-1
-    tile (a different BLOCK_N sums the positions in other chunks: other roundings), for both head widths
-    and pool kinds."""
+    tile (a different BLOCK_N sums the positions in other chunks: other roundings), for both head widths, both
+    pool kinds and any count of kv heads per rank."""
     from runners.capture_lists import get_batch_sizes_to_capture, pick_size
 
     sizes = get_batch_sizes_to_capture(max_bs)
-    for bs in range(1, max_bs + 1):
-        for d in (64, 128):
-            for f16 in (False, True):
-                padded = pick_size(sizes, bs)
-                assert decode_mod.stage1_tile(bs, d, f16) == decode_mod.stage1_tile(padded, d, f16), (bs, padded, d, f16)
+    for kv in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 32, 64, 128):
+        for bs in range(1, max_bs + 1):
+            padded = pick_size(sizes, bs)
+            for d in (64, 128):
+                for f16 in (False, True):
+                    assert decode_mod.stage1_tile(bs, d, kv, f16) == decode_mod.stage1_tile(padded, d, kv, f16), (
+                        bs, padded, kv, d, f16)
+
+
+def test_64_wide_heads_keep_the_wide_tile_up_to_the_measured_batches():
+    """The measured crossovers the program count stands for: Llama-3.2-1B (8 kv heads) gains from (64, 4, 3) at
+    96 requests and loses at 128; SmolLM2-135M (3 kv heads) gains at 128 and 256."""
+    assert decode_mod.stage1_tile(96, 64, 8) == (64, 4, 3) and decode_mod.stage1_tile(128, 64, 8) == (32, 4, 2)
+    assert decode_mod.stage1_tile(256, 64, 3) == (64, 4, 3)
 
 
 @in_process

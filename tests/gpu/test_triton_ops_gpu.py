@@ -140,8 +140,8 @@ def test_decode_bf16(heads, context, split):
         assert rel_err(o[b], ref[b]) < 1e-2, f"row {b} (len {lens[b]})"
 
 
-RULE_TILES = sorted({decode_mod.stage1_tile(bs, d, f16) for bs in range(1, 257) for d in (64, 128)
-                     for f16 in (False, True)})
+RULE_TILES = sorted({decode_mod.stage1_tile(bs, d, kv, f16) for bs in range(1, 257) for d in (64, 128)
+                     for kv in (3, 8) for f16 in (False, True)})
 
 
 @pytest.mark.parametrize("heads", HEAD_CONFIGS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")

@@ -44,31 +44,48 @@ import triton.language as tl
 BLOCK_H = 16
 
 
-def stage1_tile(batch_size: int, head_dim: int, kv_f16: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of stage 1 for a batch of this size: a function of what a graph is
-    captured for (never of the lengths, which change between replays). Chosen from the tile sweeps of
-    benchmarks/bench_attention.py on the H200 (docs/benchmarks.md):
+# 64-wide heads take the (64, 4, 3) tile while a batch's stage-1 programs along requests and kv heads stay within
+# this many (about 6 an SM on the H200's 132): Llama-3.2-1B's 8 kv heads gain up to 96 requests and lose from 128,
+# SmolLM2-135M's 3 gain at 128 and 256 (docs/benchmarks.md, fifth and fourteenth sessions).
+WIDE_TILE_MAX_PROGRAMS = 768
+
+
+def wide_tile_max_bs(num_kv_heads: int) -> int:
+    """The largest batch whose 64-wide heads take (64, 4, 3): WIDE_TILE_MAX_PROGRAMS / num_kv_heads rounded
+    down to a size of the default capture schedule (runners/capture_lists.py: steps of 8 up to 256, of 16 up
+    to 512, of 32 beyond), so that a batch run eagerly and the graph it pads to take the same tile."""
+    n = WIDE_TILE_MAX_PROGRAMS // max(num_kv_heads, 1)
+    step = 8 if n <= 256 else 16 if n <= 512 else 32
+    return n // step * step
+
+
+def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of stage 1 for a batch of this size (num_kv_heads: the pool's, per rank):
+    a function of what a graph is captured for (never of the lengths, which change between replays). Chosen
+    from the tile sweeps of benchmarks/bench_attention.py on the H200 (docs/benchmarks.md):
 
     - up to 4 requests, longer steps over their positions (8 warps for 128-wide heads);
     - from 5, a 64-position step and a third pipeline stage, for 128-wide heads at any batch and for 64-wide
-      heads up to 96 requests. Fourteenth session, Llama-3.1-8B and -3.2-1B heads at 512, 2048 and 4k tokens,
-      against the (32, 4, 2) the rule had below 32 requests: 16 and 24 requests 3-31% faster for 128-wide
-      heads, 2-36% for 64-wide; 8 requests 6-12% faster at 2048 and 4k, 1% (64-wide) and 8% (128-wide) slower
-      at 512; 32-96 requests of 64-wide heads 13-45% faster; 64-wide from 128 requests 8-15% slower, so from
-      97 they keep (32, 4, 2);
+      heads up to wide_tile_max_bs(num_kv_heads) requests (96 for Llama-3.2-1B's 8 kv heads, 256 for
+      SmolLM2-135M's 3; counts of kv heads other than these two follow the program count, not measured).
+      Fourteenth session, Llama-3.1-8B and -3.2-1B heads at 512, 2048 and 4k tokens, against the (32, 4, 2)
+      the rule had below 32 requests: 16 and 24 requests 3-31% faster for 128-wide heads, 2-36% for 64-wide;
+      8 requests 6-12% faster at 2048 and 4k, 1% (64-wide) and 8% (128-wide) slower at 512; 32-96 requests of
+      1B heads 13-45% faster, from 128 requests 8-15% slower; SmolLM2 heads (fifth session) 13-41% faster at
+      128 and 256 requests;
     - an FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) from 2 to 24 requests (64, 4, 2), from 25
       (64, 4, 3), at both head widths, its V loaded as words (v_words_default): 23-28% faster than the bf16
-      pool's tile of the time at 4-16 requests (thirteenth session, 4k), 31-38% for 64-wide heads at 32-256.
+      pool's tile of the time at 4-16 requests (thirteenth session, 4k), 31-38% for 1B heads at 32-256.
       At one request the kernel alone was 13% faster at 512 tokens and 1% slower at 4k, but Llama-3.1-8B's
       step at 4k was 2.5% slower in three runs of each: one request keeps the bf16 pool's tile.
 
-    The thresholds sit just above sizes of the default capture list (4, 24, 96: runners/capture_lists.py), so a
-    batch run eagerly takes the tile of the graph it would be padded to."""
+    The thresholds sit on sizes of the default capture list (4, 24, wide_tile_max_bs), so a batch run
+    eagerly takes the tile of the graph it would be padded to."""
     if kv_f16 and batch_size > 1:
         return (64, 4, 2) if batch_size <= 24 else (64, 4, 3)
     if batch_size <= 4:
         return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
-    if head_dim >= 128 or batch_size <= 96:
+    if head_dim >= 128 or batch_size <= wide_tile_max_bs(num_kv_heads):
         return (64, 4, 3)
     return (32, 4, 2)
 
@@ -455,7 +472,7 @@ def decode_attention_fwd(
     min_chunk: a request of L tokens uses min(cdiv(L, min_chunk), num_kv_splits) chunks.
     sm_scale: softmax scale; k_scale, v_scale: the pool's dequantization scales (an FP8 pool holds
     K / k_scale, V / v_scale).
-    tile: stage 1's (BLOCK_N, num_warps, num_stages); default stage1_tile(bs, head_dim, fp16 dots).
+    tile: stage 1's (BLOCK_N, num_warps, num_stages); default stage1_tile(bs, head_dim, num_kv_heads, fp16 dots).
     counters: the workspace's int32 arrival counters (DecodeWorkspace.counters: zeros, left zeros); needed
     when the chunks are merged by stage 1.
     fused_combine: merge the chunks in stage 1 (True) or in a second launch (False, stage 2); default
@@ -489,7 +506,7 @@ def decode_attention_fwd(
     single_stage = num_kv_splits == 1
     kv_f16 = kv_dots_in_fp16(q.dtype, k_buffer.dtype)
     qk_scale = sm_scale * k_scale * _LOG2E / (Q_PRESCALE if kv_f16 else 1.0)
-    block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim, kv_f16)
+    block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim, num_kv_heads, kv_f16)
     if v_words is None:
         v_words = v_words_default(bs, block_n)
     v_words = (v_words and kv_f16 and block_d == head_dim  # (V read as 32-bit words: _load_e4m3_rows_as_f16)
