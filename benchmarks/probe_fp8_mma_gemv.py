@@ -30,6 +30,13 @@ tile; x's segments in R column pairs). Results: docs/benchmarks.md (fourteenth s
     python -m benchmarks.probe_fp8_mma_gemv --json out.json
     python -m benchmarks.probe_fp8_mma_gemv --tiles 64x256,128x128 --stages 4 6 --r 1 2 4
     python -m benchmarks.probe_fp8_mma_gemv --read-only --shapes 28672x4096,57344x4096
+    python -m benchmarks.probe_fp8_mma_gemv --chain 4
+
+`--chain L`: probe_persistent_layer's layer chain (o_proj -> gate/up -> down -> next qkv of Llama-3.1-8B FP8,
+one row, L layers of cold weights) with today's kernels against a chain of `mma_chain_gemv`: each kernel
+splits its x from per-block maxima that the kernel before left by one atomic max per program (zeroed by one
+memset a step), the design a model path would take. Reported: us per layer and the output's relative
+difference from today's chain.
 """
 
 from __future__ import annotations
@@ -107,6 +114,43 @@ def read_rows(W, Y, KW, BN: tl.constexpr, BKW: tl.constexpr, STAGES: tl.constexp
         acc += tl.load(w_ptrs)
         w_ptrs += BKW
     tl.store(Y + offs_n, tl.sum(acc, axis=1))
+
+
+@triton.jit
+def mma_chain_gemv(W, S, X, XMAX, Y, YMAX, KR, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                   R: tl.constexpr, LO: tl.constexpr, OUT_BK: tl.constexpr):
+    """mma_gemv with x split in the kernel from block maxima a producer left (XMAX: max |x| per BK block of x,
+    float32), and this kernel leaving the same for its consumer: y rounded to bf16, then one atomic max of |y|
+    over the program's BN / R outputs into YMAX[first output // OUT_BK] (zeroed before the step; the outputs
+    must lie in one OUT_BK block)."""
+    offs_v = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    offs_c = tl.arange(0, 16)
+    seg = offs_c // 2
+    term = offs_c % 2
+    valid_c = seg < R
+    w_ptrs = W + offs_v[:, None].to(tl.int64) * KR + offs_k[None, :]
+    acc = tl.zeros([BN, 16], dtype=tl.float32)
+    for k in tl.range(0, KR, BK, num_stages=STAGES):
+        w = tl.load(w_ptrs)
+        xb = tl.load(X + seg[None, :] * KR + (k + offs_k)[:, None], mask=valid_c[None, :], other=0.0)
+        xb = xb.to(tl.float32)
+        m = tl.load(XMAX + seg * (KR // BK) + k // BK, mask=valid_c, other=1.0)
+        s = tl.maximum(m, 1e-30) / 448.0
+        xs = xb * (1.0 / s)[None, :]
+        hi = xs.to(tl.float8e4nv).to(tl.float32)
+        q = tl.where(term[None, :] == 0, hi, (xs - hi) * LO)
+        col = tl.where(valid_c, tl.where(term == 0, s, s / LO), 0.0)
+        acc += tl.dot(w, q.to(tl.float8e4nv)) * col[None, :]
+        w_ptrs += BK
+    own = seg[None, :] == (offs_v % R)[:, None]
+    v = tl.sum(tl.where(own, acc, 0.0), axis=1)
+    out = tl.sum(tl.reshape(v, [BN // R, R]), axis=1)
+    first = tl.program_id(0) * (BN // R)
+    offs_n = first + tl.arange(0, BN // R)
+    out = (out * tl.load(S + offs_n)).to(Y.dtype.element_ty)
+    tl.store(Y + offs_n, out)
+    tl.atomic_max(YMAX + first // OUT_BK, tl.max(tl.abs(out.to(tl.float32)), axis=0))
 
 
 def split_x(x: torch.Tensor, bk: int, r: int, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,6 +239,63 @@ def measure_shape(n: int, k: int, tiles, stages_list, rs, top, gen, read_only=Fa
     return rows
 
 
+# The chain's tiles per matrix (BN, BK, R, stages): 128 rows of 128-byte steps everywhere (one block size for
+# every producer / consumer pair), R so that each matrix has 256-896 programs.
+CHAIN_TILES = {"o": (128, 128, 8, 4), "gate_up": (128, 128, 4, 4), "down": (128, 128, 8, 4), "qkv": (128, 128, 8, 4)}
+
+
+def measure_chain(layers_n: int, replays: int) -> list[dict]:
+    """probe_persistent_layer's layer chain (o_proj -> gate/up -> down -> next qkv, one row, cold FP8 weights)
+    with today's kernels and with mma_chain_gemv (x split in each kernel from the block maxima its producer
+    left by atomics; the maxima zeroed by one memset a step)."""
+    from benchmarks import probe_persistent_layer as pl
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = [pl.Layer(gen) for _ in range(layers_n)]
+    x0 = torch.randn(pl.HIDDEN, device="cuda", generator=gen).bfloat16()
+    bytes_per_layer = sum(n * k for n, k, *_ in pl.PHASES.values())
+    order = pl.ORDER
+    # maxima buffers: per layer and matrix, the blocks of its output as its consumer reads them
+    maxima = torch.zeros(layers_n, len(order), max(n for n, *_ in pl.PHASES.values()) // 128 + 1, device="cuda")
+    bk0 = CHAIN_TILES[order[0]][1]
+    x0_max = x0.float().abs().view(-1, bk0).amax(dim=1)
+
+    def today():
+        x = x0
+        for layer in layers:
+            x = pl.run_today(x, layer)
+        return x
+
+    def mma():
+        maxima.zero_()
+        x, xmax = x0, x0_max
+        for li, layer in enumerate(layers):
+            for pi, name in enumerate(order):
+                n, k = pl.PHASES[name][:2]
+                bn, bk, r, st = CHAIN_TILES[name]
+                out_bk = CHAIN_TILES[order[(pi + 1) % len(order)]][1]
+                y, ymax = layer.y[name], maxima[li, pi]
+                mma_chain_gemv[(n * r // bn,)](layer.w[name], layer.s[name], x, xmax, y, ymax, k // r, BN=bn, BK=bk,
+                                               STAGES=st, R=r, LO=LO, OUT_BK=out_bk, num_warps=4, num_stages=st)
+                x, xmax = y, ymax
+            x = x[:pl.HIDDEN]
+        return x
+
+    rows = []
+    ref = None
+    for name, fn in (("today (table), 4 launches a layer", today), ("FP8 mma chain, maxima by atomics", mma)):
+        us = pl.time_graph(fn, replays) / layers_n
+        out = fn().float()
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = out.clone()
+        err = float((out - ref).norm() / ref.norm())
+        rows.append({"variant": name, "us_per_layer": us, "tb_s": bytes_per_layer / us / 1e6, "rel_err_vs_today": err})
+        print(f"{name:>36} {us:>9.2f} us/layer {bytes_per_layer / us / 1e6:>6.2f} TB/s  rel. diff vs today {err:.2e}",
+              flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiles", default="64x256,128x128,128x256",
@@ -204,6 +305,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=3, help="tiles (fastest with x pre-split) to time with x split inline")
     p.add_argument("--shapes", default=None, help="NxK shapes, comma separated (default: Llama-3.1-8B's)")
     p.add_argument("--read-only", action="store_true", help="only today's kernel and the read-alone rows")
+    p.add_argument("--chain", type=int, default=0, metavar="LAYERS",
+                   help="only the layer chain over this many layers: today's kernels against the FP8 mma chain")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -212,10 +315,13 @@ def main(argv=None) -> int:
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{'N':>6} {'K':>6} {'variant':>36} {'us':>8} {'TB/s':>6} {'rel err':>9}")
-    rows = []
-    for n, k in shapes:
-        rows += measure_shape(n, k, tiles, args.stages, args.r, args.top, gen, args.read_only)
+    if args.chain:
+        rows = measure_chain(args.chain, replays=20)
+    else:
+        print(f"{'N':>6} {'K':>6} {'variant':>36} {'us':>8} {'TB/s':>6} {'rel err':>9}")
+        rows = []
+        for n, k in shapes:
+            rows += measure_shape(n, k, tiles, args.stages, args.r, args.top, gen, args.read_only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
