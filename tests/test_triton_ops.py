@@ -214,6 +214,7 @@ def test_stage1_tile_of_a_batch_is_the_tile_of_the_graph_it_pads_to(max_bs):
                         bs, padded, kv, d, f16)
 
 
+@in_process
 def test_64_wide_heads_keep_the_wide_tile_up_to_the_measured_batches():
     """The measured crossovers the program count stands for: Llama-3.2-1B (8 kv heads) gains from (64, 4, 3) at
     96 requests and loses at 128; SmolLM2-135M (3 kv heads) gains at 128 and 256."""
