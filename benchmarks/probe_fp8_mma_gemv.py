@@ -54,6 +54,29 @@ LO = 16.0  # the lo term's factor: the residual of an e4m3 rounding is at most 1
 
 
 @triton.jit
+def _split_terms(xb, s, term, valid_c, TERMS: tl.constexpr, LO: tl.constexpr):
+    """x blocks xb [BK, 16] (column c: segment c // TERMS) over scales s [16] -> the dot's e4m3 operand (column
+    c: term c % TERMS, hi or lo) and the column scales that take the products back."""
+    xs = xb * (1.0 / s)[None, :]
+    hi = xs.to(tl.float8e4nv).to(tl.float32)
+    if TERMS == 2:
+        q = tl.where(term[None, :] == 0, hi, (xs - hi) * LO)
+        col = tl.where(valid_c, tl.where(term == 0, s, s / LO), 0.0)
+    else:
+        q = hi
+        col = tl.where(valid_c, s, 0.0)
+    return q.to(tl.float8e4nv), col
+
+
+@triton.jit
+def _own_segments(acc, offs_v, seg, BN: tl.constexpr, R: tl.constexpr):
+    """acc [BN, 16] -> [BN / R]: each virtual row's own segment's columns, the R rows of an output added."""
+    own = seg[None, :] == (offs_v % R)[:, None]
+    v = tl.sum(tl.where(own, acc, 0.0), axis=1)
+    return tl.sum(tl.reshape(v, [BN // R, R]), axis=1)
+
+
+@triton.jit
 def mma_gemv(W, S, XQ, XS, X, Y, KR, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
              INLINE: tl.constexpr, TERMS: tl.constexpr, R: tl.constexpr, LO: tl.constexpr):
     # INLINE: 0 x pre-split (XQ, XS); 1 split here, scales from a max per step; 2 split here, scales from XS
@@ -80,23 +103,13 @@ def mma_gemv(W, S, XQ, XS, X, Y, KR, BN: tl.constexpr, BK: tl.constexpr, STAGES:
                 s = tl.where(valid_c, tl.where(term == 0, given, given * LO), 1.0)
             else:
                 s = tl.maximum(tl.max(tl.abs(xb), axis=0), 1e-30) / 448.0  # [16]
-            xs = xb * (1.0 / s)[None, :]
-            hi = xs.to(tl.float8e4nv).to(tl.float32)
-            if TERMS == 2:
-                q = tl.where(term[None, :] == 0, hi, (xs - hi) * LO)
-                col = tl.where(valid_c, tl.where(term == 0, s, s / LO), 0.0)
-            else:
-                q = hi
-                col = tl.where(valid_c, s, 0.0)
-            xq = q.to(tl.float8e4nv)
+            xq, col = _split_terms(xb, s, term, valid_c, TERMS, LO)
         else:  # XQ [16, KR] e4m3 (the dot's right operand, K-major), XS [KR / BK, 16] float32
             xq = tl.load(XQ + offs_c[None, :] * KR + (k + offs_k)[:, None])
             col = tl.load(XS + (k // BK) * 16 + offs_c)
         acc += tl.dot(w, xq) * col[None, :]
         w_ptrs += BK
-    own = seg[None, :] == (offs_v % R)[:, None]
-    v = tl.sum(tl.where(own, acc, 0.0), axis=1)  # [BN]: each virtual row's own segment
-    out = tl.sum(tl.reshape(v, [BN // R, R]), axis=1)
+    out = _own_segments(acc, offs_v, seg, BN, R)
     offs_n = tl.program_id(0) * (BN // R) + tl.arange(0, BN // R)
     out = out * tl.load(S + offs_n)
     tl.store(Y + offs_n, out.to(Y.dtype.element_ty))
@@ -137,15 +150,10 @@ def mma_chain_gemv(W, S, X, XMAX, Y, YMAX, KR, BN: tl.constexpr, BK: tl.constexp
         xb = xb.to(tl.float32)
         m = tl.load(XMAX + seg * (KR // BK) + k // BK, mask=valid_c, other=1.0)
         s = tl.maximum(m, 1e-30) / 448.0
-        xs = xb * (1.0 / s)[None, :]
-        hi = xs.to(tl.float8e4nv).to(tl.float32)
-        q = tl.where(term[None, :] == 0, hi, (xs - hi) * LO)
-        col = tl.where(valid_c, tl.where(term == 0, s, s / LO), 0.0)
-        acc += tl.dot(w, q.to(tl.float8e4nv)) * col[None, :]
+        xq, col = _split_terms(xb, s, term, valid_c, 2, LO)
+        acc += tl.dot(w, xq) * col[None, :]
         w_ptrs += BK
-    own = seg[None, :] == (offs_v % R)[:, None]
-    v = tl.sum(tl.where(own, acc, 0.0), axis=1)
-    out = tl.sum(tl.reshape(v, [BN // R, R]), axis=1)
+    out = _own_segments(acc, offs_v, seg, BN, R)
     first = tl.program_id(0) * (BN // R)
     offs_n = first + tl.arange(0, BN // R)
     out = (out * tl.load(S + offs_n)).to(Y.dtype.element_ty)
@@ -249,6 +257,7 @@ def measure_chain(layers_n: int, replays: int) -> list[dict]:
     with today's kernels and with mma_chain_gemv (x split in each kernel from the block maxima its producer
     left by atomics; the maxima zeroed by one memset a step)."""
     from benchmarks import probe_persistent_layer as pl
+    from benchmarks.tune_small_m_gemm import time_calls
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [pl.Layer(gen) for _ in range(layers_n)]
@@ -284,7 +293,7 @@ def measure_chain(layers_n: int, replays: int) -> list[dict]:
     rows = []
     ref = None
     for name, fn in (("today (table), 4 launches a layer", today), ("FP8 mma chain, maxima by atomics", mma)):
-        us = pl.time_graph(fn, replays) / layers_n
+        us = time_calls([fn], replays) / layers_n
         out = fn().float()
         torch.cuda.synchronize()
         if ref is None:

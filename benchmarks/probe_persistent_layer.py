@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -88,6 +87,14 @@ def _gemv_phase_flat(W, S, X, Y, N, K, pid, G, BN: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
+def _phase(W, S, X, Y, N, K, pid, G, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
+    if FLAT:
+        _gemv_phase_flat(W, S, X, Y, N, K, pid, G, BN, BK, STAGES)
+    else:
+        _gemv_phase(W, S, X, Y, N, K, pid, G, BN, BK, STAGES)
+
+
+@triton.jit
 def _grid_barrier(C, G, MAX_SPINS, ERR):
     """Every program's stores before it are visible to every program after it. One thread arrives (after
     the CTA barrier, with release at gpu scope: the atomic's default acq_rel), polls with volatile loads,
@@ -127,22 +134,13 @@ def layer_kernel(Wo, So, Wg, Sg, Wd, Sd, Wq, Sq, Xa, Yo, Yg, Yd, Yq, C, ERR, MAX
     loop over the program's (tile, K step) pairs (_gemv_phase_flat)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    if FLAT:
-        _gemv_phase_flat(Wo, So, Xa, Yo, H, H, pid, G, BN_O, BK_O, ST_O)
-        _grid_barrier(C, G, MAX_SPINS, ERR)
-        _gemv_phase_flat(Wg, Sg, Yo, Yg, I2, H, pid, G, BN_G, BK_G, ST_G)
-        _grid_barrier(C + 1, G, MAX_SPINS, ERR)
-        _gemv_phase_flat(Wd, Sd, Yg, Yd, H, I2 // 2, pid, G, BN_D, BK_D, ST_D)
-        _grid_barrier(C + 2, G, MAX_SPINS, ERR)
-        _gemv_phase_flat(Wq, Sq, Yd, Yq, QN, H, pid, G, BN_Q, BK_Q, ST_Q)
-    else:
-        _gemv_phase(Wo, So, Xa, Yo, H, H, pid, G, BN_O, BK_O, ST_O)
-        _grid_barrier(C, G, MAX_SPINS, ERR)
-        _gemv_phase(Wg, Sg, Yo, Yg, I2, H, pid, G, BN_G, BK_G, ST_G)
-        _grid_barrier(C + 1, G, MAX_SPINS, ERR)
-        _gemv_phase(Wd, Sd, Yg, Yd, H, I2 // 2, pid, G, BN_D, BK_D, ST_D)
-        _grid_barrier(C + 2, G, MAX_SPINS, ERR)
-        _gemv_phase(Wq, Sq, Yd, Yq, QN, H, pid, G, BN_Q, BK_Q, ST_Q)
+    _phase(Wo, So, Xa, Yo, H, H, pid, G, BN_O, BK_O, ST_O, FLAT)
+    _grid_barrier(C, G, MAX_SPINS, ERR)
+    _phase(Wg, Sg, Yo, Yg, I2, H, pid, G, BN_G, BK_G, ST_G, FLAT)
+    _grid_barrier(C + 1, G, MAX_SPINS, ERR)
+    _phase(Wd, Sd, Yg, Yd, H, I2 // 2, pid, G, BN_D, BK_D, ST_D, FLAT)
+    _grid_barrier(C + 2, G, MAX_SPINS, ERR)
+    _phase(Wq, Sq, Yd, Yq, QN, H, pid, G, BN_Q, BK_Q, ST_Q, FLAT)
 
 
 class Layer:
@@ -200,26 +198,6 @@ def occupancy(kernel, num_warps: int = 4) -> int:
     return max(0, min(by_regs, by_smem, 64 // num_warps))
 
 
-def time_graph(fn, replays: int) -> float:
-    """Median us per replay of one CUDA graph of fn()."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=4, help="layers of weights in the chain (4 x 218 MB: cold)")
@@ -232,6 +210,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("probe_persistent_layer needs a CUDA device", file=sys.stderr)
         return 2
+    from benchmarks.tune_small_m_gemm import time_calls
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [Layer(gen) for _ in range(args.layers)]
     x0 = torch.randn(HIDDEN, device="cuda", generator=gen).bfloat16()
@@ -251,7 +231,7 @@ def main(argv=None) -> int:
     rows = []
 
     def report(name, fn, ref=None):
-        us = time_graph(fn, args.replays) / args.layers
+        us = time_calls([fn], args.replays) / args.layers
         out = fn()
         torch.cuda.synchronize()
         diff = None if ref is None else float((out.float() - ref.float()).abs().max())

@@ -71,8 +71,8 @@ def lm_head_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return (-(-cfg.vocab_size // tp), cfg.hidden_size)
 
 
-def time_calls(calls: list[Callable[[], object]]) -> float:
-    """Median microseconds per call over REPLAYS replays of one CUDA graph holding every call."""
+def time_calls(calls: list[Callable[[], object]], replays: int = REPLAYS) -> float:
+    """Median microseconds per call over `replays` replays of one CUDA graph holding every call."""
     calls[0]()  # compile / pick kernels outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -82,7 +82,7 @@ def time_calls(calls: list[Callable[[], object]]) -> float:
     graph.replay()
     torch.cuda.synchronize()
     times = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()

@@ -75,6 +75,21 @@ def decode_ref(pool, q, rows, seq_lens, sm_scale):
     return torch.cat(outs)
 
 
+def decode_vs_ref(pool, num_heads, splits, **kw):
+    """decode_attention_fwd of random bf16 queries for request b at row b + 1 of the pool (kw: min_chunk, tile)
+    and the fp32 reference: (output, reference)."""
+    lens, head_dim = pool.lens, pool.k.shape[2]
+    rows = list(range(1, len(lens) + 1))
+    q = torch.randn(len(lens), num_heads, head_dim, device=DEV).to(torch.bfloat16)
+    o = torch.empty_like(q)
+    logits, lse, counters = alloc_decode_workspace(len(lens), num_heads, head_dim, splits, DEV)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, torch.tensor(rows, device=DEV),
+                         torch.tensor(lens, dtype=torch.int32, device=DEV), logits, lse, splits, sm_scale,
+                         counters=counters, **kw)
+    return o, decode_ref(pool, q, rows, lens, sm_scale)
+
+
 def extend_args(prefix_lens, extend_lens):
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     start_loc = [0]
@@ -121,22 +136,12 @@ def test_decode_bf16(heads, context, split):
         lens = [1, 2, 17, 64, 65, 200, 256] + torch.randint(1, 257, (9,), generator=gen).tolist()
     else:
         lens = [4096, 1, 4095, 3000, 1025, 33, 2048, 4000]
-    pool = Pool(lens, num_kv_heads, head_dim)
-    rows = list(range(1, len(lens) + 1))
-    bs = len(lens)
     min_chunk = 32 if split == "min_chunk32" else decode_mod.MIN_CHUNK
     splits = 1 if split == "one_stage" else get_num_kv_splits(max(lens), min_chunk=min_chunk)
-    q = torch.randn(bs, num_heads, head_dim, device=DEV).to(torch.bfloat16)
-    o = torch.empty_like(q)
-    logits, lse, counters = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
-    sm_scale = 1.0 / math.sqrt(head_dim)
-    decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, torch.tensor(rows, device=DEV),
-                         torch.tensor(lens, dtype=torch.int32, device=DEV), logits, lse, splits, sm_scale,
-                         min_chunk=min_chunk, counters=counters)
-    ref = decode_ref(pool, q, rows, lens, sm_scale)
+    o, ref = decode_vs_ref(Pool(lens, num_kv_heads, head_dim), num_heads, splits, min_chunk=min_chunk)
     assert torch.isfinite(o).all()
     assert rel_err(o, ref) < 1e-2
-    for b in range(bs):
+    for b in range(len(lens)):
         assert rel_err(o[b], ref[b]) < 1e-2, f"row {b} (len {lens[b]})"
 
 
@@ -154,18 +159,8 @@ def test_decode_every_tile_of_the_rule(heads, tile, kv_dtype):
     num_heads, num_kv_heads, head_dim = heads
     lens = [4096, 1, 4095, 3000, 1025, 33, 2048, 4000, 64, 65, 200]
     pool = Pool(lens, num_kv_heads, head_dim, dtype=kv_dtype, seed=4)
-    rows = list(range(1, len(lens) + 1))
-    bs = len(lens)
-    splits = get_num_kv_splits(max(lens))
-    q = torch.randn(bs, num_heads, head_dim, device=DEV).to(torch.bfloat16)
-    o = torch.empty_like(q)
-    logits, lse, counters = alloc_decode_workspace(bs, num_heads, head_dim, splits, DEV)
-    sm_scale = 1.0 / math.sqrt(head_dim)
-    decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, torch.tensor(rows, device=DEV),
-                         torch.tensor(lens, dtype=torch.int32, device=DEV), logits, lse, splits, sm_scale,
-                         tile=tile, counters=counters)
-    ref = decode_ref(pool, q, rows, lens, sm_scale)
-    for b in range(bs):
+    o, ref = decode_vs_ref(pool, num_heads, get_num_kv_splits(max(lens)), tile=tile)
+    for b in range(len(lens)):
         assert rel_err(o[b], ref[b]) < 1e-2, f"row {b} (len {lens[b]})"
 
 
