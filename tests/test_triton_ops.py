@@ -215,11 +215,17 @@ def test_stage1_tile_of_a_batch_is_the_tile_of_the_graph_it_pads_to(max_bs):
 
 
 @in_process
-def test_64_wide_heads_keep_the_wide_tile_up_to_the_measured_batches():
-    """The measured crossovers the program count stands for: Llama-3.2-1B (8 kv heads) gains from (64, 4, 3) at
-    96 requests and loses at 128; SmolLM2-135M (3 kv heads) gains at 128 and 256."""
-    assert decode_mod.stage1_tile(96, 64, 8) == (64, 4, 3) and decode_mod.stage1_tile(128, 64, 8) == (32, 4, 2)
-    assert decode_mod.stage1_tile(256, 64, 3) == (64, 4, 3)
+def test_64_wide_heads_take_the_narrow_tile_only_where_it_was_measured_faster():
+    """The H200 sweeps' points (requests, kv heads): (32, 4, 2) won at 1024 programs, (64, 4, 3) everywhere else
+    measured from 5 requests."""
+    narrow = [(128, 8), (512, 2), (32, 32)]
+    wide = [(96, 8), (256, 8), (384, 8), (512, 8), (384, 2), (256, 2), (24, 32), (144, 32), (160, 32), (256, 32),
+            (160, 5), (256, 5), (144, 3), (256, 3), (384, 3), (512, 3), (8, 8), (16, 8), (24, 8), (32, 8)]
+    for bs, kv in narrow:
+        assert decode_mod.stage1_tile(bs, 64, kv) == (32, 4, 2), (bs, kv)
+        assert decode_mod.stage1_tile(bs, 128, kv) == (64, 4, 3), (bs, kv)
+    for bs, kv in wide:
+        assert decode_mod.stage1_tile(bs, 64, kv) == (64, 4, 3), (bs, kv)
 
 
 @in_process

@@ -44,19 +44,29 @@ import triton.language as tl
 BLOCK_H = 16
 
 
-# 64-wide heads take the (64, 4, 3) tile while a batch's stage-1 programs along requests and kv heads stay within
-# this many (about 6 an SM on the H200's 132): Llama-3.2-1B's 8 kv heads gain up to 96 requests and lose from 128,
-# SmolLM2-135M's 3 gain at 128 and 256 (docs/benchmarks.md, fifth and fourteenth sessions).
-WIDE_TILE_MAX_PROGRAMS = 768
+# 64-wide heads take (64, 4, 3) from 5 requests except in one band of stage-1 programs along requests and kv
+# heads (one program a request and kv head there: the split plan stops splitting from 528), where (32, 4, 2)
+# is faster: more than 800 and at most 1024 (H200 sweeps, fourteenth and fifteenth sessions, docs/benchmarks.md).
+# Every batch measured at 1024 programs lost 6-15% on (64, 4, 3) (Llama-3.2-1B's 8 kv heads at 128 requests,
+# Qwen2.5-0.5B's 2 at 512, SmolLM2-1.7B's 32 at 32); every batch at 768-800 or 1152-8192 gained 4-27% from it
+# (1B at 96 and 384-512, the tie at 2048; SmolLM2-135M's 3 kv heads at 256-512, -360M's 5 at 160-256, -1.7B's 32
+# at 24 and 144-256; Qwen2.5-0.5B's 2 at 384).
+NARROW_TILE_PROGRAMS = (800, 1024)
 
 
-def wide_tile_max_bs(num_kv_heads: int) -> int:
-    """The largest batch whose 64-wide heads take (64, 4, 3): WIDE_TILE_MAX_PROGRAMS / num_kv_heads rounded
-    down to a size of the default capture schedule (runners/capture_lists.py: steps of 8 up to 256, of 16 up
-    to 512, of 32 beyond), so that a batch run eagerly and the graph it pads to take the same tile."""
-    n = WIDE_TILE_MAX_PROGRAMS // max(num_kv_heads, 1)
+def on_capture_schedule(n: int) -> int:
+    """n rounded down to a size of the default capture schedule (runners/capture_lists.py: steps of 8 up to
+    256, of 16 up to 512, of 32 beyond), so that a batch run eagerly and the graph it pads to fall on the same
+    side of a threshold."""
     step = 8 if n <= 256 else 16 if n <= 512 else 32
     return n // step * step
+
+
+def narrow_tile_batches(num_kv_heads: int) -> tuple[int, int]:
+    """(lo, hi): 64-wide heads take (32, 4, 2) at lo < batch size <= hi (NARROW_TILE_PROGRAMS in requests)."""
+    lo, hi = NARROW_TILE_PROGRAMS
+    kv = max(num_kv_heads, 1)
+    return on_capture_schedule(lo // kv), on_capture_schedule(hi // kv)
 
 
 def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool = False) -> tuple[int, int, int]:
@@ -66,28 +76,28 @@ def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool 
 
     - up to 4 requests, longer steps over their positions (8 warps for 128-wide heads);
     - from 5, a 64-position step and a third pipeline stage, for 128-wide heads at any batch and for 64-wide
-      heads up to wide_tile_max_bs(num_kv_heads) requests (96 for Llama-3.2-1B's 8 kv heads, 256 for
-      SmolLM2-135M's 3; counts of kv heads other than these two follow the program count, not measured).
+      heads outside the band of narrow_tile_batches(num_kv_heads) (97-128 requests for Llama-3.2-1B's 8 kv
+      heads, 25-32 for 32 kv heads, 401-512 for 2; see NARROW_TILE_PROGRAMS).
       Fourteenth session, Llama-3.1-8B and -3.2-1B heads at 512, 2048 and 4k tokens, against the (32, 4, 2)
       the rule had below 32 requests: 16 and 24 requests 3-31% faster for 128-wide heads, 2-36% for 64-wide;
       8 requests 6-12% faster at 2048 and 4k, 1% (64-wide) and 8% (128-wide) slower at 512; 32-96 requests of
-      1B heads 13-45% faster, from 128 requests 8-15% slower; SmolLM2 heads (fifth session) 13-41% faster at
-      128 and 256 requests;
+      1B heads 13-45% faster, at 128 requests 8-15% slower;
     - an FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) from 2 to 24 requests (64, 4, 2), from 25
       (64, 4, 3), at both head widths, its V loaded as words (v_words_default): 23-28% faster than the bf16
       pool's tile of the time at 4-16 requests (thirteenth session, 4k), 31-38% for 1B heads at 32-256.
       At one request the kernel alone was 13% faster at 512 tokens and 1% slower at 4k, but Llama-3.1-8B's
       step at 4k was 2.5% slower in three runs of each: one request keeps the bf16 pool's tile.
 
-    The thresholds sit on sizes of the default capture list (4, 24, wide_tile_max_bs), so a batch run
-    eagerly takes the tile of the graph it would be padded to."""
+    The thresholds sit on sizes of the default capture list (4, 24, the band's), so a batch run eagerly takes
+    the tile of the graph it would be padded to."""
     if kv_f16 and batch_size > 1:
         return (64, 4, 2) if batch_size <= 24 else (64, 4, 3)
     if batch_size <= 4:
         return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
-    if head_dim >= 128 or batch_size <= wide_tile_max_bs(num_kv_heads):
-        return (64, 4, 3)
-    return (32, 4, 2)
+    lo, hi = narrow_tile_batches(num_kv_heads)
+    if head_dim < 128 and lo < batch_size <= hi:
+        return (32, 4, 2)
+    return (64, 4, 3)
 
 
 # The split plan (decode_split_plan). Tunables, measured on the H200 with benchmarks/bench_attention.py (it
