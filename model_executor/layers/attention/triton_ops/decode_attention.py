@@ -48,9 +48,8 @@ BLOCK_H = 16
 # heads (one program a request and kv head there: the split plan stops splitting from 528), where (32, 4, 2)
 # is faster: more than 800 and at most 1024 (H200 sweeps, fourteenth and fifteenth sessions, docs/benchmarks.md).
 # Every batch measured at 1024 programs lost 6-15% on (64, 4, 3) (Llama-3.2-1B's 8 kv heads at 128 requests,
-# Qwen2.5-0.5B's 2 at 512, SmolLM2-1.7B's 32 at 32); every batch at 768-800 or 1152-8192 gained 4-27% from it
-# (1B at 96 and 384-512, the tie at 2048; SmolLM2-135M's 3 kv heads at 256-512, -360M's 5 at 160-256, -1.7B's 32
-# at 24 and 144-256; Qwen2.5-0.5B's 2 at 384).
+# Qwen2.5-0.5B's 2 at 512, SmolLM2-1.7B's 32 at 32); every other batch measured, 24-512 requests of 2, 3, 5, 8
+# and 32 kv heads (72-8192 programs), gained 4-37% from it, but for one tie (1B heads at 256 requests).
 NARROW_TILE_PROGRAMS = (800, 1024)
 
 
