@@ -64,8 +64,7 @@ def on_capture_schedule(n: int) -> int:
 def narrow_tile_batches(num_kv_heads: int) -> tuple[int, int]:
     """(lo, hi): 64-wide heads take (32, 4, 2) at lo < batch size <= hi (NARROW_TILE_PROGRAMS in requests)."""
     lo, hi = NARROW_TILE_PROGRAMS
-    kv = max(num_kv_heads, 1)
-    return on_capture_schedule(lo // kv), on_capture_schedule(hi // kv)
+    return on_capture_schedule(lo // num_kv_heads), on_capture_schedule(hi // num_kv_heads)
 
 
 def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool = False) -> tuple[int, int, int]:
