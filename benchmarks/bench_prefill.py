@@ -1,11 +1,15 @@
-"""bench_prefill: one extend (prefill) batch of N tokens, eager vs piecewise CUDA graphs in the same run.
+"""bench_prefill: one extend (prefill) batch of N tokens, eager vs piecewise vs whole-backbone CUDA graphs in
+the same run.
 
     python -m benchmarks.bench_prefill --model llama-3.2-1b --sizes 16 128 512 2048 --json out.json
     python -m benchmarks.bench_prefill --model llama-3.2-1b --sizes 512 2048 --batch 8 --prefix-len 256
+    python -m benchmarks.bench_prefill --sizes 128 512 --full-max-tokens 512 --full-requests 1 8 32
 
 Each size N is one batch of --batch requests (N tokens in all, split evenly) extending --prefix-len cached
 tokens each. The piecewise runner captures the default token levels up to the first level >= the largest
-size (42 levels for 2048, as the server would), or --levels. Times are CUDA-event medians of --iters runs
+size (42 levels for 2048, as the server would), or --levels. With --full-max-tokens, the levels up to it
+also get whole-backbone graphs (runners/full_extend_graph_runner.py), once per --full-requests row count, in
+the pieces' pool as in the server. Times are CUDA-event medians of --iters runs
 after --warmup runs; the trace, capture time and capture memory are those of the runner's start-up.
 """
 
@@ -23,6 +27,7 @@ import torch
 from model_executor.configs import SHAPES, shape_path
 from model_executor.forward_batch import ForwardMode
 from runners.capture_lists import get_token_levels, pick_size
+from runners.full_extend_graph_runner import DEFAULT_MAX_REQUESTS, FullExtendGraphRunner
 from runners.graph_seam import default_capturer
 from runners.model_runner import ModelRunner, RunnerConfig
 from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
@@ -44,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enable-torch-compile", action="store_true", help="inductor inside the pieces")
+    p.add_argument("--full-max-tokens", type=int, default=0,
+                   help="also capture whole-backbone graphs at the levels up to this many tokens (0: none)")
+    p.add_argument("--full-requests", type=int, nargs="+", default=[DEFAULT_MAX_REQUESTS],
+                   help="request rows of the whole graphs: one runner per value")
     p.add_argument("--json", dest="json_out", help="write the results here")
     return p.parse_args(argv)
 
@@ -112,7 +121,8 @@ def main(argv=None) -> int:
     levels = sorted(set(args.levels)) if args.levels else default_levels(max(args.sizes))
     max_size = max(args.sizes)
     cfg = RunnerConfig(model_path=model_path, device=args.device, dtype=args.dtype,
-                       attention_backend=args.attention_backend, max_running_requests=max(args.batch, 8),
+                       attention_backend=args.attention_backend,
+                       max_running_requests=max(args.batch, 8, *args.full_requests),
                        max_total_tokens=max_size + args.batch * args.prefix_len + 64,
                        context_length=max_size + args.prefix_len + 64,
                        random_weights=args.model_path is None or args.random_weights,
@@ -121,6 +131,9 @@ def main(argv=None) -> int:
     runner = ModelRunner(cfg)
     pw = PiecewiseCudaGraphRunner(runner, levels, capturer=default_capturer(device))
     info = pw.info()
+    full_levels = [t for t in levels if t <= args.full_max_tokens]
+    fulls = {r: FullExtendGraphRunner(runner, full_levels, max_requests=r, capturer=pw.capturer)
+             for r in args.full_requests} if full_levels else {}
     results = []
     for size in args.sizes:
         fb, rows, loc = prepare(runner, size, args.batch, args.prefix_len)
@@ -131,11 +144,21 @@ def main(argv=None) -> int:
         same_tokens = bool(torch.equal(eager_logits.argmax(-1), graph_logits.argmax(-1)))
         eager_ms = time_ms(runner.forward_eager, fb, device, args.iters, args.warmup)
         graph_ms = time_ms(pw.replay, fb, device, args.iters, args.warmup) if pw.can_run(fb) else None
-        results.append({"tokens": size, "batch": args.batch, "prefix_len": args.prefix_len,
-                        "level": pick_size(levels, size), "eager_ms": round(eager_ms, 4),
-                        "piecewise_ms": graph_ms and round(graph_ms, 4),
-                        "speedup": graph_ms and round(eager_ms / graph_ms, 3),
-                        "piecewise_vs_eager_max_abs_diff": max_diff, "greedy_tokens_equal": same_tokens})
+        row = {"tokens": size, "batch": args.batch, "prefix_len": args.prefix_len,
+               "level": pick_size(levels, size), "eager_ms": round(eager_ms, 4),
+               "piecewise_ms": graph_ms and round(graph_ms, 4),
+               "speedup": graph_ms and round(eager_ms / graph_ms, 3),
+               "piecewise_vs_eager_max_abs_diff": max_diff, "greedy_tokens_equal": same_tokens, "full": {}}
+        for r, full in fulls.items():
+            if not full.can_run(fb):
+                continue
+            with torch.inference_mode():
+                full_logits = full.replay(fb).clone()
+            row["full"][str(r)] = {
+                "ms": round(time_ms(full.replay, fb, device, args.iters, args.warmup), 4),
+                "vs_eager_max_abs_diff": (eager_logits - full_logits).abs().max().item(),
+                "greedy_tokens_equal": bool(torch.equal(eager_logits.argmax(-1), full_logits.argmax(-1)))}
+        results.append(row)
         runner.allocator.free(loc)
         for row in rows:
             runner.req_to_token_pool.free(row)
@@ -146,6 +169,7 @@ def main(argv=None) -> int:
         "piece_compiler": "inductor" if args.enable_torch_compile else "eager",
         "num_levels": len(levels), "max_level": levels[-1], "num_pieces": len(pw.pieces),
         "num_traces": pw.num_traces, **info,
+        "full_graphs": {str(r): full.info() for r, full in fulls.items()},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
         "results": results,
     }
@@ -161,6 +185,17 @@ def main(argv=None) -> int:
         speedup = f"{r['speedup']:.2f}" if graphed else "-"
         print(f"{r['tokens']:>7} {r['batch']:>5} {r['level']!s:>6} {r['eager_ms']:>10.3f} {pw_ms:>13} {speedup:>8} "
               f"{r['piecewise_vs_eager_max_abs_diff']:>10.2e} {r['greedy_tokens_equal']!s:>7}")
+    for rows_, full in fulls.items():
+        fi = full.info()
+        print(f"whole graphs, {rows_} request rows: levels up to {fi['full_extend_graph_tokens'][-1]}, capture "
+              f"{fi['full_extend_capture_seconds']:.1f} s, {fi['full_extend_capture_gib']:.3f} GiB")
+        for r in results:
+            if str(rows_) in r["full"]:
+                f = r["full"][str(rows_)]
+                pw_ms = r["piecewise_ms"]
+                vs = f" ({pw_ms / f['ms']:.2f}x piecewise)" if pw_ms else ""
+                print(f"  {r['tokens']:>7} tokens: {f['ms']:.3f} ms{vs}, max|diff| vs eager "
+                      f"{f['vs_eager_max_abs_diff']:.2e}, tokens equal {f['greedy_tokens_equal']}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)

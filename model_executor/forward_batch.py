@@ -43,8 +43,9 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor | None = None  # [bs] int32
     extend_start_loc: torch.Tensor | None = None  # [bs] int32
     extend_seq_lens_cpu: list[int] | None = None
-    # Set by graph runners when the batch carries padding rows/tokens beyond the real ones.
-    num_real_tokens: int | None = None
+    # Extend graphs (runners/full_extend_graph_runner.py): a static batch's bound on every request's new
+    # tokens, whatever lengths are replayed into its buffers (a captured kernel keeps the grid it was sized for).
+    max_extend_len_bound: int | None = None
     # Extend only: prompt rows to score besides the last tokens (set by the scheduler), and their scores
     # (set by the logits head).
     prompt_logprob_plan: PromptLogprobPlan | None = None
@@ -56,7 +57,10 @@ class ForwardBatch:
 
     @cached_property
     def max_extend_len(self) -> int:
-        """Extend only: the longest request's new tokens (sizes kernel grids; computed once per batch)."""
+        """Extend only: the longest request's new tokens, or the static batch's bound on them (sizes kernel grids;
+        computed once per batch)."""
+        if self.max_extend_len_bound is not None:
+            return self.max_extend_len_bound
         return max(self.extend_seq_lens_cpu or (), default=0)
 
     @property

@@ -51,6 +51,9 @@ class RunnerConfig:
     cpu_graph_dynamic: bool = True  # CPU: one trace with a symbolic batch instead of one per size
     disable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_tokens: tuple[int, ...] = ()
+    # Extend levels up to this many tokens also get a whole-backbone graph (attention inside) where the backend
+    # allows it (runners/full_extend_graph_runner.py); 0: none. Only with the piecewise levels.
+    full_extend_graph_max_tokens: int = 0
     enable_torch_compile: bool = False
     # Tensor parallelism: this process is rank tp_rank of tp_size, joining at dist_init_method
     # (tcp://host:port); device is this rank's own GPU (cuda:N) on CUDA.
@@ -137,14 +140,19 @@ class ModelRunner:
         self.path_counts: Counter[str] = Counter()
         self.decode_graph_runner = None
         self.extend_graph_runner = None
+        self.full_extend_graph_runner = None
         self.init_graph_runners()
         if cuda:
-            captured = sum(r.capture_bytes for r in (self.decode_graph_runner, self.extend_graph_runner) if r)
+            captured = sum(r.capture_bytes for r in self._graph_runners() if r)
             self.memory_split = replace(self.memory_split, graphs_measured=captured)
         logger.info(self.memory_split.line())
 
+    def _graph_runners(self) -> tuple:
+        return self.decode_graph_runner, self.extend_graph_runner, self.full_extend_graph_runner
+
     def init_graph_runners(self) -> None:
-        """Capture decode graphs, then extend pieces; each is skipped when disabled or unsupported."""
+        """Capture decode graphs, then extend pieces, then whole extend graphs at the small levels; each is
+        skipped when disabled or unsupported."""
         cfg = self.config
         if self.device.type == "cpu":  # the CPU analogue: decode compiled by inductor; no extend pieces
             if not cfg.disable_cuda_graph and cfg.cuda_graph_bs:
@@ -164,6 +172,15 @@ class ModelRunner:
             from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
 
             self.extend_graph_runner = PiecewiseCudaGraphRunner(self, list(cfg.piecewise_cuda_graph_tokens))
+            full_levels = [t for t in self.extend_graph_runner.levels if t <= cfg.full_extend_graph_max_tokens]
+            if full_levels and self.attn_backend.supports_extend_cuda_graph:
+                from runners.full_extend_graph_runner import FullExtendGraphRunner
+
+                self.full_extend_graph_runner = FullExtendGraphRunner(self, full_levels,
+                                                                      capturer=self.extend_graph_runner.capturer)
+            elif full_levels:
+                logger.info("%s runs extend attention outside graphs: extends replay piecewise only",
+                            type(self.attn_backend).__name__)
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The KV pool's dtype; an FP8 pool needs an sm89+ GPU and the triton backend (its kernels scale
@@ -309,12 +326,14 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs the batch; returns float32 logits [bs, vocab] of each request's last token."""
         if fb.mode.is_decode():
-            runner, graph_path, eager_path = self.decode_graph_runner, "decode_graph", "decode_eager"
-        else:
-            runner, graph_path, eager_path = self.extend_graph_runner, "extend_graph", "extend_eager"
-        if runner is not None and runner.can_run(fb):
-            self.path_counts[graph_path] += 1
-            return runner.replay(fb)
+            runners, graph_path, eager_path = (self.decode_graph_runner,), "decode_graph", "decode_eager"
+        else:  # a whole graph where the batch fits one, else pieces
+            runners = (self.full_extend_graph_runner, self.extend_graph_runner)
+            graph_path, eager_path = "extend_graph", "extend_eager"
+        for runner in runners:
+            if runner is not None and runner.can_run(fb):
+                self.path_counts[graph_path] += 1
+                return runner.replay(fb)
         self.path_counts[eager_path] += 1
         return self.forward_eager(fb)
 
@@ -324,13 +343,13 @@ class ModelRunner:
 
     def graph_info(self) -> dict:
         """What was captured, for the start-up line and /server_info."""
-        info = {"cuda_graph_bs": [], "piecewise_cuda_graph_tokens": []}
-        for runner in (self.decode_graph_runner, self.extend_graph_runner):
+        info = {"cuda_graph_bs": [], "piecewise_cuda_graph_tokens": [], "full_extend_graph_tokens": []}
+        for runner in self._graph_runners():
             if runner is not None:
                 info.update(runner.info())
-        info["capture_seconds"] = round(info.get("decode_capture_seconds", 0.0)
-                                        + info.get("extend_capture_seconds", 0.0), 2)
-        info["capture_gib"] = round(info.get("decode_capture_gib", 0.0) + info.get("extend_capture_gib", 0.0), 3)
+        kinds = ("decode", "extend", "full_extend")
+        info["capture_seconds"] = round(sum(info.get(f"{k}_capture_seconds", 0.0) for k in kinds), 2)
+        info["capture_gib"] = round(sum(info.get(f"{k}_capture_gib", 0.0) for k in kinds), 3)
         info["memory"] = {**self.memory_split.as_dict(), "load_seconds": round(self.load_seconds, 2),
                           "load_peak_gib": round(self.load_peak_bytes / 2**30, 3)}
         return info

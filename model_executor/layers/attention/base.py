@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 class AttentionBackend(ABC):
     #: Whether decode batches through this backend may be captured in a full CUDA graph.
     supports_cuda_graph: bool = False
+    #: Whether extend batches may be captured whole (attention inside the graph): the extend kernels read every
+    #: length, row and slot from device tensors and size their grids by fb.max_extend_len alone.
+    supports_extend_cuda_graph: bool = False
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Prepare per-batch metadata for an eager forward (default: nothing to prepare)."""

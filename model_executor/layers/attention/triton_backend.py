@@ -35,6 +35,7 @@ INTERPRETER_NUM_SMS = 1
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_extend_cuda_graph = True
 
     def __init__(self, runner):
         cfg = runner.model_config

@@ -1,0 +1,109 @@
+"""Whole-backbone extend graphs on the GPU (triton attention inside the graph, bf16, random weights of real
+shapes): replay equals eager at every captured level and at padded sizes, with and without cached prefixes,
+up to the request rows; batches with more requests go to the pieces. SmolLM2-135M (GQA 9/3, head_dim 64) and
+Qwen3-8B (head_dim 128, per-head q/k norms).
+
+Run: pytest -m gpu tests/gpu/test_full_extend_graph_gpu.py -s
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_executor.configs import shape_path
+from runners.full_extend_graph_runner import DEFAULT_MAX_REQUESTS
+from runners.model_runner import ModelRunner, RunnerConfig
+
+pytestmark = pytest.mark.gpu
+
+LEVELS = (8, 32, 128, 512)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "qwen3-8b"])
+def runner(request):
+    """Built by ModelRunner.init_graph_runners, as in the server: pieces at every level, whole graphs up to 128."""
+    cfg = RunnerConfig(model_path=str(shape_path(request.param)), device="cuda", attention_backend="triton",
+                       max_running_requests=32, max_total_tokens=16384, context_length=2048,
+                       random_weights=True, disable_cuda_graph=True, piecewise_cuda_graph_tokens=LEVELS,
+                       full_extend_graph_max_tokens=128)
+    runner = ModelRunner(cfg)
+    full = runner.full_extend_graph_runner
+    assert full is not None and full.levels == [8, 32, 128]
+    print(f"\n{request.param} shape: {full.info()}")
+    yield runner
+    del runner
+    torch.cuda.empty_cache()
+
+
+def _make_batch(runner, ext, pre, seed):
+    from tests.test_piecewise_runner import make_extend_batch
+
+    return make_extend_batch(runner, ext, pre, seed)
+
+
+def _release(runner, rows, fb):
+    from tests.test_piecewise_runner import release
+
+    release(runner, rows, fb)
+
+
+CASES = {
+    "on_level_8": ([8], [0]),
+    "on_level_32": ([32], [0]),
+    "on_level_128": ([128], [0]),
+    "padded_1": ([1], [0]),
+    "padded_5": ([5], [0]),
+    "padded_33": ([33], [0]),
+    "padded_100_on_a_prefix": ([100], [300]),
+    "several_with_prefixes": ([7, 20, 1], [100, 0, 33]),
+    "max_requests": ([3] * DEFAULT_MAX_REQUESTS, [50] * DEFAULT_MAX_REQUESTS),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_full_graph_equals_eager(runner, case):
+    from tests.gpu.test_piecewise_gpu import assert_greedy_equal
+
+    ext, pre = CASES[case]
+    fb, rows = _make_batch(runner, ext, pre, seed=len(case) + sum(ext))
+    full = runner.full_extend_graph_runner
+    assert full.can_run(fb)
+    real = fb.out_cache_loc
+    bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
+    with torch.inference_mode():
+        replays = full.replays
+        graphed = runner.forward(fb).clone()
+        assert full.replays == replays + 1
+        kv_graphed = [b[real].clone() for b in bufs]
+        eager = runner.forward_eager(fb).clone()
+        kv_eager = [b[real] for b in bufs]
+    diff = (graphed - eager).abs().max().item()
+    print(f"{case}: {sum(ext)} tokens, max|logits diff| {diff:.3e}")
+    assert torch.isfinite(graphed).all()
+    torch.testing.assert_close(graphed, eager, rtol=3e-2, atol=3e-2)
+    assert_greedy_equal(graphed, eager, tol=3e-2)
+    for g, e in zip(kv_graphed, kv_eager):
+        torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
+    _release(runner, rows, fb)
+
+
+def test_more_requests_or_tokens_go_to_the_pieces(runner):
+    full, pw = runner.full_extend_graph_runner, runner.extend_graph_runner
+    for ext in ([2] * (DEFAULT_MAX_REQUESTS + 1), [129]):
+        fb, rows = _make_batch(runner, ext, [10] * len(ext), seed=len(ext))
+        assert not full.can_run(fb) and pw.can_run(fb)
+        with torch.inference_mode():
+            replays, graph_before = full.replays, runner.path_counts["extend_graph"]
+            graphed = runner.forward(fb).clone()
+            assert full.replays == replays and runner.path_counts["extend_graph"] == graph_before + 1
+            eager = runner.forward_eager(fb)
+        torch.testing.assert_close(graphed, eager, rtol=3e-2, atol=3e-2)
+        _release(runner, rows, fb)
