@@ -6,6 +6,9 @@ import bisect
 
 GiB = 1024**3
 DEFAULT_MAX_EXTEND_TOKENS = 2048
+# Whole-backbone extend graphs (runners/full_extend_graph_runner.py) up to this many tokens: below it a
+# piecewise replay waits on the host's attention launches (docs/benchmarks.md).
+DEFAULT_FULL_EXTEND_MAX_TOKENS = 512
 
 
 def default_cuda_graph_max_bs(gpu_memory_bytes: int) -> int:
@@ -82,3 +85,11 @@ def resolve_extend_token_levels(args, chunked_prefill_size: int | None) -> tuple
     # graph saves little, while each level costs start-up time and memory.
     max_tokens = args.piecewise_cuda_graph_max_tokens or min(chunked_prefill_size or 8192, DEFAULT_MAX_EXTEND_TOKENS)
     return tuple(get_token_levels(max_tokens, args.piecewise_cuda_graph_tokens))
+
+
+def resolve_full_extend_max_tokens(args) -> int:
+    """The largest extend level that also gets a whole-backbone graph (0: none); only with the piecewise levels."""
+    if args.disable_piecewise_cuda_graph:
+        return 0
+    full = args.full_extend_graph_max_tokens
+    return DEFAULT_FULL_EXTEND_MAX_TOKENS if full is None else full

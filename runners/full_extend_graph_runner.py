@@ -5,13 +5,14 @@ host launch per layer. At a few hundred tokens that host time is as long as the 
 on Python, and more so on a slow host. A backend whose extend kernel reads every length, row and slot from
 device tensors (AttentionBackend.supports_extend_cuda_graph: triton) can run inside the graph instead. This
 runner captures the backbone (embedding -> layers -> final norm) whole at each token level up to a small
-maximum, over a static batch of `max_requests` request rows whose tokens, positions, KV slots, lengths and
-starts live in static buffers.
+maximum, over static batches of one request row and of `max_requests` rows, whose tokens, positions, KV
+slots, lengths and starts live in static buffers.
 
 Padding. The attention grid is sized for the level and the row count (ForwardBatch.max_extend_len_bound).
-Rows past the real requests get no new tokens, so their programs exit at once. Tokens past the real ones
-(whatever ids and positions an earlier batch left there) belong to no request: they are never attended to or stored, and their hidden states are cut
-off after the replay. The logits head then runs eagerly on the real batch, as after a piecewise replay.
+Rows past the real requests get no new tokens, so their programs exit at once (the extend kernel dispatches
+them after every real program). Tokens past the real ones (whatever ids and positions an earlier batch left
+there) belong to no request: they are never attended to or stored, and their hidden states are cut off after
+the replay. The logits head then runs eagerly on the real batch, as after a piecewise replay.
 Batches with more requests, or more tokens than the largest level, go to the piecewise runner.
 
 Memory: the graphs are captured largest first into the piecewise runner's pool (its capturer), and their
@@ -37,8 +38,9 @@ from runners.piecewise_cuda_graph_runner import weak_ref_tensor
 logger = logging.getLogger("duet.full_extend_graph_runner")
 
 WARMUP_RUNS = 2
-# Request rows of each static batch: an extend with more requests goes to the piecewise runner. Every row
-# costs a program per query head and tile even when it is padding (docs/benchmarks.md has the measurement).
+# Request rows of the larger static batch of each level: an extend with more requests goes to the piecewise
+# runner. A padding row's programs exit at once but still cost: 2-4% of a 1B extend of 16-512 tokens at 8 rows
+# against 1 (docs/benchmarks.md), hence a one-row graph per level as well.
 DEFAULT_MAX_REQUESTS = 8
 
 
@@ -102,44 +104,50 @@ class FullExtendGraphRunner:
         self.max_requests = min(max_requests, model_runner.req_to_token_pool.size)
         self.capturer = capturer or default_capturer(self.device)
         self.buffers = FullExtendBuffers.allocate(self.max_tokens, self.max_requests, self.device)
-        self.static_batches = {level: self.buffers.batch(level, self.requests_at(level), model_runner)
-                               for level in self.levels}
-        self.graphs: dict[int, object] = {}
-        # Per level: the hidden states the graph writes (weak references on CUDA: the pool owns the memory).
-        self.hidden: dict[int, torch.Tensor] = {}
+        # Keyed by (level, request rows): every level has a graph of one row (a lone request, the usual extend
+        # of an interactive prompt) and one of every row it can hold.
+        self.keys = [(level, rows) for level in self.levels for rows in sorted({1, self.requests_at(level)})]
+        self.static_batches = {key: self.buffers.batch(*key, model_runner) for key in self.keys}
+        self.graphs: dict[tuple[int, int], object] = {}
+        # The hidden states each graph writes (weak references on CUDA: the pool owns the memory).
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.replays = 0
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.capture()
 
     def requests_at(self, level: int) -> int:
-        """Request rows of a level's static batch: a batch of `level` tokens has at most that many requests."""
+        """The most request rows a level's graphs hold: a batch of `level` tokens has at most that many requests."""
         return min(self.max_requests, level)
 
-    def _forward(self, level: int) -> None:
-        fb = self.static_batches[level]
-        self.hidden[level] = self.backbone(fb.input_ids, fb.positions, fb)
+    def key(self, fb: ForwardBatch) -> tuple[int, int]:
+        level = pick_size(self.levels, fb.num_tokens)
+        return level, 1 if fb.batch_size == 1 else self.requests_at(level)
+
+    def _forward(self, key: tuple[int, int]) -> None:
+        fb = self.static_batches[key]
+        self.hidden[key] = self.backbone(fb.input_ids, fb.positions, fb)
 
     @torch.inference_mode()
     def capture(self) -> None:
         before = self.capturer.memory_in_use()
         start = time.perf_counter()
-        bar = tqdm(list(reversed(self.levels)), desc="capturing full extend graphs", unit="graph",
+        bar = tqdm(list(reversed(self.keys)), desc="capturing full extend graphs", unit="graph",
                    disable=self.device.type != "cuda")
         with frozen_gc():
-            for level in bar:  # largest first: smaller graphs reuse its pool memory
-                fb = self.static_batches[level]
-                self.buffers.load(fb, level, fb.batch_size)  # no new tokens in any row: safe to run
+            for key in bar:  # largest first: smaller graphs reuse its pool memory
+                fb = self.static_batches[key]
+                self.buffers.load(fb, *key)  # no new tokens in any row: safe to run
                 self.backend.init_forward_metadata(fb)
                 for _ in range(WARMUP_RUNS):
-                    self._forward(level)
+                    self._forward(key)
                 self.capturer.synchronize()
-                self.graphs[level] = self.capturer.capture(lambda level=level: self._forward(level),
-                                                           host_state=(fb, self.backend))
+                self.graphs[key] = self.capturer.capture(lambda key=key: self._forward(key),
+                                                         host_state=(fb, self.backend))
                 if self.device.type == "cuda":  # the next (smaller) capture may reuse the blocks
-                    self.hidden[level] = weak_ref_tensor(self.hidden[level])
+                    self.hidden[key] = weak_ref_tensor(self.hidden[key])
                 used = (self.capturer.memory_in_use() - before) / 2**30
-                bar.set_postfix_str(f"tokens={level} mem={used:.2f} GiB")
+                bar.set_postfix_str(f"tokens={key[0]} requests={key[1]} mem={used:.2f} GiB")
         self.capturer.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = self.capturer.memory_in_use() - before
@@ -152,14 +160,12 @@ class FullExtendGraphRunner:
 
     @torch.inference_mode()
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        n = fb.num_tokens
-        level = pick_size(self.levels, n)
-        static = self.static_batches[level]
-        self.buffers.load(fb, level, static.batch_size)
-        self.graphs[level].replay()
+        key = self.key(fb)
+        self.buffers.load(fb, *key)
+        self.graphs[key].replay()
         self.replays += 1
         # The hidden states alias the pool: the head (prompt rows included) reads them before another replay.
-        return compute_logits(self.lm_head, self.hidden[level][:n], fb)
+        return compute_logits(self.lm_head, self.hidden[key][: fb.num_tokens], fb)
 
     def info(self) -> dict:
         return {"full_extend_graph_tokens": list(self.levels), "full_extend_graph_requests": self.max_requests,

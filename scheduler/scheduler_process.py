@@ -49,7 +49,11 @@ def default_chunked_prefill_size(args: ServerArgs) -> int | None:
 
 
 def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> RunnerConfig:
-    from runners.capture_lists import resolve_decode_capture_list, resolve_extend_token_levels
+    from runners.capture_lists import (
+        resolve_decode_capture_list,
+        resolve_extend_token_levels,
+        resolve_full_extend_max_tokens,
+    )
 
     device = args.device
     max_running = default_max_running_requests(args)
@@ -74,6 +78,7 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs or args.enable_torch_compile else (),
         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
+        full_extend_graph_max_tokens=resolve_full_extend_max_tokens(args) if graphs else 0,
         enable_torch_compile=args.enable_torch_compile,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -77,6 +77,9 @@ class ServerArgs:
                                                            "(default: the chunked-prefill size, at most 2048)")
     piecewise_cuda_graph_tokens: tuple[int, ...] | None = _f(None, "explicit extend token levels", nargs="+")
     disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
+    full_extend_graph_max_tokens: int | None = _f(None, "extend levels up to this many tokens also get a graph "
+                                                        "of the whole model, attention inside (triton backend; "
+                                                        "up to 8 requests); 0: none; default 512")
     enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up); "
                                            "on CPU, compile decode with inductor")
     quantization: str | None = _f(None, "weight quantization: fp8 (online, GPU sm89+), int8 / int4 (weight-only, "
@@ -145,6 +148,9 @@ class ServerArgs:
                      "piecewise_cuda_graph_max_tokens"):
             positive(name, getattr(self, name))
         positive("max_prefill_tokens", self.max_prefill_tokens, allow_none=False)
+        full = self.full_extend_graph_max_tokens
+        if full is not None and (not isinstance(full, int) or full < 0):
+            raise ArgsError(f"--full-extend-graph-max-tokens must be a non-negative integer, got {full}")
         positive("max_request_bytes", self.max_request_bytes, allow_none=False)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size", self.chunked_prefill_size)

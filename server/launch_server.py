@@ -274,6 +274,8 @@ def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
     if str(info.get("device", args.device)).startswith("cuda"):
         parts.append(f"decode_graph_bs={_fmt_sizes(info.get('cuda_graph_bs'))}")
         parts.append(f"extend_graph_tokens={_fmt_sizes(info.get('piecewise_cuda_graph_tokens'))}")
+        if info.get("full_extend_graph_tokens"):
+            parts.append(f"whole_extend_graphs_up_to={info['full_extend_graph_tokens'][-1]}")
         parts.append(f"capture={float(info.get('capture_seconds') or 0):.1f}s/"
                      f"{float(info.get('capture_gib') or 0):.2f}GiB")
     else:  # the CPU's decode is compiled by inductor (runners/cpu_graph_runner.py)

@@ -18,7 +18,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("argv", [["--port", "-5"], ["--dtype", "fp8"], ["--mem-fraction-static", "1.5"],
                                   ["--cuda-graph-bs", "0", "4"], ["--tp-size", "0"], ["--max-running-requests", "0"],
-                                  ["--nnodes", "2", "--tp-size", "2"], ["--dist-init-addr", "nohost"]])
+                                  ["--nnodes", "2", "--tp-size", "2"], ["--dist-init-addr", "nohost"],
+                                  ["--full-extend-graph-max-tokens", "-1"]])
 def test_invalid_values_exit_2_with_one_line(argv):
     proc = run_cli(*argv)
     assert proc.returncode == 2
@@ -42,6 +43,15 @@ def test_flashinfer_not_installed_says_what_to_install():
 def test_explicit_capture_list_parses():
     args = parse_args(["--cuda-graph-bs", "1", "2", "8", "--piecewise-cuda-graph-tokens", "16", "64"])
     assert args.cuda_graph_bs == (1, 2, 8) and args.piecewise_cuda_graph_tokens == (16, 64)
+
+
+def test_whole_extend_graphs_default_to_512_tokens_and_go_with_the_pieces():
+    from runners.capture_lists import resolve_full_extend_max_tokens
+
+    assert resolve_full_extend_max_tokens(parse_args([])) == 512
+    assert resolve_full_extend_max_tokens(parse_args(["--full-extend-graph-max-tokens", "128"])) == 128
+    assert resolve_full_extend_max_tokens(parse_args(["--full-extend-graph-max-tokens", "0"])) == 0
+    assert resolve_full_extend_max_tokens(parse_args(["--disable-piecewise-cuda-graph"])) == 0
 
 
 def test_default_model_on_cpu_runs_int4_unless_asked(model_dir, monkeypatch):

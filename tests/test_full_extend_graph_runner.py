@@ -117,8 +117,9 @@ def test_fewer_requests_than_the_last_replay_left(runner, graphs, extend_batch):
     buffers, and its requests' programs would write over this batch's outputs and into their old slots."""
     fb, loc = extend_batch([5, 4, 6], [0, 2, 0], seed=1)
     graphs.replay(fb)
-    fb, loc = extend_batch([13], [0], seed=2)
-    assert graphs.buffers.extend_seq_lens[1:MAX_REQUESTS].tolist() != [0, 0]  # stale from the first batch
+    fb, loc = extend_batch([9, 4], [0, 0], seed=2)
+    assert graphs.key(fb) == (16, MAX_REQUESTS)  # the graph of the first batch, with a row to spare
+    assert graphs.buffers.extend_seq_lens[2].item() == 6  # stale from the first batch
     assert_replay_equals_eager(runner, graphs, fb, loc)
 
 
@@ -137,9 +138,25 @@ def test_capture_largest_first_at_each_level(runner):
                 order.append(shapes)
 
     graphs = FullExtendGraphRunner(runner, LEVELS, max_requests=MAX_REQUESTS, capturer=Recorder())
-    assert order == [[level] for level in sorted(LEVELS, reverse=True)]
-    assert [graphs.static_batches[level].batch_size for level in LEVELS] == [3, 3, 3, 3]
-    assert [graphs.static_batches[level].max_extend_len for level in LEVELS] == LEVELS
+    assert order == [[level] for level in sorted(LEVELS, reverse=True) for _ in range(2)]
+    keys = [(level, rows) for level in LEVELS for rows in (1, MAX_REQUESTS)]
+    assert sorted(graphs.graphs) == keys
+    assert [graphs.static_batches[key].batch_size for key in keys] == [key[1] for key in keys]
+    assert [graphs.static_batches[key].max_extend_len for key in keys] == [key[0] for key in keys]
+    # A level below the row count holds only as many rows as tokens.
+    assert sorted(FullExtendGraphRunner(runner, [2], max_requests=MAX_REQUESTS).graphs) == [(2, 1), (2, 2)]
+
+
+@in_process
+@pytest.mark.parametrize("ext,key", [([5], (8, 1)), ([8], (8, 1)), ([2, 3], (8, MAX_REQUESTS)),
+                                     ([20, 1, 1], (32, MAX_REQUESTS))])
+def test_replay_takes_the_graph_of_its_level_and_rows(runner, graphs, extend_batch, monkeypatch, ext, key):
+    replayed = []
+    for k, graph in graphs.graphs.items():
+        monkeypatch.setattr(graph, "replay", lambda k=k, replay=graph.replay: (replayed.append(k), replay()))
+    fb, loc = extend_batch(ext, [0] * len(ext), seed=7)
+    assert_replay_equals_eager(runner, graphs, fb, loc)
+    assert replayed == [key]
 
 
 @in_process

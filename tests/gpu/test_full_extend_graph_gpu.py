@@ -1,7 +1,12 @@
 """Whole-backbone extend graphs on the GPU (triton attention inside the graph, bf16, random weights of real
-shapes): replay equals eager at every captured level and at padded sizes, with and without cached prefixes,
-up to the request rows; batches with more requests go to the pieces. SmolLM2-135M (GQA 9/3, head_dim 64) and
-Qwen3-8B (head_dim 128, per-head q/k norms).
+shapes): replay equals the same padded batch run eagerly, and eager on the real batch, at every captured level
+and at padded sizes, with and without cached prefixes, up to the request rows; batches with more requests go
+to the pieces. SmolLM2-135M (GQA 9/3, head_dim 64) and Qwen3-8B (head_dim 128, per-head q/k norms).
+
+Against eager on the real (unpadded) batch the tolerance is the model's: the GEMMs run at the level's row
+count in the graph and at the real one eagerly, and bf16 rounds them differently; through Qwen3-8B's 36 layers
+of random weights a 1-token extend padded to 8 moved logits by up to 0.23 (the same padding run eagerly
+moves them the same way: the first comparison).
 
 Run: pytest -m gpu tests/gpu/test_full_extend_graph_gpu.py -s
 """
@@ -12,12 +17,15 @@ import pytest
 import torch
 
 from model_executor.configs import shape_path
+from model_executor.layers.logits import compute_logits
 from runners.full_extend_graph_runner import DEFAULT_MAX_REQUESTS
 from runners.model_runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.gpu
 
 LEVELS = (8, 32, 128, 512)
+# Graph (at the level's rows) against eager (at the real rows): logits and near-tie gaps.
+REAL_EAGER_TOL = {"smollm2-135m": 3e-2, "qwen3-8b": 0.5}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,6 +46,7 @@ def runner(request):
     full = runner.full_extend_graph_runner
     assert full is not None and full.levels == [8, 32, 128]
     print(f"\n{request.param} shape: {full.info()}")
+    runner.test_tol = REAL_EAGER_TOL[request.param]
     yield runner
     del runner
     torch.cuda.empty_cache()
@@ -68,6 +77,16 @@ CASES = {
 }
 
 
+def padded_eager(runner, fb) -> torch.Tensor:
+    """What the graph of fb's level computes, run eagerly: the backbone over its static batch, loaded with fb."""
+    full = runner.full_extend_graph_runner
+    key = full.key(fb)
+    static = full.static_batches[key]
+    full.buffers.load(fb, *key)
+    hidden = runner.model.model(static.input_ids, static.positions, static)
+    return compute_logits(runner.model.lm_head, hidden[: fb.num_tokens], fb)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_full_graph_equals_eager(runner, case):
     from tests.gpu.test_piecewise_gpu import assert_greedy_equal
@@ -83,15 +102,24 @@ def test_full_graph_equals_eager(runner, case):
         graphed = runner.forward(fb).clone()
         assert full.replays == replays + 1
         kv_graphed = [b[real].clone() for b in bufs]
+        padded = padded_eager(runner, fb).clone()
+        kv_padded = [b[real].clone() for b in bufs]
         eager = runner.forward_eager(fb).clone()
         kv_eager = [b[real] for b in bufs]
-    diff = (graphed - eager).abs().max().item()
-    print(f"{case}: {sum(ext)} tokens, max|logits diff| {diff:.3e}")
+    diff, padding = (graphed - eager).abs().max().item(), (padded - eager).abs().max().item()
+    print(f"{case}: {sum(ext)} tokens, max|logits diff| graph-padded eager {(graphed - padded).abs().max():.3e}, "
+          f"graph-eager {diff:.3e}, padded eager-eager {padding:.3e}")
     assert torch.isfinite(graphed).all()
-    torch.testing.assert_close(graphed, eager, rtol=3e-2, atol=3e-2)
-    assert_greedy_equal(graphed, eager, tol=3e-2)
-    for g, e in zip(kv_graphed, kv_eager):
-        torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(graphed, padded, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(graphed, eager, rtol=runner.test_tol, atol=runner.test_tol)
+    assert_greedy_equal(graphed, eager, tol=runner.test_tol)
+    # Every layer's K/V as the padded batch run eagerly stores them; the first layer's (before any attention)
+    # as eager on the real batch does, the deeper ones within the model's tolerance.
+    num_layers = len(bufs) // 2
+    for i, (g, p, e) in enumerate(zip(kv_graphed, kv_padded, kv_eager)):
+        torch.testing.assert_close(g, p, rtol=2e-2, atol=2e-2)
+        tol = 2e-2 if i % num_layers == 0 else runner.test_tol
+        torch.testing.assert_close(g, e, rtol=tol, atol=tol)
     _release(runner, rows, fb)
 
 
@@ -105,5 +133,5 @@ def test_more_requests_or_tokens_go_to_the_pieces(runner):
             graphed = runner.forward(fb).clone()
             assert full.replays == replays and runner.path_counts["extend_graph"] == graph_before + 1
             eager = runner.forward_eager(fb)
-        torch.testing.assert_close(graphed, eager, rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(graphed, eager, rtol=runner.test_tol, atol=runner.test_tol)
         _release(runner, rows, fb)
