@@ -4,6 +4,7 @@ and sends each batch down one path (decode graph / decode eager / extend graph /
 from __future__ import annotations
 
 import array
+import gc
 import logging
 import time
 from collections import Counter
@@ -108,6 +109,10 @@ class ModelRunner:
         self.num_kv_heads = ps.kv_heads_per_rank(cfg.num_key_value_heads, config.tp_size)  # this rank's KV heads
         base = 0
         if cuda:
+            # An earlier runner in this process (tests, benchmarks) may be garbage that only the cycle collector
+            # frees: freed later (a capture collects), its memory would come off this runner's measurements.
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)  # what others in this process hold already
         t0 = time.perf_counter()

@@ -32,9 +32,9 @@ def fresh_dynamo():
 def runner():
     cfg = RunnerConfig(model_path=str(shape_path("llama-3.2-1b")), device="cuda", attention_backend="triton",
                        max_running_requests=16, max_total_tokens=8192, context_length=1024, random_weights=True,
-                       cuda_graph_bs=(1, 2, 4, 8), piecewise_cuda_graph_tokens=LEVELS)
+                       cuda_graph_bs=(1, 2, 4, 8), piecewise_cuda_graph_tokens=LEVELS, full_extend_graph_max_tokens=64)
     runner = ModelRunner(cfg)
-    assert runner.extend_graph_runner is not None
+    assert runner.extend_graph_runner is not None and runner.full_extend_graph_runner is not None
     return runner
 
 
@@ -45,11 +45,13 @@ def prompt(n: int, seed: int) -> list[int]:
 REQS = {"a": (prompt(300, 1), 0, 5), "b": (prompt(90, 2), 37, 0), "x": (prompt(50, 3), None, 0)}
 
 
-def run(runner: ModelRunner, graphs: bool) -> dict:
-    """The requests through the scheduler (64-token chunks, overlap on), with or without the piecewise runner."""
-    saved = runner.extend_graph_runner
-    runner.extend_graph_runner = saved if graphs else None
-    before = dict(runner.path_counts)
+def run(runner: ModelRunner, graphs: str) -> dict:
+    """The requests through the scheduler (64-token chunks, overlap on); graphs: "pieces" (the piecewise runner
+    only), "whole" (whole graphs up to 64 tokens and 8 requests, pieces above), "none" (eager)."""
+    saved = runner.extend_graph_runner, runner.full_extend_graph_runner
+    runner.extend_graph_runner = None if graphs == "none" else saved[0]
+    runner.full_extend_graph_runner = saved[1] if graphs == "whole" else None
+    before, whole_before = dict(runner.path_counts), saved[1].replays
     try:
         s = Scheduler(runner, SchedulerConfig(max_running_requests=16, chunked_prefill_size=64, enable_overlap=True,
                                               disable_radix_cache=True))
@@ -63,15 +65,18 @@ def run(runner: ModelRunner, graphs: bool) -> dict:
                     assert o.rid not in out
                     out[o.rid] = o.prompt_logprobs
     finally:
-        runner.extend_graph_runner = saved
+        runner.extend_graph_runner, runner.full_extend_graph_runner = saved
     counts = {k: runner.path_counts[k] - before.get(k, 0) for k in ("extend_graph", "extend_eager")}
+    counts["whole"] = saved[1].replays - whole_before
     return {"lps": out, "counts": counts}
 
 
-def test_piecewise_scores_like_eager(runner):
-    graphed, eager = run(runner, graphs=True), run(runner, graphs=False)
+@pytest.mark.parametrize("graphs", ["pieces", "whole"])
+def test_graphs_score_like_eager(runner, graphs):
+    graphed, eager = run(runner, graphs), run(runner, "none")
     print("\npaths:", graphed["counts"], eager["counts"])
     assert graphed["counts"]["extend_graph"] > 0 and graphed["counts"]["extend_eager"] == 0
+    assert (graphed["counts"]["whole"] > 0) == (graphs == "whole")
     assert eager["counts"]["extend_graph"] == 0
     assert set(graphed["lps"]) == {"a", "b"} == set(eager["lps"])
     for rid, (ids, start, top) in REQS.items():
@@ -94,7 +99,7 @@ def test_scores_line_up_with_a_one_pass_forward(runner):
     than the same reference shifted by one position (random weights make every logprob look alike, so the
     shift shows how much closer)."""
     ids, _, _ = REQS["a"]
-    lps = run(runner, graphs=True)["lps"]["a"]
+    lps = run(runner, "pieces")["lps"]["a"]
     row = runner.req_to_token_pool.alloc()
     slots = runner.allocator.alloc(len(ids))
     try:

@@ -176,7 +176,8 @@ def test_online_fp8_load_peak_stays_near_fp8_size(tmp_path):
 def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
     """The extend pieces traced by dynamo (the FP8 linears inside them) replay as eager runs, at a size under
     the small-M kernel's 16 rows (eager and the 16-token graph both take the weight-only kernel: the traced
-    `duet::fp8_linear` op picks its path on the real row count, as eager does) and above it (W8A8)."""
+    `duet::fp8_linear` op picks its path on the real row count, as eager does) and above it (W8A8); the
+    5-token extend replays a whole graph of the 16-token level (the same kernels, attention inside)."""
     from tests.test_piecewise_runner import make_extend_batch, release
 
     torch._dynamo.reset()
@@ -184,8 +185,10 @@ def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
     kw = {} if variant == "fp8_block" else {"quantization": "fp8"}
     if variant == "fp8_kv":
         kw["kv_cache_dtype"] = "fp8_e4m3"
-    runner = _runner(path, **kw, disable_piecewise_cuda_graph=False, piecewise_cuda_graph_tokens=(16, 64))
-    assert runner.extend_graph_runner is not None
+    runner = _runner(path, **kw, disable_piecewise_cuda_graph=False, piecewise_cuda_graph_tokens=(16, 64, 128),
+                     full_extend_graph_max_tokens=16)
+    assert runner.extend_graph_runner is not None and runner.full_extend_graph_runner is not None
+    # A whole graph (5 tokens), pieces (20 tokens, and 47 in two requests).
     for ext, pre in (([5], [0]), ([20], [0]), ([7, 40], [30, 0])):
         fb, rows = make_extend_batch(runner, ext, pre, seed=sum(ext))
         with torch.inference_mode():
