@@ -9,11 +9,11 @@ maximum, over static batches of one request row and of `max_requests` rows, whos
 slots, lengths and starts live in static buffers.
 
 Padding. The attention grid is sized for the level and the row count (ForwardBatch.max_extend_len_bound).
-Rows past the real requests get no new tokens, so their programs exit at once (the extend kernel dispatches
-them after every real program). Tokens past the real ones (whatever ids and positions an earlier batch left
-there) belong to no request: they are never attended to or stored, and their hidden states are cut off after
-the replay. The logits head then runs eagerly on the real batch, as after a piecewise replay.
-Batches with more requests, or more tokens than the largest level, go to the piecewise runner.
+Rows past the real requests get no new tokens, so their programs exit at once. Tokens past the real ones
+(whatever ids and positions an earlier batch left there) belong to no request: they are never attended to or
+stored, and their hidden states are cut off after the replay. The logits head then runs eagerly on the real
+batch, as after a piecewise replay. Batches with more requests, or more tokens than the largest level, go to
+the piecewise runner.
 
 Memory: the graphs are captured largest first into the piecewise runner's pool (its capturer), and their
 outputs are kept as weak references. A replay's output is read by the logits head before any other extend

@@ -5,12 +5,11 @@ from `k_buffer` / `v_buffer` through `req_to_token`; the new tokens' keys and va
 `v` directly, and the same kernel stores them in the pool at `out_cache_loc` (one launch per layer instead
 of a store kernel and an attention kernel: each Triton launch costs host time).
 
-Grid `(cdiv(max_extend_len, BLOCK_M), num_heads, bs)`, the request slowest: a program takes BLOCK_M new
-tokens of one request and one head and runs a flash-attention loop (online softmax, fp32 accumulation) over
-the KV blocks: first the positions every row of the tile sees (the prefix, then earlier new tokens; no causal
-mask), then the tile's own diagonal band with the causal mask. Blocks past the tile's last position are never
-visited. Programs past a request's new tokens exit at once; with the request slowest, a whole-backbone extend
-graph's padding rows (runners/full_extend_graph_runner.py) are dispatched after every real program.
+Grid `(bs, num_heads, cdiv(max_extend_len, BLOCK_M))`: a program takes BLOCK_M new tokens of one request
+and one head and runs a flash-attention loop (online softmax, fp32 accumulation) over the KV blocks:
+first the positions every row of the tile sees (the prefix, then earlier new tokens; no causal mask),
+then the tile's own diagonal band with the causal mask. Blocks past the tile's last position are never
+visited.
 """
 
 from __future__ import annotations
@@ -113,9 +112,9 @@ def _extend_kernel(
     POOL_F16: tl.constexpr,
     Q_PRESCALE: tl.constexpr,
 ):
-    block_m = tl.program_id(0)
+    cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
-    cur_batch = tl.program_id(2)
+    block_m = tl.program_id(2)
 
     extend_len = tl.load(Extend_seq_lens + cur_batch).to(tl.int32)
     if block_m * BLOCK_M >= extend_len:
@@ -241,8 +240,7 @@ def extend_attention_fwd(
         return
     cfg = config or get_extend_config(head_dim, q.dtype)
 
-    assert bs <= 65535, "a grid's third dimension holds at most 65535 requests"
-    grid = (triton.cdiv(max_extend_len, cfg.block_m), num_heads, bs)
+    grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
         q, k, v, o, k_buffer, v_buffer, out_cache_loc,
         req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
