@@ -387,3 +387,21 @@ def test_extend_last_token_matches_decode():
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     o_dec = run_decode(decode_mod, q[last].contiguous(), k_buf, v_buf, req_to_token, rows, seq_lens, 4, 0.125)
     torch.testing.assert_close(o_dec, o_ext[last], atol=1e-5, rtol=1e-5)
+
+
+def test_short_extends_take_64_row_tiles_and_a_batch_takes_its_levels_tile():
+    """16-bit heads up to 128 wide: 64x64 tiles up to 512 new tokens per request (measured faster there),
+    128x64 above and when the length is not given; float32 and wider heads keep theirs. The bound is an extend
+    level, so a batch and the graph level it pads to (the whole extend graphs size the grid by the level)
+    take the same tile."""
+    from runners.capture_lists import get_token_levels, pick_size
+
+    get = extend_mod.get_extend_config
+    for head_dim, warps in ((64, 4), (128, 8)):
+        assert get(head_dim, torch.bfloat16, 1) == get(head_dim, torch.float16, 512) == (64, 64, 4, 1)
+        assert get(head_dim, torch.bfloat16, 513) == get(head_dim, torch.bfloat16) == (128, 64, warps, 1)
+    assert get(256, torch.bfloat16, 100) == (64, 32, 8, 1)
+    assert get(64, torch.float32, 100) == (32, 32, 4, 1)
+    levels = get_token_levels(2048)
+    for n in range(1, 2049):
+        assert get(128, torch.bfloat16, n) == get(128, torch.bfloat16, pick_size(levels, n)), n

@@ -37,14 +37,25 @@ class ExtendConfig(NamedTuple):
     num_stages: int
 
 
-def get_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> ExtendConfig:
+# Up to this many new tokens in the batch's longest request, 16-bit inputs of head_dim <= 128 take 64x64
+# tiles: 1.1-1.4x faster than 128x64 at 16-512 tokens for head_dim 64 and 128 on the H200 (bench_attention,
+# docs/benchmarks.md); above it, unmeasured, the 128x64 tiles stay. 512 is an extend graph level, so a batch and
+# the level it pads to take the same tile.
+SHORT_EXTEND_MAX_TOKENS = 512
+
+
+def get_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                      max_extend_len: int | None = None) -> ExtendConfig:
     """Tile sizes for `extend_attention_fwd` on Hopper/Ampere-class GPUs (the interpreter ignores warps).
 
-    16-bit inputs: 128x64 tiles; no register spills on sm_90 for head_dim 64 and 128 (ptxas, triton 3.6).
+    16-bit inputs: 64x64 tiles up to SHORT_EXTEND_MAX_TOKENS new tokens per request, 128x64 above (or when
+    max_extend_len is not given); no register spills on sm_90 for head_dim 64 and 128 (ptxas, triton 3.6).
     float32 inputs (tests, not serving) use tf32x3 dots, whose operands need smaller tiles.
     """
     if dtype == torch.float32:
         return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if head_dim <= 128 and max_extend_len is not None and max_extend_len <= SHORT_EXTEND_MAX_TOKENS:
+        return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
     if head_dim <= 64:
         return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=1)
     if head_dim <= 128:
@@ -225,7 +236,7 @@ def extend_attention_fwd(
     positions 0 .. prefix_len + i: the prefix read from the pool through req_to_token, the new tokens
     straight from k / v (so the kernel never reads a slot it is writing).
     max_extend_len: host int >= every extend_seq_lens[b] (sizes the grid).
-    config: tile override (default `get_extend_config(head_dim)`).
+    config: tile override (default `get_extend_config(head_dim, q.dtype, max_extend_len)`).
     k_scale, v_scale: the pool's scales: an FP8 pool stores K / k_scale and V / v_scale (saturated casts)
     and the prefix read from it is scaled back; the new tokens are attended unquantized.
     """
@@ -238,7 +249,7 @@ def extend_attention_fwd(
     assert all(t.stride(-1) == 1 for t in (q, k, v, o, k_buffer, v_buffer, req_to_token))
     if bs == 0 or num_tokens == 0 or max_extend_len <= 0:
         return
-    cfg = config or get_extend_config(head_dim, q.dtype)
+    cfg = config or get_extend_config(head_dim, q.dtype, max_extend_len)
 
     grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
