@@ -38,7 +38,7 @@ class ExtendConfig(NamedTuple):
 
 
 # Up to this many new tokens in the batch's longest request, 16-bit inputs of head_dim <= 128 take 64x64
-# tiles: 1.1-1.4x faster than 128x64 at 16-512 tokens for head_dim 64 and 128 on the H200 (bench_attention,
+# tiles: 1.06-1.46x faster than 128x64 at 16-512 tokens for head_dim 64 and 128 on the H200 (bench_attention,
 # docs/benchmarks.md); above it, unmeasured, the 128x64 tiles stay. 512 is an extend graph level, so a batch and
 # the level it pads to take the same tile.
 SHORT_EXTEND_MAX_TOKENS = 512
