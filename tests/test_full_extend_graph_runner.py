@@ -6,6 +6,8 @@ the buffers; capture order; what goes to the piecewise runner instead."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton_mode
@@ -16,6 +18,7 @@ from model_executor.layers.attention.triton_backend import TritonAttnBackend
 from runners.full_extend_graph_runner import FullExtendGraphRunner
 from runners.graph_seam import StandInCapturer
 from runners.model_runner import ModelRunner, RunnerConfig
+from tests.test_piecewise_runner import make_extend_batch, release
 
 LEVELS = [4, 8, 16, 32]
 MAX_REQUESTS = 3
@@ -45,28 +48,13 @@ def extend_batch(runner):
     made = []
 
     def make(ext_lens, prefix_lens, seed):
-        g = torch.Generator().manual_seed(seed)
-        rows, seq_lens, ids, locs = [], [], [], []
-        for ext, pre in zip(ext_lens, prefix_lens):
-            prompt = torch.randint(3, 320, (pre + ext,), generator=g).tolist()
-            row = runner.req_to_token_pool.alloc()
-            loc = runner.allocator.alloc(pre + ext)
-            runner.req_to_token_pool.write(row, 0, loc)
-            made.append((row, loc))
-            if pre:
-                runner.forward_eager(runner.build_batch(ForwardMode.EXTEND, prompt[:pre], [row], [pre], loc[:pre],
-                                                        extend_seq_lens=[pre]))
-            rows.append(row)
-            seq_lens.append(pre + ext)
-            ids += prompt[pre:]
-            locs.append(loc[pre:])
-        new = torch.cat(locs)
-        return runner.build_batch(ForwardMode.EXTEND, ids, rows, seq_lens, new, extend_seq_lens=ext_lens), new
+        fb, rows = make_extend_batch(runner, ext_lens, prefix_lens, seed)
+        made.append((rows, fb))
+        return fb, fb.out_cache_loc
 
     yield make
-    for row, loc in made:
-        runner.allocator.free(loc)
-        runner.req_to_token_pool.free(row)
+    for rows, fb in made:
+        release(runner, rows, fb)
 
 
 def _kv(runner) -> list[torch.Tensor]:
@@ -166,8 +154,7 @@ def test_what_goes_elsewhere(runner, graphs, extend_batch):
     assert not graphs.can_run(fb)
     fb, _ = extend_batch([1, 1, 1, 1], [0, 0, 0, 0], seed=4)
     assert not graphs.can_run(fb)
-    dec = runner.build_batch(ForwardMode.DECODE, [5], [1], [2], torch.tensor([1]))
-    assert not graphs.can_run(dec)
+    assert not graphs.can_run(SimpleNamespace(mode=ForwardMode.DECODE, num_tokens=1, batch_size=1))
 
 
 def test_model_runner_builds_it_only_where_the_backend_can(tiny_llama, monkeypatch):
