@@ -1,4 +1,5 @@
-"""Profile one decode graph replay and one piecewise extend replay; print where the time goes.
+"""Profile one decode graph replay, one piecewise extend replay and one whole extend graph replay; print where the
+time goes.
 
     python -m benchmarks.profile_step --model llama-3.2-1b --decode-bs 1 --extend-tokens 128 [--input-len 512]
     python -m benchmarks.profile_step --model llama-3.1-8b --quantization fp8 --decode-bs 1
@@ -16,6 +17,7 @@ from benchmarks.bench_one_batch import prepare
 from model_executor.configs import SHAPES, shape_path
 from model_executor.forward_batch import ForwardMode
 from runners.cuda_graph_runner import CudaGraphRunner
+from runners.full_extend_graph_runner import FullExtendGraphRunner
 from runners.model_runner import ModelRunner, RunnerConfig
 from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
 
@@ -31,6 +33,19 @@ def summarize(prof, title: str, n: int = 20) -> None:
 
 
 PROFILE_ITERS = 10
+
+
+def profile_replays(replay, fb):
+    """Three warm-up replays, then PROFILE_ITERS replays under the profiler."""
+    with torch.inference_mode():
+        for _ in range(3):
+            replay(fb)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILE_ITERS):
+                replay(fb)
+            torch.cuda.synchronize()
+    return prof
 
 
 def main(argv=None) -> int:
@@ -53,30 +68,16 @@ def main(argv=None) -> int:
     runner = ModelRunner(cfg)
     decode = CudaGraphRunner(runner, [args.decode_bs])
     batches, _, _ = prepare(runner, args.decode_bs, args.input_len, 4)
-    with torch.inference_mode():
-        for _ in range(3):
-            decode.replay(batches[0])
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(PROFILE_ITERS):
-                decode.replay(batches[0])
-            torch.cuda.synchronize()
-    summarize(prof, f"decode graph bs={args.decode_bs} context {args.input_len}")
+    summarize(profile_replays(decode.replay, batches[0]), f"decode graph bs={args.decode_bs} context {args.input_len}")
     extend = PiecewiseCudaGraphRunner(runner, [args.extend_tokens])
     n = args.extend_tokens
     row = runner.req_to_token_pool.alloc()
     loc = runner.allocator.alloc(n)
     runner.req_to_token_pool.write(row, 0, loc)
     fb = runner.build_batch(ForwardMode.EXTEND, list(range(100, 100 + n)), [row], [n], loc, extend_seq_lens=[n])
-    with torch.inference_mode():
-        for _ in range(3):
-            extend.replay(fb)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(PROFILE_ITERS):
-                extend.replay(fb)
-            torch.cuda.synchronize()
-    summarize(prof, f"piecewise extend {n} tokens")
+    summarize(profile_replays(extend.replay, fb), f"piecewise extend {n} tokens")
+    whole = FullExtendGraphRunner(runner, [n], capturer=extend.capturer)
+    summarize(profile_replays(whole.replay, fb), f"whole extend graph {n} tokens")
     return 0
 
 
