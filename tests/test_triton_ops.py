@@ -389,6 +389,7 @@ def test_extend_last_token_matches_decode():
     torch.testing.assert_close(o_dec, o_ext[last], atol=1e-5, rtol=1e-5)
 
 
+@in_process
 def test_short_extends_take_64_row_tiles_and_a_batch_takes_its_levels_tile():
     """16-bit heads up to 128 wide: 64x64 tiles up to 512 new tokens per request (measured faster there),
     128x64 above and when the length is not given; float32 and wider heads keep theirs. The bound is an extend
