@@ -92,6 +92,12 @@ def prepare(runner: ModelRunner, size: int, batch: int, prefix_len: int, seed: i
     return fb, rows, torch.cat(locs)
 
 
+def compare(eager_logits: torch.Tensor, graph_logits: torch.Tensor) -> tuple[float, bool]:
+    """Max |logit difference| and whether the greedy tokens agree."""
+    return ((eager_logits - graph_logits).abs().max().item(),
+            bool(torch.equal(eager_logits.argmax(-1), graph_logits.argmax(-1))))
+
+
 def time_ms(fn, fb, device: torch.device, iters: int, warmup: int) -> float:
     """Median ms of fn(fb): CUDA events on GPU (each run synchronised), wall clock on CPU."""
     with torch.inference_mode():
@@ -140,25 +146,22 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             eager_logits = runner.forward_eager(fb).clone()
             graph_logits = pw.replay(fb).clone() if pw.can_run(fb) else eager_logits
-        max_diff = (eager_logits - graph_logits).abs().max().item()
-        same_tokens = bool(torch.equal(eager_logits.argmax(-1), graph_logits.argmax(-1)))
+        max_diff, same_tokens = compare(eager_logits, graph_logits)
         eager_ms = time_ms(runner.forward_eager, fb, device, args.iters, args.warmup)
         graph_ms = time_ms(pw.replay, fb, device, args.iters, args.warmup) if pw.can_run(fb) else None
-        row = {"tokens": size, "batch": args.batch, "prefix_len": args.prefix_len,
-               "level": pick_size(levels, size), "eager_ms": round(eager_ms, 4),
-               "piecewise_ms": graph_ms and round(graph_ms, 4),
-               "speedup": graph_ms and round(eager_ms / graph_ms, 3),
-               "piecewise_vs_eager_max_abs_diff": max_diff, "greedy_tokens_equal": same_tokens, "full": {}}
+        entry = {"tokens": size, "batch": args.batch, "prefix_len": args.prefix_len,
+                 "level": pick_size(levels, size), "eager_ms": round(eager_ms, 4),
+                 "piecewise_ms": graph_ms and round(graph_ms, 4),
+                 "speedup": graph_ms and round(eager_ms / graph_ms, 3),
+                 "piecewise_vs_eager_max_abs_diff": max_diff, "greedy_tokens_equal": same_tokens, "full": {}}
         for r, full in fulls.items():
             if not full.can_run(fb):
                 continue
             with torch.inference_mode():
-                full_logits = full.replay(fb).clone()
-            row["full"][str(r)] = {
-                "ms": round(time_ms(full.replay, fb, device, args.iters, args.warmup), 4),
-                "vs_eager_max_abs_diff": (eager_logits - full_logits).abs().max().item(),
-                "greedy_tokens_equal": bool(torch.equal(eager_logits.argmax(-1), full_logits.argmax(-1)))}
-        results.append(row)
+                full_diff, full_same = compare(eager_logits, full.replay(fb))
+            entry["full"][str(r)] = {"ms": round(time_ms(full.replay, fb, device, args.iters, args.warmup), 4),
+                                     "vs_eager_max_abs_diff": full_diff, "greedy_tokens_equal": full_same}
+        results.append(entry)
         runner.allocator.free(loc)
         for row in rows:
             runner.req_to_token_pool.free(row)
@@ -185,13 +188,13 @@ def main(argv=None) -> int:
         speedup = f"{r['speedup']:.2f}" if graphed else "-"
         print(f"{r['tokens']:>7} {r['batch']:>5} {r['level']!s:>6} {r['eager_ms']:>10.3f} {pw_ms:>13} {speedup:>8} "
               f"{r['piecewise_vs_eager_max_abs_diff']:>10.2e} {r['greedy_tokens_equal']!s:>7}")
-    for rows_, full in fulls.items():
+    for request_rows, full in fulls.items():
         fi = full.info()
-        print(f"whole graphs, {rows_} request rows: levels up to {fi['full_extend_graph_tokens'][-1]}, capture "
-              f"{fi['full_extend_capture_seconds']:.1f} s, {fi['full_extend_capture_gib']:.3f} GiB")
+        print(f"whole graphs, {request_rows} request rows: levels up to {fi['full_extend_graph_tokens'][-1]}, "
+              f"capture {fi['full_extend_capture_seconds']:.1f} s, {fi['full_extend_capture_gib']:.3f} GiB")
         for r in results:
-            if str(rows_) in r["full"]:
-                f = r["full"][str(rows_)]
+            if str(request_rows) in r["full"]:
+                f = r["full"][str(request_rows)]
                 pw_ms = r["piecewise_ms"]
                 vs = f" ({pw_ms / f['ms']:.2f}x piecewise)" if pw_ms else ""
                 print(f"  {r['tokens']:>7} tokens: {f['ms']:.3f} ms{vs}, max|diff| vs eager "

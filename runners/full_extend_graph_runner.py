@@ -75,7 +75,7 @@ class FullExtendBuffers:
             extend_seq_lens=self.extend_seq_lens[:requests], extend_start_loc=self.extend_start_loc[:requests],
             extend_seq_lens_cpu=[0] * requests, max_extend_len_bound=level)
 
-    def load(self, fb: ForwardBatch, level: int, requests: int) -> None:
+    def load(self, fb: ForwardBatch, requests: int) -> None:
         """Copy the real batch in; rows bs..requests get no new tokens. Nothing else of the padding is read:
         tokens n..level keep the ids and positions of an earlier batch (valid ones) and belong to no request."""
         n, bs = fb.num_tokens, fb.batch_size
@@ -137,7 +137,7 @@ class FullExtendGraphRunner:
         with frozen_gc():
             for key in bar:  # largest first: smaller graphs reuse its pool memory
                 fb = self.static_batches[key]
-                self.buffers.load(fb, *key)  # no new tokens in any row: safe to run
+                self.buffers.load(fb, fb.batch_size)  # no new tokens in any row: safe to run
                 self.backend.init_forward_metadata(fb)
                 for _ in range(WARMUP_RUNS):
                     self._forward(key)
@@ -161,7 +161,7 @@ class FullExtendGraphRunner:
     @torch.inference_mode()
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         key = self.key(fb)
-        self.buffers.load(fb, *key)
+        self.buffers.load(fb, key[1])
         self.graphs[key].replay()
         self.replays += 1
         # The hidden states alias the pool: the head (prompt rows included) reads them before another replay.

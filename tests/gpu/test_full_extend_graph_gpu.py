@@ -82,7 +82,7 @@ def padded_eager(runner, fb) -> torch.Tensor:
     full = runner.full_extend_graph_runner
     key = full.key(fb)
     static = full.static_batches[key]
-    full.buffers.load(fb, *key)
+    full.buffers.load(fb, static.batch_size)
     hidden = runner.model.model(static.input_ids, static.positions, static)
     return compute_logits(runner.model.lm_head, hidden[: fb.num_tokens], fb)
 
