@@ -17,6 +17,7 @@ from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.layers.attention import create_attention_backend, resolve_backend_name
 from model_executor.layers.quantization import QuantizationError, resolve_quant_config
+from model_executor.layers.quantization.config import FP8_KV_BACKENDS
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
@@ -188,8 +189,8 @@ class ModelRunner:
                             type(self.attn_backend).__name__)
 
     def _kv_cache_dtype(self) -> torch.dtype:
-        """The KV pool's dtype; an FP8 pool needs an sm89+ GPU and the triton backend (its kernels scale
-        and cast FP8 K/V)."""
+        """The KV pool's dtype; an FP8 pool needs an sm89+ GPU and the triton or flashinfer backend (their
+        kernels read FP8 K/V with the pool's scales)."""
         if self.config.kv_cache_dtype == "auto":
             return self.dtype
         if self.config.kv_cache_dtype != "fp8_e4m3":
@@ -200,8 +201,9 @@ class ModelRunner:
         if why:
             raise QuantizationError(f"--kv-cache-dtype fp8_e4m3 {why}")
         backend = resolve_backend_name(self.config.attention_backend, self.device.type)
-        if backend != "triton":
-            raise QuantizationError(f"--kv-cache-dtype fp8_e4m3 runs with the triton attention backend, not {backend}")
+        if backend not in FP8_KV_BACKENDS:
+            raise QuantizationError(f"--kv-cache-dtype fp8_e4m3 runs with the triton or flashinfer attention backend, "
+                                    f"not {backend}")
         return torch.float8_e4m3fn
 
     def _kv_scales(self) -> tuple[list[float] | None, list[float] | None]:

@@ -87,7 +87,7 @@ class ServerArgs:
                                         "and int4 for SmolLM2 on a CPU when no --model-path is given",
                                   choices=("none", "fp8", "int8", "int4"))
     kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype) or fp8_e4m3 (GPU sm89+, "
-                                     "triton attention)", choices=("auto", "fp8_e4m3"))
+                                     "triton or flashinfer attention)", choices=("auto", "fp8_e4m3"))
     # Parallelism (server/parallel.py): dp_size replicas, each a group of tp_size scheduler ranks.
     tp_size: int = _f(1, "tensor-parallel size: ranks (one process and one GPU each; gloo ranks on CPU) "
                          "that split every layer of the model")
@@ -204,14 +204,14 @@ class ServerArgs:
         if not self.dist_timeout > 0:
             raise ArgsError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
     def _validate_quantization(self) -> None:
-        """FP8 needs an sm89+ GPU, int8 is CPU-only, the FP8 KV cache needs the triton backend: refused
+        """FP8 needs an sm89+ GPU, int8 is CPU-only, the FP8 KV cache needs triton or flashinfer: refused
         here, before anything starts (the device is known once `auto` is resolved). The GPU's compute
         capability is checked by the engine process (model_runner), so that this process never holds a
         CUDA context of its own."""
         fp8_kv = self.kv_cache_dtype == "fp8_e4m3"
         if self.device == "auto" or not (self.quantization in ("fp8", "int8", "int4") or fp8_kv):
             return
-        from model_executor.layers.quantization.config import fp8_unsupported_reason
+        from model_executor.layers.quantization.config import FP8_KV_BACKENDS, fp8_unsupported_reason
 
         wants_fp8 = self.quantization == "fp8" or fp8_kv
         fp8_why = fp8_unsupported_reason(self.device) if wants_fp8 and self.device == "cpu" else None
@@ -222,8 +222,8 @@ class ServerArgs:
                             "on a GPU use --quantization fp8")
         if fp8_kv and fp8_why:
             raise ArgsError(f"--kv-cache-dtype fp8_e4m3 {fp8_why}")
-        if fp8_kv and self.attention_backend not in ("auto", "triton"):
-            raise ArgsError(f"--kv-cache-dtype fp8_e4m3 runs with --attention-backend triton, not "
+        if fp8_kv and self.attention_backend not in ("auto", *FP8_KV_BACKENDS):
+            raise ArgsError(f"--kv-cache-dtype fp8_e4m3 runs with --attention-backend triton or flashinfer, not "
                             f"{self.attention_backend}")
 
     def replace(self, **changes) -> ServerArgs:

@@ -343,7 +343,7 @@ def test_quant_config_resolution_and_refusals():
     (["--kv-cache-dtype", "fp8_e4m3", "--device", "cpu"], "--kv-cache-dtype fp8_e4m3 needs a CUDA GPU"),
     (["--quantization", "int8", "--device", "cuda"], "--quantization int8 is weight-only int8 for the CPU"),
     (["--kv-cache-dtype", "fp8_e4m3", "--device", "cuda", "--attention-backend", "torch_native"],
-     "runs with --attention-backend triton"),
+     "runs with --attention-backend triton or flashinfer, not torch_native"),
 ])
 def test_cli_refusals_are_one_line(argv, message, capsys):
     from server.args import parse_args
@@ -352,6 +352,14 @@ def test_cli_refusals_are_one_line(argv, message, capsys):
         parse_args(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton", "flashinfer"])
+def test_fp8_kv_cache_is_accepted_with_the_backends_that_read_it(backend):
+    """The quantization check alone (whether flashinfer is installed is checked elsewhere, and it is not here)."""
+    from server.args import ServerArgs
+
+    ServerArgs(kv_cache_dtype="fp8_e4m3", device="cuda", attention_backend=backend)._validate_quantization()
 
 
 def test_fp8_kv_cache_counts_one_byte_per_element():

@@ -3,6 +3,11 @@
 KV indices come from req_to_token; each page holds one token, so every last-page length is 1. Decode
 graphs get one CUDA-graph wrapper per captured batch size over fixed index buffers, planned outside the
 graph before each replay (planning reads lengths on the host).
+
+An FP8 pool (`--kv-cache-dtype fp8_e4m3`) is planned with kv_data_type float8_e4m3fn and each run gets its
+layer's k_scale / v_scale (the pool stores K / k_scale and V / v_scale): flashinfer folds k_scale into the
+softmax scale and multiplies the output by v_scale. Extends then run flashinfer's FA2 prefill kernels, which
+take bf16 queries over FP8 K/V; its Hopper (FA3) kernels need Q and K of one type.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self.num_kv_heads = ps.kv_heads_per_rank(cfg.num_key_value_heads, tp)
         self.head_dim = cfg.head_dim
         self.dtype = runner.dtype
+        self.kv_dtype = runner.kv_dtype
+        self.fp8_kv = self.kv_dtype == torch.float8_e4m3fn
         self.device = runner.device
         self.req_to_token = runner.req_to_token_pool.req_to_token
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=runner.device)
@@ -37,7 +44,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self.decode_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2" if self.fp8_kv else "auto")
         self.graph_wrappers: dict[int, object] = {}
         self._decode = self.decode_wrapper
 
@@ -55,7 +63,7 @@ class FlashInferAttnBackend(AttentionBackend):
         indptr, indices = self._kv_indices(fb)
         last = torch.ones(fb.batch_size, dtype=torch.int32, device=self.device)
         wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
-                     q_data_type=self.dtype, kv_data_type=self.dtype)
+                     q_data_type=self.dtype, kv_data_type=self.kv_dtype)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode.is_decode():
@@ -67,20 +75,29 @@ class FlashInferAttnBackend(AttentionBackend):
         qo_indptr[1:] = torch.cumsum(fb.extend_seq_lens, 0)
         last = torch.ones(fb.batch_size, dtype=torch.int32, device=self.device)
         self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_qo_heads, self.num_kv_heads,
-                                  self.head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
+                                  self.head_dim, 1, causal=True, q_data_type=self.dtype,
+                                  kv_data_type=self.kv_dtype)
 
     # ---- attention -------------------------------------------------------------------------------
     def _paged(self, fb: ForwardBatch, layer: RadixAttention):
         k, v = fb.kv_cache.get_kv(layer.layer_id)
         return k.unsqueeze(1), v.unsqueeze(1)  # [slots, page_size=1, Hk, D]
 
+    def _scales(self, fb: ForwardBatch, layer: RadixAttention) -> dict:
+        """An FP8 pool's scales for this layer's run (v_scale costs flashinfer a multiply of the output: given
+        only where it is not 1)."""
+        if not self.fp8_kv:
+            return {}
+        k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
+        return {"k_scale": k_scale, "v_scale": v_scale if v_scale != 1.0 else None}
+
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
-        self._decode.run(q, self._paged(fb, layer), out=out)
+        self._decode.run(q, self._paged(fb, layer), out=out, **self._scales(fb, layer))
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
         fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        self.prefill_wrapper.run(q, self._paged(fb, layer), out=out)
+        self.prefill_wrapper.run(q, self._paged(fb, layer), out=out, **self._scales(fb, layer))
 
     # ---- graph hooks -----------------------------------------------------------------------------
     def _max_graph_indices(self, max_bs: int) -> int:

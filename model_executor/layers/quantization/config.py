@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 QUANTIZATION_CHOICES = ("none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+#: The attention backends whose kernels read an FP8 KV pool (with its per-layer scales).
+FP8_KV_BACKENDS = ("triton", "flashinfer")
 
 
 class QuantizationError(ValueError):
