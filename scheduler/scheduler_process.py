@@ -141,6 +141,7 @@ def ready_info(args: ServerArgs, runner: ModelRunner) -> dict:
         "device": str(runner.device),
         "dtype": str(runner.dtype).replace("torch.", ""),
         "quantization": runner.quant.method if runner.quant else None,
+        "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
         "attention_backend": type(runner.attn_backend).__name__,
         "sampling_backend": runner.sampler.backend,
         "vocab_size": runner.model_config.vocab_size,

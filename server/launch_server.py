@@ -267,6 +267,7 @@ def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
     parts = [f"model={served_model_name}", f"dtype={info.get('dtype')}", f"quantization={info.get('quantization') or 'none'}",
              f"device={info.get('device', args.device)}",
              f"context={info.get('context_len')}", f"kv_slots={info.get('num_kv_slots')}",
+             f"kv_dtype={info.get('kv_cache_dtype')}",
              f"max_running={info.get('max_running_requests')}", f"attention={info.get('attention_backend')}",
              f"sampling={info.get('sampling_backend', 'pytorch')}"]
     if args.tp_size > 1 or args.dp_size > 1:

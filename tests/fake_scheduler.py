@@ -92,6 +92,7 @@ class FakeScheduler:
     def info(self, args) -> dict:
         return {"model_path": args.model_path, "context_len": self.context_len, "num_kv_slots": self.kv_total,
                 "max_running_requests": self.max_running, "device": args.device, "dtype": "float32",
+                "kv_cache_dtype": "float32",
                 "attention_backend": "fake", "vocab_size": self.vocab_size, "eos_token_ids": self.eos_ids,
                 "cuda_graph_bs": [], "piecewise_cuda_graph_tokens": [], "capture_seconds": 0.0,
                 "capture_gib": 0.0}

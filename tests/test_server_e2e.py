@@ -58,9 +58,11 @@ def test_concurrent_requests_and_slots_return(server, client):
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         assert list(pool.map(one, range(32))) == [8] * 32
-    stats = httpx.get(f"{server.url}/server_info", timeout=10).json()["stats"]
+    info = httpx.get(f"{server.url}/server_info", timeout=10).json()
+    stats = info["stats"]
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
+    assert info["scheduler_info"]["kv_cache_dtype"] == info["scheduler_info"]["dtype"]  # --kv-cache-dtype auto
 
 
 def test_bad_request_is_400(client):

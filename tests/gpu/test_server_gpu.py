@@ -21,10 +21,15 @@ def path_counts(url: str) -> dict[str, float]:
     return {m[0]: float(m[1]) for m in re.findall(r'duet_forward_passes_total\{path="(\w+)"\} ([0-9.e+]+)', text)}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_server_uses_decode_and_extend_graphs(tmp_path, backend):
+# An FP8 KV cache with flashinfer (its FA2 kernels over FP8 K/V) once, beside each backend's default pool.
+CASES = [(b, "auto") for b in BACKENDS] + [("flashinfer", "fp8_e4m3")] * ("flashinfer" in BACKENDS)
+
+
+@pytest.mark.parametrize("backend,kv_cache_dtype", CASES)
+def test_server_uses_decode_and_extend_graphs(tmp_path, backend, kv_cache_dtype):
     folder = make_dummy_model("smollm2-135m", tmp_path / "m")
     server = ServerProcess("--device", "cuda", "--load-format", "dummy", "--attention-backend", backend,
+                           "--kv-cache-dtype", kv_cache_dtype,
                            "--cuda-graph-max-bs", "16", "--piecewise-cuda-graph-max-tokens", "256",
                            "--log-level", "info", model_dir=folder, fake=False).wait_healthy(timeout=300)
     try:
@@ -44,6 +49,7 @@ def test_server_uses_decode_and_extend_graphs(tmp_path, backend):
               f"{[line for line in server.output().splitlines() if 'duet ready' in line]}")
         # What was captured is what the flags asked for, on the asked backend.
         assert info["device"].startswith("cuda") and backend in info["attention_backend"].lower(), info
+        assert info["kv_cache_dtype"] == ("float8_e4m3fn" if kv_cache_dtype == "fp8_e4m3" else info["dtype"]), info
         assert max(info["cuda_graph_bs"]) == 16 and 1 in info["cuda_graph_bs"], info
         assert max(info["piecewise_cuda_graph_tokens"]) == 256, info
         assert info["capture_seconds"] > 0 and info["capture_gib"] >= 0, info
