@@ -84,8 +84,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     sizes = sorted(set(args.batch_size))
     steps = args.output_len
+    tokens = sizes[-1] * (args.input_len + steps) + 16
     cfg = RunnerConfig(model_path=str(shape_path(args.model)), device=str(device), attention_backend="auto",
-                       max_running_requests=max(sizes[-1], 8), max_total_tokens=sizes[-1] * (args.input_len + steps) + 16,
+                       max_running_requests=max(sizes[-1], 8), max_total_tokens=tokens,
                        context_length=args.input_len + steps + 16, random_weights=True, disable_cuda_graph=True,
                        disable_piecewise_cuda_graph=True, quantization=args.quantization)
     runner = ModelRunner(cfg)

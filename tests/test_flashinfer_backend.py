@@ -57,14 +57,35 @@ def make_backend(monkeypatch, kv_dtype: torch.dtype):
     return backend, calls, pool, kv
 
 
+SLOTS = {0: list(range(1, 11)), 1: list(range(30, 36))}  # request -> its KV slots (10 and 6 tokens)
+
+
 def batch(mode: ForwardMode, backend, pool, kv) -> ForwardBatch:
-    row = pool.alloc()
-    pool.write(row, 0, torch.arange(1, 11))
-    ext = [4] if not mode.is_decode() else None
-    ids = list(range(4)) if ext else [1]
-    loc = torch.arange(7, 11) if ext else torch.tensor([10])
-    return ForwardBatch.build(mode, ids, [row], [10], loc, extend_seq_lens=ext, req_to_token_pool=pool,
-                              kv_cache=kv, attn_backend=backend, device="cpu")
+    """Two requests, 10 and 6 tokens long, in rows allocated after a spare one (so rows are not 0, 1); an
+    extend's last 4 and 2 of them new."""
+    pool.alloc()
+    rows = [pool.alloc() for _ in SLOTS]
+    for row, slots in zip(rows, SLOTS.values()):
+        pool.write(row, 0, torch.tensor(slots))
+    ext = None if mode.is_decode() else [4, 2]
+    new = [1, 1] if ext is None else ext
+    loc = torch.tensor([t for n, slots in zip(new, SLOTS.values()) for t in slots[-n:]])
+    return ForwardBatch.build(mode, list(range(len(loc))), rows, [10, 6], loc, extend_seq_lens=ext,
+                              req_to_token_pool=pool, kv_cache=kv, attn_backend=backend, device="cpu")
+
+
+def test_plans_list_each_requests_slots_from_host_lengths(monkeypatch):
+    backend, calls, pool, kv = make_backend(monkeypatch, torch.bfloat16)
+    for mode, kind in ((ForwardMode.DECODE, "decode"), (ForwardMode.EXTEND, "prefill")):
+        backend.init_forward_metadata(batch(mode, backend, pool, kv))
+        args = [c for c in calls if c[:2] == (kind, "plan")][-1][2]
+        if kind == "prefill":
+            assert args[0].tolist() == [0, 4, 6]  # qo_indptr
+            args = args[1:]
+        indptr, indices, last = args[:3]
+        assert indptr.tolist() == [0, 10, 16] and last.tolist() == [1, 1]
+        assert indices.tolist() == SLOTS[0] + SLOTS[1]
+        pool.free(1), pool.free(2), pool.free(3)
 
 
 def attend(backend, fb: ForwardBatch) -> None:

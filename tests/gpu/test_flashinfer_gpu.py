@@ -101,6 +101,29 @@ def test_decode_graph_replay_equals_eager(runner, graphs, bs):
     release(runner, rows, fb)
 
 
+def test_planning_and_replay_do_not_wait_for_the_gpu(runner, graphs):
+    """The plans are built from host lengths: an eager decode's and an extend's planning, and a whole graph
+    replay (its plan included), run under torch's sync debug mode set to raise on any device sync."""
+    from tests.test_cuda_graph_runner import make_decode_batch, release
+
+    fb, rows, _ = make_decode_batch(runner, 5, seed=77)
+    # (an extend of 3 tokens over the first request's cache: planned only, so its slots are a placeholder)
+    placeholder = fb.out_cache_loc[:1].cpu().repeat(3)
+    extend = runner.build_batch(ForwardMode.EXTEND, [7, 8, 9], [rows[0]], [fb.seq_lens_cpu[0]], placeholder,
+                                extend_seq_lens=[3])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            runner.attn_backend.init_forward_metadata(extend)
+            runner.attn_backend.init_forward_metadata(fb)
+            graphs.replay(fb)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    release(runner, rows, fb)
+
+
 def test_decode_graph_with_a_shared_long_prefix():
     """64 requests sharing one 4096-token prefix in a pool of about 4.2k slots: the summed lengths (262k)
     far exceed the pool, so the graph's KV-index buffer must be sized by max_bs x context, not by the pool."""

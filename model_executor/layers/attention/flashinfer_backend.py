@@ -12,6 +12,8 @@ take bf16 queries over FP8 K/V; its Hopper (FA3) kernels need Q and K of one typ
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from model_executor.distributed import parallel_state as ps
@@ -50,18 +52,22 @@ class FlashInferAttnBackend(AttentionBackend):
         self._decode = self.decode_wrapper
 
     # ---- metadata --------------------------------------------------------------------------------
-    def _kv_indices(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = fb.batch_size
-        indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
-        indptr[1:] = torch.cumsum(fb.seq_lens, 0)
-        max_len = max(fb.seq_lens_cpu)
-        rows = self.req_to_token[fb.req_pool_indices, :max_len]
-        mask = torch.arange(max_len, device=self.device)[None, :] < fb.seq_lens[:, None]
-        return indptr, rows[mask]
+    def _kv_indices(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(indptr, last-page lengths) on the host from the batch's host lengths, and the requests' KV slots
+        on the device, gathered from req_to_token with the total known on the host. flashinfer's plan reads
+        indptr on the host: built here, it needs no device sync, so a step is planned while the one before
+        still runs (a device indptr, or a boolean-mask gather, would wait for it)."""
+        indptr = torch.tensor([0, *accumulate(fb.seq_lens_cpu)], dtype=torch.int32)
+        total = int(indptr[-1])
+        lens = fb.seq_lens
+        rows = torch.repeat_interleave(fb.req_pool_indices, lens, output_size=total)
+        starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
+        positions = torch.arange(total, device=self.device) - starts
+        last = torch.ones(fb.batch_size, dtype=torch.int32)
+        return indptr, self.req_to_token[rows, positions], last
 
     def _plan_decode(self, wrapper, fb: ForwardBatch) -> None:
-        indptr, indices = self._kv_indices(fb)
-        last = torch.ones(fb.batch_size, dtype=torch.int32, device=self.device)
+        indptr, indices, last = self._kv_indices(fb)
         wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
                      q_data_type=self.dtype, kv_data_type=self.kv_dtype)
 
@@ -70,10 +76,8 @@ class FlashInferAttnBackend(AttentionBackend):
             self._decode = self.decode_wrapper
             self._plan_decode(self._decode, fb)
             return
-        indptr, indices = self._kv_indices(fb)
-        qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int32, device=self.device)
-        qo_indptr[1:] = torch.cumsum(fb.extend_seq_lens, 0)
-        last = torch.ones(fb.batch_size, dtype=torch.int32, device=self.device)
+        indptr, indices, last = self._kv_indices(fb)
+        qo_indptr = torch.tensor([0, *accumulate(fb.extend_seq_lens_cpu)], dtype=torch.int32)
         self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_qo_heads, self.num_kv_heads,
                                   self.head_dim, 1, causal=True, q_data_type=self.dtype,
                                   kv_data_type=self.kv_dtype)
