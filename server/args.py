@@ -80,8 +80,9 @@ class ServerArgs:
     full_extend_graph_max_tokens: int | None = _f(None, "extend levels up to this many tokens also get a graph "
                                                         "of the whole model, attention inside (triton backend; "
                                                         "up to 8 requests); 0: none; default 512")
-    enable_torch_compile: bool = _f(False, "compile graph pieces with inductor (slower start-up); "
-                                           "on CPU, compile decode with inductor")
+    enable_torch_compile: bool = _f(False, "GPU: compile the piecewise extend graphs' pieces with inductor "
+                                           "(decode graphs are not compiled); CPU: compile decode with "
+                                           "inductor; slower start-up")
     quantization: str | None = _f(None, "weight quantization: fp8 (online, GPU sm89+), int8 / int4 (weight-only, "
                                         "CPU), none; default: the checkpoint's (an FP8 checkpoint runs as FP8), "
                                         "and int4 for SmolLM2 on a CPU when no --model-path is given",
