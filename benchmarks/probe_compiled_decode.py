@@ -26,8 +26,13 @@ from datetime import datetime, timezone
 
 import torch
 
-from benchmarks.bench_one_batch import (measure_copy_bandwidth, prepare, step_read_bytes, time_back_to_back,
-                                        time_steps)
+from benchmarks.bench_one_batch import (
+    measure_copy_bandwidth,
+    prepare,
+    step_read_bytes,
+    time_back_to_back,
+    time_steps,
+)
 from model_executor.configs import SHAPES, shape_path
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.forward_context import forward_context

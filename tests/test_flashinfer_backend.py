@@ -122,8 +122,8 @@ def test_bf16_pool_plans_bf16_without_scales(monkeypatch, mode):
     fb = batch(mode, backend, pool, kv)
     backend.init_forward_metadata(fb)
     attend(backend, fb)
-    assert [c for c in calls if c[:2] == ("prefill", "init")][0][3]["backend"] == "auto"
-    plan = [c for c in calls if c[:2] == (kind, "plan")][0]
+    assert next(c for c in calls if c[:2] == ("prefill", "init"))[3]["backend"] == "auto"
+    plan = next(c for c in calls if c[:2] == (kind, "plan"))
     assert plan[3]["kv_data_type"] == torch.bfloat16
     runs = [c for c in calls if c[:2] == (kind, "run")]
     assert len(runs) == LAYERS and all(set(r[3]) == {"out"} for r in runs)
