@@ -7,7 +7,9 @@ graph before each replay (planning reads lengths on the host).
 An FP8 pool (`--kv-cache-dtype fp8_e4m3`) is planned with kv_data_type float8_e4m3fn and each run gets its
 layer's k_scale / v_scale (the pool stores K / k_scale and V / v_scale): flashinfer folds k_scale into the
 softmax scale and multiplies the output by v_scale. Extends then run flashinfer's FA2 prefill kernels, which
-take bf16 queries over FP8 K/V; its Hopper (FA3) kernels need Q and K of one type.
+take bf16 queries over FP8 K/V; its Hopper (FA3) kernels need Q and K of one type. An extend stores its new K/V
+first and attends over the pool, so its tokens see each other's K/V as stored (rounded to FP8), where the
+triton backend's extend kernel reads them unrounded.
 """
 
 from __future__ import annotations
