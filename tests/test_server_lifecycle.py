@@ -155,12 +155,16 @@ def test_killed_scheduler_fails_requests_and_exits_nonzero():
         info = httpx.get(f"{srv.url}/server_info", timeout=10).json()
         model = info["served_model_name"]
         long = min(5000, info["scheduler_info"]["context_len"] - 20)
-        results = {}
+        results = {"stream": []}
+        streaming = threading.Event()  # the stream's first event arrived: its 200 and headers are sent
 
         def stream():
             body = {"model": model, "prompt": "long", "max_tokens": long, "stream": True, "ignore_eos": True}
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as resp:
-                results["stream"] = [line for line in resp.iter_lines() if line]
+                for line in resp.iter_lines():
+                    if line:
+                        results["stream"].append(line)
+                        streaming.set()
 
         def blocking():
             body = {"model": model, "prompt": "long", "max_tokens": long, "ignore_eos": True}
@@ -171,6 +175,9 @@ def test_killed_scheduler_fails_requests_and_exits_nonzero():
             t.start()
         wait_until(lambda: httpx.get(f"{srv.url}/server_info", timeout=10).json()["num_inflight_requests"] == 2,
                    10, "both requests to run")
+        # A stream killed before its first event gets a plain 503 instead (checked like the blocking request's
+        # below); this test is about one that already streams.
+        assert streaming.wait(20), "the stream never sent its first event"
         os.kill(info["scheduler_pid"], signal.SIGKILL)
         saw_503 = False
         deadline = time.monotonic() + 10
