@@ -36,7 +36,7 @@ from benchmarks.bench_one_batch import (
 from model_executor.configs import SHAPES, shape_path
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.forward_context import forward_context
-from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.layers.attention.radix_attention import attention_layers
 from runners.cuda_graph_runner import CudaGraphRunner
 from runners.model_runner import ModelRunner, RunnerConfig
 
@@ -48,7 +48,7 @@ class CompiledDecodeGraphRunner(CudaGraphRunner):
     def __init__(self, model_runner, batch_sizes: list[int], backend: str = "inductor", mode: str | None = None,
                  capturer=None):
         model = model_runner.model
-        self.attention_layers = {m.layer_id: m for m in model.modules() if isinstance(m, RadixAttention)}
+        self.attention_layers = attention_layers(model)
         self._traced: ForwardBatch | None = None  # the static batch being captured (read for its mode)
 
         def decode_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

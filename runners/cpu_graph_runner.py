@@ -26,7 +26,7 @@ from tqdm import tqdm
 from model_executor.default_model import cache_dir
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.forward_context import forward_context
-from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.layers.attention.radix_attention import attention_layers
 from runners.capture_lists import pick_size
 from runners.cuda_graph_runner import GraphInputBuffers
 
@@ -56,7 +56,7 @@ class CpuGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
         self.dynamic = dynamic
-        self.attention_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
+        self.attention_layers = attention_layers(self.model)
         # One spare row: every batch is then a strict view of the buffers. A batch that is the whole buffer
         # makes dynamo guard on "the view is its base", and the next, smaller batch would recompile.
         self.buffers = GraphInputBuffers.allocate(self.max_bs + 1, model_runner.model_config.vocab_size,

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.layers.attention.forward_context import forward_context
-from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.layers.attention.radix_attention import attention_layers
 from model_executor.layers.logits import compute_logits
 from runners.capture_lists import pick_size
 from runners.fx_split import PiecewiseBackend
@@ -164,7 +164,7 @@ class PiecewiseCudaGraphRunner:
         self.max_tokens = self.levels[-1]
         self.capturer = capturer or default_capturer(self.device)
         self.check_addresses = self.device.type != "cuda" if check_addresses is None else check_addresses
-        self.attention_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
+        self.attention_layers = attention_layers(self.model)
         self.state = PieceState()
         self.pieces: list[CapturedPiece] = []
         compiler = "inductor" if model_runner.config.enable_torch_compile else "eager"

@@ -200,15 +200,19 @@ TRITON_SIZES = [1, 2, 4]  # few sizes, short prompts: the interpreter is slow
 test_in_subprocess = triton_mode.subprocess_test(__file__, "-k", "triton")
 
 
-@pytest.fixture(scope="module")
-def triton_runner(tiny_llama):
+def make_triton_runner(model_path, max_total_tokens: int = 512) -> ModelRunner:
     """The tiny model with the triton backend swapped in (the product refuses triton without CUDA)."""
-    runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="float32",
+    runner = ModelRunner(RunnerConfig(model_path=str(model_path), device=DEVICE, dtype="float32",
                                       attention_backend="torch_native", max_running_requests=8,
-                                      max_total_tokens=512, disable_cuda_graph=True,
+                                      max_total_tokens=max_total_tokens, disable_cuda_graph=True,
                                       disable_piecewise_cuda_graph=True))
     runner.attn_backend = TritonAttnBackend(runner)
     return runner
+
+
+@pytest.fixture(scope="module")
+def triton_runner(tiny_llama):
+    return make_triton_runner(tiny_llama[0])
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import triton_mode
 from triton_mode import DEVICE, in_process
 
 from model_executor.forward_batch import ForwardMode
-from model_executor.layers.attention.triton_backend import TritonAttnBackend
 from runners.full_extend_graph_runner import FullExtendGraphRunner
 from runners.graph_seam import StandInCapturer
 from runners.model_runner import ModelRunner, RunnerConfig
+from tests.test_cuda_graph_runner import make_triton_runner
 from tests.test_piecewise_runner import make_extend_batch, release
 
 LEVELS = [4, 8, 16, 32]
@@ -28,13 +28,7 @@ test_in_subprocess = triton_mode.subprocess_test(__file__)
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama):
-    """The tiny model with the triton backend swapped in (the product refuses triton without CUDA)."""
-    runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="float32",
-                                      attention_backend="torch_native", max_running_requests=8,
-                                      max_total_tokens=1024, disable_cuda_graph=True,
-                                      disable_piecewise_cuda_graph=True))
-    runner.attn_backend = TritonAttnBackend(runner)
-    return runner
+    return make_triton_runner(tiny_llama[0], max_total_tokens=1024)
 
 
 @pytest.fixture(scope="module")

@@ -78,3 +78,8 @@ class RadixAttention(nn.Module):
         if forward_context.is_active():
             return unified_attention(q, k, v, self.layer_id)
         return fb.attn_backend.forward(q, k, v, self, fb)
+
+
+def attention_layers(model: nn.Module) -> dict[int, RadixAttention]:
+    """The model's attention layers by layer_id: what a forward context gives the `duet::attention` op."""
+    return {m.layer_id: m for m in model.modules() if isinstance(m, RadixAttention)}
