@@ -1,7 +1,14 @@
 """Whole-backbone extend graphs on the GPU (triton attention inside the graph, bf16, random weights of real
 shapes): replay equals the same padded batch run eagerly, and eager on the real batch, at every captured level
 and at padded sizes, with and without cached prefixes, up to the request rows; batches with more requests go
-to the pieces. SmolLM2-135M (GQA 9/3, head_dim 64) and Qwen3-8B (head_dim 128, per-head q/k norms).
+to the pieces. SmolLM2-135M (GQA 9/3, head_dim 64), Qwen3-8B (head_dim 128, per-head q/k norms) and
+Qwen3-30B-A3B with 4 of its 48 layers (MoE: 128 experts, top 8; the fused-MoE kernels inside the graph).
+
+MoE routing compares bf16 router logits: where a token's k-th and (k+1)-th experts are a near-tie, the graph
+(whose GEMMs see the level's rows) and eager on the real rows may pick different experts. Against eager on
+the real batch the MoE model is therefore held to most rows close and the greedy token (or a near-tie), as
+tests/gpu/test_moe_gpu.py holds its piecewise extend, and its deeper layers' K/V are compared only against the
+padded batch run eagerly (which must match the replay as for the dense models).
 
 Against eager on the real (unpadded) batch the tolerance is the model's: the GEMMs run at the level's row
 count in the graph and at the real one eagerly, and bf16 rounds them differently; through Qwen3-8B's 36 layers
@@ -12,6 +19,8 @@ Run: pytest -m gpu tests/gpu/test_full_extend_graph_gpu.py -s
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -25,7 +34,8 @@ pytestmark = pytest.mark.gpu
 
 LEVELS = (8, 32, 128, 512)
 # Graph (at the level's rows) against eager (at the real rows): logits and near-tie gaps.
-REAL_EAGER_TOL = {"smollm2-135m": 3e-2, "qwen3-8b": 0.5}
+REAL_EAGER_TOL = {"smollm2-135m": 3e-2, "qwen3-8b": 0.5, "qwen3-30b-a3b": 3e-2}
+MOE_LAYERS = 4  # of Qwen3-30B-A3B's 48 identical layers: memory and capture time stay small
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,10 +45,20 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "qwen3-8b"])
-def runner(request):
+def _model_path(name: str, tmp_path_factory) -> str:
+    if name != "qwen3-30b-a3b":
+        return str(shape_path(name))
+    cfg = json.loads((shape_path(name) / "config.json").read_text())
+    path = tmp_path_factory.mktemp(f"qwen3_30b_a3b_{MOE_LAYERS}_layers")
+    (path / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=MOE_LAYERS)))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "qwen3-8b", "qwen3-30b-a3b"])
+def runner(request, tmp_path_factory):
     """Built by ModelRunner.init_graph_runners, as in the server: pieces at every level, whole graphs up to 128."""
-    cfg = RunnerConfig(model_path=str(shape_path(request.param)), device="cuda", attention_backend="triton",
+    cfg = RunnerConfig(model_path=_model_path(request.param, tmp_path_factory), device="cuda",
+                       attention_backend="triton",
                        max_running_requests=32, max_total_tokens=16384, context_length=2048,
                        random_weights=True, disable_cuda_graph=True, piecewise_cuda_graph_tokens=LEVELS,
                        full_extend_graph_max_tokens=128)
@@ -47,6 +67,7 @@ def runner(request):
     assert full is not None and full.levels == [8, 32, 128]
     print(f"\n{request.param} shape: {full.info()}")
     runner.test_tol = REAL_EAGER_TOL[request.param]
+    runner.test_moe = bool(runner.model_config.moe_layers)
     yield runner
     del runner
     torch.cuda.empty_cache()
@@ -87,10 +108,21 @@ def padded_eager(runner, fb) -> torch.Tensor:
     return compute_logits(runner.model.lm_head, hidden[: fb.num_tokens], fb)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_full_graph_equals_eager(runner, case):
+def assert_close_to_real_eager(runner, graphed, eager) -> None:
+    """Dense models: every logit within the model's tolerance and the greedy tokens equal (near-ties aside);
+    MoE: most rows within it and the greedy tokens equal (near-ties aside), see the module docstring."""
+    from tests.gpu.test_moe_gpu import assert_close_rows
     from tests.gpu.test_piecewise_gpu import assert_greedy_equal
 
+    if runner.test_moe:
+        assert_close_rows(graphed, eager, tol=runner.test_tol, min_fraction=0.75)
+        return
+    torch.testing.assert_close(graphed, eager, rtol=runner.test_tol, atol=runner.test_tol)
+    assert_greedy_equal(graphed, eager, tol=runner.test_tol)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_full_graph_equals_eager(runner, case):
     ext, pre = CASES[case]
     fb, rows = _make_batch(runner, ext, pre, seed=len(case) + sum(ext))
     full = runner.full_extend_graph_runner
@@ -111,15 +143,16 @@ def test_full_graph_equals_eager(runner, case):
           f"graph-eager {diff:.3e}, padded eager-eager {padding:.3e}")
     assert torch.isfinite(graphed).all()
     torch.testing.assert_close(graphed, padded, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(graphed, eager, rtol=runner.test_tol, atol=runner.test_tol)
-    assert_greedy_equal(graphed, eager, tol=runner.test_tol)
+    assert_close_to_real_eager(runner, graphed, eager)
     # Every layer's K/V as the padded batch run eagerly stores them; the first layer's (before any attention)
     # as eager on the real batch does, the deeper ones within the model's tolerance.
     num_layers = len(bufs) // 2
     for i, (g, p, e) in enumerate(zip(kv_graphed, kv_padded, kv_eager)):
         torch.testing.assert_close(g, p, rtol=2e-2, atol=2e-2)
-        tol = 2e-2 if i % num_layers == 0 else runner.test_tol
-        torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+        if i % num_layers == 0:
+            torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
+        elif not runner.test_moe:  # (MoE: a near-tie routed apart moves a token's deeper K/V by O(1))
+            torch.testing.assert_close(g, e, rtol=runner.test_tol, atol=runner.test_tol)
     _release(runner, rows, fb)
 
 
@@ -133,5 +166,5 @@ def test_more_requests_or_tokens_go_to_the_pieces(runner):
             graphed = runner.forward(fb).clone()
             assert full.replays == replays and runner.path_counts["extend_graph"] == graph_before + 1
             eager = runner.forward_eager(fb)
-        torch.testing.assert_close(graphed, eager, rtol=runner.test_tol, atol=runner.test_tol)
+        assert_close_to_real_eager(runner, graphed, eager)
         _release(runner, rows, fb)
