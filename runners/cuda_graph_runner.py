@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -37,6 +37,9 @@ class GraphInputBuffers:
     out_cache_loc: torch.Tensor  # [max_bs] int64
     logits: torch.Tensor  # [max_bs, vocab] float32, outside the graph pool
     seq_len_fill: int
+    # Views of the first bs rows, made once per bs: a replay's host time comes before its graph is queued,
+    # and each tensor slice is a dispatcher call (profile_decode_host, docs/benchmarks.md).
+    _rows: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def allocate(cls, max_bs: int, vocab_size: int, seq_len_fill: int, device) -> GraphInputBuffers:
@@ -57,13 +60,20 @@ class GraphInputBuffers:
             out_cache_loc=self.out_cache_loc[:bs], req_to_token_pool=model_runner.req_to_token_pool,
             kv_cache=model_runner.kv_cache, attn_backend=backend, seq_lens_cpu=[self.seq_len_fill] * bs)
 
+    def rows(self, bs: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """([input_ids, positions, req_pool_indices, out_cache_loc, seq_lens][:bs], logits[:bs]), cached."""
+        views = self._rows.get(bs)
+        if views is None:
+            views = self._rows[bs] = ([self.input_ids[:bs], self.positions[:bs], self.req_pool_indices[:bs],
+                                       self.out_cache_loc[:bs], self.seq_lens[:bs]], self.logits[:bs])
+        return views
+
     def load(self, fb: ForwardBatch, padded_bs: int) -> None:
         """Copy the real rows in and reset rows bs..padded_bs to padding (token 0, slot 0, row 0). The five
         rows go as one multi-tensor launch rather than a copy each (a replay waits for them; each launch is
         host time before it): torch takes that path only for rows of one dtype, hence int64 seq_lens."""
         bs = fb.batch_size
-        torch._foreach_copy_([self.input_ids[:bs], self.positions[:bs], self.req_pool_indices[:bs],
-                              self.out_cache_loc[:bs], self.seq_lens[:bs]],
+        torch._foreach_copy_(self.rows(bs)[0],
                              [fb.input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc, fb.seq_lens],
                              non_blocking=True)
         if padded_bs > bs:
@@ -135,7 +145,7 @@ class CudaGraphRunner:
         variant = self.backend.decode_graph_variant(static)
         self.backend.init_forward_metadata_replay_cuda_graph(static)
         self.graphs[padded, variant].replay()
-        return self.buffers.logits[:bs]
+        return self.buffers.rows(bs)[1]
 
     def info(self) -> dict:
         return {"cuda_graph_bs": list(self.batch_sizes), "decode_capture_seconds": round(self.capture_seconds, 2),
