@@ -13,6 +13,7 @@ beside two references: a one-element kernel launch and a tensor view.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.bench_one_batch import prepare
+from benchmarks.bench_one_batch import prepare, time_steps_and_launch
 from model_executor.configs import SHAPES, shape_path
 from runners.capture_lists import pick_size
 from runners.cuda_graph_runner import CudaGraphRunner
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
                        disable_piecewise_cuda_graph=True)
     runner = ModelRunner(cfg)
     gr = CudaGraphRunner(runner, [bs])
-    batches, _, _ = prepare(runner, bs, args.input_len, 8)
+    batches, _, _ = prepare(runner, bs, args.input_len, 32)
     fb = batches[0]
     buf = gr.buffers
     padded = pick_size(gr.batch_sizes, bs)
@@ -114,10 +115,30 @@ def main(argv=None) -> int:
             synced = synced_host_us(fn, args.rounds * args.iters)
             rows.append({"part": name, "host_us": round(us, 2), "synced_host_us": round(synced, 2)})
             print(f"{us:>9.2f} {synced:>9.2f}  {name}", flush=True)
+    # bench_one_batch's own loop (a step, then its sync), over its 32 batches and over one batch 32 times:
+    # whether the batches, rather than the process, make its host ms larger than a synced replay above.
+    # Then the same loop after the eager steps bench_one_batch times first (its processes' host ms ran higher).
+    loops = {}
+
+    def bench_loop(name, bats):
+        step_ms, host_ms = time_steps_and_launch(gr.replay, bats, torch.device("cuda"))
+        loops[name] = {"step_ms": round(step_ms, 4), "host_ms": round(host_ms, 4)}
+        print(f"{name}: step {step_ms:.4f} ms, host {host_ms:.4f} ms", flush=True)
+
+    for i in range(2):
+        bench_loop(f"bench loop, 32 batches (#{i + 1})", batches)
+        bench_loop(f"bench loop, one batch 32 times (#{i + 1})", [fb] * 32)
+    time_steps_and_launch(runner.forward_eager, batches, torch.device("cuda"))
+    for i in range(2):
+        bench_loop(f"bench loop, 32 batches, after 32 eager steps (#{i + 1})", batches)
+    gc.collect()
+    gc.freeze()
+    bench_loop("bench loop, 32 batches, after gc.collect() + gc.freeze()", batches)
+    bench_loop("bench loop, 32 batches, again", batches)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "model": args.model, "batch_size": bs, "rows": rows}, f,
-                      indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "model": args.model, "batch_size": bs, "rows": rows,
+                       "bench_loops": loops}, f, indent=1)
     return 0
 
 
