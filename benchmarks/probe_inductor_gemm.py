@@ -6,7 +6,7 @@ its 1.94 GB of layer weights at ~2.3 TB/s; Llama-3.1-8B decode at 32-256 request
 (the small-M table stops at 16 rows). The thirteenth session's minimal Triton split-K GEMM
 (probe_medium_m_gemm) lost to cuBLAS on three of four 1B shapes. This probe asks the wider question with
 inductor's own search: F.linear compiled with max-autotune (ATen and Triton backends, the persistent TMA
-templates and decompose-K enabled), one static shape per (N, K, M), timed on cold weights in one CUDA graph
+templates enabled, the rest of inductor's defaults), one static shape per (N, K, M), timed on cold weights in one CUDA graph
 (tune_small_m_gemm.time_calls) against F.linear. Inductor keeps ATen where it measured faster, so
 "compiled / cuBLAS" near 1.0 means no template won; its choice per shape is printed (the autotune table
 inductor writes to stderr lists every candidate's time).
