@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     static = gr.static_batches[padded]
     variant = gr.backend.decode_graph_variant(static)
     graph = gr.graphs[padded, variant]
-    dst = [buf.input_ids[:bs], buf.positions[:bs], buf.req_pool_indices[:bs], buf.out_cache_loc[:bs], buf.seq_lens[:bs]]
+    dst = buf.rows(bs)[0]
     src = [fb.input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc, fb.seq_lens]
     one = torch.zeros(1, device="cuda")
 
@@ -97,13 +97,13 @@ def main(argv=None) -> int:
 
     parts = {
         "replay(fb), whole": lambda: gr.replay(fb),
-        "buffers.load (slices + one multi-tensor copy)": lambda: buf.load(fb, padded),
-        "the five destination slices": lambda: [buf.input_ids[:bs], buf.positions[:bs], buf.req_pool_indices[:bs],
+        "buffers.load (cached views + one multi-tensor copy)": lambda: buf.load(fb, padded),
+        "the five destination slices (as before the cached views)": lambda: [buf.input_ids[:bs], buf.positions[:bs], buf.req_pool_indices[:bs],
                                                 buf.out_cache_loc[:bs], buf.seq_lens[:bs]],
         "_foreach_copy_ over prebuilt views": lambda: torch._foreach_copy_(dst, src, non_blocking=True),
         "the split plan and backend metadata": metadata,
         "CUDAGraph.replay()": graph.replay,
-        "logits[:bs]": lambda: buf.logits[:bs],
+        "logits[:bs] (as before the cached views)": lambda: buf.logits[:bs],
         "reference: one-element zero_() (a launch)": one.zero_,
         "reference: a view (one[:1])": lambda: one[:1],
     }

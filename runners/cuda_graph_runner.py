@@ -54,10 +54,11 @@ class GraphInputBuffers:
 
     def batch(self, bs: int, model_runner, backend) -> ForwardBatch:
         """A decode batch over the first bs rows of the buffers (all padding until `load` fills them)."""
+        input_ids, positions, req_pool_indices, out_cache_loc, seq_lens = self.rows(bs)[0]
         return ForwardBatch(
-            mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_to_token_pool=model_runner.req_to_token_pool,
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=input_ids, positions=positions,
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens,
+            out_cache_loc=out_cache_loc, req_to_token_pool=model_runner.req_to_token_pool,
             kv_cache=model_runner.kv_cache, attn_backend=backend, seq_lens_cpu=[self.seq_len_fill] * bs)
 
     def rows(self, bs: int) -> tuple[list[torch.Tensor], torch.Tensor]:

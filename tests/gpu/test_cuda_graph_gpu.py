@@ -6,8 +6,6 @@ graph equals eager and the fused step equals the unfused one (qk_norm_rope's ker
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -114,9 +112,9 @@ QWEN3_FP8_SCALES = (0.5, 2.0)
 
 @pytest.fixture(scope="module", params=["auto", "fp8_e4m3"], ids=["bf16_kv", "fp8_kv"])
 def qwen3(tmp_path_factory, request):
-    cfg = json.loads((shape_path("qwen3-30b-a3b") / "config.json").read_text())
-    path = tmp_path_factory.mktemp("qwen3_30b_a3b_4_layers")
-    (path / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=QWEN3_LAYERS)))
+    from tests.gpu.test_moe_gpu import qwen3_moe_path
+
+    path = qwen3_moe_path(tmp_path_factory, QWEN3_LAYERS)
     runner = ModelRunner(RunnerConfig(model_path=str(path), device="cuda", attention_backend="triton",
                                       max_running_requests=24, max_total_tokens=24 * 64, context_length=512,
                                       random_weights=True, kv_cache_dtype=request.param, disable_cuda_graph=True,

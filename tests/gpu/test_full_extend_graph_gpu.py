@@ -20,8 +20,6 @@ Run: pytest -m gpu tests/gpu/test_full_extend_graph_gpu.py -s
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -35,7 +33,6 @@ pytestmark = pytest.mark.gpu
 LEVELS = (8, 32, 128, 512)
 # Graph (at the level's rows) against eager (at the real rows): logits and near-tie gaps.
 REAL_EAGER_TOL = {"smollm2-135m": 3e-2, "qwen3-8b": 0.5, "qwen3-30b-a3b": 3e-2}
-MOE_LAYERS = 4  # of Qwen3-30B-A3B's 48 identical layers: memory and capture time stay small
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,12 +43,9 @@ def fresh_dynamo():
 
 
 def _model_path(name: str, tmp_path_factory) -> str:
-    if name != "qwen3-30b-a3b":
-        return str(shape_path(name))
-    cfg = json.loads((shape_path(name) / "config.json").read_text())
-    path = tmp_path_factory.mktemp(f"qwen3_30b_a3b_{MOE_LAYERS}_layers")
-    (path / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=MOE_LAYERS)))
-    return str(path)
+    from tests.gpu.test_moe_gpu import qwen3_moe_path
+
+    return str(qwen3_moe_path(tmp_path_factory) if name == "qwen3-30b-a3b" else shape_path(name))
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "qwen3-8b", "qwen3-30b-a3b"])

@@ -201,12 +201,18 @@ def assert_close_rows(graphed, eager, tol=3e-2, min_fraction=0.9):
         assert gap <= tol, f"row {row}: graph picked {g[row].item()}, eager {e[row].item()} (gap {gap:.4f})"
 
 
+def qwen3_moe_path(tmp_path_factory, layers: int = 4):
+    """A folder holding Qwen3-30B-A3B's config with `layers` of its 48 identical layers (random weights: memory
+    and capture time stay small)."""
+    cfg = json.loads((shape_path("qwen3-30b-a3b") / "config.json").read_text())
+    path = tmp_path_factory.mktemp(f"qwen3_30b_a3b_{layers}_layers")
+    (path / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=layers)))
+    return path
+
+
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
-    cfg = json.loads((shape_path("qwen3-30b-a3b") / "config.json").read_text())
-    path = tmp_path_factory.mktemp("qwen3_30b_a3b_4_layers")
-    (path / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=4)))
-    return path
+    return qwen3_moe_path(tmp_path_factory)
 
 
 SIZES = get_batch_sizes_to_capture(64)
