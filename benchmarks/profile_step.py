@@ -3,6 +3,7 @@ time goes.
 
     python -m benchmarks.profile_step --model llama-3.2-1b --decode-bs 1 --extend-tokens 128 [--input-len 512]
     python -m benchmarks.profile_step --model llama-3.1-8b --quantization fp8 --decode-bs 1
+    python -m benchmarks.profile_step --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 --decode-bs 256
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--input-len", type=int, default=512, help="the decode requests' context (prompt) length")
     p.add_argument("--quantization", default=None, choices=("none", "fp8"), help="weight quantization")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     args = p.parse_args(argv)
     if not 1 <= args.input_len <= 4000:
         p.error(f"--input-len must be between 1 and 4000 (the profile's context is 4096), got {args.input_len}")
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
                        max_total_tokens=max(64 * 1024, args.decode_bs * (args.input_len + 8) + args.extend_tokens),
                        context_length=4096, random_weights=True,
                        disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
-                       quantization=args.quantization)
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(cfg)
     decode = CudaGraphRunner(runner, [args.decode_bs])
     batches, _, _ = prepare(runner, args.decode_bs, args.input_len, 4)

@@ -14,6 +14,7 @@ import pytest
     ("probe_medium_m_gemm", []),
     ("probe_fp8_mma_gemv", []),
     ("probe_persistent_layer", []),
+    ("probe_tma_gemv", []),
 ])
 def test_refuses_without_cuda(monkeypatch, capsys, name, argv):
     probe = importlib.import_module(f"benchmarks.{name}")
