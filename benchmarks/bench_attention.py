@@ -4,6 +4,7 @@
     python -m benchmarks.bench_attention --decode-only --heads 32,8,128 --points 256x520 64x520
     python -m benchmarks.bench_attention --combine --json combine.json       # two-stage vs fused combine
     python -m benchmarks.bench_attention --decode-only --kv-dtype fp8_e4m3 --points 128x4096   # an FP8 pool
+    python -m benchmarks.bench_attention --decode-only --kv-dtype fp8_e4m3 --splits 1 2 --points 64x528  # splits only
 
 Decode: for each head shape (num_heads, num_kv_heads, head_dim) and (batch, context) point, both stages of
 `decode_attention_fwd` captured in one CUDA graph (no launch overhead, as in the decode graphs): the split plan
@@ -90,12 +91,12 @@ def plan_splits(heads, bs: int, ctx: int, q_dtype: torch.dtype, kv_dtype: torch.
     num_heads, num_kv_heads, _ = heads
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cap = dec.decode_split_cap(bs, num_heads, num_kv_heads, sms, dec.get_num_kv_splits(131072),
-                               dec.programs_per_sm(q_dtype, kv_dtype))
+                               dec.programs_per_sm(q_dtype, kv_dtype), dec.min_splits(q_dtype, kv_dtype))
     return dec.decode_split_plan(cap, ctx)
 
 
 def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = False,
-                kv_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+                kv_dtype: torch.dtype = torch.bfloat16, splits_only: list[int] | None = None) -> list[dict]:
     from model_executor.layers.attention.triton_ops import alloc_decode_workspace, decode_attention_fwd
     from model_executor.layers.attention.triton_ops import decode_attention as dec
 
@@ -126,6 +127,10 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
                     "x_floor": None if us is None else round(us / floor_us, 2), "floor_us": round(floor_us, 2)})
 
     default_tile = dec.stage1_tile(bs, head_dim, num_kv_heads, dec.kv_dots_in_fp16(q.dtype, kv_dtype))
+    if splits_only:  # only these split counts and the plan's, at the default tile and MIN_CHUNK
+        for splits in sorted({*splits_only, plan}):
+            measure(splits, dec.MIN_CHUNK, default_tile)
+        return out
     for splits in [plan] if plan_only else sorted({1, 2, 4, 8, 16, plan}):
         for min_chunk in ([32, 64, 128, 256] if splits > 1 and not plan_only else [dec.MIN_CHUNK]):
             measure(splits, min_chunk, default_tile)
@@ -219,6 +224,8 @@ def main(argv=None) -> int:
     p.add_argument("--extend-tokens", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--decode-only", action="store_true")
     p.add_argument("--plan-only", action="store_true", help="decode: only the split plan, with every tile")
+    p.add_argument("--splits", type=int, nargs="+", default=None,
+                   help="decode: only these split counts and the plan's, at the default tile (no tile sweep)")
     p.add_argument("--combine", action="store_true",
                    help="only decode's merge of the chunks: second launch (stage 2) vs fused into stage 1")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="decode: the pool's dtype")
@@ -226,6 +233,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.combine and args.plan_only:
         p.error("--combine and --plan-only are separate runs; give one of them")
+    if args.splits and (args.plan_only or args.combine or any(n < 1 for n in args.splits)):
+        p.error("--splits takes split counts >= 1, without --plan-only or --combine")
     if args.kv_dtype != "bf16" and not args.decode_only:
         p.error("--kv-dtype is for the decode rows: add --decode-only")
     heads_list = args.heads or (COMBINE_HEADS if args.combine else HEAD_SHAPES)
@@ -252,7 +261,7 @@ def main(argv=None) -> int:
     print(f"{'heads':>10} {'bs':>4} {'ctx':>5} {'splits':>6} {'chunk':>5} {'tile':>10} {'us':>9} {'x floor':>8}")
     for heads in heads_list:
         for bs, ctx in points:
-            rows = decode_rows(heads, bs, ctx, copy_tb_s, args.plan_only, KV_DTYPES[args.kv_dtype])
+            rows = decode_rows(heads, bs, ctx, copy_tb_s, args.plan_only, KV_DTYPES[args.kv_dtype], args.splits)
             result["decode"] += rows
             for r in rows:
                 tile = f"{r['block_n']}/{r['num_warps']}/{r['num_stages']}"

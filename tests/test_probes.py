@@ -15,6 +15,7 @@ import pytest
     ("probe_fp8_mma_gemv", []),
     ("probe_persistent_layer", []),
     ("probe_tma_gemv", []),
+    ("probe_fp8_kv_qk", []),
 ])
 def test_refuses_without_cuda(monkeypatch, capsys, name, argv):
     probe = importlib.import_module(f"benchmarks.{name}")

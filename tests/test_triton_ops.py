@@ -264,6 +264,12 @@ def test_split_plan():
     assert per_sm(torch.bfloat16, torch.float8_e4m3fn) == per_sm(torch.float16, torch.float8_e4m3fn) == 8
     assert [cap(bs, 32, 8, 132, 16, 8) for bs in (32, 64, 96, 128)] == [4, 2, 1, 1]
     assert [cap(bs, 32, 8, 132, 16, 4) for bs in (32, 64, 96, 128)] == [2, 1, 1, 1]
+    # ... but not into two (one split is faster there): a cap below min_splits is 1
+    fewest = decode_mod.min_splits
+    assert fewest(torch.bfloat16, torch.float8_e4m3fn) == 3 and fewest(torch.bfloat16, torch.bfloat16) == 2
+    assert fewest(torch.float32, torch.float8_e4m3fn) == 2  # (float32 queries keep float32 dots)
+    assert [cap(bs, 32, 8, 132, 16, 8, 3) for bs in (32, 40, 44, 45, 64, 66, 67)] == [4, 3, 3, 1, 1, 1, 1]
+    assert cap(1, 32, 8, 132, 2, 8, 3) == 1  # a workspace of two splits: one stage
     plan = decode_mod.decode_split_plan
     assert plan(8, 128, 128) == 1 and plan(8, 129, 128) == 8 and plan(1, 5000, 128) == 1
 
@@ -284,7 +290,7 @@ def test_backend_split_cap_follows_the_pool_dtype():
         return b
 
     assert [backend(torch.bfloat16).split_cap(bs) for bs in (32, 64)] == [2, 1]
-    assert [backend(torch.float8_e4m3fn).split_cap(bs) for bs in (32, 64)] == [4, 2]
+    assert [backend(torch.float8_e4m3fn).split_cap(bs) for bs in (32, 40, 48, 64)] == [4, 3, 1, 1]
 
 
 # ---------------------------------------------------------------- extend

@@ -47,6 +47,7 @@ class TritonAttnBackend(AttentionBackend):
                         if runner.device.type == "cuda" else INTERPRETER_NUM_SMS)
         self.single_stage_max_len = decode_mod.SINGLE_STAGE_MAX_LEN
         self.programs_per_sm = decode_mod.programs_per_sm(runner.dtype, runner.kv_dtype)
+        self.min_splits = decode_mod.min_splits(runner.dtype, runner.kv_dtype)
         self.attn_logits, self.attn_lse, self.combine_counters = alloc_decode_workspace(
             runner.req_to_token_pool.size, self.num_heads, cfg.head_dim, self.max_kv_splits, runner.device)
         # The split count of the decode batch being run, and that batch; set by init_forward_metadata or the
@@ -56,7 +57,7 @@ class TritonAttnBackend(AttentionBackend):
     # ---- the decode split plan ----------------------------------------------------------------------
     def split_cap(self, bs: int) -> int:
         return decode_mod.decode_split_cap(bs, self.num_heads, self.num_kv_heads, self.num_sms, self.max_kv_splits,
-                                           self.programs_per_sm)
+                                           self.programs_per_sm, self.min_splits)
 
     def decode_splits(self, fb: ForwardBatch) -> int:
         cap = self.split_cap(fb.batch_size)

@@ -107,8 +107,13 @@ MAX_KV_SPLITS = 16
 PROGRAMS_PER_SM = 4
 SINGLE_STAGE_MAX_LEN = 128
 # An FP8 pool's stage 1 (fp16 dots, half the bytes a position) keeps gaining from splits up to twice the programs
-# (Llama-3.1-8B heads at 4k context, eleventh session: 32 requests 4 splits, 64 requests 2, from 96 one).
+# (Llama-3.1-8B heads at 4k context, eleventh session: 32 requests 4 splits, 64 requests 2, from 96 one) ...
 PROGRAMS_PER_SM_FP16_DOTS = 8
+# ... but not into two: where that cap is 2, one split was faster at all 30 points measured (twentieth session,
+# H200, Llama-3.1-8B and -3.2-1B heads at 48-64 requests of 528-4096 tokens: 6-18% for 8B heads, 3-22% for 1B;
+# docs/benchmarks.md). A likely cause, not measured: two splits put 5.5-8 programs on each SM, more than fit at
+# once, so a second, mostly empty wave follows; one split's 2.7-4 fit in one.
+MIN_SPLITS_FP16_DOTS = 3
 
 _LOG2E = 1.4426950408889634
 # Triton's CPU interpreter (chosen by the environment before triton is first imported) cannot run the inline PTX
@@ -132,6 +137,12 @@ def programs_per_sm(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
     return PROGRAMS_PER_SM_FP16_DOTS if kv_dots_in_fp16(q_dtype, kv_dtype) else PROGRAMS_PER_SM
 
 
+def min_splits(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    """decode_split_cap's fewest splits worth a split (a cap below it is 1) for a pool of kv_dtype read by
+    q_dtype queries."""
+    return MIN_SPLITS_FP16_DOTS if kv_dots_in_fp16(q_dtype, kv_dtype) else 2
+
+
 def get_num_kv_splits(max_context_len: int, min_chunk: int = MIN_CHUNK, max_splits: int = MAX_KV_SPLITS) -> int:
     """The most splits a request reaching `max_context_len` tokens can use: the workspace's split count.
 
@@ -145,11 +156,12 @@ def stage1_programs_per_split(batch_size: int, num_heads: int, num_kv_heads: int
 
 
 def decode_split_cap(batch_size: int, num_heads: int, num_kv_heads: int, num_sms: int, max_splits: int,
-                     programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+                     programs_per_sm: int = PROGRAMS_PER_SM, min_splits: int = 2) -> int:
     """The split count (grid size) for a batch of this size: splits until the stage-1 grid fills the GPU
-    (programs_per_sm programs per SM), at most max_splits, at least 1 (one stage)."""
+    (programs_per_sm programs per SM), at most max_splits; 1 (one stage) where that is below min_splits."""
     per_split = stage1_programs_per_split(batch_size, num_heads, num_kv_heads)
-    return max(1, min(max_splits, programs_per_sm * num_sms // per_split))
+    cap = min(max_splits, programs_per_sm * num_sms // per_split)
+    return cap if cap >= min_splits else 1
 
 
 def decode_split_plan(cap: int, max_seq_len: int, single_stage_max_len: int = SINGLE_STAGE_MAX_LEN) -> int:
