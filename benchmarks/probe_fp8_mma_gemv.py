@@ -182,6 +182,11 @@ def split_x(x: torch.Tensor, bk: int, r: int, terms: int = 2) -> tuple[torch.Ten
     return xq.to(torch.float8_e4m3fn).contiguous(), scales.contiguous()
 
 
+def parse_pairs(text: str) -> list[tuple[int, ...]]:
+    """"AxB,CxD" (tiles, NxK shapes) -> [(A, B), (C, D)]."""
+    return [tuple(int(v) for v in t.split("x")) for t in text.split(",")]
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max())
 
@@ -321,8 +326,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("probe_fp8_mma_gemv needs a CUDA device (FP8 tensor cores: sm_89 or later)", file=sys.stderr)
         return 2
-    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
-    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    tiles = parse_pairs(args.tiles)
+    shapes = SHAPES if args.shapes is None else parse_pairs(args.shapes)
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.chain:
         rows = measure_chain(args.chain, replays=20)

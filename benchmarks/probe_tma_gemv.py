@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3.1-8B qkv, o, gate_up, down
+from benchmarks.probe_fp8_mma_gemv import SHAPES, parse_pairs, read_rows, rel_err
 
 
 @triton.jit
@@ -75,12 +75,7 @@ def gemv(w_desc, s, x, y, n, k, bn, bk, stages, warps):
     tma_gemv[(n // bn,)](w_desc, s, x, y, k, BN=bn, BK=bk, STAGES=stages, num_warps=warps, num_stages=stages)
 
 
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref).abs().max() / ref.abs().max())
-
-
 def measure_shape(n: int, k: int, tiles, stages_list, warps_list, gen) -> list[dict]:
-    from benchmarks.probe_fp8_mma_gemv import read_rows
     from benchmarks.tune_small_m_gemm import Weights, time_calls
     from model_executor.layers.triton_ops import small_m_gemm as sm
 
@@ -140,8 +135,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("probe_tma_gemv needs a CUDA device with TMA (sm_90)", file=sys.stderr)
         return 2
-    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
-    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    tiles = parse_pairs(args.tiles)
+    shapes = SHAPES if args.shapes is None else parse_pairs(args.shapes)
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'N':>6} {'K':>6} {'variant':>30} {'us':>8} {'TB/s':>6} {'rel err':>9}")
     rows = []
