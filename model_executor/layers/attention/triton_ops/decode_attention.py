@@ -112,7 +112,8 @@ PROGRAMS_PER_SM_FP16_DOTS = 8
 # ... but not into two: where that cap is 2, one split was faster at all 30 points measured (twentieth session,
 # H200, Llama-3.1-8B and -3.2-1B heads at 48-64 requests of 528-4096 tokens: 6-18% for 8B heads, 3-22% for 1B;
 # docs/benchmarks.md). A likely cause, not measured: two splits put 5.5-8 programs on each SM, more than fit at
-# once, so a second, mostly empty wave follows; one split's 2.7-4 fit in one.
+# once, so a second, mostly empty wave follows; one split's 2.7-4 fit in one. bf16 pools keep two: there one split
+# was slower at 12 of 16 points of the same sweep at 24-32 requests, and the 8B step at 24 requests 6% slower.
 MIN_SPLITS_FP16_DOTS = 3
 
 _LOG2E = 1.4426950408889634
