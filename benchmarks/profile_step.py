@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--input-len", type=int, default=512, help="the decode requests' context (prompt) length")
     p.add_argument("--quantization", default=None, choices=("none", "fp8"), help="weight quantization")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"), help="auto: the model dtype")
     args = p.parse_args(argv)
     if not 1 <= args.input_len <= 4000:
         p.error(f"--input-len must be between 1 and 4000 (the profile's context is 4096), got {args.input_len}")
