@@ -26,26 +26,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from model_executor.layers.attention.triton_ops.decode_attention import _load_e4m3_rows_as_f16
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LOG2E = 1.4426950408889634
-FP8_MAX = 448.0
-LO = 16.0
+from benchmarks.probe_fp8_mma_gemv import LO, _split_terms
+from model_executor.layers.attention.triton_ops.decode_attention import _INTERPRET, _LOG2E, _load_e4m3_rows_as_f16
 
 
 @triton.jit
 def fp8_qk_decode(Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, O, qk_scale, v_scale,
                   stride_qb, stride_qh, stride_kbs, stride_kh, stride_vbs, stride_vh, stride_req_b, stride_ob,
                   stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  FP8_MAX: tl.constexpr, LO: tl.constexpr, INTERPRET: tl.constexpr):
+                  LO: tl.constexpr, INTERPRET: tl.constexpr):
     cur_batch = tl.program_id(0)
     kv_head = tl.program_id(1)
     offs_c = tl.arange(0, 16)  # column c: term c % 2 (hi, lo) of group head c // 2
@@ -59,11 +54,9 @@ def fp8_qk_decode(Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_len
     # q^T terms [HEAD_DIM, 16] (each head's row loaded twice: once per term) and the columns' scales
     q = tl.load(Q + cur_batch.to(tl.int64) * stride_qb + (kv_head * GROUP + head_c)[None, :] * stride_qh
                 + offs_d[:, None], mask=mask_c[None, :], other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(q), 0), 1e-30) / FP8_MAX  # [16]
-    qs = q * (1.0 / s)[None, :]
-    hi = qs.to(tl.float8e4nv).to(tl.float32)
-    q8 = tl.where(term_c[None, :] == 0, hi, (qs - hi) * LO).to(tl.float8e4nv)
-    col = tl.where(mask_c, tl.where(term_c == 0, s, s / LO), 0.0) * qk_scale  # log2 domain
+    s = tl.maximum(tl.max(tl.abs(q), 0), 1e-30) / 448.0  # [16] (448: e4m3's largest value)
+    q8, col = _split_terms(q, s, term_c, mask_c, 2, LO)
+    col = col * qk_scale  # log2 domain
 
     e_max = tl.full([16], float("-inf"), dtype=tl.float32)
     e_sum = tl.zeros([16], dtype=tl.float32)
@@ -104,7 +97,7 @@ def fp8_qk_decode_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, 
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, o, sm_scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), o.stride(0), o.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n,
-        FP8_MAX=FP8_MAX, LO=LO, INTERPRET=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        LO=LO, INTERPRET=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
 
 
 def reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale):
