@@ -86,6 +86,12 @@ class LinearBase(nn.Module):
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
         return self(h), residual
 
+    def forward_normed_quantized(self, norm: RMSNorm, x: torch.Tensor,
+                                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """forward_normed's (y, h) where the method quantizes its input inside the norm's kernel (FP8 rows above
+        the small-M kernel's), else None: there the caller keeps its own path (a decode row's GEMV fusions)."""
+        return self.quant_method.apply_rmsnorm_quant(self, x, norm.weight, norm.eps, residual)
+
     def forward_normed_rope(self, norm: RMSNorm, x: torch.Tensor | PrenormedRow, residual: torch.Tensor | None,
                             rope: RopeStore) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a qkv layer at a decode token: forward_normed's (y, h) with the rotary and the KV store run in
@@ -126,6 +132,13 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ps.tensor_model_parallel_all_reduce(self.quant_method.apply(self, x))
+
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """self(silu(gate) * up) for gate_up = [gate; up] where the method makes its input in the activation's
+        kernel (FP8 rows above the small-M kernel's: the activation quantization goes there), else None: the
+        caller runs SiluAndMul, then the layer."""
+        out = self.quant_method.apply_gated(self, gate_up)
+        return None if out is None else ps.tensor_model_parallel_all_reduce(out)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

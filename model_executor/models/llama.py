@@ -39,9 +39,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = self.gate_up_proj.silu_and_mul(x)  # one kernel at a decode row where the small-M GEMV runs
-        if act is None:
-            act = self.act(self.gate_up_proj(x))
-        return self.down_proj(act)
+        return self.down_proj(act) if act is not None else self._down(self.gate_up_proj(x))
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up); FP8 rows above 16 quantize the activation in its kernel."""
+        out = self.down_proj.forward_gated(gate_up)
+        return out if out is not None else self.down_proj(self.act(gate_up))
 
     def forward_after(self, o_proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                       next_input: tuple[RMSNorm, LinearBase] | None = None
@@ -51,12 +54,23 @@ class LlamaMLP(nn.Module):
         norm's own launch goes). With next_input, the (norm, linear) that the layer's output h' = mlp + h
         feeds next, the down projection's epilogue likewise adds h and returns (PrenormedRow of h', h')."""
         fused = linear_add_rmsnorm(o_proj, x, residual, norm, self.gate_up_proj)
-        hidden, residual = fused if fused is not None else norm(o_proj(x), residual)
+        if fused is None:
+            h = o_proj(x)
+            quantized = self.gate_up_proj.forward_normed_quantized(norm, h, residual)  # (FP8 rows above 16)
+            if quantized is not None:
+                gate_up, residual = quantized
+                return self._down(gate_up), residual
+            fused = norm(h, residual)
+        hidden, residual = fused
         act = self.gate_up_proj.silu_and_mul(hidden)
         if act is None:
             if isinstance(hidden, PrenormedRow):  # (not expected: linear_add_rmsnorm checked gate/up's config)
                 hidden = norm(residual)
-            act = self.act(self.gate_up_proj(hidden))
+            gate_up = self.gate_up_proj(hidden)
+            out = self.down_proj.forward_gated(gate_up)
+            if out is not None:
+                return out, residual
+            act = self.act(gate_up)  # (then down's epilogue may still take the next layer's add and norm)
         if next_input is not None:
             fused = linear_add_rmsnorm(self.down_proj, act, residual, *next_input)
             if fused is not None:

@@ -200,3 +200,46 @@ def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
         torch.testing.assert_close(graphed, eager, rtol=3e-2, atol=3e-2)
     del runner
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("variant", ["fp8", "fp8_block"])
+def test_activation_quantization_in_the_norm_and_silu_kernels_keeps_the_bits(variant, block_fp8_shape,
+                                                                             monkeypatch):
+    """Above 16 rows the RMSNorm and SiLU-and-mul kernels quantize the W8A8 GEMMs' inputs themselves: the
+    model's logits must be those of the separate quantization kernels, bit for bit (a decode batch of 24,
+    an extend of 40 + 7 tokens), and the decode graph at 24 (padded to 32) must replay as eager."""
+    from model_executor.layers.quantization import fp8_linear
+    from runners.cuda_graph_runner import CudaGraphRunner
+    from tests.test_cuda_graph_runner import make_decode_batch
+    from tests.test_cuda_graph_runner import release as release_decode
+    from tests.test_piecewise_runner import make_extend_batch
+    from tests.test_piecewise_runner import release as release_extend
+
+    path = block_fp8_shape if variant == "fp8_block" else shape_path("llama-3.2-1b")
+    kw = {} if variant == "fp8_block" else {"quantization": "fp8"}
+    runner = _runner(path, **kw, max_running_requests=32, max_total_tokens=32 * 200)
+    graphs = CudaGraphRunner(runner, [8, 16, 32])
+
+    def both(fb):
+        with torch.inference_mode():
+            fused = runner.forward_eager(fb).clone()
+            monkeypatch.setattr(fp8_linear, "FUSED_QUANT_DEVICES", ())
+            unfused = runner.forward_eager(fb).clone()
+            monkeypatch.setattr(fp8_linear, "FUSED_QUANT_DEVICES", ("cuda",))
+        return fused, unfused
+
+    fb, rows, _ = make_decode_batch(runner, 24, seed=24)
+    fused, unfused = both(fb)
+    with torch.inference_mode():
+        graphed = graphs.replay(fb).clone()
+    release_decode(runner, rows, fb)
+    print(f"\n{variant} decode bs=24: fused vs unfused max |diff| {(fused - unfused).abs().max().item():.2e}, "
+          f"graph vs eager {(graphed - fused).abs().max().item():.2e}")
+    assert torch.equal(fused, unfused)
+    torch.testing.assert_close(graphed, fused, rtol=2e-2, atol=2e-2)
+    fb, rows = make_extend_batch(runner, [40, 7], [0, 12], seed=47)
+    fused, unfused = both(fb)
+    release_extend(runner, rows, fb)
+    print(f"{variant} extend [40, 7]: fused vs unfused max |diff| {(fused - unfused).abs().max().item():.2e}")
+    assert torch.equal(fused, unfused)
+    del graphs, runner

@@ -84,6 +84,17 @@ class LinearMethod:
         operands = self.small_m_operands(layer)
         return None if operands is None else small_m_silu_and_mul(x, *operands, layer.bias)
 
+    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """apply(layer, silu(gate) * up) for gate_up = [gate; up] where the method makes the GEMM's input in the
+        activation's kernel (FP8's activation quantization), else None: the caller runs SiluAndMul, then apply."""
+        return None
+
+    def apply_rmsnorm_quant(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """apply_rmsnorm's (y, h) where the method makes the GEMM's input in the norm's kernel (FP8's activation
+        quantization, at rows above the small-M kernel's), else None."""
+        return None
+
     def apply_rmsnorm(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       residual: torch.Tensor | None,
                       rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,11 +1,15 @@
-"""Triton FP8 kernels: per-token-group activation quantization and the W8A8 block-scaled GEMM.
+"""Triton FP8 kernels: per-token-group activation quantization (alone, or inside RMSNorm / SiLU-and-mul) and the
+W8A8 block-scaled GEMM.
 
     per_token_group_quant_fp8(x [M, K], group_size) -> (fp8 [M, K], float32 scales [M, K / group_size])
         group_size = K is per-token quantization (the scales then feed torch._scaled_mm's row-wise path)
+    rmsnorm_quant_fp8(x, residual, weight, eps, group_size) -> (fp8, scales, x + residual or None)
+    silu_and_mul_quant_fp8(x [M, 2I], group_size)          -> (fp8 [M, I], scales)
+        the quantization of triton_ops.rmsnorm's / silu_and_mul's output, in their kernel, with the same bits
     w8a8_block_fp8_matmul(a fp8 [M, K], b fp8 [N, K], a_scale [M, K / bk], b_scale [ceil(N / bn), K / bk],
                           block (bn, bk), out_dtype) -> [M, N]
 
-Both are `duet::` custom ops while something traces (the piecewise runner's dynamo pass), plain calls
+Each is a `duet::` custom op while something traces (the piecewise runner's dynamo pass), plain calls
 otherwise. No host syncs and one output allocation of a shape fixed by the inputs: CUDA-graph safe once
 compiled (warm-up runs before capture). The math is fp8_math.py's; the CPU tests run these kernels in
 Triton's interpreter against it.
@@ -18,6 +22,7 @@ import triton
 import triton.language as tl
 
 from model_executor.layers.quantization.fp8_math import FP8_DTYPE, FP8_MAX
+from model_executor.layers.triton_ops.kernels import _num_warps
 
 _MIN_AMAX = 1e-12
 
@@ -83,6 +88,112 @@ def _per_token_group_quant_impl(x: torch.Tensor, group_size: int,
         x, q, s, group_size, groups, x.stride(0), q.stride(0), s.stride(0),
         FP8_MAX_VAL=FP8_MAX, MIN_AMAX=_MIN_AMAX, BLOCK=block, ONE_PASS=one_pass,
         num_warps=max(1, min(block // 1024, 16)))
+    return q, s
+
+
+# ---------------------------------------------------------------- the quantization fused into RMSNorm / SiLU-and-mul
+
+
+@triton.jit
+def _quantize_groups(y, Q, S, q_row, s_row, N, FP8_MAX_VAL: tl.constexpr, MIN_AMAX: tl.constexpr,
+                     BLOCK_N: tl.constexpr, GROUP_BLOCK: tl.constexpr):
+    """Store y [BLOCK_N] float32 (columns >= N zero) as FP8 codes at Q + q_row and one scale per group of
+    GROUP_BLOCK columns at S + s_row: the per-token-group kernel's math, group by group."""
+    groups: tl.constexpr = BLOCK_N // GROUP_BLOCK
+    y2 = tl.reshape(y, (groups, GROUP_BLOCK))
+    scale = tl.maximum(tl.max(tl.abs(y2), 1), MIN_AMAX) / FP8_MAX_VAL
+    q = tl.clamp(y2 / scale[:, None], -FP8_MAX_VAL, FP8_MAX_VAL)
+    cols = tl.arange(0, BLOCK_N)
+    tl.store(Q + q_row + cols, tl.reshape(q, (BLOCK_N,)).to(Q.dtype.element_ty), mask=cols < N)
+    g = tl.arange(0, groups)
+    tl.store(S + s_row + g, scale, mask=g * GROUP_BLOCK < N)
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(
+    X, R, W, H, Q, S, stride_x, stride_r, stride_h, stride_q, stride_s, N, eps,
+    FP8_MAX_VAL: tl.constexpr, MIN_AMAX: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_BLOCK: tl.constexpr,
+):
+    """One program per row: h = x (+ residual, rounded to x's dtype and stored to H), y = weight * norm(h)
+    rounded as triton_ops' RMSNorm kernel rounds it, then y's FP8 codes and scales per group (the
+    per-token-group kernel's math): the same bits as those two kernels, without y in memory."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(H + row * stride_h + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    var = tl.sum(hf * hf, axis=0) / N
+    y = (hf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    y = (w.to(tl.float32) * y.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
+    _quantize_groups(y, Q, S, row * stride_q, row * stride_s, N, FP8_MAX_VAL, MIN_AMAX, BLOCK_N, GROUP_BLOCK)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    X, Q, S, stride_x, stride_q, stride_s, I, group_size,
+    FP8_MAX_VAL: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (tokens, groups): silu(gate) * up over one group of `group_size` columns, rounded as
+    triton_ops' SiLU-and-mul kernel rounds it (x's dtype), then that group's FP8 codes and scale."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * group_size + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < group_size) & (cols < I)
+    gate = tl.load(X + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + t * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)
+    y = (act * up).to(X.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), 0), MIN_AMAX) / FP8_MAX_VAL
+    q = tl.clamp(y / scale, -FP8_MAX_VAL, FP8_MAX_VAL)
+    tl.store(Q + t * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + t * stride_s + g, scale)
+
+
+def fused_quant_fits(width: int, group_size: int) -> bool:
+    """Whether the fused kernels take a row of `width` columns in groups of `group_size` (a whole row, or a
+    whole group, in registers: up to MAX_ONE_PASS_BLOCK columns; RMSNorm's groups a power of two)."""
+    if width % group_size or triton.next_power_of_2(width) > MAX_ONE_PASS_BLOCK:
+        return False
+    return group_size == width or group_size & (group_size - 1) == 0
+
+
+def _rmsnorm_quant_impl(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                        group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, n = x.shape
+    assert fused_quant_fits(n, group_size) and x.stride(-1) == 1
+    q = torch.empty((m, n), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, n // group_size), dtype=torch.float32, device=x.device)
+    h = torch.empty((m, n) if residual is not None else (0, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return q, s, h
+    block = triton.next_power_of_2(n)
+    r = residual if residual is not None else x
+    _rmsnorm_quant_kernel[(m,)](
+        x, r, weight, h, q, s, x.stride(0), r.stride(0), h.stride(0), q.stride(0), s.stride(0), n, eps,
+        FP8_MAX_VAL=FP8_MAX, MIN_AMAX=_MIN_AMAX, HAS_RESIDUAL=residual is not None, BLOCK_N=block,
+        GROUP_BLOCK=block if group_size == n else group_size,
+        num_warps=_num_warps(block))  # the RMSNorm kernel's: the same sum of squares, bit for bit
+    return q, s, h
+
+
+def _silu_and_mul_quant_impl(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, two_i = x.shape
+    inter = two_i // 2
+    assert fused_quant_fits(inter, group_size) and x.stride(-1) == 1
+    q = torch.empty((m, inter), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, inter // group_size), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    block = triton.next_power_of_2(group_size)
+    _silu_and_mul_quant_kernel[(m, inter // group_size)](
+        x, q, s, x.stride(0), q.stride(0), s.stride(0), inter, group_size,
+        FP8_MAX_VAL=FP8_MAX, MIN_AMAX=_MIN_AMAX, BLOCK=block, num_warps=max(1, min(block // 1024, 16)))
     return q, s
 
 
@@ -170,6 +281,26 @@ def _(a, b, a_scale, b_scale, block_n, block_k, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+_rmsnorm_quant_op = torch.library.custom_op("duet::fp8_rmsnorm_quant", _rmsnorm_quant_impl, mutates_args=())
+
+
+@_rmsnorm_quant_op.register_fake
+def _(x, residual, weight, eps, group_size):
+    m, n = x.shape
+    return (x.new_empty((m, n), dtype=FP8_DTYPE), x.new_empty((m, n // group_size), dtype=torch.float32),
+            x.new_empty((m, n) if residual is not None else (0, n)))
+
+
+_silu_quant_op = torch.library.custom_op("duet::fp8_silu_and_mul_quant", _silu_and_mul_quant_impl,
+                                         mutates_args=())
+
+
+@_silu_quant_op.register_fake
+def _(x, group_size):
+    m, inter = x.shape[0], x.shape[1] // 2
+    return x.new_empty((m, inter), dtype=FP8_DTYPE), x.new_empty((m, inter // group_size), dtype=torch.float32)
+
+
 def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
@@ -185,3 +316,17 @@ def w8a8_block_fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tenso
     if _tracing():
         return _matmul_op(a, b, a_scale, b_scale, block[0], block[1], out_dtype)
     return _w8a8_block_matmul_impl(a, b, a_scale, b_scale, block[0], block[1], out_dtype)
+
+
+def rmsnorm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(FP8 codes, scales [M, N / group_size], h) of y = weight * rmsnorm(h), h = x + residual (x without one;
+    h is then None): triton_ops.rmsnorm then per_token_group_quant_fp8 in one kernel, bit for bit."""
+    q, s, h = (_rmsnorm_quant_op if _tracing() else _rmsnorm_quant_impl)(x, residual, weight, eps, group_size)
+    return q, s, (h if residual is not None else None)
+
+
+def silu_and_mul_quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 codes, scales) of silu(x[:, :I]) * x[:, I:]: triton_ops.silu_and_mul then
+    per_token_group_quant_fp8 in one kernel, bit for bit."""
+    return (_silu_quant_op if _tracing() else _silu_and_mul_quant_impl)(x, group_size)

@@ -15,20 +15,20 @@ import functools
 import torch
 from torch import nn
 
+from model_executor.layers.norm import PrenormedRow
 from model_executor.layers.quantization import fp8_math
 from model_executor.layers.quantization.base import (
     LinearMethod,
     copy_into,
     rows,
     set_kept_dtype,
-    small_m_kernel,
 )
 from model_executor.layers.quantization.config import QuantConfig, QuantizationError
-
-try:  # the FP8 GPU kernels (Triton is optional: a CPU install never runs FP8, see config.check_device)
-    from model_executor.layers.quantization import fp8_ops
-except ImportError:
-    fp8_ops = None
+from model_executor.layers.quantization.fp8_linear import (
+    fp8_linear,
+    fp8_rmsnorm_linear,
+    fp8_silu_and_mul_linear,
+)
 
 FP8 = fp8_math.FP8_DTYPE
 
@@ -40,51 +40,30 @@ def _fp8_weight(layer: nn.Module, input_size: int, output_size: int, load_dtype:
     set_kept_dtype(layer, "weight", FP8)
 
 
-def _fp8_linear_impl(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                     input_scale: torch.Tensor | None, block_n: int, block_k: int) -> torch.Tensor:
-    """x2 [M, K] @ an FP8 weight [N, K] (scales per channel [N], or per (block_n, block_k) tile) -> [M, N].
+class _Fp8InputFusion:
+    """FP8 methods with dynamic activation scales: at the W8A8 path's row counts the activations are quantized
+    inside the RMSNorm or SiLU-and-mul kernel that makes the GEMM's input (fp8_linear.fp8_rmsnorm_linear,
+    fp8_silu_and_mul_linear), one launch fewer each. Decode-sized rows keep the small-M GEMVs' fusions."""
 
-    The path is chosen on x2's real row count: the weight-only small-M kernel for decode-sized M, else the
-    activations are quantized (per token, per 1 x block_k group, or by a static per-tensor `input_scale`)
-    for a W8A8 GEMM; on a CPU the same math in float32."""
-    block = (block_n, block_k) if block_n else None
-    kernel = small_m_kernel(x2, weight, block)
-    if kernel is not None:  # decode-sized: weight-only FP8 (x stays in its dtype, no activation quantization)
-        return kernel.small_m_linear(x2, weight, scale, bias, block)
-    if not x2.is_cuda:
-        return fp8_math.fp8_linear_reference(x2, weight, scale, bias, block=block, input_scale=input_scale)
-    if block is not None:
-        xq, xs = fp8_ops.per_token_group_quant_fp8(x2, block_k)
-        out = fp8_ops.w8a8_block_fp8_matmul(xq, weight, xs, scale, block, x2.dtype)
-    else:
-        if input_scale is not None:
-            xq = (x2 / input_scale).clamp(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(FP8)
-            xs = input_scale.view(1, 1).expand(x2.shape[0], 1).contiguous()
-        else:
-            xq, xs = fp8_ops.per_token_group_quant_fp8(x2, x2.shape[-1])
-        # fp8 [M, K] x fp8 weight [N, K]^T with scales [M, 1] and [N] (sm89+)
-        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x2.dtype)
-    return out if bias is None else out + bias
+    dynamic_activations = True
 
+    def apply_rmsnorm(self, layer, x, norm_weight, eps, residual, rope=None):
+        fused = super().apply_rmsnorm(layer, x, norm_weight, eps, residual, rope)
+        if fused is not None or rope is not None:
+            return fused
+        return self.apply_rmsnorm_quant(layer, x, norm_weight, eps, residual)
 
-# Inside the piecewise runner's traced pieces (one trace for every token count) the FP8 linear is this opaque
-# op, so each captured size, like an eager run, picks its path on its real row count: a branch on the
-# symbolic count would be traced once (the W8A8 path for every size) and a padded small batch in a graph
-# would then compute differently from the same batch run eagerly.
-_fp8_linear_op = torch.library.custom_op("duet::fp8_linear", _fp8_linear_impl, mutates_args=())
+    def apply_rmsnorm_quant(self, layer, x, norm_weight, eps, residual):
+        if not self.dynamic_activations or isinstance(x, PrenormedRow):
+            return None
+        weight, scale, block = self.small_m_operands(layer)
+        return fp8_rmsnorm_linear(x, residual, norm_weight, eps, weight, scale, layer.bias, block)
 
-
-@_fp8_linear_op.register_fake
-def _(x2, weight, scale, bias, input_scale, block_n, block_k):
-    return x2.new_empty((x2.shape[0], weight.shape[0]))
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               input_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    op = torch.ops.duet.fp8_linear if torch.compiler.is_compiling() else _fp8_linear_impl
-    out = op(x2, weight, scale, bias, input_scale, *(block or (0, 0)))
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    def apply_gated(self, layer, gate_up):
+        if not self.dynamic_activations:
+            return None
+        weight, scale, block = self.small_m_operands(layer)
+        return fp8_silu_and_mul_linear(gate_up, weight, scale, layer.bias, block)
 
 
 class _QuantizeOnLoad(LinearMethod):
@@ -110,7 +89,7 @@ class _QuantizeOnLoad(LinearMethod):
         return {"weight"}
 
 
-class Fp8OnlineMethod(_QuantizeOnLoad):
+class Fp8OnlineMethod(_Fp8InputFusion, _QuantizeOnLoad):
     """A bf16 checkpoint quantized as it loads: each shard's rows get per-output-channel scales, on the
     device, as the shard arrives (peak memory: the FP8 weights plus one shard and its float32 copy)."""
 
@@ -129,13 +108,14 @@ class Fp8OnlineMethod(_QuantizeOnLoad):
         return layer.weight, layer.weight_scale, None
 
 
-class Fp8ChannelMethod(LinearMethod):
+class Fp8ChannelMethod(_Fp8InputFusion, LinearMethod):
     """A pre-quantized checkpoint with `weight_scale` per output channel ([N, 1]) or per tensor ([] / [1]),
     kept per channel here ([N]: fused q/k/v or gate/up shards keep their own scales), and an optional
     static per-tensor `input_scale` (fused shards share the largest)."""
 
     def __init__(self, quant: QuantConfig):
         self.static_input_scale = quant.static_input_scale
+        self.dynamic_activations = not quant.static_input_scale
 
     def create_weights(self, layer, input_size, output_size, bias):
         _fp8_weight(layer, input_size, output_size, load_dtype=FP8)
@@ -189,7 +169,7 @@ def _random_like(w: torch.Tensor, generator: torch.Generator, std: float) -> tor
     return torch.empty(w.shape, dtype=torch.bfloat16, device=w.device).normal_(0.0, std, generator=generator)
 
 
-class Fp8BlockMethod(LinearMethod):
+class Fp8BlockMethod(_Fp8InputFusion, LinearMethod):
     """A pre-quantized checkpoint with block-wise scales: `weight_scale_inv` [ceil(N / bn), ceil(K / bk)]
     multiplies each bn x bk tile; activations are quantized per token and group of bk columns."""
 
