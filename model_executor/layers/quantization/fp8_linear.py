@@ -8,9 +8,9 @@ kernel before it (RMSNorm, SiLU-and-mul).
 
 Up to 16 rows (small_m_gemm.MAX_M) a linear runs the weight-only small-M kernel: x stays in the model dtype.
 Above, with dynamic activation scales (per token, or per 1 x block_k group for block-wise weights), the
-activations are quantized and a W8A8 GEMM runs (torch._scaled_mm, or the Triton block-scaled GEMM). Each
-quantization is a kernel launch of its own, ~2.5 us of a step whatever the batch: the fused variants quantize
-in the RMSNorm / SiLU-and-mul kernel that makes the GEMM's input (fp8_ops.rmsnorm_quant_fp8,
+activations are quantized and a W8A8 GEMM runs (torch._scaled_mm, or the Triton block-scaled GEMM). A
+quantization kernel of its own is a launch per GEMM, whatever the batch (docs/benchmarks.md): the fused
+variants quantize in the RMSNorm / SiLU-and-mul kernel that makes the GEMM's input (fp8_ops.rmsnorm_quant_fp8,
 silu_and_mul_quant_fp8), with the same bits. They return None where they do not run (decode-sized rows, a
 CPU, a static input scale, other dtypes, rows too wide for the one-pass kernels): the caller then runs the
 norm or the activation, then fp8_linear.

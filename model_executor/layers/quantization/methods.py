@@ -1,9 +1,10 @@
 """The quantized LinearMethods: online FP8, pre-quantized FP8 (block-wise, per-channel/per-tensor), int8.
 
-The FP8 GEMMs run on CUDA (sm89+): torch._scaled_mm with row-wise scales, or the Triton block-scaled
-GEMM; decode-sized batches instead run the weight-only small-M kernel (triton_ops/small_m_gemm.py: x stays
-in the model dtype, the FP8 weight is dequantized in the kernel), which reads the weight once and skips the
-activation-quantization kernel. On the CPU they compute `fp8_linear_reference` (the same quantized math in
+The FP8 GEMMs (fp8_linear.py) run on CUDA (sm89+): torch._scaled_mm with row-wise scales, or the Triton
+block-scaled GEMM, their activations quantized inside the RMSNorm or SiLU-and-mul kernel before them where one
+makes the input; decode-sized batches instead run the weight-only small-M kernel (triton_ops/small_m_gemm.py:
+x stays in the model dtype, the FP8 weight is dequantized in the kernel), which reads the weight once and
+skips the activation quantization. On the CPU they compute `fp8_linear_reference` (the same quantized math in
 float32): the CPU tests load and run FP8 models through it, while the server refuses FP8 on a CPU
 (config.check_device).
 """
