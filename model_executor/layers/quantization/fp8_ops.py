@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from model_executor.layers.quantization.fp8_math import FP8_DTYPE, FP8_MAX
-from model_executor.layers.triton_ops.kernels import _num_warps
+from model_executor.layers.triton_ops.kernels import _num_warps, rmsnorm_row
 
 _MIN_AMAX = 1e-12
 
@@ -116,21 +116,11 @@ def _rmsnorm_quant_kernel(
     GROUP_BLOCK: tl.constexpr,
 ):
     """One program per row: h = x (+ residual, rounded to x's dtype and stored to H), y = weight * norm(h)
-    rounded as triton_ops' RMSNorm kernel rounds it, then y's FP8 codes and scales per group (the
-    per-token-group kernel's math): the same bits as those two kernels, without y in memory."""
+    rounded as triton_ops' RMSNorm kernel rounds it (its rmsnorm_row), then y's FP8 codes and scales per
+    group (the per-token-group kernel's math): the same bits as those two kernels, without y in memory."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(H + row * stride_h + cols, h, mask=mask)
-    hf = h.to(tl.float32)
-    var = tl.sum(hf * hf, axis=0) / N
-    y = (hf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    y = (w.to(tl.float32) * y.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
+    y = rmsnorm_row(X, R, W, H, row, stride_x, stride_r, stride_h, N, eps, HAS_RESIDUAL, BLOCK_N)
+    y = y.to(X.dtype.element_ty).to(tl.float32)
     _quantize_groups(y, Q, S, row * stride_q, row * stride_s, N, FP8_MAX_VAL, MIN_AMAX, BLOCK_N, GROUP_BLOCK)
 
 
@@ -173,9 +163,9 @@ def _rmsnorm_quant_impl(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     if m == 0:
         return q, s, h
     block = triton.next_power_of_2(n)
-    r = residual if residual is not None else x
+    r, h_arg = (residual, h) if residual is not None else (x, x)  # (not accessed without a residual)
     _rmsnorm_quant_kernel[(m,)](
-        x, r, weight, h, q, s, x.stride(0), r.stride(0), h.stride(0), q.stride(0), s.stride(0), n, eps,
+        x, r, weight, h_arg, q, s, x.stride(0), r.stride(0), h_arg.stride(0), q.stride(0), s.stride(0), n, eps,
         FP8_MAX_VAL=FP8_MAX, MIN_AMAX=_MIN_AMAX, HAS_RESIDUAL=residual is not None, BLOCK_N=block,
         GROUP_BLOCK=block if group_size == n else group_size,
         num_warps=_num_warps(block))  # the RMSNorm kernel's: the same sum of squares, bit for bit

@@ -27,15 +27,11 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
-def _rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    x_stride, res_stride, out_stride, res_out_stride,
-    N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One program per row. With a residual: s = x + residual (rounded to res_out's dtype) is stored to
-    res_out and normalised; else x is. out = weight * norm(s).to(s dtype), rounded to out's dtype."""
-    row = tl.program_id(0).to(tl.int64)
+def rmsnorm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, x_stride, res_stride, res_out_stride, N, eps,
+                HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """weight * norm(s) of one row, float32 [BLOCK_N] (zero past N), for s = x + residual (rounded to
+    res_out's dtype and stored there) or x: norm(s) is rounded to s's dtype before the weight multiply, as
+    the reference does. The RMSNorm kernel's math, shared with the kernels that quantize its output."""
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
@@ -51,8 +47,22 @@ def _rmsnorm_kernel(
     var = tl.sum(sf * sf, axis=0) / N
     y = (sf * tl.rsqrt(var + eps)).to(norm_dtype)  # the reference casts back to the input dtype here...
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * y.to(tl.float32)  # ...and only then multiplies by the weight
-    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    return w.to(tl.float32) * y.to(tl.float32)  # ...and only then multiplies by the weight
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_stride, res_stride, out_stride, res_out_stride,
+    N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per row: out = rmsnorm_row(...) rounded to out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    out = rmsnorm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, x_stride, res_stride, res_out_stride, N, eps,
+                      HAS_RESIDUAL, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
