@@ -1,14 +1,16 @@
 """tune_small_m_gemm: time the small-M GEMM kernel's configs on this GPU for the linear layers of the model
-shapes (M = 1 .. 16 rows) and write the fastest per (weight kind, N, K, M bucket) as the table that
+shapes (M = 1 .. 16 rows; FP8 weights also 32 and 64) and write the fastest per (weight kind, N, K, M bucket) as the table that
 model_executor/layers/triton_ops/small_m_gemm.py reads at start-up.
 
     python -m benchmarks.tune_small_m_gemm                      # all shapes, tp 1 and 2; writes the table
     python -m benchmarks.tune_small_m_gemm --quick --out $OUT/small_m_gemm_NVIDIA_H200.json
 
 Weight kinds: "bf16" (against F.linear, i.e. cuBLAS: the table says "cublas" where that is faster), "fp8"
-(per-channel scales, against the W8A8 path it replaces: per-token activation quantization + _scaled_mm)
-and "fp8_block" (128x128 block scales, against activation quantization + the block-scaled Triton GEMM);
-for both FP8 kinds the table says "w8a8" where the path it replaces is faster.
+(per-channel scales, against the W8A8 path it replaces: _scaled_mm on activations quantized beforehand) and
+"fp8_block" (128x128 block scales, against the block-scaled Triton GEMM); for both FP8 kinds the table says
+"w8a8" where the path it replaces is faster. The W8A8 baseline leaves the activation quantization out of its
+time: three of a layer's four linears quantize inside the RMSNorm or SiLU-and-mul kernel before them
+(quantization/fp8_linear.py), so their GEMM is what the kernel has to beat.
 
 Timing: every call of a measurement reads its own copy of the weight, enough copies that together they
 exceed the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode
@@ -126,21 +128,21 @@ def baseline_calls(kind: str, x: torch.Tensor, wts: Weights) -> list[Callable[[]
 
     if kind == "bf16":
         return [lambda w=w: F.linear(x, w) for w in wts.w]
-    if kind == "fp8":
-        def rowwise(w, s):
-            xq, xs = fp8_ops.per_token_group_quant_fp8(x, x.shape[-1])
-            return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=x.dtype)
-        return [lambda w=w, s=s: rowwise(w, s) for w, s in zip(wts.w, wts.s)]
-
-    def block(w, s):
-        xq, xs = fp8_ops.per_token_group_quant_fp8(x, BLOCK[1])
-        return fp8_ops.w8a8_block_fp8_matmul(xq, w, xs, s, BLOCK, x.dtype)
-    return [lambda w=w, s=s: block(w, s) for w, s in zip(wts.w, wts.s)]
+    if kind == "fp8":  # (x quantized once, outside the timed calls: module docstring)
+        xq, xs = fp8_ops.per_token_group_quant_fp8(x, x.shape[-1])
+        return [lambda w=w, s=s: torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=x.dtype)
+                for w, s in zip(wts.w, wts.s)]
+    xq, xs = fp8_ops.per_token_group_quant_fp8(x, BLOCK[1])
+    return [lambda w=w, s=s: fp8_ops.w8a8_block_fp8_matmul(xq, w, xs, s, BLOCK, x.dtype)
+            for w, s in zip(wts.w, wts.s)]
 
 
-def tile_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
+def tile_grid(kind: str, quick: bool, m: int = 1) -> list[tuple[int, int]]:
     """(BLOCK_N, BLOCK_K): K tiles of 256-512 bytes of a weight row (block-wise FP8: at most the scale
-    block)."""
+    block). Above 16 rows (FP8) also shorter K tiles: x's tile [BLOCK_K, rows] grows with the rows."""
+    if m > 16:
+        bks = (128,) if kind == "fp8_block" else (128, 256)
+        return [(bn, bk) for bn in (32, 64, 128) for bk in bks]
     if kind == "fp8_block":
         bks = (128,)
     elif kind == "fp8":
@@ -187,7 +189,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
 
 
     results = []
-    tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick)]
+    tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick, m)]
     if m == 1:
         tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick)]
     for bn, bk, gemv in tiles:
@@ -268,8 +270,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2],
                    help="tensor-parallel sizes (one rank's shapes)")
     p.add_argument("--kind", nargs="+", default=list(KINDS), choices=KINDS, help="weight kinds")
-    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], choices=(1, 2, 4, 8, 16),
-                   help="row counts: the table's M buckets (a batch uses the next one up)")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], choices=(1, 2, 4, 8, 16, 32, 64),
+                   help="row counts: the table's M buckets (a batch uses the next one up; 32 and 64: FP8 only)")
     p.add_argument("--no-lm-head", dest="lm_head", action="store_false",
                    help="skip the LM heads (bf16 only: the head is never quantized)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (tiles, no warps/stages pass)")
@@ -309,7 +311,7 @@ def main(argv=None) -> int:
         for n, k in shapes + (heads if kind == "bf16" else []):
             wts = Weights(kind, n, k, gen)
             entries = table[kind].setdefault(f"{n},{k}", {})
-            for m in ms:
+            for m in (m for m in ms if m <= sm.max_rows(kind)):
                 log: list = []
                 quick = args.quick or time.perf_counter() - t0 > args.budget_s
                 if quick and not args.quick and not over_budget:

@@ -110,6 +110,21 @@ def test_fp8_weights_keep_bf16_range_of_x(kind):
 
 
 @in_process
+@pytest.mark.parametrize("kind", ["fp8", "fp8_block"])
+@pytest.mark.parametrize("m", [24, 64])
+def test_fp8_weights_above_16_rows(kind, m):
+    """FP8 weights take up to 64 rows (the dot padded to 32 or 64): the float32 reference's result, and rows
+    padded within their bucket (as a decode graph pads a batch) compute the same bits as the batch alone."""
+    w, s, block, w_deq = make_weight(kind, 72, 192, seed=m)
+    x = torch.randn(m, 192, generator=torch.Generator().manual_seed(m + 1)).to(torch.bfloat16)
+    b = torch.randn(72, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    out = run(x, w, s, b, block, SPLIT)
+    assert_matches_reference(out, reference(x, w_deq, b), torch.bfloat16)
+    fewer = m // 2 + 1  # the same bucket (17 of 32, 33 of 64): the same padded dot
+    assert torch.equal(run(x[:fewer], w, s, b, block, SPLIT), out[:fewer])
+
+
+@in_process
 def test_split_k_is_deterministic_and_each_split_count_is_right():
     """Two runs give the same bits; split counts 1 and 4 both match the reference (their bits may differ:
     fp32 sums in another order)."""
@@ -130,6 +145,9 @@ def test_refuses_bad_inputs():
     w = torch.zeros(32, 64, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="at most 16 rows"):
         sm.small_m_linear(x, w, config=sm.GemmConfig(**NO_SPLIT))
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        sm.small_m_linear(torch.zeros(65, 64, dtype=torch.bfloat16, device=DEVICE), w.to(FP8),
+                          torch.ones(32, device=DEVICE), config=sm.GemmConfig(**NO_SPLIT))
     with pytest.raises(ValueError, match="does not match"):
         sm.small_m_linear(x[:4, :48], w, config=sm.GemmConfig(**NO_SPLIT))
     q = w.to(FP8)
@@ -178,14 +196,27 @@ def test_table_lookup_selects_tuned_config_and_falls_back(table):
     assert sm.choose_config(16, 32, 64, "fp8", "cpu") == sm.GemmConfig(**TUNED)
     assert sm.choose_config(2, 32, 64, "fp8", "cpu") == sm.default_config(2, 32, 64, "fp8")  # FP8: default
     assert sm.choose_config(5, 32, 64, "fp8", "cpu") is None  # "w8a8": the method's other path
-    assert sm.choose_config(17, 32, 64, "fp8", "cpu") is None  # above the row limit: the other path
+    assert sm.choose_config(17, 32, 64, "fp8", "cpu") is None  # above 16 rows: only a tuned bucket
     assert sm.choose_config(1, 32, 64, "fp8_block", "cpu") == sm.GemmConfig(8, 64, GEMV=True)
     assert not sm.choose_config(2, 32, 64, "fp8_block", "cpu").GEMV  # a GEMV entry for 2 rows is ignored
 
 
 @in_process
+def test_fp8_rows_above_16_take_the_kernel_only_where_the_table_says(table):
+    table({"fp8": {"32,64": {"32": TUNED, "64": "w8a8"}}, "bf16": {"32,64": {"16": TUNED}}})
+    fp8_w, bf16_w = torch.zeros(32, 64, dtype=FP8), torch.zeros(32, 64, dtype=torch.bfloat16)
+    rows = lambda m: torch.zeros(m, 64, dtype=torch.bfloat16)
+    assert sm.choose_config(17, 32, 64, "fp8", "cpu") == sm.GemmConfig(**TUNED)  # bucket 32
+    assert sm.use_small_m(rows(32), fp8_w) and sm.use_small_m(rows(20), fp8_w)
+    assert not sm.use_small_m(rows(33), fp8_w)  # bucket 64 says "w8a8"
+    assert not sm.use_small_m(rows(65), fp8_w)  # above MAX_M_FP8
+    assert not sm.use_small_m(rows(20), torch.zeros(48, 64, dtype=FP8))  # untuned shape: W8A8 above 16
+    assert not sm.use_small_m(rows(17), bf16_w)  # bf16 stops at 16 rows
+
+
+@in_process
 def test_no_table_keeps_cublas_for_bf16_and_uses_kernel_for_fp8(table):
-    assert qbase.SMALL_M_MAX == sm.MAX_M  # the linear methods' pre-check before importing the kernel
+    assert qbase.SMALL_M_MAX == max(sm.MAX_M, sm.MAX_M_FP8)  # the methods' pre-check before importing it
     with pytest.raises(ValueError, match="unknown entry"):
         sm.parse_entry("cuBLAS")
     x = torch.zeros(4, 64, dtype=torch.bfloat16)

@@ -110,7 +110,7 @@ class LinearMethod:
 
 # Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
 SMALL_M_DEVICES = ("cuda",)
-SMALL_M_MAX = 16  # the kernel's row limit (small_m_gemm.MAX_M), checked here before importing it
+SMALL_M_MAX = 64  # the kernel's largest row limit (small_m_gemm.MAX_M_FP8), checked before importing it
 _small_m_module = None
 
 

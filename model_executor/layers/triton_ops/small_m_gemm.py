@@ -5,7 +5,7 @@ leave bandwidth unused (split-K plus a separate reduce, tiles shaped for larger 
 BLOCK_N output columns for every row of x and walks its K range once, so each weight byte is read once.
 
 Layouts (row-major, unit stride in the last dim):
-    x      [M, K]  bfloat16 / float16, M <= MAX_M
+    x      [M, K]  bfloat16 / float16, M <= MAX_M (FP8 weights: MAX_M_FP8)
     W      [N, K]  x's dtype, or float8_e4m3fn dequantized in the kernel (weight-only: x stays in its dtype,
                    no activation quantization; e4m3 values are exact in bf16/fp16, so the only roundings
                    are fp32's, in the sums and the scale products, and the final cast)
@@ -21,7 +21,7 @@ value, enough to make the kernel conversion-bound below memory bandwidth.
 Why the dot is "swapped": tl.dot needs every dimension >= 16, and the row count is the small one, so the
 kernel computes y^T tiles: acc[BLOCK_N, 16] = W_tile[BLOCK_N, BLOCK_K] @ x_tile^T[BLOCK_K, 16]. The weight
 tile is the left operand (the large dimension, where the MMA shapes want it) and x's rows are padded to 16
-by re-reading row 0 (loads stay unmasked; padding rows are never stored). With one row, that row is loaded
+(FP8 rows above 16: to the next power of two, BLOCK_M) by re-reading row 0 (loads stay unmasked; padding rows are never stored). With one row, that row is loaded
 and converted once per step and broadcast to the 16 columns (FP8: the conversion of x would otherwise cost
 half as much again as the weight's).
 
@@ -74,9 +74,13 @@ from model_executor.layers.rotary_store_kv import RopeStore
 
 logger = logging.getLogger("duet.small_m_gemm")
 
-MAX_M = 16  # rows of x: the padded dot dimension (tl.dot's minimum)
+MAX_M = 16  # rows of x (bf16 / fp16 weights); the dot's padded row count (tl.dot's minimum) up to it
+# FP8 weights up to this many rows, above MAX_M only where the table has a config for the row count's bucket:
+# the weight-only read against activation quantization + the W8A8 GEMM, whose cuBLAS kernels at 17-64 rows
+# are far from the weights' read (docs/benchmarks.md). Above MAX_M the dot pads the rows to a power of two.
+MAX_M_FP8 = 64
 CONFIG_DIR = Path(__file__).parent / "configs"
-M_BUCKETS = (1, 2, 4, 8, 16)  # the row counts the tuner times; a batch uses the next bucket up
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the row counts the tuner times; a batch uses the next bucket up
 FP8 = torch.float8_e4m3fn
 # FP8 weights: the dot runs in fp16 (e4m3 -> fp16 is one packed instruction per two values; e4m3 -> bf16
 # needs a second conversion per value, which caps the kernel below bandwidth), so bf16 x goes to fp16
@@ -367,8 +371,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
            block: tuple[int, int] | None) -> None:
     m, k = x.shape
     n = weight.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"small-M GEMM takes at most {MAX_M} rows, got {m}")
+    limit = max_rows(weight_kind(weight, block))
+    if m > limit:
+        raise ValueError(f"small-M GEMM takes at most {limit} rows of this weight, got {m}")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"small-M GEMM: x must be bfloat16 or float16, got {x.dtype}")
     if weight.dim() != 2 or weight.shape[1] != k:
@@ -488,7 +493,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
         NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
-        BLOCK_M=1 if cfg.GEMV else MAX_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
+        BLOCK_M=1 if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)), BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
         reduce_block = min(1024, triton.next_power_of_2(n))
@@ -639,17 +644,23 @@ def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
     return split
 
 
+def max_rows(kind: str) -> int:
+    """The most rows the kernel takes for a weight kind (module docstring)."""
+    return MAX_M_FP8 if kind.startswith("fp8") else MAX_M
+
+
 def choose_config(m: int, n: int, k: int, kind: str, device: str) -> GemmConfig | None:
-    """The config for an (M, N, K) GEMM on `device` (a name as device_name gives it), or None: use cuBLAS.
-    Tuned entries first (the next M bucket up); otherwise the default for FP8 and cuBLAS for the rest."""
-    if m > MAX_M:
+    """The config for an (M, N, K) GEMM on `device` (a name as device_name gives it), or None: the layer's
+    other path (cuBLAS, or W8A8 for FP8). Tuned entries first (the next M bucket up); otherwise the default
+    for FP8 up to MAX_M rows (above it only a tuned entry) and the other path for the rest."""
+    if m > max_rows(kind):
         return None
     tuned = tuned_configs(device, kind, n, k)
     if tuned is not None:
         bucket = m_bucket(m)
         if bucket in tuned and (tuned[bucket] is None or not tuned[bucket].GEMV or m == 1):
             return tuned[bucket]
-    return default_config(m, n, k, kind) if kind.startswith("fp8") else None
+    return default_config(m, n, k, kind) if kind.startswith("fp8") and m <= MAX_M else None
 
 
 def config_to_json(cfg: GemmConfig | None, kind: str = "bf16"):
@@ -687,7 +698,7 @@ def _tracing() -> bool:
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
                    config: GemmConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_M) @ dequantized weight^T (+ bias) -> [M, N] in x's dtype; see the module
+    """x [M, K] (M <= max_rows) @ dequantized weight^T (+ bias) -> [M, N] in x's dtype; see the module
     docstring for the layouts. `config` overrides the table (the tuner and tests); otherwise the config is
     chosen per call from the table (cheap: cached), or the default when the table has none."""
     if config is not None:
@@ -798,12 +809,12 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
 
 def use_small_m(x2: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
     """Whether a CUDA linear with these rows takes the kernel: 1 <= M <= MAX_M and a table entry (FP8
-    weights: always). Not while dynamo compiles: the piecewise runner traces a symbolic token count once
+    weights: always up to MAX_M, with a table entry up to MAX_M_FP8). Not while dynamo compiles: the piecewise runner traces a symbolic token count once
     for every size (a branch on it would add a guard and a recompile), so its pieces keep the other path."""
     if torch.compiler.is_compiling():
         return False
     m = x2.shape[0]
-    if m == 0 or m > MAX_M:
+    if m == 0 or m > max_rows(weight_kind(weight, block)):
         return False
     if block is not None and not _kernel_block_k(block[1]):  # steps must not straddle two scale blocks
         return False
