@@ -177,9 +177,9 @@ def test_traced_pieces_pick_the_path_on_the_real_row_count(fused_on_cpu):
     count; each call must still compute what eager computes at its size (small-M up to 16, fused above)."""
     from model_executor.layers.norm import RMSNorm
 
-    layer, _ = _layer("fp8", "ColumnParallelLinear", 96, 48, bias=True)
+    layer, _ = _layer("fp8", "ColumnParallelLinear", 96, 64, bias=True)  # (CUDA's _scaled_mm: K % 16 == 0)
     norm = RMSNorm(96, eps=1e-5).to(DEVICE, torch.bfloat16)
-    down, _ = _layer("fp8", "RowParallelLinear", 24, 96, bias=False)
+    down, _ = _layer("fp8", "RowParallelLinear", 32, 96, bias=False)
 
     def piece(x, res):
         y, h = layer.forward_normed(norm, x, res)
