@@ -66,6 +66,7 @@ def test_silu_and_mul_quant_has_the_bits_of_silu_and_mul_then_quant(m, inter, gr
     assert s.shape == (m, inter // group) and torch.equal(s, s_ref)
 
 
+@in_process
 def test_fused_quant_fits_refuses_what_the_kernels_cannot_take():
     assert fp8_ops.fused_quant_fits(4096, 4096) and fp8_ops.fused_quant_fits(14336, 14336)
     assert fp8_ops.fused_quant_fits(5120, 128)
@@ -158,6 +159,7 @@ def test_down_layer_quantizes_in_the_silu_kernel_above_16_rows(quant, fused_on_c
         assert layer.forward_gated(gate_up[:16]) is None  # decode-sized: the caller's small-M path
 
 
+@in_process
 def test_static_input_scales_and_unquantized_layers_keep_their_path(monkeypatch):
     """A static per-tensor input scale is not the fused kernels' dynamic scale: that method, like an
     unquantized layer, has no fused input (None, the caller's path), even where the fused kernels would run."""
