@@ -15,9 +15,10 @@ time: three of a layer's four linears quantize inside the RMSNorm or SiLU-and-mu
 Timing: every call of a measurement reads its own copy of the weight, enough copies that together they
 exceed the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode
 step is a graph replay: no launch overhead); the median of a few replays over the number of calls.
-Search, per (kind, N, K, M): column/K tiles (at M = 1 also the one-row GEMV variant's) at a split count
-that gives about two programs per SM, then the split count for the best tile, then warps/stages for the
-best of those (skipped with --quick).
+Search, per (kind, N, K, M): column/K tiles (at M = 1 also the one-row GEMV variant's; for "fp8" above one
+row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of _scaled_mm)
+at a split count that gives about two programs per SM, then the split count for the best tile (of each
+variant), then warps/stages for the best of those (skipped with --quick).
 """
 
 from __future__ import annotations
@@ -178,9 +179,18 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
+    act = None
+    if kind == "fp8" and m > 1:  # the X_FP8 variant: x quantized per token beforehand (as the W8A8 path has it)
+        from model_executor.layers.quantization import fp8_ops
+
+        act = fp8_ops.per_token_group_quant_fp8(x, k)
+
     def measure(cfg):
         try:
-            us = time_calls(kernel_calls(sm, x, wts, cfg))
+            calls = kernel_calls(sm, x, wts, cfg) if not cfg.X_FP8 else [
+                lambda w=w, s=s: sm.small_m_linear_fp8_act(*act, w, s, None, x.dtype, config=cfg)
+                for w, s in zip(wts.w, wts.s)]
+            us = time_calls(calls)
         except Exception as e:  # noqa: BLE001 (over the GPU's resources: skip it, say so)
             print(f"    skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
             return math.inf
@@ -192,15 +202,18 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick, m)]
     if m == 1:
         tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick)]
+    if act is not None:
+        tiles += [(bn, bk, None) for bn, bk in tile_grid(kind, quick, m)]  # (None: X_FP8)
     for bn, bk, gemv in tiles:
         cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sm.split_for(n, k, bn, bk, sms), num_warps=4, num_stages=4,
-                            GEMV=gemv)
+                            GEMV=bool(gemv), X_FP8=gemv is None)
         results.append((measure(cfg), cfg))
-    best_us, best = min(results, key=lambda r: r[0])
-    for split in (1, 2, 4, 8, 16):
-        if split != best.SPLIT_K and k // split >= best.BLOCK_K:
-            cfg = dataclasses.replace(best, SPLIT_K=split)
-            results.append((measure(cfg), cfg))
+    for x_fp8 in (False, True) if act is not None else (False,):  # the split pass for the best of each
+        best_us, best = min((r for r in results if r[1].X_FP8 == x_fp8), key=lambda r: r[0])
+        for split in (1, 2, 4, 8, 16):
+            if split != best.SPLIT_K and k // split >= best.BLOCK_K:
+                cfg = dataclasses.replace(best, SPLIT_K=split)
+                results.append((measure(cfg), cfg))
     best_us, best = min(results, key=lambda r: r[0])
     if not quick:
         for warps, stages in GEMV_WARPS_STAGES if best.GEMV else DOT_WARPS_STAGES:

@@ -163,8 +163,8 @@ def test_down_layer_quantizes_in_the_silu_kernel_above_16_rows(quant, fused_on_c
 def test_static_input_scales_and_unquantized_layers_keep_their_path(monkeypatch):
     """A static per-tensor input scale is not the fused kernels' dynamic scale: that method, like an
     unquantized layer, has no fused input (None, the caller's path), even where the fused kernels would run."""
-    from model_executor.layers.quantization import QuantConfig, quantization_context
     from model_executor.layers.linear import RowParallelLinear
+    from model_executor.layers.quantization import QuantConfig, quantization_context
 
     monkeypatch.setattr(fl, "FUSED_QUANT_DEVICES", ("cuda", "cpu"))
     for quant in (QuantConfig("fp8_channel", static_input_scale=True), None):

@@ -125,6 +125,26 @@ def test_fp8_weights_above_16_rows(kind, m):
 
 
 @in_process
+@pytest.mark.parametrize("m,cfg", [(3, SPLIT), (24, NO_SPLIT), (64, SPLIT)])
+def test_fp8_activations_on_fp8_tensor_cores(m, cfg):
+    """X_FP8: x quantized per token, the dot on FP8 operands, y = (xq * xs) @ (wq * ws)^T + bias: the W8A8
+    GEMM's math (its float32 reference of the same codes)."""
+    from model_executor.layers.quantization import fp8_ops
+
+    w, s, _, w_deq = make_weight("fp8", 72, 192, seed=m)
+    x = torch.randn(m, 192, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.bfloat16)
+    xq, xs = fp8_ops.per_token_group_quant_fp8(x, 192)
+    b = torch.randn(72, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    dev = lambda t: t.to(DEVICE)
+    out = sm.small_m_linear_fp8_act(xq, xs, dev(w), dev(s), dev(b), torch.bfloat16,
+                                    sm.GemmConfig(**cfg, X_FP8=True)).cpu()
+    assert out.shape == (m, 72) and out.dtype == torch.bfloat16
+    assert_matches_reference(out, reference(xq.float().cpu() * xs.cpu(), w_deq, b), torch.bfloat16)
+    with pytest.raises(ValueError, match="X_FP8 config"):  # a weight-only config with FP8 rows
+        sm.small_m_linear_fp8_act(xq, xs, dev(w), dev(s), None, torch.bfloat16, sm.GemmConfig(**cfg))
+
+
+@in_process
 def test_split_k_is_deterministic_and_each_split_count_is_right():
     """Two runs give the same bits; split counts 1 and 4 both match the reference (their bits may differ:
     fp32 sums in another order)."""
@@ -212,6 +232,27 @@ def test_fp8_rows_above_16_take_the_kernel_only_where_the_table_says(table):
     assert not sm.use_small_m(rows(65), fp8_w)  # above MAX_M_FP8
     assert not sm.use_small_m(rows(20), torch.zeros(48, 64, dtype=FP8))  # untuned shape: W8A8 above 16
     assert not sm.use_small_m(rows(17), bf16_w)  # bf16 stops at 16 rows
+
+
+@in_process
+def test_x_fp8_entries_belong_to_the_w8a8_path(table, monkeypatch):
+    """An X_FP8 entry is not a weight-only config: the layer takes the W8A8 path at those rows (its input
+    quantized, by the norm's kernel where one feeds it), whose GEMM is then this kernel on FP8 operands."""
+    from model_executor.layers.quantization import fp8_linear as fl
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    act = {**TUNED, "X_FP8": True}
+    table({"fp8": {"32,64": {"32": act, "16": TUNED}}})
+    w = torch.zeros(32, 64, dtype=FP8)
+    rows = lambda m: torch.zeros(m, 64, dtype=torch.bfloat16)
+    assert sm.choose_config(20, 32, 64, "fp8", "cpu") is None and not sm.use_small_m(rows(20), w)
+    assert sm.act_quant_config(rows(20).to(FP8), w) == sm.GemmConfig(**act)
+    assert sm.act_quant_config(rows(16).to(FP8), w) is None  # bucket 16: a weight-only config
+    assert sm.act_quant_config(rows(20).to(FP8), torch.zeros(48, 64, dtype=FP8)) is None  # untuned shape
+    calls = []
+    monkeypatch.setattr(sm, "small_m_linear_fp8_act", lambda *a, **kw: calls.append(a[0].shape) or "kernel")
+    xq, xs = rows(20).to(FP8), torch.ones(20, 1)
+    assert fl._w8a8(xq, xs, w, torch.ones(32), None, None, torch.bfloat16) == "kernel" and calls == [(20, 64)]
 
 
 @in_process

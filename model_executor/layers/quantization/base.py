@@ -114,21 +114,34 @@ SMALL_M_MAX = 64  # the kernel's largest row limit (small_m_gemm.MAX_M_FP8), che
 _small_m_module = None
 
 
-def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None):
-    """The small_m_gemm module when this GEMM (x [..., K] rows times `weight`) should run it: a decode-sized
-    batch on a CUDA device, not under dynamo, and a table entry (FP8: always); else None. Triton is
-    imported on the first such call, never on a CPU path."""
+def _small_m():
     global _small_m_module
-    if x.device.type not in SMALL_M_DEVICES or torch.compiler.is_compiling():
-        return None
-    if x.numel() > SMALL_M_MAX * x.shape[-1]:
-        return None
     if _small_m_module is None:
         from model_executor.layers.triton_ops import small_m_gemm
 
         _small_m_module = small_m_gemm
+    return _small_m_module
+
+
+def small_m_act_quant(xq: torch.Tensor, weight: torch.Tensor):
+    """(small_m_gemm, its X_FP8 config) where the W8A8 GEMM of FP8 rows xq [M, K] with a per-channel FP8
+    weight should run the small-M kernel on FP8 tensor cores (a table entry for M's bucket), else None."""
+    if xq.device.type not in SMALL_M_DEVICES or xq.shape[0] > SMALL_M_MAX:
+        return None
+    cfg = _small_m().act_quant_config(xq, weight)
+    return None if cfg is None else (_small_m_module, cfg)
+
+
+def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None):
+    """The small_m_gemm module when this GEMM (x [..., K] rows times `weight`) should run it: a decode-sized
+    batch on a CUDA device, not under dynamo, and a table entry (FP8: always); else None. Triton is
+    imported on the first such call, never on a CPU path."""
+    if x.device.type not in SMALL_M_DEVICES or torch.compiler.is_compiling():
+        return None
+    if x.numel() > SMALL_M_MAX * x.shape[-1]:
+        return None
     x2 = x.reshape(-1, x.shape[-1])
-    return _small_m_module if _small_m_module.use_small_m(x2, weight, block) else None
+    return _small_m_module if _small_m().use_small_m(x2, weight, block) else None
 
 
 def _one_row_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None):

@@ -26,7 +26,7 @@ import torch
 
 from model_executor.layers import triton_ops
 from model_executor.layers.quantization import fp8_math
-from model_executor.layers.quantization.base import small_m_kernel
+from model_executor.layers.quantization.base import small_m_act_quant, small_m_kernel
 
 try:  # the FP8 GPU kernels (Triton is optional: a CPU install never runs FP8, see config.check_device)
     from model_executor.layers.quantization import fp8_ops
@@ -44,6 +44,9 @@ def _w8a8(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch
     """The GEMM of quantized activations (xq, scales xs per token or per 1 x block_k group) and an FP8 weight."""
     if block is not None:
         out = fp8_ops.w8a8_block_fp8_matmul(xq, weight, xs, scale, block, out_dtype)
+    elif (small_m := small_m_act_quant(xq, weight)) is not None:  # up to 64 rows where its table says so
+        kernel, cfg = small_m
+        return kernel.small_m_linear_fp8_act(xq, xs, weight, scale, bias, out_dtype, cfg)
     else:  # fp8 [M, K] x fp8 weight [N, K]^T with scales [M, 1] and [N] (sm89+)
         out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=out_dtype)
     return out if bias is None else out + bias

@@ -97,6 +97,10 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     GEMV: bool = False  # one row only: CUDA-core dot products instead of tl.dot (BLOCK_N may be below 16)
+    # FP8 weights: x quantized per token (FP8 codes and a scale per row), the dot on FP8 tensor cores. A table
+    # entry with it is a config of the W8A8 path (fp8_linear._w8a8), which quantizes x anyway, not of this
+    # weight-only one.
+    X_FP8: bool = False
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -104,7 +108,7 @@ class GemmConfig:
             least = 1 if name == "BLOCK_N" and self.GEMV else 16
             if v < least or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
-        if self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1:
+        if self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1 or (self.X_FP8 and self.GEMV):
             raise ValueError(f"bad small-M GEMM config {self}")
 
 
@@ -147,7 +151,7 @@ def _rope_store(a, b, offs_n, rows_n, rows_b, N, Y, POS, LOC, COS, KB, VB, strid
 # M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count.
 @triton.jit(do_not_specialize=["M", "stride_yk"])
 def _small_m_gemm_kernel(
-    X, W, S, BIAS, Y, R, G, H, P, POS, LOC, COS, KB, VB, M, N, K, k_per_split, eps, num_p,
+    X, W, S, BIAS, Y, R, G, H, P, POS, LOC, COS, KB, VB, XS, M, N, K, k_per_split, eps, num_p,
     stride_xm, stride_wn, stride_ym, stride_sn, stride_yk,
     stride_cos, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads, num_kv_heads,
     k_scale, v_scale,
@@ -157,7 +161,7 @@ def _small_m_gemm_kernel(
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
-    ADD_NORM: tl.constexpr, PRENORMED: tl.constexpr, NUM_P: tl.constexpr,
+    ADD_NORM: tl.constexpr, PRENORMED: tl.constexpr, NUM_P: tl.constexpr, X_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
@@ -180,7 +184,9 @@ def _small_m_gemm_kernel(
     program's sum of h^2 over its columns to P[pid_n], and Y receives G * h (rounded): the next GEMV's input
     before the 1 / rms(h) that only the sum of all of P gives. PRENORMED (GEMV, one split): x is such a G * h
     row and P its num_p partial sums (NUM_P: a power of two >= num_p); the sums are scaled by
-    1 / sqrt(sum(P) / K + eps) at the end, as NORM scales them."""
+    1 / sqrt(sum(P) / K + eps) at the end, as NORM scales them. X_FP8 (tl.dot, per-channel or no weight
+    scales): x holds FP8 codes, XS a float32 scale per row; the dot runs on FP8 operands and the sums are
+    scaled by the row's scale (the W8A8 GEMM's math)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -286,7 +292,7 @@ def _small_m_gemm_kernel(
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
                 xt = tl.load(x1_ptrs if ONE_ROW else x_ptrs, mask=k_mask if ONE_ROW else k_mask[:, None],
                              other=0.0)
-            if F16_DOT:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16 costs another per value)
+            if F16_DOT and not X_FP8:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16: another)
                 w = w.to(tl.float16)
                 if xt.dtype != tl.float16:  # bf16 x, scaled by a power of two into fp16's range: exact there
                     xt = (xt.to(tl.float32) * X_PRESCALE).to(tl.float16)
@@ -304,6 +310,8 @@ def _small_m_gemm_kernel(
             x1_ptrs += BLOCK_K
         if F16_DOT and X_PRESCALE != 1.0:
             acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
+        if X_FP8:
+            acc = acc * tl.load(XS + rows_m)[None, :]
     if SCALE == 1:
         acc = acc * tl.load(S + rows_n)[:, None]
         if PAIRED:
@@ -368,13 +376,19 @@ def _kernel_block_k(block_k: int) -> bool:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-           block: tuple[int, int] | None) -> None:
+           block: tuple[int, int] | None, x_scale: torch.Tensor | None = None) -> None:
     m, k = x.shape
     n = weight.shape[0]
+    if x_scale is not None:
+        if x.dtype != FP8 or weight.dtype != FP8 or block is not None:
+            raise ValueError("small-M GEMM: FP8 activations go with per-channel FP8 weights")
+        if x_scale.dtype != torch.float32 or x_scale.numel() != m or not x_scale.is_contiguous():
+            raise ValueError(f"small-M GEMM: FP8 activations need {m} float32 row scales, "
+                             f"got {tuple(x_scale.shape)}")
     limit = max_rows(weight_kind(weight, block))
     if m > limit:
         raise ValueError(f"small-M GEMM takes at most {limit} rows of this weight, got {m}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
+    if x.dtype not in (torch.bfloat16, torch.float16) and x_scale is None:
         raise ValueError(f"small-M GEMM: x must be bfloat16 or float16, got {x.dtype}")
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"small-M GEMM: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
@@ -422,19 +436,23 @@ class AddRmsNormOutput:
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
             block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False,
             norm: RmsNormInput | None = None, rope: RopeStore | None = None,
-            add_norm: AddRmsNormOutput | None = None, prenormed: PrenormedRow | None = None) -> torch.Tensor:
+            add_norm: AddRmsNormOutput | None = None, prenormed: PrenormedRow | None = None,
+            x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T);
     norm: x is first normed (and added to a residual) as `norm` says; rope: weight is a qkv projection
     and the epilogue runs the rotary and the KV store (the q heads of y rotated); add_norm: the epilogue
     adds the residual and prepares the next GEMM's PrenormedRow (y is its weighted row); prenormed: the
-    input is that row (x is prenormed.weighted)."""
+    input is that row (x is prenormed.weighted); x_scale: x holds FP8 codes with these per-row scales (an
+    X_FP8 config; y in out_dtype)."""
+    if cfg.X_FP8 != (x_scale is not None):
+        raise ValueError(f"FP8 activations (x_scale) go with an X_FP8 config and only with one, got {cfg}")
     if (add_norm is not None or prenormed is not None) and (not cfg.GEMV or cfg.SPLIT_K != 1):
         raise ValueError(f"a pre-normed input or an add + RMSNorm epilogue runs in a single-split GEMV, got {cfg}")
     if add_norm is not None and (silu_mul or norm is not None or rope is not None or prenormed is not None):
         raise ValueError("the add + RMSNorm epilogue goes with a plain GEMV only")
     if prenormed is not None and norm is not None:
         raise ValueError("an input is either pre-normed or normed in the kernel, not both")
-    _check(x, weight, scale, bias, block)
+    _check(x, weight, scale, bias, block, x_scale)
     if cfg.GEMV and x.shape[0] > 1:
         raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
     if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
@@ -455,7 +473,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         bias = bias.contiguous()
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul or rope is not None else weight.shape[0]  # (paired: half the rows)
-    y = torch.empty((m, weight.shape[0] if rope is not None else n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, weight.shape[0] if rope is not None else n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     block_k = cfg.BLOCK_K
@@ -466,7 +484,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     splits = triton.cdiv(k, k_per_split)
     scale_mode = 0 if scale is None else 2 if block is not None else 1
     partial = splits > 1  # (never with silu_mul: SPLIT_K 1 was checked above)
-    dot_f32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    dot_f32 = x.device.type == "cpu" and x.dtype in (torch.bfloat16, FP8)
     f16_dot = weight.dtype == FP8
     out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else y
     residual = norm.residual if norm is not None else None
@@ -481,6 +499,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
         residual if residual is not None else x, norm_weight, h_out, partials, *rope_ptrs,
+        x_scale if x_scale is not None else x,
         m, n, k, k_per_split, eps, partials.numel() if prenormed is not None else 0,
         x.stride(0), weight.stride(0), n, scale.stride(0) if scale_mode == 2 else 0, m * n, *rope_scalars,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
@@ -491,7 +510,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         NORM=norm is not None, HAS_RESIDUAL=norm is not None and residual is not None,
         ROPE=rope is not None, HALF=rope.cos_sin_cache.shape[-1] // 2 if rope is not None else 1,
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
-        NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1,
+        NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=1 if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)), BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -659,7 +678,7 @@ def choose_config(m: int, n: int, k: int, kind: str, device: str) -> GemmConfig 
     if tuned is not None:
         bucket = m_bucket(m)
         if bucket in tuned and (tuned[bucket] is None or not tuned[bucket].GEMV or m == 1):
-            return tuned[bucket]
+            return None if tuned[bucket] is not None and tuned[bucket].X_FP8 else tuned[bucket]
     return default_config(m, n, k, kind) if kind.startswith("fp8") and m <= MAX_M else None
 
 
@@ -805,6 +824,28 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     norm = RmsNormInput(norm_weight, eps, residual, None if residual is None else torch.empty_like(x))
     y = _launch(x, weight, scale, bias, block, config, norm=norm, rope=rope)
     return y, (x if residual is None else norm.sum_out)
+
+
+def small_m_linear_fp8_act(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                           bias: torch.Tensor | None, out_dtype: torch.dtype,
+                           config: GemmConfig | None = None) -> torch.Tensor:
+    """The W8A8 GEMM of FP8 rows xq [M, K] (x_scale: a float32 scale per row) and a per-channel FP8 weight, on
+    FP8 tensor cores in this kernel: y [M, N] in out_dtype. `config` overrides the table's X_FP8 entry."""
+    config = config or act_quant_config(xq, weight)
+    if config is None:
+        raise ValueError(f"no X_FP8 config for {tuple(xq.shape)} x {tuple(weight.shape)}")
+    return _launch(xq, weight, scale, bias, None, config, x_scale=x_scale.reshape(-1), out_dtype=out_dtype)
+
+
+def act_quant_config(xq: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
+    """The table's X_FP8 config for FP8 rows xq [M, K] and a per-channel FP8 weight (the W8A8 path then runs
+    this kernel instead of torch._scaled_mm), or None. Not while dynamo compiles (see use_small_m)."""
+    m = xq.shape[0]
+    if torch.compiler.is_compiling() or not 0 < m <= MAX_M_FP8:
+        return None
+    tuned = tuned_configs(_device_key(xq), "fp8", weight.shape[0], weight.shape[1])
+    cfg = None if tuned is None else tuned.get(m_bucket(m))
+    return cfg if cfg is not None and cfg.X_FP8 else None
 
 
 def use_small_m(x2: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
