@@ -25,16 +25,28 @@ def default_cuda_graph_max_bs(gpu_memory_bytes: int) -> int:
     return 512
 
 
+# Row counts where the small-M GEMM may change its config (its table's M buckets from 16 up,
+# model_executor/layers/triton_ops/small_m_gemm.M_BUCKETS): an explicit list gets those below its largest
+# entry, so a graph never pads a batch across one and computes it as the same batch run eagerly (with FP8
+# activations re-quantized at every layer, a last-bit difference grows through the model).
+GEMM_ROW_BOUNDARIES = (16, 32, 64)
+
+
+def _with_gemm_boundaries(sizes: list[int]) -> list[int]:
+    return sorted(set(sizes) | {b for b in GEMM_ROW_BOUNDARIES if b < sizes[-1]})
+
+
 def get_batch_sizes_to_capture(cuda_graph_max_bs: int | None, cuda_graph_bs: tuple[int, ...] | None = None,
                                max_running_requests: int | None = None,
                                gpu_memory_bytes: int | None = None) -> list[int]:
     """Ascending decode capture list.
 
-    The explicit list wins (and its largest entry is the max); otherwise 1, 2, 4, 8, 12, 16..256 step 8,
-    272..496 step 16, 512.. step 32, up to max_bs. Sizes above max_running_requests are dropped.
+    The explicit list wins (and its largest entry is the max; GEMM_ROW_BOUNDARIES below it are added);
+    otherwise 1, 2, 4, 8, 12, 16..256 step 8, 272..496 step 16, 512.. step 32, up to max_bs. Sizes above
+    max_running_requests are dropped.
     """
     if cuda_graph_bs:
-        sizes = sorted(set(cuda_graph_bs))
+        sizes = _with_gemm_boundaries(sorted(set(cuda_graph_bs)))
     else:
         if cuda_graph_max_bs is None:
             cuda_graph_max_bs = default_cuda_graph_max_bs(gpu_memory_bytes or 0)
@@ -48,9 +60,10 @@ def get_batch_sizes_to_capture(cuda_graph_max_bs: int | None, cuda_graph_bs: tup
 
 def get_token_levels(max_tokens: int, explicit: tuple[int, ...] | None = None) -> list[int]:
     """Ascending extend token-count levels: 4..32 step 4, 48..256 step 16, 288..512 step 32,
-    576..1024 step 64, 1280..4096 step 256, 4608.. step 512, up to max_tokens (or the explicit list)."""
+    576..1024 step 64, 1280..4096 step 256, 4608.. step 512, up to max_tokens (or the explicit list, with
+    GEMM_ROW_BOUNDARIES below its largest entry)."""
     if explicit:
-        return sorted(set(explicit))
+        return _with_gemm_boundaries(sorted(set(explicit)))
     levels = (list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 513, 32))
               + list(range(576, 1025, 64)) + list(range(1280, 4097, 256))
               + list(range(4608, max(max_tokens, 4608) + 1, 512)))

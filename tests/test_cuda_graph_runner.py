@@ -17,7 +17,7 @@ from triton_mode import DEVICE, in_process
 from model_executor.forward_batch import ForwardMode
 from model_executor.layers.attention.torch_native import TorchNativeBackend
 from model_executor.layers.attention.triton_backend import TritonAttnBackend
-from runners.capture_lists import get_batch_sizes_to_capture, pick_size
+from runners.capture_lists import get_batch_sizes_to_capture, get_token_levels, pick_size
 from runners.cuda_graph_runner import CudaGraphRunner
 from runners.graph_seam import StandInCapturer
 from runners.model_runner import ModelRunner, RunnerConfig
@@ -47,8 +47,12 @@ def test_default_max_bs_from_memory():
 def test_explicit_list_and_max_running_cut():
     assert get_batch_sizes_to_capture(256, (16, 1, 4, 2, 8)) == [1, 2, 4, 8, 16]
     assert get_batch_sizes_to_capture(None, (3, 1, 7)) == [1, 3, 7]
+    # the small-M GEMM's row boundaries below the largest size join an explicit list (capture_lists docstring)
+    assert get_batch_sizes_to_capture(None, (1, 20, 48)) == [1, 16, 20, 32, 48]
+    assert get_token_levels(0, (16, 64, 128)) == [16, 32, 64, 128]
+    assert get_token_levels(0, (8, 16)) == [8, 16]
     assert get_batch_sizes_to_capture(256, None, max_running_requests=20) == [1, 2, 4, 8, 12, 16]
-    assert get_batch_sizes_to_capture(None, (1, 2, 64), max_running_requests=32) == [1, 2]
+    assert get_batch_sizes_to_capture(None, (1, 2, 64), max_running_requests=32) == [1, 2, 16, 32]
 
 
 def test_pick_size_bisects():
