@@ -128,8 +128,9 @@ def small_m_act_quant(xq: torch.Tensor, weight: torch.Tensor):
     weight should run the small-M kernel on FP8 tensor cores (a table entry for M's bucket), else None."""
     if xq.device.type not in SMALL_M_DEVICES or xq.shape[0] > SMALL_M_MAX:
         return None
-    cfg = _small_m().act_quant_config(xq, weight)
-    return None if cfg is None else (_small_m_module, cfg)
+    kernel = _small_m()
+    cfg = kernel.act_quant_config(xq, weight)
+    return None if cfg is None else (kernel, cfg)
 
 
 def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None):
@@ -140,8 +141,8 @@ def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
         return None
     if x.numel() > SMALL_M_MAX * x.shape[-1]:
         return None
-    x2 = x.reshape(-1, x.shape[-1])
-    return _small_m_module if _small_m().use_small_m(x2, weight, block) else None
+    kernel = _small_m()
+    return kernel if kernel.use_small_m(x.reshape(-1, x.shape[-1]), weight, block) else None
 
 
 def _one_row_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None):

@@ -116,7 +116,10 @@ class Fp8ChannelMethod(_Fp8InputFusion, LinearMethod):
 
     def __init__(self, quant: QuantConfig):
         self.static_input_scale = quant.static_input_scale
-        self.dynamic_activations = not quant.static_input_scale
+
+    @property
+    def dynamic_activations(self) -> bool:
+        return not self.static_input_scale
 
     def create_weights(self, layer, input_size, output_size, bias):
         _fp8_weight(layer, input_size, output_size, load_dtype=FP8)
