@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import triton_mode
-from triton_mode import DEVICE, in_process
+from triton_mode import DEVICE, in_process, interpreter_only
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers.quantization import base as qbase
@@ -293,7 +293,7 @@ def _linear(quant, n: int, k: int, bias: bool):
     return layer, w_deq
 
 
-@in_process
+@interpreter_only
 @pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
 def test_linear_methods_take_the_kernel_at_small_m(quant, table, monkeypatch):
     """With the kernel allowed on this device (the interpreter's CPU tensors stand in for CUDA): M <= 16 runs
@@ -319,7 +319,7 @@ def test_linear_methods_take_the_kernel_at_small_m(quant, table, monkeypatch):
             assert calls == [4]
 
 
-@in_process
+@interpreter_only
 def test_lm_head_takes_the_kernel_where_the_table_says(table, monkeypatch):
     from model_executor.layers.embedding import ParallelLMHead
 
@@ -365,7 +365,7 @@ def test_custom_op_traces_under_torch_compile():
         torch._dynamo.reset()
 
 
-@in_process
+@interpreter_only
 @pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
 def test_fp8_linear_traced_once_picks_its_path_per_row_count(quant, table, monkeypatch):
     """The piecewise runner traces its pieces once for a symbolic token count and captures them at several
@@ -410,7 +410,7 @@ def test_fused_silu_and_mul_equals_linear_then_silu_and_mul(kind, k, cfg):
     assert torch.equal(fused.cpu(), triton_ops.silu_and_mul(gate_up).cpu())
 
 
-@in_process
+@interpreter_only
 def test_fused_silu_and_mul_config_and_refusals(table):
     gemv = {"BLOCK_N": 8, "BLOCK_K": 64, "GEMV": True}
     table({"bf16": {"32,64": {"1": gemv}, "48,64": {"1": {**gemv, "SPLIT_K": 2}}, "64,64": {"1": TUNED},
@@ -462,7 +462,7 @@ def test_fused_rmsnorm_linear_matches_reference(kind, k, cfg, with_residual):
     assert_matches_reference(y.cpu(), reference(rmsnorm_reference(h.cpu(), g, eps), w_deq, bias), torch.bfloat16)
 
 
-@in_process
+@interpreter_only
 def test_fused_rmsnorm_refusals(table):
     """The fused norm needs a single-split GEMV (each program sums h^2 over all of K) and well-formed norm
     operands; the table's choice decides, as for the SiLU-and-mul."""
@@ -524,7 +524,7 @@ def _tiny_mlp(quant, table):
     return mlp, gen
 
 
-@in_process
+@interpreter_only
 @pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_forward_normed_folds_the_norm_in_at_one_row(quant, with_residual, table, monkeypatch):
@@ -564,7 +564,7 @@ def test_forward_normed_folds_the_norm_in_at_one_row(quant, with_residual, table
                 assert torch.equal(out, unfused)
 
 
-@in_process
+@interpreter_only
 @pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
 def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
     """LlamaMLP at one decode row runs gate/up + SiLU-and-mul as one kernel (the table's GEMV for the
@@ -588,7 +588,7 @@ def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
         assert len(fused) == 1  # two rows: the linear and SiluAndMul
 
 
-@in_process
+@interpreter_only
 def test_llama_decode_row_folds_the_input_norm_into_qkv(tiny_llama, table, monkeypatch):
     """A bf16 Llama decode step of one request: every layer's input norm runs inside its qkv GEMV (none
     falling back), and the logits stay within bf16 rounding of the same step with the norms run apart."""
@@ -667,7 +667,7 @@ def test_fused_qkv_rope_store_equals_gemv_then_rotary_store_kv(kind, head_dim, c
     assert pools[0][:5].float().abs().sum() == 0 and pools[0][6:].float().abs().sum() == 0  # (and only it)
 
 
-@in_process
+@interpreter_only
 def test_fused_qkv_rope_store_refusals():
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     g = torch.ones(64, dtype=torch.bfloat16)
@@ -686,7 +686,7 @@ def test_fused_qkv_rope_store_refusals():
             torch.tensor([1]), cache, torch.tensor([0]), pool[:, :1], pool, 4, 2), config=gemv)
 
 
-@in_process
+@interpreter_only
 def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(tiny_llama, table, monkeypatch):
     """A bf16 Llama decode step of one request on the triton backend: every layer's input norm, qkv GEMV,
     rotary and KV store run as one kernel, and the logits and the K/V it stores have the bits of the same
@@ -777,7 +777,7 @@ def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg):
     torch.testing.assert_close(act.float().cpu(), ref, rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())
 
 
-@in_process
+@interpreter_only
 def test_add_rmsnorm_refusals(table, monkeypatch):
     """The epilogue and the pre-normed input need a single-split GEMV of one row and well-formed operands;
     the pair runs only when the table gives both weights a single-split GEMV (nothing launched otherwise)."""
@@ -860,7 +860,7 @@ def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, c
     assert pools[0][3].float().abs().sum() > 0
 
 
-@in_process
+@interpreter_only
 def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, table, monkeypatch):
     """A bf16 Llama decode step of one request on the triton backend: o_proj's and down's GEMVs add the
     residual and sum h^2 in their epilogues (down: not in the last layer, whose output goes to the final

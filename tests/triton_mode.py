@@ -40,6 +40,15 @@ def in_process(fn):
     return pytest.mark.triton_mode(skip(fn))
 
 
+def interpreter_only(fn):
+    """An `in_process` test whose CPU tensors stand in for CUDA ones while the kernels run in the interpreter
+    (a layer's or model's dispatch to them, a launcher's refusals). A CUDA host's compiled kernels refuse CPU
+    tensors, so there it skips; tests/gpu/ runs the same kernels on the device."""
+    skip = pytest.mark.skipif(HAS_CUDA, reason="CPU tensors stand in for CUDA ones: interpreter only "
+                                               "(tests/gpu/ runs these kernels on the device)")
+    return skip(in_process(fn))
+
+
 def subprocess_test(module_file: str, *pytest_args: str):
     """A test that re-runs `module_file` (its `pytest_args` selection) with the interpreter on."""
 

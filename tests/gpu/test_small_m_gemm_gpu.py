@@ -5,7 +5,6 @@ against eager with the kernel in every linear (bf16 through a table that selects
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -269,19 +268,16 @@ def test_fused_qkv_rope_store_matches_the_two_kernels_and_replays(kind, heads, h
     assert replayed_k.float().abs().sum() > 0
 
 
-# The X_FP8 configs call 3 of the twenty-first session tuned (docs/results), not yet in the server's table.
-XFP8_TABLE = Path(__file__).resolve().parents[2] / "docs/results/small_m_gemm_NVIDIA_H200_xfp8_tuned_2026-12-03s21.json"
-
-
 @pytest.mark.parametrize("m", [17, 24, 32, 33, 64])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (4096, 14336), (2048, 8192)])
 def test_fp8_activations_on_fp8_tensor_cores_match_the_w8a8_reference(n, k, m):
-    """The X_FP8 kernel (x quantized per token, the dot on FP8 operands) at its tuned configs against float32
-    math on the same codes (fp8_linear_reference's W8A8 product), and against torch._scaled_mm; rows padded
-    within a bucket (17 and 24 of 32) give the bits of the full bucket's rows."""
+    """The X_FP8 kernel (x quantized per token, the dot on FP8 operands) at the server table's configs against
+    float32 math on the same codes (fp8_linear_reference's W8A8 product), and against torch._scaled_mm (its
+    default, float32 promotion: the kernel adds each K step's FP8 products into float32, or the sums drift
+    past a bf16 ulp); rows padded within a bucket (17 and 24 of 32) give the bits of the full bucket's rows."""
     from model_executor.layers.quantization import fp8_ops
 
-    table = json.loads(XFP8_TABLE.read_text())["fp8"][f"{n},{k}"]
+    table = json.loads(sm.table_path(sm.device_name()).read_text())["fp8"][f"{n},{k}"]
     cfg = sm.GemmConfig(**table[str(sm.m_bucket(m))])
     assert cfg.X_FP8
     w, s, _, w_deq = weight("fp8", n, k, seed=n + m)

@@ -303,6 +303,10 @@ def _small_m_gemm_kernel(
                 xt = xt.to(tl.float32)
             if SCALE == 2:  # BLOCK_K divides SCALE_BK and steps are aligned: one scale column per step
                 acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+            elif X_FP8:  # sm_90's FP8 MMA accumulates with fewer mantissa bits than float32 (Triton's default
+                # leaves all of K to it: over 4096-14336 the sums drift past a bf16 ulp); each step's BLOCK_K
+                # products go into the float32 acc instead (DeepSeek-V3's FP8 GEMMs promote every 128)
+                acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
             w_ptrs += BLOCK_K
