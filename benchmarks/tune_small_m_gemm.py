@@ -15,8 +15,9 @@ time: three of a layer's four linears quantize inside the RMSNorm or SiLU-and-mu
 Timing: every call of a measurement reads its own copy of the weight, enough copies that together they
 exceed the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode
 step is a graph replay: no launch overhead); the median of a few replays over the number of calls.
-Search, per (kind, N, K, M): column/K tiles (at M = 1 also the one-row GEMV variant's; for "fp8" above one
-row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of _scaled_mm)
+Search, per (kind, N, K, M): column/K tiles (at M = 1 also the one-row GEMV variant's; for both FP8 kinds
+above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
+_scaled_mm or the block GEMM)
 at a split count that gives about two programs per SM, then the split count for the best tile (of each
 variant), then warps/stages for the best of those (skipped with --quick).
 """
@@ -180,15 +181,15 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     act = None
-    if kind == "fp8" and m > 1:  # the X_FP8 variant: x quantized per token beforehand (as the W8A8 path has it)
-        from model_executor.layers.quantization import fp8_ops
+    if kind.startswith("fp8") and m > 1:  # the X_FP8 variant: x quantized beforehand, per token or per 1 x 128
+        from model_executor.layers.quantization import fp8_ops  # group (as the W8A8 path has it)
 
-        act = fp8_ops.per_token_group_quant_fp8(x, k)
+        act = fp8_ops.per_token_group_quant_fp8(x, k if wts.block is None else wts.block[1])
 
     def measure(cfg):
         try:
             calls = kernel_calls(sm, x, wts, cfg) if not cfg.X_FP8 else [
-                lambda w=w, s=s: sm.small_m_linear_fp8_act(*act, w, s, None, x.dtype, config=cfg)
+                lambda w=w, s=s: sm.small_m_linear_fp8_act(*act, w, s, None, x.dtype, config=cfg, block=wts.block)
                 for w, s in zip(wts.w, wts.s)]
             us = time_calls(calls)
         except Exception as e:  # noqa: BLE001 (over the GPU's resources: skip it, say so)

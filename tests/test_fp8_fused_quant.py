@@ -144,6 +144,44 @@ def test_qkv_layer_quantizes_in_the_norm_kernel_above_16_rows(quant, residual, f
 
 @in_process
 @pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
+def test_qkv_layer_runs_the_x_fp8_kernel_on_the_norm_kernels_codes(quant, fused_on_cpu, monkeypatch, tmp_path):
+    """With an X_FP8 table entry for the weight (per-channel or block scales), the W8A8 GEMM after the
+    RMSNorm-and-quantize kernel is the small-M kernel on FP8 operands: its output is the float32 math of the
+    norm kernel's codes and scales (block: x's scales per 1 x 32 group) within a bf16 rounding."""
+    import json
+
+    from model_executor.layers.norm import RMSNorm
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    k, n = 96, 80
+    layer, block = _layer(quant, "ColumnParallelLinear", k, n, bias=True)
+    monkeypatch.setattr(sm, "CONFIG_DIR", tmp_path)
+    entry = {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "X_FP8": True}
+    (tmp_path / f"small_m_gemm_{sm.device_name('cpu')}.json").write_text(json.dumps({quant: {f"{n},{k}": {"32": entry}}}))
+    sm._table.cache_clear()
+    sm.tuned_configs.cache_clear()
+    monkeypatch.setattr(sm, "_device_key", lambda x: sm.device_name("cpu"))  # (a CUDA host's name for its table)
+    norm = RMSNorm(k, eps=1e-5).to(DEVICE, torch.bfloat16)
+    x, res = _rows(20, k, 5), _rows(20, k, 6)
+    scale = layer.weight_scale_inv if block else layer.weight_scale
+    calls = _Calls(monkeypatch, sm, "small_m_linear_fp8_act")
+    try:
+        with torch.no_grad():
+            y, _ = layer.forward_normed(norm, x, res)
+            xq, xs, _ = fp8_ops.rmsnorm_quant_fp8(x, res, norm.weight, norm.eps, block[1] if block else k)
+    finally:
+        sm._table.cache_clear()
+        sm.tuned_configs.cache_clear()
+    assert calls.n == {"small_m_linear_fp8_act": 1}
+    w_deq = fm.dequantize_fp8_block(layer.weight.cpu(), scale.cpu(), block) if block else \
+        layer.weight.float().cpu() * scale.cpu()[:, None]
+    x_deq = xq.float().cpu() * (xs.cpu().repeat_interleave(block[1], dim=1) if block else xs.cpu())
+    ref = x_deq @ w_deq.t() + layer.bias.float().cpu()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=2.0**-7, atol=1e-4)
+
+
+@in_process
+@pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
 def test_down_layer_quantizes_in_the_silu_kernel_above_16_rows(quant, fused_on_cpu, monkeypatch):
     k, n = 64, 48
     layer, block = _layer(quant, "RowParallelLinear", k, n, bias=False)

@@ -145,6 +145,30 @@ def test_fp8_activations_on_fp8_tensor_cores(m, cfg):
 
 
 @in_process
+@pytest.mark.parametrize("m,cfg", [(3, SPLIT), (24, NO_SPLIT), (64, SPLIT)])
+def test_fp8_activations_with_block_scales(m, cfg):
+    """X_FP8 with block-scaled weights (32 x 32 blocks here): x quantized per 1 x 32 group, each K step's dot
+    scaled by its weight-scale column and its x-scale column: the float32 reference of the same codes, both
+    scaled per block. A K step wider than the scale block is narrowed to it (BLOCK_K 64 -> 32)."""
+    from model_executor.layers.quantization import fp8_ops
+
+    w, s, block, w_deq = make_weight("fp8_block", 72, 192, seed=m)
+    x = torch.randn(m, 192, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.bfloat16)
+    xq, xs = fp8_ops.per_token_group_quant_fp8(x, block[1])
+    assert xs.shape == (m, 192 // block[1])
+    x_deq = xq.float().cpu() * xs.cpu().repeat_interleave(block[1], dim=1)
+    b = torch.randn(72, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    dev = lambda t: t.to(DEVICE)
+    out = sm.small_m_linear_fp8_act(xq, xs, dev(w), dev(s), dev(b), torch.bfloat16,
+                                    sm.GemmConfig(**cfg, X_FP8=True), block).cpu()
+    assert out.shape == (m, 72) and out.dtype == torch.bfloat16
+    assert_matches_reference(out, reference(x_deq, w_deq, b), torch.bfloat16)
+    with pytest.raises(ValueError, match="FP8 activations need float32 scales"):  # per-row scales with blocks
+        sm.small_m_linear_fp8_act(xq, xs[:, :1].contiguous(), dev(w), dev(s), None, torch.bfloat16,
+                                  sm.GemmConfig(**cfg, X_FP8=True), block)
+
+
+@in_process
 def test_split_k_is_deterministic_and_each_split_count_is_right():
     """Two runs give the same bits; split counts 1 and 4 both match the reference (their bits may differ:
     fp32 sums in another order)."""
@@ -250,9 +274,17 @@ def test_x_fp8_entries_belong_to_the_w8a8_path(table, monkeypatch):
     assert sm.act_quant_config(rows(16).to(FP8), w) is None  # bucket 16: a weight-only config
     assert sm.act_quant_config(rows(20).to(FP8), torch.zeros(48, 64, dtype=FP8)) is None  # untuned shape
     calls = []
-    monkeypatch.setattr(sm, "small_m_linear_fp8_act", lambda *a, **kw: calls.append(a[0].shape) or "kernel")
+    monkeypatch.setattr(sm, "small_m_linear_fp8_act", lambda *a, **kw: calls.append((a[0].shape, a[-1])) or "kernel")
     xq, xs = rows(20).to(FP8), torch.ones(20, 1)
-    assert fl._w8a8(xq, xs, w, torch.ones(32), None, None, torch.bfloat16) == "kernel" and calls == [(20, 64)]
+    assert fl._w8a8(xq, xs, w, torch.ones(32), None, None, torch.bfloat16) == "kernel"
+    assert calls == [((20, 64), None)]
+    # Block scales: their own table kind; the K steps must tile the scale block (32 does, 48 does not)
+    table({"fp8_block": {"32,64": {"32": act}}})
+    assert sm.act_quant_config(rows(20).to(FP8), w) is None  # no per-channel entry now
+    assert sm.act_quant_config(rows(20).to(FP8), w, (32, 32)) == sm.GemmConfig(**act)
+    assert sm.act_quant_config(rows(20).to(FP8), w, (32, 48)) is None
+    assert fl._w8a8(xq, torch.ones(20, 2), w, torch.ones(1, 2), None, (32, 32), torch.bfloat16) == "kernel"
+    assert calls[-1] == ((20, 64), (32, 32))
 
 
 @in_process

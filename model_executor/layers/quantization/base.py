@@ -123,13 +123,14 @@ def _small_m():
     return _small_m_module
 
 
-def small_m_act_quant(xq: torch.Tensor, weight: torch.Tensor):
-    """(small_m_gemm, its X_FP8 config) where the W8A8 GEMM of FP8 rows xq [M, K] with a per-channel FP8
-    weight should run the small-M kernel on FP8 tensor cores (a table entry for M's bucket), else None."""
+def small_m_act_quant(xq: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None):
+    """(small_m_gemm, its X_FP8 config) where the W8A8 GEMM of FP8 rows xq [M, K] with an FP8 weight
+    (per-channel, or `block` scales) should run the small-M kernel on FP8 tensor cores (a table entry for M's
+    bucket), else None."""
     if xq.device.type not in SMALL_M_DEVICES or xq.shape[0] > SMALL_M_MAX:
         return None
     kernel = _small_m()
-    cfg = kernel.act_quant_config(xq, weight)
+    cfg = kernel.act_quant_config(xq, weight, block)
     return None if cfg is None else (kernel, cfg)
 
 

@@ -42,11 +42,11 @@ FUSED_QUANT_DEVICES = ("cuda",)
 def _w8a8(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
           block: tuple[int, int] | None, out_dtype: torch.dtype) -> torch.Tensor:
     """The GEMM of quantized activations (xq, scales xs per token or per 1 x block_k group) and an FP8 weight."""
+    if (small_m := small_m_act_quant(xq, weight, block)) is not None:  # up to 64 rows where its table says so
+        kernel, cfg = small_m
+        return kernel.small_m_linear_fp8_act(xq, xs, weight, scale, bias, out_dtype, cfg, block)
     if block is not None:
         out = fp8_ops.w8a8_block_fp8_matmul(xq, weight, xs, scale, block, out_dtype)
-    elif (small_m := small_m_act_quant(xq, weight)) is not None:  # up to 64 rows where its table says so
-        kernel, cfg = small_m
-        return kernel.small_m_linear_fp8_act(xq, xs, weight, scale, bias, out_dtype, cfg)
     else:  # fp8 [M, K] x fp8 weight [N, K]^T with scales [M, 1] and [N] (sm89+)
         out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=out_dtype)
     return out if bias is None else out + bias

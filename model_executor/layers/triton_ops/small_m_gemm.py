@@ -184,9 +184,10 @@ def _small_m_gemm_kernel(
     program's sum of h^2 over its columns to P[pid_n], and Y receives G * h (rounded): the next GEMV's input
     before the 1 / rms(h) that only the sum of all of P gives. PRENORMED (GEMV, one split): x is such a G * h
     row and P its num_p partial sums (NUM_P: a power of two >= num_p); the sums are scaled by
-    1 / sqrt(sum(P) / K + eps) at the end, as NORM scales them. X_FP8 (tl.dot, per-channel or no weight
-    scales): x holds FP8 codes, XS a float32 scale per row; the dot runs on FP8 operands and the sums are
-    scaled by the row's scale (the W8A8 GEMM's math)."""
+    1 / sqrt(sum(P) / K + eps) at the end, as NORM scales them. X_FP8 (tl.dot): x holds FP8 codes and XS
+    their float32 scales, one per row (per-channel or no weight scales: the sums are scaled by it at the end)
+    or one per row and 1 x SCALE_BK group (block scales: each step's dot is scaled by its column); the dot
+    runs on FP8 operands (the W8A8 GEMM's math)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -302,7 +303,10 @@ def _small_m_gemm_kernel(
                 w = w.to(tl.float32)
                 xt = xt.to(tl.float32)
             if SCALE == 2:  # BLOCK_K divides SCALE_BK and steps are aligned: one scale column per step
-                acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+                part = tl.dot(w, xt, input_precision=DOT_PRECISION) * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+                if X_FP8:  # x's scales per 1 x SCALE_BK group: the step's column of them
+                    part = part * tl.load(XS + rows_m * tl.cdiv(K, SCALE_BK) + k // SCALE_BK)[None, :]
+                acc += part  # (a fresh dot each step: its FP8 sums go into float32 every BLOCK_K)
             elif X_FP8:  # sm_90's FP8 MMA accumulates with fewer mantissa bits than float32 (Triton's default
                 # leaves all of K to it: over 4096-14336 the sums drift past a bf16 ulp); each step's BLOCK_K
                 # products go into the float32 acc instead (DeepSeek-V3's FP8 GEMMs promote every 128)
@@ -314,7 +318,7 @@ def _small_m_gemm_kernel(
             x1_ptrs += BLOCK_K
         if F16_DOT and X_PRESCALE != 1.0:
             acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
-        if X_FP8:
+        if X_FP8 and SCALE != 2:
             acc = acc * tl.load(XS + rows_m)[None, :]
     if SCALE == 1:
         acc = acc * tl.load(S + rows_n)[:, None]
@@ -384,10 +388,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
     m, k = x.shape
     n = weight.shape[0]
     if x_scale is not None:
-        if x.dtype != FP8 or weight.dtype != FP8 or block is not None:
-            raise ValueError("small-M GEMM: FP8 activations go with per-channel FP8 weights")
-        if x_scale.dtype != torch.float32 or x_scale.numel() != m or not x_scale.is_contiguous():
-            raise ValueError(f"small-M GEMM: FP8 activations need {m} float32 row scales, "
+        if x.dtype != FP8 or weight.dtype != FP8:
+            raise ValueError("small-M GEMM: FP8 activations go with FP8 weights")
+        want = (m,) if block is None else (m, triton.cdiv(k, block[1]))  # per row, or per 1 x block_k group
+        if x_scale.dtype != torch.float32 or tuple(x_scale.shape) != want or not x_scale.is_contiguous():
+            raise ValueError(f"small-M GEMM: FP8 activations need float32 scales {list(want)}, "
                              f"got {tuple(x_scale.shape)}")
     limit = max_rows(weight_kind(weight, block))
     if m > limit:
@@ -831,23 +836,29 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
 
 
 def small_m_linear_fp8_act(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                           bias: torch.Tensor | None, out_dtype: torch.dtype,
-                           config: GemmConfig | None = None) -> torch.Tensor:
-    """The W8A8 GEMM of FP8 rows xq [M, K] (x_scale: a float32 scale per row) and a per-channel FP8 weight, on
-    FP8 tensor cores in this kernel: y [M, N] in out_dtype. `config` overrides the table's X_FP8 entry."""
-    config = config or act_quant_config(xq, weight)
+                           bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemmConfig | None = None,
+                           block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The W8A8 GEMM of FP8 rows xq [M, K] and an FP8 weight, on FP8 tensor cores in this kernel: y [M, N] in
+    out_dtype. Per-channel weight scales with x_scale a float32 scale per row ([M] or [M, 1]); block scales
+    (`block`) with x_scale per 1 x block_k group [M, K / block_k]. `config` overrides the table's X_FP8 entry."""
+    config = config or act_quant_config(xq, weight, block)
     if config is None:
         raise ValueError(f"no X_FP8 config for {tuple(xq.shape)} x {tuple(weight.shape)}")
-    return _launch(xq, weight, scale, bias, None, config, x_scale=x_scale.reshape(-1), out_dtype=out_dtype)
+    x_scale = x_scale.reshape(-1) if block is None else x_scale
+    return _launch(xq, weight, scale, bias, block, config, x_scale=x_scale, out_dtype=out_dtype)
 
 
-def act_quant_config(xq: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
-    """The table's X_FP8 config for FP8 rows xq [M, K] and a per-channel FP8 weight (the W8A8 path then runs
-    this kernel instead of torch._scaled_mm), or None. Not while dynamo compiles (see use_small_m)."""
+def act_quant_config(xq: torch.Tensor, weight: torch.Tensor,
+                     block: tuple[int, int] | None = None) -> GemmConfig | None:
+    """The table's X_FP8 config for FP8 rows xq [M, K] and an FP8 weight (per-channel, or block scales whose
+    K steps the kernel can tile): the W8A8 path then runs this kernel instead of torch._scaled_mm or the
+    block GEMM. None otherwise. Not while dynamo compiles (see use_small_m)."""
     m = xq.shape[0]
     if torch.compiler.is_compiling() or not 0 < m <= MAX_M_FP8:
         return None
-    tuned = tuned_configs(_device_key(xq), "fp8", weight.shape[0], weight.shape[1])
+    if block is not None and not _kernel_block_k(block[1]):
+        return None
+    tuned = tuned_configs(_device_key(xq), weight_kind(weight, block), weight.shape[0], weight.shape[1])
     cfg = None if tuned is None else tuned.get(m_bucket(m))
     return cfg if cfg is not None and cfg.X_FP8 else None
 
