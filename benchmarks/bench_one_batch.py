@@ -10,6 +10,10 @@ floor counted an untied embedding table whole: Llama-3.1-8B's 1.05 GB, 6.5% of i
 
     python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
     python -m benchmarks.bench_one_batch --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 ...
+    python -m benchmarks.bench_one_batch --model-path /tmp/qwen3-8b-fp8-block --random-weights ...
+
+(the last: a folder holding a shape's config.json with a block-FP8 `quantization_config` added, as the
+GPU tests' block_fp8_shape fixture writes one; random weights in that checkpoint's layout)
 
 With --quantization fp8 the floor is the FP8 weights' read time (FP8 linears and MoE experts and their
 scales; the embedding, LM head and MoE routers' gates in bf16).
@@ -47,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama-3.2-1b", choices=SHAPES, help="a model shape, random weights")
     src.add_argument("--model-path", help="an HF folder with real weights")
+    p.add_argument("--random-weights", action="store_true",
+                   help="with --model-path: random weights of the folder's config.json (e.g. one declaring a "
+                        "block-FP8 quantization_config, which no shape in --model does)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=32, help="decode steps timed per mode")
@@ -61,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", dest="json_out", help="write the results here")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process and GPU each)")
     args = p.parse_args(argv)
+    if args.random_weights and not args.model_path:
+        p.error("--random-weights goes with --model-path (the shapes of --model always have random weights)")
     if args.tp_size < 1:
         p.error(f"--tp-size must be a positive integer, got {args.tp_size}")
     if args.device == "cuda" and torch.cuda.device_count() < args.tp_size:
@@ -222,7 +231,8 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
     cfg = RunnerConfig(model_path=model_path, device=str(device), dtype=args.dtype,
                        attention_backend=args.attention_backend, max_running_requests=max(max_bs, 256),
                        max_total_tokens=max_bs * (args.input_len + steps) + 16,
-                       context_length=args.input_len + steps + 16, random_weights=args.model_path is None,
+                       context_length=args.input_len + steps + 16,
+                       random_weights=args.model_path is None or args.random_weights,
                        disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
                        tp_rank=tp_rank, tp_size=args.tp_size, dist_init_method=init_method,
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)

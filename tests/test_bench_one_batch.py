@@ -73,3 +73,27 @@ def test_launch_time_is_taken_before_each_sync(monkeypatch):
     step_ms, host_ms = bench_one_batch.time_steps_and_launch(lambda fb: advance(1), list(range(6)),
                                                              torch.device("cpu"))
     assert host_ms == pytest.approx(1.0) and step_ms == pytest.approx(6.0)
+
+
+def test_random_weights_go_with_a_model_path(tmp_path, monkeypatch):
+    """--random-weights: a folder's config.json (e.g. one declaring block FP8) with random weights; a folder
+    alone loads its weights; the flag without a folder is refused."""
+    with pytest.raises(SystemExit):
+        bench_one_batch.parse_args(["--random-weights"])
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def runner(cfg):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(bench_one_batch, "ModelRunner", runner)
+    for extra, random_weights in ((["--random-weights"], True), ([], False)):
+        with pytest.raises(Stop):
+            bench_one_batch.run(bench_one_batch.parse_args(["--model-path", str(tmp_path), "--device", "cpu", *extra]))
+        assert seen[-1].model_path == str(tmp_path) and seen[-1].random_weights is random_weights
+    with pytest.raises(Stop):
+        bench_one_batch.run(bench_one_batch.parse_args(["--model", "llama-3.2-1b", "--device", "cpu"]))
+    assert seen[-1].random_weights is True
