@@ -21,9 +21,9 @@ value, enough to make the kernel conversion-bound below memory bandwidth.
 Why the dot is "swapped": tl.dot needs every dimension >= 16, and the row count is the small one, so the
 kernel computes y^T tiles: acc[BLOCK_N, 16] = W_tile[BLOCK_N, BLOCK_K] @ x_tile^T[BLOCK_K, 16]. The weight
 tile is the left operand (the large dimension, where the MMA shapes want it) and x's rows are padded to 16
-(FP8 rows above 16: to the next power of two, BLOCK_M) by re-reading row 0 (loads stay unmasked; padding rows are never stored). With one row, that row is loaded
-and converted once per step and broadcast to the 16 columns (FP8: the conversion of x would otherwise cost
-half as much again as the weight's).
+(FP8 rows above 16: to the next power of two, BLOCK_M) by re-reading row 0 (loads stay unmasked; padding
+rows are never stored). With one row, that row is loaded and converted once per step and broadcast to the
+16 columns (FP8: the conversion of x would otherwise cost half as much again as the weight's).
 
 For one row a config may instead ask for GEMV: CUDA-core products of a [BLOCK_N, BLOCK_K] weight tile and
 the x row, summed over K at the end (no padding to 16 rows, narrower column tiles); the tuner picks
@@ -451,8 +451,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     norm: x is first normed (and added to a residual) as `norm` says; rope: weight is a qkv projection
     and the epilogue runs the rotary and the KV store (the q heads of y rotated); add_norm: the epilogue
     adds the residual and prepares the next GEMM's PrenormedRow (y is its weighted row); prenormed: the
-    input is that row (x is prenormed.weighted); x_scale: x holds FP8 codes with these per-row scales (an
-    X_FP8 config; y in out_dtype)."""
+    input is that row (x is prenormed.weighted); x_scale: x holds FP8 codes with these scales, per row or
+    per row and block_k group (an X_FP8 config; y in out_dtype)."""
     if cfg.X_FP8 != (x_scale is not None):
         raise ValueError(f"FP8 activations (x_scale) go with an X_FP8 config and only with one, got {cfg}")
     if (add_norm is not None or prenormed is not None) and (not cfg.GEMV or cfg.SPLIT_K != 1):
@@ -521,7 +521,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
         NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
-        BLOCK_M=1 if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)), BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, NUM_STAGES=cfg.num_stages,
+        BLOCK_M=1 if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)), BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
+        NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
         reduce_block = min(1024, triton.next_power_of_2(n))
@@ -848,15 +849,21 @@ def small_m_linear_fp8_act(xq: torch.Tensor, x_scale: torch.Tensor, weight: torc
     return _launch(xq, weight, scale, bias, block, config, x_scale=x_scale, out_dtype=out_dtype)
 
 
+def _may_take(m: int, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether the kernel can take M rows of this weight at all: 1 <= M <= its row limit, K steps that tile
+    the scale blocks, and not while dynamo compiles (the piecewise runner traces a symbolic token count once
+    for every size: a branch on it would add a guard and a recompile, so its pieces keep the other path)."""
+    if torch.compiler.is_compiling() or not 0 < m <= max_rows(weight_kind(weight, block)):
+        return False
+    return block is None or _kernel_block_k(block[1])  # steps must not straddle two scale blocks
+
+
 def act_quant_config(xq: torch.Tensor, weight: torch.Tensor,
                      block: tuple[int, int] | None = None) -> GemmConfig | None:
-    """The table's X_FP8 config for FP8 rows xq [M, K] and an FP8 weight (per-channel, or block scales whose
-    K steps the kernel can tile): the W8A8 path then runs this kernel instead of torch._scaled_mm or the
-    block GEMM. None otherwise. Not while dynamo compiles (see use_small_m)."""
+    """The table's X_FP8 config for FP8 rows xq [M, K] and an FP8 weight (per-channel or block scales): the
+    W8A8 path then runs this kernel instead of torch._scaled_mm or the block GEMM. None otherwise."""
     m = xq.shape[0]
-    if torch.compiler.is_compiling() or not 0 < m <= MAX_M_FP8:
-        return None
-    if block is not None and not _kernel_block_k(block[1]):
+    if not _may_take(m, weight, block):
         return None
     tuned = tuned_configs(_device_key(xq), weight_kind(weight, block), weight.shape[0], weight.shape[1])
     cfg = None if tuned is None else tuned.get(m_bucket(m))
@@ -864,15 +871,10 @@ def act_quant_config(xq: torch.Tensor, weight: torch.Tensor,
 
 
 def use_small_m(x2: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
-    """Whether a CUDA linear with these rows takes the kernel: 1 <= M <= MAX_M and a table entry (FP8
-    weights: always up to MAX_M, with a table entry up to MAX_M_FP8). Not while dynamo compiles: the piecewise runner traces a symbolic token count once
-    for every size (a branch on it would add a guard and a recompile), so its pieces keep the other path."""
-    if torch.compiler.is_compiling():
-        return False
+    """Whether a CUDA linear with these rows takes the kernel (weight-only): a table entry, or for FP8
+    weights up to MAX_M rows the default config (see _may_take and choose_config)."""
     m = x2.shape[0]
-    if m == 0 or m > max_rows(weight_kind(weight, block)):
-        return False
-    if block is not None and not _kernel_block_k(block[1]):  # steps must not straddle two scale blocks
+    if not _may_take(m, weight, block):
         return False
     n, k = weight.shape
     return choose_config(m, n, k, weight_kind(weight, block), _device_key(x2)) is not None
