@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -32,6 +33,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
            torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.int8: "*i8"}
 OPTIONS = ("num_warps", "num_stages", "num_ctas")
+# fp16 multiplies / FMAs / adds. Every kernel computes in float32 and uses fp16 only as a tensor-core operand;
+# LLVM narrows fptrunc(fpext(bf16 x) * 2^-4) to an fp16 multiply after the conversion, which overflows for
+# |x| > 65504 (kernels.to_f16_scaled avoids it).
+FP16_MATH = re.compile(r"\b(?:mul|fma|add|sub)(?:\.rn)?(?:\.ftz)?\.f16(?:x2)?\b")
 
 
 class Recorder:
@@ -235,6 +240,10 @@ def main() -> int:
             if not rec.launches:
                 raise RuntimeError("no launch recorded")
             built = [compile_launch(*launch_) for launch_ in rec.launches]
+            for (k, _, _), c in zip(rec.launches, built):
+                if FP16_MATH.search(c.asm["ptx"]):  # no kernel means to: the compiler narrowed a float32 op
+                    raise RuntimeError(f"{k.fn.__name__}: fp16 arithmetic in the PTX "
+                                       f"({sorted(set(FP16_MATH.findall(c.asm['ptx'])))})")
             print(f"ok {name}: " + ", ".join(f"{k.fn.__name__} ({len(c.asm['cubin'])} B cubin)"
                                              for (k, _, _), c in zip(rec.launches, built)), flush=True)
         except Exception:  # noqa: BLE001 (report every case, then fail)

@@ -71,6 +71,7 @@ import triton.language as tl
 
 from model_executor.layers.norm import PrenormedRow
 from model_executor.layers.rotary_store_kv import RopeStore
+from model_executor.layers.triton_ops.kernels import to_f16_scaled
 
 logger = logging.getLogger("duet.small_m_gemm")
 
@@ -296,7 +297,7 @@ def _small_m_gemm_kernel(
             if F16_DOT and not X_FP8:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16: another)
                 w = w.to(tl.float16)
                 if xt.dtype != tl.float16:  # bf16 x, scaled by a power of two into fp16's range: exact there
-                    xt = (xt.to(tl.float32) * X_PRESCALE).to(tl.float16)
+                    xt = to_f16_scaled(xt, X_PRESCALE)
             if ONE_ROW:  # converted once, then the same column BLOCK_M times (the padding re-reads row 0 anyway)
                 xt = tl.broadcast_to(xt[:, None], [BLOCK_K, BLOCK_M])
             if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; float32 operands give the same products

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model_executor.layers.triton_ops.kernels import to_f16_scaled
+
 # Stage-1 tile: query heads per program (tl.dot needs M >= 16); the KV positions per loop step, warps and
 # pipeline stages come from stage1_tile (stage 2 takes the same warps, see decode_attention_fwd).
 BLOCK_H = 16
@@ -369,7 +371,7 @@ def _decode_stage1_kernel(
         q = tl.load(Q + cur_batch.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         if KV_F16:  # an FP8 pool: every dot in fp16 (Q_PRESCALE); k, p and v follow q's dtype below
-            q = (q.to(tl.float32) * Q_PRESCALE).to(tl.float16)
+            q = to_f16_scaled(q, Q_PRESCALE)
         e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from model_executor.layers.attention.triton_ops.decode_attention import Q_PRESCALE, kv_dots_in_fp16
+from model_executor.layers.triton_ops.kernels import to_f16_scaled
 
 _LOG2E = 1.4426950408889634
 
@@ -178,7 +179,7 @@ def _extend_kernel(
     # 1. The cached prefix, from the pool: visible to every row. An FP8 pool's dots run in fp16, q scaled by
     # Q_PRESCALE (decode_attention.kv_dots_in_fp16; the new tokens' dots below keep q's dtype).
     if POOL_F16:
-        q_pool = (q.to(tl.float32) * Q_PRESCALE).to(tl.float16)
+        q_pool = to_f16_scaled(q, Q_PRESCALE)
         pool_qk_scale = qk_scale * k_scale / Q_PRESCALE
     else:
         q_pool = q
