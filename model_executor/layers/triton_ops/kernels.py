@@ -25,11 +25,11 @@ def _num_warps(block: int) -> int:
 
 @triton.jit
 def to_f16_scaled(x, SCALE: tl.constexpr):
-    """x (bf16 or float32) times SCALE, a power of two that brings it into fp16's range, rounded to fp16, with
-    the product in float32. Written as an FMA with +0, not `(x * SCALE).to(float16)`: LLVM narrows
-    fptrunc(fpext(bf16) * C) to fp16(x) * C (mul.f16x2 in the sm_90 PTX, Triton 3.6 and 3.9), which turns
-    |x| > 65504 into inf before the scale applies; it does not narrow an FMA (tests/sm90_compile.py checks
-    that no kernel multiplies in fp16)."""
+    """x (bf16, fp16 or float32) times SCALE, a power of two that brings it into fp16's range, rounded to
+    fp16, the product in float32. Written as an FMA with +0, not `(x * SCALE).to(float16)`: LLVM narrows
+    fptrunc(fpext(bf16 x) * C) to fp16(x) * C (`mul.f16x2` after the conversion in the sm_90 PTX, Triton 3.6
+    and 3.9), which turns |x| > 65504 into inf before the scale applies; it does not narrow an FMA.
+    tests/sm90_compile.py fails a kernel with fp16 arithmetic in its PTX."""
     return tl.fma(x.to(tl.float32), SCALE, 0.0).to(tl.float16)
 
 
