@@ -6,7 +6,9 @@ fp16's range. The interpreter test `test_fp8_weights_keep_bf16_range_of_x` (x up
 and returned non-finite outputs on the H200 (twenty-second session). This probe runs that test's weight with
 x's every ninth column scaled by 1 .. 3e5 (and every ninth + 1 by 1e-6, as the test does, or not), for a
 split-K and a single-split config, and prints the non-finite count and the error against float32 math; then
-the mma and conversion instructions of each compiled variant's PTX.
+the mma and conversion instructions of each compiled variant's PTX. It found (twenty-third session) the outputs
+breaking at |x| > 65504: LLVM had turned the prescale into an fp16 multiply after the conversion, fixed by
+triton_ops/kernels.py's to_f16_scaled.
 
     python -m benchmarks.probe_fp8_weight_range --json out.json
 """

@@ -7,7 +7,7 @@ records its arguments, then compiles every recorded launch for GPUTarget("cuda",
 specializations a GPU launch would give (16-byte aligned pointers, integers divisible by 16 marked so, an
 integer 1 a constant), down
 to a cubin through the ptxas that Triton's wheel carries. It prints one line per case and exits non-zero if
-any case does not compile. tests/test_sm90_compile.py runs it in a subprocess with Triton in compiled mode.
+any case does not compile, or has fp16 arithmetic in its PTX (FP16_MATH). tests/test_sm90_compile.py runs it in a subprocess with Triton in compiled mode.
 
     python tests/sm90_compile.py
 """

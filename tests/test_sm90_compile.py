@@ -1,6 +1,7 @@
-"""Every main Triton kernel compiles for sm_90 (H100 / H200) on this CPU machine: tests/sm90_compile.py,
-run in a subprocess with Triton in compiled mode (the interpreter, which the other CPU tests use, does not
-type-check or lower a kernel; a kernel that runs there can still fail to compile on the GPU)."""
+"""Every main Triton kernel compiles for sm_90 (H100 / H200) on this CPU machine, and none computes in fp16
+(a float32 multiply the compiler narrowed): tests/sm90_compile.py, run in a subprocess with Triton in compiled
+mode (the interpreter, which the other CPU tests use, does not type-check or lower a kernel; a kernel that runs
+there can still fail to compile on the GPU)."""
 
 from __future__ import annotations
 
