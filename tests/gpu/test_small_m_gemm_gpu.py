@@ -299,8 +299,8 @@ def test_fp8_activations_on_fp8_tensor_cores_match_the_w8a8_reference(n, k, m):
 def test_fp8_activations_with_block_scales_match_the_block_w8a8_reference(n, k, m, cfg):
     """The X_FP8 kernel with 128 x 128 block scales (x per 1 x 128 group: Qwen3's FP8 checkpoints) against
     float32 math on the same codes and against the block-scaled Triton GEMM it would replace; rows padded within a
-    bucket give the bits of the full bucket's rows. (Explicit configs: the table has no fp8_block X_FP8 entries
-    until the tuner writes them.)"""
+    bucket give the bits of the full bucket's rows. (Explicit configs, split K and one split: the table's
+    fp8_block entries cover only Qwen3-8B's shapes and may change with a tune.)"""
     from model_executor.layers.quantization import fp8_ops
 
     w, s, block, w_deq = weight("fp8_block", n, k, seed=n + m)

@@ -7,15 +7,14 @@ kernel before it (RMSNorm, SiLU-and-mul).
     fp8_silu_and_mul_linear(gate_up, weight, scale, bias, block)          -> linear(silu_and_mul(gate_up)) or None
 
 Up to 16 rows (small_m_gemm.MAX_M; up to 64 where its table says so) a linear runs the weight-only small-M
-kernel: x stays in the model dtype. Above, with dynamic activation scales (per token, or per 1 x block_k
-group for block-wise weights), the activations are quantized and a W8A8 GEMM runs: torch._scaled_mm or the
-Triton block-scaled GEMM, or up to 64 rows, where the table has an X_FP8 entry, the small-M kernel on FP8
-operands (small_m_gemm.small_m_linear_fp8_act). A
-quantization kernel of its own is a launch per GEMM, whatever the batch (docs/benchmarks.md): the fused
-variants quantize in the RMSNorm / SiLU-and-mul kernel that makes the GEMM's input (fp8_ops.rmsnorm_quant_fp8,
-silu_and_mul_quant_fp8), with the same bits. They return None where they do not run (decode-sized rows, a
-CPU, a static input scale, other dtypes, rows too wide for the one-pass kernels): the caller then runs the
-norm or the activation, then fp8_linear.
+kernel: x stays in the model dtype. Above, with dynamic activation scales (per token, or per 1 x block_k group
+for block-wise weights), the activations are quantized and a W8A8 GEMM runs: torch._scaled_mm or the Triton
+block-scaled GEMM, or up to 64 rows, where the table has an X_FP8 entry, the small-M kernel on FP8 operands
+(small_m_gemm.small_m_linear_fp8_act). A quantization kernel of its own is a launch per GEMM, whatever the
+batch (docs/benchmarks.md): the fused variants quantize in the RMSNorm / SiLU-and-mul kernel that makes the
+GEMM's input (fp8_ops.rmsnorm_quant_fp8, silu_and_mul_quant_fp8), with the same bits. They return None where
+they do not run (decode-sized rows, a CPU, a static input scale, other dtypes, rows too wide for the one-pass
+kernels): the caller then runs the norm or the activation, then fp8_linear.
 
 Each is a `duet::` custom op while dynamo traces (the piecewise runner): a traced branch on the symbolic row
 count would fix one path for every size, and a padded small batch in a graph would then compute differently
