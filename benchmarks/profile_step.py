@@ -2,7 +2,7 @@
 time goes.
 
     python -m benchmarks.profile_step --model llama-3.2-1b --decode-bs 1 --extend-tokens 128 [--input-len 512]
-    python -m benchmarks.profile_step --model llama-3.1-8b --quantization fp8 --decode-bs 1
+    python -m benchmarks.profile_step --model llama-3.1-8b --quantization fp8 --decode-bs 1 --extend-tokens 0
     python -m benchmarks.profile_step --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 --decode-bs 256
 """
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_step")
     p.add_argument("--model", default="llama-3.2-1b", choices=SHAPES)
     p.add_argument("--decode-bs", type=int, default=1)
-    p.add_argument("--extend-tokens", type=int, default=128)
+    p.add_argument("--extend-tokens", type=int, default=128, help="0: the decode step only")
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--input-len", type=int, default=512, help="the decode requests' context (prompt) length")
     p.add_argument("--quantization", default=None, choices=("none", "fp8"), help="weight quantization")
@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     decode = CudaGraphRunner(runner, [args.decode_bs])
     batches, _, _ = prepare(runner, args.decode_bs, args.input_len, 4)
     summarize(profile_replays(decode.replay, batches[0]), f"decode graph bs={args.decode_bs} context {args.input_len}")
+    if args.extend_tokens == 0:
+        return 0
     extend = PiecewiseCudaGraphRunner(runner, [args.extend_tokens])
     n = args.extend_tokens
     row = runner.req_to_token_pool.alloc()

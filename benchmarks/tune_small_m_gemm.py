@@ -15,7 +15,7 @@ time: three of a layer's four linears quantize inside the RMSNorm or SiLU-and-mu
 Timing: every call of a measurement reads its own copy of the weight, enough copies that together they
 exceed the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode
 step is a graph replay: no launch overhead); the median of a few replays over the number of calls.
-Search, per (kind, N, K, M): column/K tiles (at M = 1 also the one-row GEMV variant's; for both FP8 kinds
+Search, per (kind, N, K, M): column/K tiles (up to 4 rows also the GEMV variant's; for both FP8 kinds
 above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
 _scaled_mm or the block GEMM)
 at a split count that gives about two programs per SM, then the split count for the best tile (of each
@@ -156,12 +156,15 @@ def tile_grid(kind: str, quick: bool, m: int = 1) -> list[tuple[int, int]]:
     return tiles + [(128, bks[0])] if kind.startswith("fp8") else tiles
 
 
-def gemv_grid(kind: str, quick: bool) -> list[tuple[int, int]]:
-    """(BLOCK_N, BLOCK_K) of the one-row GEMV configs: narrow column tiles over long K tiles, 8-32 KB of
-    weight per step (the step's loads are pipelined: num_stages of them in flight per program)."""
+def gemv_grid(kind: str, quick: bool, m: int = 1) -> list[tuple[int, int]]:
+    """(BLOCK_N, BLOCK_K) of the GEMV configs: narrow column tiles over long K tiles, 8-32 KB of weight per
+    step (the step's loads are pipelined: num_stages of them in flight per program). Above one row (up to
+    MAX_GEMV_ROWS) each row keeps a float32 tile of sums: K tiles shrink with the rows, at most 16K sums."""
     if kind == "fp8_block":
-        return [(8, 128)] if quick else [(8, 128), (16, 128), (32, 128)]
+        return [(8, 128)] if quick and m == 1 else [(bn, 128) for bn in (8, 16, 32) if bn * 128 * m <= 1 << 14]
     bk = 1024 if kind == "fp8" else 512
+    if m > 1:
+        return [(bn, b) for bn in (4, 8, 16) for b in (bk // m, 2 * bk // m) if bn * b * m <= 1 << 14]
     if quick:
         return [(8, bk), (16, bk)]
     return [(4, 2 * bk), (8, bk), (8, 2 * bk), (16, bk // 2), (16, bk), (32, bk // 2)]
@@ -201,8 +204,8 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
 
     results = []
     tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick, m)]
-    if m == 1:
-        tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick)]
+    if m <= sm.MAX_GEMV_ROWS:
+        tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick, m)]
     if act is not None:
         tiles += [(bn, bk, None) for bn, bk in tile_grid(kind, quick, m)]  # (None: X_FP8)
     for bn, bk, gemv in tiles:

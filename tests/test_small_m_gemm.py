@@ -71,6 +71,9 @@ GEMV_SPLIT = {"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 3, "GEMV": True}
     (3, 64, 128, True, NO_SPLIT),  # even shapes: the unmasked K loop
     (1, 40, 160, True, GEMV),  # one row without tl.dot
     (1, 70, 200, False, GEMV_SPLIT),
+    (2, 40, 160, True, GEMV),  # several rows without tl.dot: the weight tile shared, a sum per row
+    (3, 70, 200, False, GEMV_SPLIT),  # (3 rows of a 4-row tile: the fourth never stored)
+    (4, 33, 128, True, GEMV),  # the GEMV's row limit; the unmasked K loop
 ])
 def test_kernel_matches_float32_reference(kind, m, n, k, bias, cfg):
     w, s, block, w_deq = make_weight(kind, n, k, seed=m + n)
@@ -203,8 +206,8 @@ def test_refuses_bad_inputs():
         sm.GemmConfig(BLOCK_N=24, BLOCK_K=64)
     with pytest.raises(ValueError, match="power of two >= 16"):
         sm.GemmConfig(BLOCK_N=8, BLOCK_K=64)  # tl.dot's minimum, unless GEMV
-    with pytest.raises(ValueError, match="GEMV config runs one row"):
-        sm.small_m_linear(x[:2], w, config=sm.GemmConfig(**GEMV))
+    with pytest.raises(ValueError, match="GEMV config runs at most 4 rows"):
+        sm.small_m_linear(x[:5], w, config=sm.GemmConfig(**GEMV))
 
 
 @pytest.fixture
@@ -242,7 +245,10 @@ def test_table_lookup_selects_tuned_config_and_falls_back(table):
     assert sm.choose_config(5, 32, 64, "fp8", "cpu") is None  # "w8a8": the method's other path
     assert sm.choose_config(17, 32, 64, "fp8", "cpu") is None  # above 16 rows: only a tuned bucket
     assert sm.choose_config(1, 32, 64, "fp8_block", "cpu") == sm.GemmConfig(8, 64, GEMV=True)
-    assert not sm.choose_config(2, 32, 64, "fp8_block", "cpu").GEMV  # a GEMV entry for 2 rows is ignored
+    assert sm.choose_config(2, 32, 64, "fp8_block", "cpu") == sm.GemmConfig(8, 64, GEMV=True)  # (<= 4 rows)
+    table({"fp8_block": {"32,64": {"4": gemv, "8": gemv}}})
+    assert sm.choose_config(3, 32, 64, "fp8_block", "cpu") == sm.GemmConfig(8, 64, GEMV=True)
+    assert not sm.choose_config(5, 32, 64, "fp8_block", "cpu").GEMV  # a GEMV entry above 4 rows is ignored
 
 
 @in_process

@@ -1,4 +1,4 @@
-"""The small-M GEMM kernel on the GPU: real layer shapes at M 1..16 against a float32 reference of the
+"""The small-M GEMM kernel on the GPU: real layer shapes at M 1..16 (GEMVs at 1..4) against a float32 reference of the
 dequantized weight, bitwise determinism and graph replay of the kernel itself, and a decode graph replay
 against eager with the kernel in every linear (bf16 through a table that selects it; FP8 by default)."""
 
@@ -46,10 +46,14 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> None:
 def test_kernel_matches_float32_reference(kind, n, k):
     w, s, block, w_deq = weight(kind, n, k, seed=n + k)
     bias = torch.randn(n, device="cuda").bfloat16()
-    for m in (1, 3, 8, 13, 16):
+    # GEMVs of 1-4 rows, split and not (block FP8: K steps within a scale block)
+    gemvs = [sm.GemmConfig(BLOCK_N=8, BLOCK_K=128 if block else 512, SPLIT_K=split, num_stages=3, GEMV=True)
+             for split in (1, 4)]
+    for m in (1, 2, 3, 4, 8, 13, 16):
         x = torch.randn(m, k, device="cuda").bfloat16()
         ref = x.float() @ w_deq.t() + bias.float()
-        for cfg in (None, SPLIT_CFG, sm.default_config(m, n, k, kind)):  # None: the table's / the default
+        more = gemvs if m <= sm.MAX_GEMV_ROWS else []
+        for cfg in (None, SPLIT_CFG, sm.default_config(m, n, k, kind), *more):  # None: the table's / the default
             out = sm.small_m_linear(x, w, s, bias, block, config=cfg)
             check(out, ref)
 
@@ -74,14 +78,17 @@ def test_deterministic_and_graph_replay_is_bitwise_eager(kind):
 @pytest.fixture
 def kernel_table(tmp_path, monkeypatch):
     """A table that puts every bf16 GEMM of llama-3.2-1b (the LM head too) on the kernel at every M bucket,
-    with split-K, so the decode graphs run it (no tuned table needed)."""
+    with split-K, so the decode graphs run it (no tuned table needed): GEMVs up to 4 rows (split: nothing
+    fused into them), tl.dot tiles above."""
     from benchmarks.tune_small_m_gemm import linear_shapes, lm_head_shape
     from model_executor.model_config import ModelConfig
 
     cfg = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "GEMV": True}
     model = ModelConfig.from_pretrained(shape_path("llama-3.2-1b"))
     shapes = {*linear_shapes(model, 1).values(), lm_head_shape(model, 1)}
-    table = {"bf16": {f"{n},{k}": {str(m): cfg for m in sm.M_BUCKETS} for n, k in shapes}}
+    table = {"bf16": {f"{n},{k}": {str(m): gemv if m <= sm.MAX_GEMV_ROWS else cfg for m in sm.M_BUCKETS}
+                      for n, k in shapes}}
     (tmp_path / sm.table_path(sm.device_name("cuda")).name).write_text(json.dumps(table))
     monkeypatch.setattr(sm, "CONFIG_DIR", tmp_path)
     sm._table.cache_clear()

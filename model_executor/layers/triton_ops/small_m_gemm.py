@@ -25,9 +25,10 @@ tile is the left operand (the large dimension, where the MMA shapes want it) and
 rows are never stored). With one row, that row is loaded and converted once per step and broadcast to the
 16 columns (FP8: the conversion of x would otherwise cost half as much again as the weight's).
 
-For one row a config may instead ask for GEMV: CUDA-core products of a [BLOCK_N, BLOCK_K] weight tile and
-the x row, summed over K at the end (no padding to 16 rows, narrower column tiles); the tuner picks
-whichever is faster at M = 1. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
+For up to MAX_GEMV_ROWS rows a config may instead ask for GEMV: CUDA-core products of a [BLOCK_N, BLOCK_K]
+weight tile and each x row, summed over K at the end (no padding to 16 rows, narrower column tiles; with
+several rows the tile is converted once and each row has its own float32 sums); the tuner picks whichever
+is faster at M = 1, 2 and 4. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
 loads of a loop without tl.dot only then. `small_m_silu_and_mul` runs a decode row's [gate; up] GEMV and the
 SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add) that feeds a
 decode token's qkv projection into its GEMV and, given a RopeStore, runs that token's rotary and KV store in
@@ -80,6 +81,9 @@ MAX_M = 16  # rows of x (bf16 / fp16 weights); the dot's padded row count (tl.do
 # the weight-only read against activation quantization + the W8A8 GEMM, whose cuBLAS kernels at 17-64 rows
 # are far from the weights' read (docs/benchmarks.md). Above MAX_M the dot pads the rows to a power of two.
 MAX_M_FP8 = 64
+# A GEMV config (CUDA-core products) runs up to this many rows: the weight tile is loaded and converted once
+# and multiplied into each row's accumulator (a tile of float32 sums per row: registers bound the count).
+MAX_GEMV_ROWS = 4
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the row counts the tuner times; a batch uses the next bucket up
 FP8 = torch.float8_e4m3fn
@@ -97,7 +101,7 @@ class GemmConfig:
     SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    GEMV: bool = False  # one row only: CUDA-core dot products instead of tl.dot (BLOCK_N may be below 16)
+    GEMV: bool = False  # <= MAX_GEMV_ROWS rows: CUDA-core products instead of tl.dot (BLOCK_N may be below 16)
     # FP8 weights: x quantized per token (FP8 codes and a scale per row), the dot on FP8 tensor cores. A table
     # entry with it is a config of the W8A8 path (fp8_linear._w8a8), which quantizes x anyway, not of this
     # weight-only one.
@@ -149,7 +153,15 @@ def _rope_store(a, b, offs_n, rows_n, rows_b, N, Y, POS, LOC, COS, KB, VB, strid
     tl.store(VB + v_off + HALF, (b / v_scale).to(VB.dtype.element_ty), mask=valid & is_v)
 
 
-# M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count.
+@triton.jit
+def _gemv_row(ptrs, k_mask, EVEN_K: tl.constexpr):
+    """A row of x's K step as float32 [1, BLOCK_K] (the GEMV's rows after the first)."""
+    xt = tl.load(ptrs) if EVEN_K else tl.load(ptrs, mask=k_mask, other=0.0)
+    return xt.to(tl.float32)
+
+
+# M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count
+# (a GEMV of several rows compiles per row count: ROWS).
 @triton.jit(do_not_specialize=["M", "stride_yk"])
 def _small_m_gemm_kernel(
     X, W, S, BIAS, Y, R, G, H, P, POS, LOC, COS, KB, VB, XS, M, N, K, k_per_split, eps, num_p,
@@ -162,13 +174,14 @@ def _small_m_gemm_kernel(
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
-    ADD_NORM: tl.constexpr, PRENORMED: tl.constexpr, NUM_P: tl.constexpr, X_FP8: tl.constexpr,
+    ADD_NORM: tl.constexpr, PRENORMED: tl.constexpr, NUM_P: tl.constexpr, X_FP8: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
     PARTIAL: store fp32 sums to Y + s * stride_yk (the workspace; bias and cast left to the reduce);
-    otherwise add the bias and store in Y's dtype. GEMV (one row, BLOCK_M == 1): no tensor cores, the
-    products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile summed over K once at the end.
+    otherwise add the bias and store in Y's dtype. GEMV (ROWS = M <= 4 rows): no tensor cores, the
+    products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile per row summed over K once at the end
+    (the fusions below: one row only).
     SILU_MUL (GEMV, one split, no bias): W is [gate; up] with 2N rows; the program also sums the up rows
     n + N and stores silu(gate) * up, rounded as the linear followed by SiluAndMul would round them.
     NORM (GEMV, one split, not with SILU_MUL): the input row is G * rmsnorm(h) for h = x (+ R, rounded to
@@ -211,6 +224,12 @@ def _small_m_gemm_kernel(
     if GEMV:
         x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if ROWS > 1:  # rows 1 .. ROWS - 1 (at most 4 rows; nothing fused with them)
+            acc2_1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if ROWS > 2:
+                acc2_2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if ROWS > 3:
+                acc2_3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if NORM:
             g_ptrs = G + (k_start + offs_k)[None, :]
             sumsq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
@@ -256,10 +275,21 @@ def _small_m_gemm_kernel(
                 g_ptrs += BLOCK_K
             else:
                 xf = xt.to(tl.float32)
-            prod = w.to(tl.float32) * xf
-            if SCALE == 2:
-                prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
-            acc2 += prod
+            if ROWS == 1:
+                prod = w.to(tl.float32) * xf
+                if SCALE == 2:
+                    prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+                acc2 += prod
+            else:  # the weight tile converted (and block-scaled) once, then one product per row
+                wf = w.to(tl.float32)
+                if SCALE == 2:
+                    wf = wf * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+                acc2 += wf * xf
+                acc2_1 += wf * _gemv_row(x_ptrs + stride_xm, k_mask, EVEN_K)
+                if ROWS > 2:
+                    acc2_2 += wf * _gemv_row(x_ptrs + 2 * stride_xm, k_mask, EVEN_K)
+                if ROWS > 3:
+                    acc2_3 += wf * _gemv_row(x_ptrs + 3 * stride_xm, k_mask, EVEN_K)
             if PAIRED:
                 if EVEN_K:
                     w_up = tl.load(up_ptrs)
@@ -272,7 +302,13 @@ def _small_m_gemm_kernel(
                 up_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]; more rows: [BLOCK_N, BLOCK_M], a column each
+        if ROWS > 1:
+            acc = tl.where(offs_m[None, :] == 1, tl.sum(acc2_1, axis=1)[:, None], acc)
+            if ROWS > 2:
+                acc = tl.where(offs_m[None, :] == 2, tl.sum(acc2_2, axis=1)[:, None], acc)
+            if ROWS > 3:
+                acc = tl.where(offs_m[None, :] == 3, tl.sum(acc2_3, axis=1)[:, None], acc)
         if PAIRED:
             acc_up = tl.sum(acc2_up, axis=1)[:, None]
         if NORM:  # (one split: this program saw all of K)
@@ -463,8 +499,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     if prenormed is not None and norm is not None:
         raise ValueError("an input is either pre-normed or normed in the kernel, not both")
     _check(x, weight, scale, bias, block, x_scale)
-    if cfg.GEMV and x.shape[0] > 1:
-        raise ValueError(f"a GEMV config runs one row, got {x.shape[0]}")
+    if cfg.GEMV and x.shape[0] > MAX_GEMV_ROWS:
+        raise ValueError(f"a GEMV config runs at most {MAX_GEMV_ROWS} rows, got {x.shape[0]}")
+    if cfg.GEMV and x.shape[0] > 1 and (silu_mul or any(f is not None for f in (norm, rope, add_norm, prenormed))):
+        raise ValueError("a GEMV of several rows has nothing fused into it (one row only)")
     if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
         raise ValueError(f"SiLU-and-mul runs in a single-split GEMV without bias on an even row count, got {cfg}")
     if norm is not None:
@@ -521,8 +559,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         ROPE=rope is not None, HALF=rope.cos_sin_cache.shape[-1] // 2 if rope is not None else 1,
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
         NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
+        ROWS=m if cfg.GEMV else 1,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
-        BLOCK_M=1 if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)), BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
+        BLOCK_M=triton.next_power_of_2(m) if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)), BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
@@ -688,7 +727,7 @@ def choose_config(m: int, n: int, k: int, kind: str, device: str) -> GemmConfig 
     tuned = tuned_configs(device, kind, n, k)
     if tuned is not None:
         bucket = m_bucket(m)
-        if bucket in tuned and (tuned[bucket] is None or not tuned[bucket].GEMV or m == 1):
+        if bucket in tuned and (tuned[bucket] is None or not tuned[bucket].GEMV or m <= MAX_GEMV_ROWS):
             return None if tuned[bucket] is not None and tuned[bucket].X_FP8 else tuned[bucket]
     return default_config(m, n, k, kind) if kind.startswith("fp8") and m <= MAX_M else None
 
