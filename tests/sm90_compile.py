@@ -108,10 +108,13 @@ def cases():
     row = PrenormedRow(x, torch.rand(8), 1e-5)
     gemm = (sm._small_m_gemm_kernel, sm._split_k_reduce_kernel)
 
-    def rope():
+    x3 = torch.randn(3, 512, dtype=bf16)
+
+    def rope(tokens=1):
         heads, d = 4 + 2 * 2, 32
-        return RopeStore(torch.tensor([3]), torch.randn(16, d), torch.tensor([5]), torch.zeros(8, 2, d, dtype=bf16),
-                         torch.zeros(8, 2, d, dtype=bf16), 4, 2), torch.randn(heads * d, 512, dtype=bf16)
+        return RopeStore(torch.arange(3, 3 + tokens), torch.randn(16, d), torch.arange(5, 5 + tokens),
+                         torch.zeros(8, 2, d, dtype=bf16), torch.zeros(8, 2, d, dtype=bf16), 4, 2), \
+            torch.randn(heads * d, 512, dtype=bf16)
 
     def decode(pool_dtype, fused, v_words=None):
         bs, hq, hk, d = 2, 8, 2, 64
@@ -186,6 +189,10 @@ def cases():
         ("small-M GEMV bf16, RMSNorm + residual, rotary + KV store", gemm,
          lambda: sm._launch(x, rope()[1], None, None, None, gemv, rope=rope()[0],
                             norm=sm.RmsNormInput(torch.ones(512, dtype=bf16), 1e-5, x.clone(), torch.empty_like(x)))),
+        ("small-M GEMV FP8, 3 rows, RMSNorm + residual, rotary + KV store", gemm,
+         lambda: sm._launch(x3, rope(3)[1].to(fp8), torch.rand(rope(3)[1].shape[0]), None, None, gemv,
+                            rope=rope(3)[0], norm=sm.RmsNormInput(torch.ones(512, dtype=bf16), 1e-5, x3.clone(),
+                                                                  torch.empty_like(x3)))),
         ("small-M GEMV bf16, add + RMSNorm epilogue", gemm,
          lambda: sm._launch(x, w, None, None, None, gemv, add_norm=sm.AddRmsNormOutput(
              torch.randn(1, 256, dtype=bf16), torch.ones(256, dtype=bf16), torch.empty(1, 256, dtype=bf16),

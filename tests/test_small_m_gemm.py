@@ -476,15 +476,17 @@ def rmsnorm_reference(h, g, eps):
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("k,cfg", FUSED_GEMV_CASES)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_fused_rmsnorm_linear_matches_reference(kind, k, cfg, with_residual):
-    """One row: RMSNorm(x + residual) folded into the GEMV gives the float32 reference of the dequantized
-    weight from the kernel's h within one rounding, and h = x + residual with torch's bits. x is scaled so
-    1 / rms is far from 1, the norm weight is not all ones, and N = 40 is not a multiple of the tile."""
+@pytest.mark.parametrize("m", [1, 3])
+def test_fused_rmsnorm_linear_matches_reference(kind, k, cfg, with_residual, m):
+    """One or three rows: RMSNorm(x + residual) folded into the GEMV gives the float32 reference of the
+    dequantized weight from the kernel's h within one rounding, and h = x + residual with torch's bits. x is
+    scaled so 1 / rms is far from 1 (and differs per row), the norm weight is not all ones, and N = 40 is not
+    a multiple of the tile."""
     n = 40
     w, s, block, w_deq = make_weight(kind, n, k, seed=k + n)
     gen = torch.Generator().manual_seed(7)
-    x = (torch.randn(1, k, generator=gen) * 5).to(torch.bfloat16)
-    residual = (torch.randn(1, k, generator=gen) * 3).to(torch.bfloat16) if with_residual else None
+    x = (torch.randn(m, k, generator=gen) * torch.tensor([5.0, 0.3, 40.0][:m])[:, None]).to(torch.bfloat16)
+    residual = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16) if with_residual else None
     g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
     eps = 1e-5
@@ -514,7 +516,10 @@ def test_fused_rmsnorm_refusals(table):
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     g = torch.ones(64, dtype=torch.bfloat16)
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
-    assert sm.small_m_rmsnorm_linear(torch.zeros(2, 64, dtype=torch.bfloat16), g, 1e-6, None, w) is None
+    assert sm.small_m_rmsnorm_linear(torch.zeros(2, 64, dtype=torch.bfloat16), g, 1e-6, None, w) is None  # bucket 2
+    table({"bf16": {"32,64": {"1": gemv, "2": gemv, "8": gemv}}})
+    assert sm.small_m_rmsnorm_linear(torch.zeros(2, 64, dtype=torch.bfloat16), g, 1e-6, None, w)[0].shape == (2, 32)
+    assert sm.small_m_rmsnorm_linear(torch.zeros(5, 64, dtype=torch.bfloat16), g, 1e-6, None, w) is None  # > 4 rows
     assert sm.small_m_rmsnorm_linear(x, g, 1e-6, None, torch.zeros(48, 64, dtype=torch.bfloat16)) is None
     y, h = sm.small_m_rmsnorm_linear(x, g, 1e-6, x.clone(), w)
     assert y.shape == (1, 32) and h.shape == (1, 64)
@@ -565,37 +570,46 @@ def _tiny_mlp(quant, table):
 @interpreter_only
 @pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_forward_normed_folds_the_norm_in_at_one_row(quant, with_residual, table, monkeypatch):
-    """LinearBase.forward_normed at one decode row runs the RMSNorm (and residual add) inside the layer's
-    GEMV: the RMSNorm module then the layer, within the one rounding of the normed row the fused kernel
-    skips, and the same sum; at two rows it is exactly RMSNorm then the layer."""
+def test_forward_normed_folds_the_norm_in_where_the_table_has_a_gemv(quant, with_residual, table, monkeypatch):
+    """LinearBase.forward_normed at 1 and 2 decode rows (GEMV entries in the table) runs the RMSNorm (and
+    residual add) inside the layer's GEMV: the RMSNorm module then the layer, within the one rounding of the
+    normed row the fused kernel skips, and the same sum; at three rows (no GEMV entry for bucket 4) it is
+    exactly RMSNorm then the layer."""
     from model_executor.layers.norm import RMSNorm
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     n, k = 48, 64
     kind = {None: "bf16", "fp8": "fp8", "fp8_block": "fp8_block"}[quant]
-    table({kind: {f"{n},{k}": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}}})
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
+    table({kind: {f"{n},{k}": {"1": gemv, "2": gemv}}})
     layer, _ = _linear(quant, n, k, bias=True)
     gen = torch.Generator().manual_seed(3)
     norm = RMSNorm(k, eps=1e-5).to(torch.bfloat16)
     norm.weight.data.copy_(torch.rand(k, generator=gen) + 0.5)
     fused = []
     real = sm.small_m_rmsnorm_linear
-    monkeypatch.setattr(sm, "small_m_rmsnorm_linear", lambda *a, **kw: fused.append(1) or real(*a, **kw))
-    x = (torch.randn(2, k, generator=gen) * 4).to(torch.bfloat16)
-    r = (torch.randn(2, k, generator=gen) * 4).to(torch.bfloat16) if with_residual else None
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sm, "small_m_rmsnorm_linear", spy)
+    x = (torch.randn(3, k, generator=gen) * 4).to(torch.bfloat16)
+    r = (torch.randn(3, k, generator=gen) * 4).to(torch.bfloat16) if with_residual else None
     with torch.no_grad():
-        for rows in (1, 2):
+        for rows in (1, 2, 3):
             xr, rr = x[:rows], None if r is None else r[:rows]
+            fused.clear()
             out, h = layer.forward_normed(norm, xr, rr)
             normed, h_ref = (norm(xr), xr) if rr is None else norm(xr, rr)
-            assert len(fused) == 1  # the one-row call only
-            if triton_mode.interpreting() and rr is not None and rows == 1:  # (truncating bf16 casts)
+            assert any(fused) == (rows <= 2)
+            if triton_mode.interpreting() and rr is not None and rows <= 2:  # (truncating bf16 casts)
                 torch.testing.assert_close(h, h_ref, rtol=2.0**-7, atol=0)
             else:
                 assert torch.equal(h, h_ref)
             unfused = layer(normed)
-            if rows == 1:
+            if rows <= 2:
                 torch.testing.assert_close(out.float(), unfused.float(), rtol=2.0**-5,
                                            atol=2.0**-6 * unfused.abs().max().item())
             else:
@@ -668,12 +682,13 @@ def test_llama_decode_row_folds_the_input_norm_into_qkv(tiny_llama, table, monke
 @pytest.mark.parametrize("head_dim,cfg", [(16, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),  # a K tail
                                           (24, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True})])  # straddling
 @pytest.mark.parametrize("pool", ["bf16", "fp8"])
-def test_fused_qkv_rope_store_equals_gemv_then_rotary_store_kv(kind, head_dim, cfg, pool):
-    """One decode token: the input norm, the qkv GEMV, the rotary and the KV store in one kernel have the
-    bits of the norm + GEMV kernel with the same per-program rows followed by the rotary_store_kv kernel:
-    y with its q heads rotated, and the k (rotated) and v written into the pool at the token's slot (an FP8
-    pool divided by its scales). Heads of 24 rows put programs of 8 half rows across two heads; the last
-    program runs past the 8 heads; K = 144 ends mid-step; there is a bias (Qwen2's qkv has one)."""
+@pytest.mark.parametrize("m", [1, 3])
+def test_fused_qkv_rope_store_equals_gemv_then_rotary_store_kv(kind, head_dim, cfg, pool, m):
+    """One or three decode tokens: the input norm, the qkv GEMV, the rotary and the KV store in one kernel
+    have the bits of the norm + GEMV kernel with the same per-program rows followed by the rotary_store_kv
+    kernel: y with its q heads rotated, and the k (rotated) and v written into the pool at each token's slot
+    (an FP8 pool divided by its scales). Heads of 24 rows put programs of 8 half rows across two heads; the
+    last program runs past the 8 heads; K = 144 ends mid-step; there is a bias (Qwen2's qkv has one)."""
     from model_executor.layers.rotary import RotaryEmbedding
     from model_executor.layers.rotary_store_kv import rotary_store_kv
 
@@ -681,11 +696,11 @@ def test_fused_qkv_rope_store_equals_gemv_then_rotary_store_kv(kind, head_dim, c
     n = (hq + 2 * hkv) * head_dim
     w, s, block, _ = make_weight(kind, n, k, seed=head_dim)
     gen = torch.Generator().manual_seed(11)
-    x, residual = (torch.randn(2, k, generator=gen) * 2).to(torch.bfloat16).chunk(2)
+    x, residual = (torch.randn(2 * m, k, generator=gen) * 2).to(torch.bfloat16).chunk(2)
     g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
     cache = RotaryEmbedding(head_dim, 64, 10000.0).cos_sin_cache
-    positions, loc = torch.tensor([37]), torch.tensor([5])
+    positions, loc = torch.tensor([37, 2, 60][:m]), torch.tensor([5, 1, 6][:m])
     pool_dtype, (k_scale, v_scale) = (torch.bfloat16, (1.0, 1.0)) if pool == "bf16" else (FP8, (2.0, 0.5))
     pools = [torch.zeros(8, hkv, head_dim, dtype=pool_dtype, device=DEVICE) for _ in range(4)]
     dev = lambda t: None if t is None else t.to(DEVICE)
@@ -695,14 +710,17 @@ def test_fused_qkv_rope_store_equals_gemv_then_rotary_store_kv(kind, head_dim, c
                                      rope=rope, config=cfg)
     ref, h_ref = sm.small_m_rmsnorm_linear(dev(x), dev(g), 1e-5, dev(residual), dev(w), dev(s), dev(bias), block,
                                            config=cfg)
-    q_ref, k_ref, v_ref = ref.view(1, -1, head_dim).split([hq, hkv, hkv], dim=1)
+    q_ref, k_ref, v_ref = ref.view(m, -1, head_dim).split([hq, hkv, hkv], dim=1)
     rotary_store_kv(dev(positions), q_ref, k_ref, v_ref, dev(cache), pools[2], pools[3], dev(loc), k_scale, v_scale)
-    assert y.shape == (1, n) and torch.equal(h, h_ref)
+    assert y.shape == (m, n) and torch.equal(h, h_ref)
     assert torch.equal(y.cpu(), ref.cpu())  # q rotated; k and v as the linear gives them
     assert torch.equal(pools[0].float().cpu(), pools[2].float().cpu())
     assert torch.equal(pools[1].float().cpu(), pools[3].float().cpu())
-    assert pools[0][5].float().abs().sum() > 0 and pools[1][5].float().abs().sum() > 0  # (slot 5 written)
-    assert pools[0][:5].float().abs().sum() == 0 and pools[0][6:].float().abs().sum() == 0  # (and only it)
+    written = torch.zeros(8, dtype=torch.bool)
+    written[loc] = True
+    for buf in pools[:2]:  # the tokens' slots written, and only they
+        per_slot = buf.float().abs().sum((1, 2)).cpu()
+        assert (per_slot[written] > 0).all() and (per_slot[~written] == 0).all()
 
 
 @interpreter_only
@@ -722,13 +740,18 @@ def test_fused_qkv_rope_store_refusals():
     with pytest.raises(ValueError, match="pool buffers must be"):
         sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w, rope=sm.RopeStore(
             torch.tensor([1]), cache, torch.tensor([0]), pool[:, :1], pool, 4, 2), config=gemv)
+    with pytest.raises(ValueError, match="a position and a slot for each of the 2 tokens"):
+        sm.small_m_rmsnorm_linear(torch.zeros(2, 64, dtype=torch.bfloat16), g, 1e-6, None, w, rope=rope, config=gemv)
+    with pytest.raises(ValueError, match="take one row"):
+        sm._launch(torch.zeros(2, 64, dtype=torch.bfloat16), w, None, None, None, gemv, silu_mul=True)
 
 
 @interpreter_only
-def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(tiny_llama, table, monkeypatch):
-    """A bf16 Llama decode step of one request on the triton backend: every layer's input norm, qkv GEMV,
-    rotary and KV store run as one kernel, and the logits and the K/V it stores have the bits of the same
-    step with the rotary and store run by the backend (the qkv GEMV with the norm, then rotary_store_kv)."""
+@pytest.mark.parametrize("bs", [1, 2])
+def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(tiny_llama, table, monkeypatch, bs):
+    """A bf16 Llama decode step of one or two requests on the triton backend: every layer's input norm, qkv
+    GEMV, rotary and KV store run as one kernel, and the logits and the K/V it stores have the bits of the
+    same step with the rotary and store run by the backend (the qkv GEMV with the norm, then rotary_store_kv)."""
     from test_cuda_graph_runner import make_decode_batch, release
 
     from model_executor.layers.attention.radix_attention import RadixAttention
@@ -736,7 +759,8 @@ def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(ti
     from runners.model_runner import ModelRunner, RunnerConfig
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
-    table({"bf16": {"128,64": {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}}})  # qkv: 4 + 2 x 2 heads of 16
+    gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
+    table({"bf16": {"128,64": {"1": gemv, "2": gemv}}})  # qkv: 4 + 2 x 2 heads of 16
     runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="bfloat16",
                                       attention_backend="torch_native", max_running_requests=2, max_total_tokens=256,
                                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
@@ -744,7 +768,8 @@ def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(ti
     calls = []
     real = sm.small_m_rmsnorm_linear
     monkeypatch.setattr(sm, "small_m_rmsnorm_linear", lambda *a, **kw: calls.append(kw.get("rope")) or real(*a, **kw))
-    fb, rows, loc = make_decode_batch(runner, 1, seed=6, max_prompt=12)
+    fb, rows, loc = make_decode_batch(runner, bs, seed=6, max_prompt=12)
+    assert loc.numel() == bs
     bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
     try:
         with torch.no_grad():

@@ -73,12 +73,12 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 @dataclass(frozen=True)
 class RopeStore:
-    """One decode token's rotary and KV store, for a qkv GEMV that runs them in its epilogue
+    """A few decode tokens' rotary and KV store, for a qkv GEMV that runs them in its epilogue
     (small_m_gemm's ROPE; RadixAttention.rope_store builds it): q rotated in the GEMV's output, k rotated and
-    v written into the pool at slot loc, as rotary_store_kv does."""
-    positions: torch.Tensor  # [1] the token's position
+    v written into the pool at slots loc, as rotary_store_kv does."""
+    positions: torch.Tensor  # [T] the tokens' positions
     cos_sin_cache: torch.Tensor  # [max_position, head_dim]: cos | sin halves (NeoX)
-    loc: torch.Tensor  # [1] the token's pool slot
+    loc: torch.Tensor  # [T] the tokens' pool slots
     k_buffer: torch.Tensor  # [slots, num_kv_heads, head_dim]
     v_buffer: torch.Tensor
     num_q_heads: int

@@ -111,6 +111,7 @@ class LinearMethod:
 # Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
 SMALL_M_DEVICES = ("cuda",)
 SMALL_M_MAX = 64  # the kernel's largest row limit (small_m_gemm.MAX_M_FP8), checked before importing it
+SMALL_M_GEMV_ROWS = 4  # the rows its GEMVs take, a fused RMSNorm and rotary + KV store too (MAX_GEMV_ROWS)
 _small_m_module = None
 
 
@@ -146,10 +147,10 @@ def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
     return kernel if kernel.use_small_m(x.reshape(-1, x.shape[-1]), weight, block) else None
 
 
-def _one_row_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None):
-    """small_m_kernel for a single contiguous row x [..., K], else None."""
+def _one_row_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, rows: int = 1):
+    """small_m_kernel for contiguous rows x [..., K], one (or up to `rows`), else None."""
     # (compiling first: a symbolic token count compared with 1 would add a guard to the traced graph)
-    if torch.compiler.is_compiling() or x.numel() != x.shape[-1] or not x.is_contiguous():
+    if torch.compiler.is_compiling() or x.numel() > rows * x.shape[-1] or not x.is_contiguous():
         return None
     return small_m_kernel(x, weight, block)
 
@@ -174,18 +175,20 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
                            bias: torch.Tensor | None,
                            rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm (and residual add) fused into the GEMV it feeds (small_m_gemm.small_m_rmsnorm_linear) for
-    one row x [..., K] where the small-M kernel runs this weight; None otherwise. x may be a PrenormedRow
-    (residual is then its h, returned as it is): the GEMM scales the row the kernel before prepared."""
+    up to SMALL_M_GEMV_ROWS rows x [..., K] where the small-M kernel runs this weight as a GEMV; None
+    otherwise. x may be a PrenormedRow (residual is then its h, returned as it is): the GEMM scales the row
+    the kernel before prepared."""
     if isinstance(x, PrenormedRow):
         kernel = _one_row_kernel(x.weighted, weight, block)
         y = None if kernel is None else kernel.small_m_prenormed_linear(x, weight, scale, bias, block, rope=rope)
         return None if y is None else (y, residual)
-    kernel = _one_row_kernel(x, weight, block)
+    kernel = _one_row_kernel(x, weight, block, rows=SMALL_M_GEMV_ROWS)
     if kernel is None or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                                     or not residual.is_contiguous())):
         return None
-    out = kernel.small_m_rmsnorm_linear(x.reshape(1, -1), norm_weight, eps,
-                                        None if residual is None else residual.reshape(1, -1),
+    k = x.shape[-1]
+    out = kernel.small_m_rmsnorm_linear(x.reshape(-1, k), norm_weight, eps,
+                                        None if residual is None else residual.reshape(-1, k),
                                         weight, scale, bias, block, rope=rope)
     if out is None:
         return None

@@ -121,18 +121,19 @@ class GemmConfig:
 
 
 @triton.jit
-def _rope_store(a, b, offs_n, rows_n, rows_b, N, Y, POS, LOC, COS, KB, VB, stride_cos, stride_kb_slot,
-                stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads, num_kv_heads, k_scale, v_scale,
-                HALF: tl.constexpr):
-    """The ROPE epilogue: a, b [BLOCK_N, 1] float32 sums of rows rows_n and rows_b = rows_n + HALF (half
-    rows offs_n). Rounded to y's dtype first, as the linear's output, then as rotary_store_kv computes."""
+def _rope_store(a, b, offs_n, rows_n, rows_b, offs_m, rows_m, N, M, Y, stride_ym, POS, LOC, COS, KB, VB,
+                stride_cos, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads,
+                num_kv_heads, k_scale, v_scale, HALF: tl.constexpr):
+    """The ROPE epilogue: a, b [BLOCK_N, BLOCK_M] float32 sums of rows rows_n and rows_b = rows_n + HALF (half
+    rows offs_n), a column per token (offs_m; rows_m: clamped to a real token). Rounded to y's dtype first,
+    as the linear's output, then as rotary_store_kv computes."""
     a = a.to(Y.dtype.element_ty).to(tl.float32)
     b = b.to(Y.dtype.element_ty).to(tl.float32)
-    valid = (offs_n < N)[:, None]
+    valid = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     head = (offs_n // HALF)[:, None]
     j = (offs_n % HALF)[:, None]
-    pos = tl.load(POS).to(tl.int64)
-    slot = tl.load(LOC).to(tl.int64)
+    pos = tl.load(POS + rows_m).to(tl.int64)[None, :]
+    slot = tl.load(LOC + rows_m).to(tl.int64)[None, :]
     cos = tl.load(COS + pos * stride_cos + j).to(tl.float32)
     sin = tl.load(COS + pos * stride_cos + HALF + j).to(tl.float32)
     ra = a * cos - b * sin
@@ -141,8 +142,9 @@ def _rope_store(a, b, offs_n, rows_n, rows_b, N, Y, POS, LOC, COS, KB, VB, strid
     is_k = (head >= num_q_heads) & (head < num_q_heads + num_kv_heads)
     is_v = head >= num_q_heads + num_kv_heads
     # y: the q heads rotated (in place, as rotary_store_kv leaves q); k and v as the linear gives them
-    tl.store(Y + rows_n[:, None], tl.where(is_q, ra, a).to(Y.dtype.element_ty), mask=valid)
-    tl.store(Y + rows_b[:, None], tl.where(is_q, rb, b).to(Y.dtype.element_ty), mask=valid)
+    y_row = Y + offs_m[None, :] * stride_ym
+    tl.store(y_row + rows_n[:, None], tl.where(is_q, ra, a).to(Y.dtype.element_ty), mask=valid)
+    tl.store(y_row + rows_b[:, None], tl.where(is_q, rb, b).to(Y.dtype.element_ty), mask=valid)
     k_off = slot * stride_kb_slot + (head - num_q_heads).to(tl.int64) * stride_kb_head + j
     ka = ra.to(Y.dtype.element_ty).to(tl.float32) / k_scale
     kb = rb.to(Y.dtype.element_ty).to(tl.float32) / k_scale
@@ -154,10 +156,40 @@ def _rope_store(a, b, offs_n, rows_n, rows_b, N, Y, POS, LOC, COS, KB, VB, strid
 
 
 @triton.jit
-def _gemv_row(ptrs, k_mask, EVEN_K: tl.constexpr):
-    """A row of x's K step as float32 [1, BLOCK_K] (the GEMV's rows after the first)."""
-    xt = tl.load(ptrs) if EVEN_K else tl.load(ptrs, mask=k_mask, other=0.0)
-    return xt.to(tl.float32)
+def _gemv_row_step(acc2, up2, sq, wf, wf_up, g, x_ptrs, r_ptrs, h_ptrs, k_mask, store_h,
+                   EVEN_K: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One row's K step of the GEMV: its input (NORM: h = x (+ r, rounded to x's dtype as torch adds them;
+    stored to H where store_h), whose squares go into sq, times the norm weight g) times the float32 weight
+    tile into acc2, and the paired tile into up2. (Unmasked loads where K is even: masked loads of a runtime
+    bound are not vectorized.)"""
+    xt = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=k_mask, other=0.0)
+    if NORM:
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptrs) if EVEN_K else tl.load(r_ptrs, mask=k_mask, other=0.0)
+            xt = (xt.to(tl.float32) + r.to(tl.float32)).to(xt.dtype)
+            if store_h:
+                if EVEN_K:
+                    tl.store(h_ptrs, xt)
+                else:
+                    tl.store(h_ptrs, xt, mask=k_mask)
+        xf = xt.to(tl.float32)
+        sq += xf * xf
+        xf = xf * g
+    else:
+        xf = xt.to(tl.float32)
+    acc2 += wf * xf
+    if PAIRED:
+        up2 += wf_up * xf
+    return acc2, up2, sq
+
+
+@triton.jit
+def _gemv_column(acc2, sq, K, eps, NORM: tl.constexpr):
+    """A row's [BLOCK_N, 1] sums from its [BLOCK_N, BLOCK_K] tile of them, scaled by 1 / rms(h) with NORM."""
+    acc = tl.sum(acc2, axis=1)[:, None]
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(tl.sum(sq) / K + eps))
+    return acc
 
 
 # M and the workspace stride (a multiple of M) are not specialized on: one compile serves every row count
@@ -222,23 +254,20 @@ def _small_m_gemm_kernel(
     if SCALE == 2:
         s_ptrs = S + (rows_n // SCALE_BN) * stride_sn
     if GEMV:
-        x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if ROWS > 1:  # rows 1 .. ROWS - 1 (at most 4 rows; nothing fused with them)
-            acc2_1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            if ROWS > 2:
-                acc2_2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            if ROWS > 3:
-                acc2_3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if NORM:
-            g_ptrs = G + (k_start + offs_k)[None, :]
-            sumsq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
-            if HAS_RESIDUAL:
-                r_ptrs = R + (k_start + offs_k)[None, :]
-                h_ptrs = H + (k_start + offs_k)[None, :]  # (program 0 stores h)
+        # Row r of x (and of the residual and h: contiguous [M, K] with NORM) at the K step: ptrs + r * stride.
+        x_ptrs = X + (k_start + offs_k)[None, :]
+        r_ptrs = R + (k_start + offs_k)[None, :]
+        h_ptrs = H + (k_start + offs_k)[None, :]  # (NORM with a residual: program 0 stores h)
+        g_ptrs = G + (k_start + offs_k)[None, :]
+        zeros = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        zeros_k = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+        # per row (up to 4): the sums of products, of the paired rows' products, of h^2 (NORM)
+        acc2_0, up2_0, sq_0 = zeros, zeros, zeros_k
+        acc2_1, up2_1, sq_1 = zeros, zeros, zeros_k
+        acc2_2, up2_2, sq_2 = zeros, zeros, zeros_k
+        acc2_3, up2_3, sq_3 = zeros, zeros, zeros_k
         if PAIRED:
             up_ptrs = W + rows_b[:, None] * stride_wn + (k_start + offs_k)[None, :]
-            acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             if SCALE == 2:
                 s_up_ptrs = S + (rows_b // SCALE_BN) * stride_sn
         if ADD_NORM:  # this program's columns of the residual and the norm weight, before the weights stream
@@ -251,72 +280,54 @@ def _small_m_gemm_kernel(
         # or when the loop itself asks for stages; without it each step waits for its own loads.
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             k_mask = (k + offs_k)[None, :] < k_end
-            if EVEN_K:
-                w = tl.load(w_ptrs)
-                xt = tl.load(x_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-                xt = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            if NORM:  # (unmasked where K is even: masked loads of a runtime bound are not vectorized)
-                if HAS_RESIDUAL:
-                    r = tl.load(r_ptrs) if EVEN_K else tl.load(r_ptrs, mask=k_mask, other=0.0)
-                    xt = (xt.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-                    if pid_n == 0:
-                        if EVEN_K:
-                            tl.store(h_ptrs, xt)
-                        else:
-                            tl.store(h_ptrs, xt, mask=k_mask)
-                    r_ptrs += BLOCK_K
-                    h_ptrs += BLOCK_K
-                xf = xt.to(tl.float32)
-                sumsq += xf * xf
-                g = tl.load(g_ptrs) if EVEN_K else tl.load(g_ptrs, mask=k_mask, other=0.0)
-                xf = xf * g.to(tl.float32)
-                g_ptrs += BLOCK_K
-            else:
-                xf = xt.to(tl.float32)
-            if ROWS == 1:
-                prod = w.to(tl.float32) * xf
-                if SCALE == 2:
-                    prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
-                acc2 += prod
-            else:  # the weight tile converted (and block-scaled) once, then one product per row
-                wf = w.to(tl.float32)
-                if SCALE == 2:
-                    wf = wf * tl.load(s_ptrs + k // SCALE_BK)[:, None]
-                acc2 += wf * xf
-                acc2_1 += wf * _gemv_row(x_ptrs + stride_xm, k_mask, EVEN_K)
-                if ROWS > 2:
-                    acc2_2 += wf * _gemv_row(x_ptrs + 2 * stride_xm, k_mask, EVEN_K)
-                if ROWS > 3:
-                    acc2_3 += wf * _gemv_row(x_ptrs + 3 * stride_xm, k_mask, EVEN_K)
+            # the weight tile (and the paired one) converted and block-scaled once, then a product per row
+            wf = (tl.load(w_ptrs) if EVEN_K else tl.load(w_ptrs, mask=k_mask, other=0.0)).to(tl.float32)
+            if SCALE == 2:
+                wf = wf * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+            wf_up = wf
             if PAIRED:
-                if EVEN_K:
-                    w_up = tl.load(up_ptrs)
-                else:
-                    w_up = tl.load(up_ptrs, mask=k_mask, other=0.0)
-                prod_up = w_up.to(tl.float32) * xf
+                wf_up = (tl.load(up_ptrs) if EVEN_K else tl.load(up_ptrs, mask=k_mask, other=0.0)).to(tl.float32)
                 if SCALE == 2:
-                    prod_up = prod_up * tl.load(s_up_ptrs + k // SCALE_BK)[:, None]
-                acc2_up += prod_up
+                    wf_up = wf_up * tl.load(s_up_ptrs + k // SCALE_BK)[:, None]
                 up_ptrs += BLOCK_K
+            g = 1.0
+            if NORM:
+                g = (tl.load(g_ptrs) if EVEN_K else tl.load(g_ptrs, mask=k_mask, other=0.0)).to(tl.float32)
+            acc2_0, up2_0, sq_0 = _gemv_row_step(acc2_0, up2_0, sq_0, wf, wf_up, g, x_ptrs, r_ptrs, h_ptrs,
+                                                 k_mask, pid_n == 0, EVEN_K, PAIRED, NORM, HAS_RESIDUAL)
+            if ROWS > 1:
+                acc2_1, up2_1, sq_1 = _gemv_row_step(acc2_1, up2_1, sq_1, wf, wf_up, g, x_ptrs + stride_xm,
+                                                     r_ptrs + K, h_ptrs + K, k_mask, pid_n == 0, EVEN_K, PAIRED,
+                                                     NORM, HAS_RESIDUAL)
+            if ROWS > 2:
+                acc2_2, up2_2, sq_2 = _gemv_row_step(acc2_2, up2_2, sq_2, wf, wf_up, g, x_ptrs + 2 * stride_xm,
+                                                     r_ptrs + 2 * K, h_ptrs + 2 * K, k_mask, pid_n == 0, EVEN_K,
+                                                     PAIRED, NORM, HAS_RESIDUAL)
+            if ROWS > 3:
+                acc2_3, up2_3, sq_3 = _gemv_row_step(acc2_3, up2_3, sq_3, wf, wf_up, g, x_ptrs + 3 * stride_xm,
+                                                     r_ptrs + 3 * K, h_ptrs + 3 * K, k_mask, pid_n == 0, EVEN_K,
+                                                     PAIRED, NORM, HAS_RESIDUAL)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]; more rows: [BLOCK_N, BLOCK_M], a column each
+            r_ptrs += BLOCK_K
+            h_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+        # [BLOCK_N, BLOCK_M]: row r's sums in column r, scaled by its 1 / rms (NORM: one split, so this
+        # program saw all of K; PRENORMED: rstd from the partials)
+        acc = _gemv_column(acc2_0, sq_0, K, eps, NORM)
+        acc_up = _gemv_column(up2_0, sq_0, K, eps, NORM)
         if ROWS > 1:
-            acc = tl.where(offs_m[None, :] == 1, tl.sum(acc2_1, axis=1)[:, None], acc)
-            if ROWS > 2:
-                acc = tl.where(offs_m[None, :] == 2, tl.sum(acc2_2, axis=1)[:, None], acc)
-            if ROWS > 3:
-                acc = tl.where(offs_m[None, :] == 3, tl.sum(acc2_3, axis=1)[:, None], acc)
-        if PAIRED:
-            acc_up = tl.sum(acc2_up, axis=1)[:, None]
-        if NORM:  # (one split: this program saw all of K)
-            rstd = 1.0 / tl.sqrt(tl.sum(sumsq) / K + eps)
-        if NORM or PRENORMED:
+            acc = tl.where(offs_m[None, :] == 1, _gemv_column(acc2_1, sq_1, K, eps, NORM), acc)
+            acc_up = tl.where(offs_m[None, :] == 1, _gemv_column(up2_1, sq_1, K, eps, NORM), acc_up)
+        if ROWS > 2:
+            acc = tl.where(offs_m[None, :] == 2, _gemv_column(acc2_2, sq_2, K, eps, NORM), acc)
+            acc_up = tl.where(offs_m[None, :] == 2, _gemv_column(up2_2, sq_2, K, eps, NORM), acc_up)
+        if ROWS > 3:
+            acc = tl.where(offs_m[None, :] == 3, _gemv_column(acc2_3, sq_3, K, eps, NORM), acc)
+            acc_up = tl.where(offs_m[None, :] == 3, _gemv_column(up2_3, sq_3, K, eps, NORM), acc_up)
+        if PRENORMED:
             acc = acc * rstd
-            if PAIRED:
-                acc_up = acc_up * rstd
+            acc_up = acc_up * rstd
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
@@ -369,9 +380,9 @@ def _small_m_gemm_kernel(
         if HAS_BIAS:
             acc += tl.load(BIAS + rows_n).to(tl.float32)[:, None]
             acc_up += tl.load(BIAS + rows_b).to(tl.float32)[:, None]
-        _rope_store(acc, acc_up, offs_n, rows_n, rows_b, N, Y, POS, LOC, COS, KB, VB, stride_cos,
-                    stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads, num_kv_heads,
-                    k_scale, v_scale, HALF)
+        _rope_store(acc, acc_up, offs_n, rows_n, rows_b, offs_m, rows_m, N, M, Y, stride_ym, POS, LOC, COS, KB,
+                    VB, stride_cos, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads,
+                    num_kv_heads, k_scale, v_scale, HALF)
     else:
         if HAS_BIAS:
             acc += tl.load(BIAS + rows_n).to(tl.float32)[:, None]
@@ -501,8 +512,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     _check(x, weight, scale, bias, block, x_scale)
     if cfg.GEMV and x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"a GEMV config runs at most {MAX_GEMV_ROWS} rows, got {x.shape[0]}")
-    if cfg.GEMV and x.shape[0] > 1 and (silu_mul or any(f is not None for f in (norm, rope, add_norm, prenormed))):
-        raise ValueError("a GEMV of several rows has nothing fused into it (one row only)")
+    if x.shape[0] > 1 and (silu_mul or add_norm is not None or prenormed is not None):
+        raise ValueError("the fused SiLU-and-mul, add + RMSNorm epilogue and pre-normed input take one row")
     if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
         raise ValueError(f"SiLU-and-mul runs in a single-split GEMV without bias on an even row count, got {cfg}")
     if norm is not None:
@@ -549,7 +560,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         residual if residual is not None else x, norm_weight, h_out, partials, *rope_ptrs,
         x_scale if x_scale is not None else x,
         m, n, k, k_per_split, eps, partials.numel() if prenormed is not None else 0,
-        x.stride(0), weight.stride(0), n, scale.stride(0) if scale_mode == 2 else 0, m * n, *rope_scalars,
+        x.stride(0), weight.stride(0), out.stride(-2), scale.stride(0) if scale_mode == 2 else 0, m * n, *rope_scalars,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
@@ -584,8 +595,8 @@ def _rope_args(rope: RopeStore | None, x: torch.Tensor) -> tuple[tuple, tuple]:
 
 
 def _check_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, cfg: GemmConfig, silu_mul: bool) -> None:
-    if not cfg.GEMV or cfg.SPLIT_K != 1 or silu_mul or x.shape[0] != 1:
-        raise ValueError(f"the rotary + KV store epilogue runs in a single-split GEMV of one row, got {cfg}")
+    if not cfg.GEMV or cfg.SPLIT_K != 1 or silu_mul:
+        raise ValueError(f"the rotary + KV store epilogue runs in a single-split GEMV, got {cfg}")
     d = rope.cos_sin_cache.shape[-1]
     heads = rope.num_q_heads + 2 * rope.num_kv_heads
     if d % 2 or weight.shape[0] != heads * d or rope.cos_sin_cache.stride(-1) != 1:
@@ -594,8 +605,8 @@ def _check_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, cfg: Gem
         if buf.dim() != 3 or tuple(buf.shape[1:]) != (rope.num_kv_heads, d) or buf.stride(-1) != 1:
             raise ValueError(f"KV store: pool buffers must be [slots, {rope.num_kv_heads}, {d}] with unit "
                              f"stride, got {tuple(buf.shape)}")
-    if rope.positions.numel() != 1 or rope.loc.numel() != 1:
-        raise ValueError("rotary + KV store: one token's position and slot")
+    if rope.positions.numel() != x.shape[0] or rope.loc.numel() != x.shape[0]:
+        raise ValueError(f"rotary + KV store: a position and a slot for each of the {x.shape[0]} tokens")
 
 
 def _check_norm(x: torch.Tensor, norm: RmsNormInput, cfg: GemmConfig) -> None:
@@ -778,14 +789,14 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return _impl(x, weight, scale, bias, block_n, block_k)
 
 
-def fused_gemv_config(n: int, k: int, kind: str, device: str, paired: bool = False) -> GemmConfig | None:
-    """The config of a one-row GEMV with something fused into it (a SiLU-and-mul, an RMSNorm, the rotary
-    and KV store): the table's choice for the weight when it is a single-split GEMV, else None. paired
-    (the SiLU-and-mul, the rotary): each program takes half its rows from one block (gate; a head's first
-    half) and half from the other (up; the second half): the same bytes per program, the same grid."""
+def fused_gemv_config(n: int, k: int, kind: str, device: str, paired: bool = False, m: int = 1) -> GemmConfig | None:
+    """The config of an m-row GEMV with something fused into it (a SiLU-and-mul, an RMSNorm, the rotary
+    and KV store): the table's choice for the weight at m rows when it is a single-split GEMV, else None.
+    paired (the SiLU-and-mul, the rotary): each program takes half its rows from one block (gate; a head's
+    first half) and half from the other (up; the second half): the same bytes per program, the same grid."""
     if paired and n % 2:
         return None
-    cfg = choose_config(1, n, k, kind, device)
+    cfg = choose_config(m, n, k, kind, device)
     if cfg is None or not cfg.GEMV or cfg.SPLIT_K != 1 or (paired and cfg.BLOCK_N < 2):
         return None
     return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2) if paired else cfg
@@ -797,13 +808,15 @@ def silu_and_mul_config(n2: int, k: int, kind: str, device: str) -> GemmConfig |
 
 
 def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
-                  config: GemmConfig | None, paired: bool) -> GemmConfig | None:
-    """`config`, else the table's fused_gemv_config; None for more than one row or while something traces."""
-    if x.shape[0] != 1 or _tracing():
+                  config: GemmConfig | None, paired: bool, rows: int = 1) -> GemmConfig | None:
+    """`config`, else the table's fused_gemv_config; None for more than `rows` rows (what the fusion takes) or
+    while something traces."""
+    if not 0 < x.shape[0] <= rows or _tracing():
         return None
     if config is not None:
         return config
-    return fused_gemv_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), paired)
+    return fused_gemv_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), paired,
+                             x.shape[0])
 
 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -861,14 +874,15 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
                            weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                            block: tuple[int, int] | None = None, rope: RopeStore | None = None,
                            config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(y, h) for one row: h = x + residual (x without one) and y = the GEMM of norm_weight * rmsnorm(h), in
-    one kernel: RMSNorm's launch folded into the linear it feeds (a decode step's qkv projection). With
-    `rope` the weight is that qkv projection and the same kernel runs the rotary and the KV store: y's q
-    heads come out rotated, k and v go into the pool (a paired config: half the table's column tile). None
-    where no single-split GEMV config applies, or while something traces (the caller then runs RMSNorm,
-    the linear and the attention's own rotary and store). Not offered with the fused SiLU-and-mul:
-    measured slower there than the two kernels (H200, docs/benchmarks.md)."""
-    config = _fused_config(x, weight, block, config, paired=rope is not None)
+    """(y, h) for up to MAX_GEMV_ROWS rows x [M, K]: h = x + residual (x without one) and y = the GEMM of
+    norm_weight * rmsnorm(h) (per row), in one kernel: RMSNorm's launch folded into the linear it feeds (a
+    decode step's qkv projection). With `rope` the weight is that qkv projection and the same kernel runs the
+    rotary and the KV store of each row's token: y's q heads come out rotated, k and v go into the pool (a
+    paired config: half the table's column tile). None where the table has no single-split GEMV for M rows,
+    or while something traces (the caller then runs RMSNorm, the linear and the attention's own rotary and
+    store). Not offered with the fused SiLU-and-mul: measured slower there than the two kernels (H200,
+    docs/benchmarks.md)."""
+    config = _fused_config(x, weight, block, config, paired=rope is not None, rows=MAX_GEMV_ROWS)
     if config is None:
         return None
     norm = RmsNormInput(norm_weight, eps, residual, None if residual is None else torch.empty_like(x))
