@@ -253,7 +253,80 @@ def _small_m_gemm_kernel(
     w_ptrs = W + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
     if SCALE == 2:
         s_ptrs = S + (rows_n // SCALE_BN) * stride_sn
-    if GEMV:
+    if GEMV and ROWS == 1:  # (its own loop: the multi-row form below measured 0.9% slower at 8B FP8 bs 1)
+        x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if NORM:
+            g_ptrs = G + (k_start + offs_k)[None, :]
+            sumsq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+            if HAS_RESIDUAL:
+                r_ptrs = R + (k_start + offs_k)[None, :]
+                h_ptrs = H + (k_start + offs_k)[None, :]  # (program 0 stores h)
+        if PAIRED:
+            up_ptrs = W + rows_b[:, None] * stride_wn + (k_start + offs_k)[None, :]
+            acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if SCALE == 2:
+                s_up_ptrs = S + (rows_b // SCALE_BN) * stride_sn
+        if ADD_NORM:  # this program's columns of the residual and the norm weight, before the weights stream
+            r_n = tl.load(R + rows_n).to(tl.float32)[:, None]
+            g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
+        if PRENORMED:  # the row's sum of h^2 (its partials are L2-resident: the kernel before wrote them)
+            offs_p = tl.arange(0, NUM_P)
+            rstd = 1.0 / tl.sqrt(tl.sum(tl.load(P + offs_p, mask=offs_p < num_p, other=0.0)) / K + eps)
+        # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
+        # or when the loop itself asks for stages; without it each step waits for its own loads.
+        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            k_mask = (k + offs_k)[None, :] < k_end
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                xt = tl.load(x_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+                xt = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            if NORM:  # (unmasked where K is even: masked loads of a runtime bound are not vectorized)
+                if HAS_RESIDUAL:
+                    r = tl.load(r_ptrs) if EVEN_K else tl.load(r_ptrs, mask=k_mask, other=0.0)
+                    xt = (xt.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+                    if pid_n == 0:
+                        if EVEN_K:
+                            tl.store(h_ptrs, xt)
+                        else:
+                            tl.store(h_ptrs, xt, mask=k_mask)
+                    r_ptrs += BLOCK_K
+                    h_ptrs += BLOCK_K
+                xf = xt.to(tl.float32)
+                sumsq += xf * xf
+                g = tl.load(g_ptrs) if EVEN_K else tl.load(g_ptrs, mask=k_mask, other=0.0)
+                xf = xf * g.to(tl.float32)
+                g_ptrs += BLOCK_K
+            else:
+                xf = xt.to(tl.float32)
+            prod = w.to(tl.float32) * xf
+            if SCALE == 2:
+                prod = prod * tl.load(s_ptrs + k // SCALE_BK)[:, None]
+            acc2 += prod
+            if PAIRED:
+                if EVEN_K:
+                    w_up = tl.load(up_ptrs)
+                else:
+                    w_up = tl.load(up_ptrs, mask=k_mask, other=0.0)
+                prod_up = w_up.to(tl.float32) * xf
+                if SCALE == 2:
+                    prod_up = prod_up * tl.load(s_up_ptrs + k // SCALE_BK)[:, None]
+                acc2_up += prod_up
+                up_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+        if PAIRED:
+            acc_up = tl.sum(acc2_up, axis=1)[:, None]
+        if NORM:  # (one split: this program saw all of K)
+            rstd = 1.0 / tl.sqrt(tl.sum(sumsq) / K + eps)
+        if NORM or PRENORMED:
+            acc = acc * rstd
+            if PAIRED:
+                acc_up = acc_up * rstd
+    elif GEMV:  # 2-4 rows (nothing fused but the RMSNorm and the rotary + KV store)
         # Row r of x (and of the residual and h: contiguous [M, K] with NORM) at the K step: ptrs + r * stride.
         x_ptrs = X + (k_start + offs_k)[None, :]
         r_ptrs = R + (k_start + offs_k)[None, :]
@@ -270,12 +343,6 @@ def _small_m_gemm_kernel(
             up_ptrs = W + rows_b[:, None] * stride_wn + (k_start + offs_k)[None, :]
             if SCALE == 2:
                 s_up_ptrs = S + (rows_b // SCALE_BN) * stride_sn
-        if ADD_NORM:  # this program's columns of the residual and the norm weight, before the weights stream
-            r_n = tl.load(R + rows_n).to(tl.float32)[:, None]
-            g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
-        if PRENORMED:  # the row's sum of h^2 (its partials are L2-resident: the kernel before wrote them)
-            offs_p = tl.arange(0, NUM_P)
-            rstd = 1.0 / tl.sqrt(tl.sum(tl.load(P + offs_p, mask=offs_p < num_p, other=0.0)) / K + eps)
         # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
         # or when the loop itself asks for stages; without it each step waits for its own loads.
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -313,7 +380,7 @@ def _small_m_gemm_kernel(
             h_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
         # [BLOCK_N, BLOCK_M]: row r's sums in column r, scaled by its 1 / rms (NORM: one split, so this
-        # program saw all of K; PRENORMED: rstd from the partials)
+        # program saw all of K)
         acc = _gemv_column(acc2_0, sq_0, K, eps, NORM)
         acc_up = _gemv_column(up2_0, sq_0, K, eps, NORM)
         if ROWS > 1:
@@ -325,9 +392,6 @@ def _small_m_gemm_kernel(
         if ROWS > 3:
             acc = tl.where(offs_m[None, :] == 3, _gemv_column(acc2_3, sq_3, K, eps, NORM), acc)
             acc_up = tl.where(offs_m[None, :] == 3, _gemv_column(up2_3, sq_3, K, eps, NORM), acc_up)
-        if PRENORMED:
-            acc = acc * rstd
-            acc_up = acc_up * rstd
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
