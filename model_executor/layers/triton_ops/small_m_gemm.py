@@ -30,9 +30,10 @@ weight tile and each x row, summed over K at the end (no padding to 16 rows, nar
 several rows the tile is converted once and each row has its own float32 sums); the tuner picks whichever
 is faster at M = 1, 2 and 4. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
 loads of a loop without tl.dot only then. `small_m_silu_and_mul` runs a decode row's [gate; up] GEMV and the
-SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add) that feeds a
-decode token's qkv projection into its GEMV and, given a RopeStore, runs that token's rotary and KV store in
-the epilogue (rows paired within each head, as the SiLU pairs gate and up rows). A norm between two
+SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add) that feeds
+the qkv projection of up to MAX_GEMV_ROWS decode tokens into its GEMV and, given a RopeStore, runs their
+rotary and KV store in the epilogue (rows paired within each head, as the SiLU pairs gate and up rows). The
+other fusions take one row. A norm between two
 GEMVs can also go in pieces: `small_m_linear_add_rmsnorm` adds the residual in its epilogue and writes
 norm weight * h and the sums of h^2 per program (a PrenormedRow), and the next GEMV (`small_m_silu_and_mul`,
 `small_m_prenormed_linear`, with the rotary epilogue too) takes that row and scales by 1 / rms at the end:
@@ -213,18 +214,18 @@ def _small_m_gemm_kernel(
     PARTIAL: store fp32 sums to Y + s * stride_yk (the workspace; bias and cast left to the reduce);
     otherwise add the bias and store in Y's dtype. GEMV (ROWS = M <= 4 rows): no tensor cores, the
     products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile per row summed over K once at the end
-    (the fusions below: one row only).
+    (NORM and ROPE take every row; SILU_MUL, ADD_NORM and PRENORMED one row only).
     SILU_MUL (GEMV, one split, no bias): W is [gate; up] with 2N rows; the program also sums the up rows
     n + N and stores silu(gate) * up, rounded as the linear followed by SiluAndMul would round them.
-    NORM (GEMV, one split, not with SILU_MUL): the input row is G * rmsnorm(h) for h = x (+ R, rounded to
+    NORM (GEMV, one split, not with SILU_MUL): each input row is G * rmsnorm(h) for h = x (+ R, rounded to
     x's dtype, as torch adds them; program 0 stores h to H): each step multiplies h by G and sums h^2 as it
     goes, and the sums are scaled by 1 / rms(h) at the end (no pass over x before the weights stream, no
     normed row in memory; one rounding fewer than RMSNorm then the GEMM, which rounds the normed row).
-    ROPE (GEMV, one split; a decode token's qkv projection, heads of 2 * HALF rows): N counts half rows;
-    index t is row j = t % HALF of head t // HALF, paired like the SiLU's up rows with row j + HALF of the
-    same head. The epilogue stores y with the q heads rotated (NeoX halves, cos/sin of the token's position
-    POS from COS), and writes the rotated k heads and the v heads into the KV pool KB / VB at slot LOC
-    (divided by k_scale / v_scale), rounded as the rotary_store_kv kernel rounds them.
+    ROPE (GEMV, one split; the qkv projection of decode tokens, a row each, heads of 2 * HALF rows): N
+    counts half rows; index t is row j = t % HALF of head t // HALF, paired like the SiLU's up rows with row
+    j + HALF of the same head. The epilogue stores y with the q heads rotated (NeoX halves, cos/sin of row
+    r's position POS[r] from COS), and writes the rotated k heads and the v heads into the KV pool KB / VB
+    at slot LOC[r] (divided by k_scale / v_scale), rounded as the rotary_store_kv kernel rounds them.
     ADD_NORM (GEMV, one split, not paired; a decode token's o_proj or down, whose output feeds an RMSNorm):
     h = y + R (y rounded to its dtype first, as the linear's output; h rounded as torch adds) goes to H, the
     program's sum of h^2 over its columns to P[pid_n], and Y receives G * h (rounded): the next GEMV's input
@@ -624,7 +625,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         residual if residual is not None else x, norm_weight, h_out, partials, *rope_ptrs,
         x_scale if x_scale is not None else x,
         m, n, k, k_per_split, eps, partials.numel() if prenormed is not None else 0,
-        x.stride(0), weight.stride(0), out.stride(-2), scale.stride(0) if scale_mode == 2 else 0, m * n, *rope_scalars,
+        x.stride(0), weight.stride(0), out.stride(-2),  # (y's row stride: 2N with the rotary's paired rows)
+        scale.stride(0) if scale_mode == 2 else 0, m * n, *rope_scalars,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
@@ -636,7 +638,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
         ROWS=m if cfg.GEMV else 1,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
-        BLOCK_M=triton.next_power_of_2(m) if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)), BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
+        BLOCK_M=triton.next_power_of_2(m) if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)),
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
