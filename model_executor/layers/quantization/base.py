@@ -111,7 +111,7 @@ class LinearMethod:
 # Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
 SMALL_M_DEVICES = ("cuda",)
 SMALL_M_MAX = 64  # the kernel's largest row limit (small_m_gemm.MAX_M_FP8), checked before importing it
-SMALL_M_GEMV_ROWS = 4  # the rows its GEMVs take, a fused RMSNorm and rotary + KV store too (MAX_GEMV_ROWS)
+SMALL_M_GEMV_ROWS = 4  # the rows its GEMVs take, a fused RMSNorm and rotary + KV store too
 _small_m_module = None
 
 
@@ -147,8 +147,8 @@ def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
     return kernel if kernel.use_small_m(x.reshape(-1, x.shape[-1]), weight, block) else None
 
 
-def _one_row_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, rows: int = 1):
-    """small_m_kernel for contiguous rows x [..., K], one (or up to `rows`), else None."""
+def _rows_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, rows: int = 1):
+    """small_m_kernel for at most `rows` contiguous rows x [..., K] (the fused paths' limit), else None."""
     # (compiling first: a symbolic token count compared with 1 would add a guard to the traced graph)
     if torch.compiler.is_compiling() or x.numel() > rows * x.shape[-1] or not x.is_contiguous():
         return None
@@ -161,7 +161,7 @@ def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, s
     a PrenormedRow) where the small-M kernel runs this weight; None otherwise (and with a bias, which it
     does not add)."""
     prenormed = isinstance(x, PrenormedRow)
-    kernel = _one_row_kernel(x.weighted if prenormed else x, weight, block) if bias is None else None
+    kernel = _rows_kernel(x.weighted if prenormed else x, weight, block) if bias is None else None
     if kernel is None:
         return None
     if prenormed:  # (its row is already [1, K], and so is the output's)
@@ -179,10 +179,10 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     otherwise. x may be a PrenormedRow (residual is then its h, returned as it is): the GEMM scales the row
     the kernel before prepared."""
     if isinstance(x, PrenormedRow):
-        kernel = _one_row_kernel(x.weighted, weight, block)
+        kernel = _rows_kernel(x.weighted, weight, block)
         y = None if kernel is None else kernel.small_m_prenormed_linear(x, weight, scale, bias, block, rope=rope)
         return None if y is None else (y, residual)
-    kernel = _one_row_kernel(x, weight, block, rows=SMALL_M_GEMV_ROWS)
+    kernel = _rows_kernel(x, weight, block, rows=SMALL_M_GEMV_ROWS)
     if kernel is None or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                                     or not residual.is_contiguous())):
         return None
@@ -203,7 +203,7 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
     """(row, h) for h = x @ weight^T (+ bias) + residual at one row x [..., K], from the GEMV's epilogue
     (small_m_gemm.small_m_linear_add_rmsnorm), where the small-M kernel runs this weight as a single-split
     GEMV and can feed `row` to the GEMM of `consumer` (the weight norm(h) goes into); None otherwise."""
-    kernel = _one_row_kernel(x, weight, block)
+    kernel = _rows_kernel(x, weight, block)
     if kernel is None or residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype \
             or not residual.is_contiguous() or not kernel.takes_prenormed(residual, consumer, consumer_block):
         return None

@@ -72,6 +72,7 @@ import triton
 import triton.language as tl
 
 from model_executor.layers.norm import PrenormedRow
+from model_executor.layers.quantization.base import SMALL_M_GEMV_ROWS
 from model_executor.layers.rotary_store_kv import RopeStore
 from model_executor.layers.triton_ops.kernels import to_f16_scaled
 
@@ -84,7 +85,8 @@ MAX_M = 16  # rows of x (bf16 / fp16 weights); the dot's padded row count (tl.do
 MAX_M_FP8 = 64
 # A GEMV config (CUDA-core products) runs up to this many rows: the weight tile is loaded and converted once
 # and multiplied into each row's accumulator (a tile of float32 sums per row: registers bound the count).
-MAX_GEMV_ROWS = 4
+# Defined beside SMALL_M_MAX, where the layers check it without importing Triton.
+MAX_GEMV_ROWS = SMALL_M_GEMV_ROWS
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the row counts the tuner times; a batch uses the next bucket up
 FP8 = torch.float8_e4m3fn
@@ -577,8 +579,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     _check(x, weight, scale, bias, block, x_scale)
     if cfg.GEMV and x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"a GEMV config runs at most {MAX_GEMV_ROWS} rows, got {x.shape[0]}")
-    if x.shape[0] > 1 and (silu_mul or add_norm is not None or prenormed is not None):
-        raise ValueError("the fused SiLU-and-mul, add + RMSNorm epilogue and pre-normed input take one row")
+    if silu_mul and x.shape[0] > 1:  # (the add + RMSNorm epilogue and a pre-normed input: their checks below)
+        raise ValueError(f"a fused SiLU-and-mul must take one row, got {x.shape[0]}")
     if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
         raise ValueError(f"SiLU-and-mul runs in a single-split GEMV without bias on an even row count, got {cfg}")
     if norm is not None:
