@@ -38,7 +38,11 @@ DECODE_POINTS = [(1, 520), (1, 2048), (8, 520), (32, 520), (64, 520), (256, 520)
 # Llama-3.1-8B, Llama-3.2-1B, Qwen3-30B-A3B; a 512-token prompt a few tokens into its decode, and longer
 COMBINE_HEADS = [(32, 8, 128), (32, 8, 64), (32, 4, 128)]
 COMBINE_POINTS = [(1, 520), (4, 520), (8, 520), (32, 520), (64, 520), (256, 520), (1, 2048), (8, 2048)]
-TILES = [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3), (128, 8, 2), (128, 8, 3), (16, 4, 2)]
+# Stage-1 tiles (decode_attention.Stage1Tile): (BLOCK_N, num_warps, num_stages) with the warps sharing each
+# step, and with warp splits (each warp its own BLOCK_N a step)
+TILES = [(64, 8, 2), (64, 4, 2), (64, 4, 3), (32, 4, 2),
+         (16, 1, 2, True), (16, 1, 3, True), (32, 1, 2, True), (32, 1, 3, True), (64, 1, 2, True), (16, 2, 2, True),
+         (16, 2, 3, True), (32, 2, 2, True), (32, 2, 3, True), (16, 4, 2, True), (32, 4, 2, True)]
 EXTEND_TILES = [(128, 64, 8, 1), (128, 64, 8, 2), (128, 128, 8, 1), (64, 64, 4, 2), (128, 32, 4, 2),
                 (64, 128, 8, 2), (128, 64, 4, 1), (64, 64, 4, 1), (32, 64, 4, 1), (32, 64, 4, 2), (32, 32, 4, 2),
                 (16, 64, 4, 1)]
@@ -111,7 +115,7 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
     floor_us = kv_bytes / (copy_tb_s * 1e6)
     out = []
 
-    def measure(splits: int, min_chunk: int, tile: tuple[int, int, int]) -> None:
+    def measure(splits: int, min_chunk: int, tile) -> None:  # (a decode_attention.Stage1Tile)
         logits, lse, counters = alloc_decode_workspace(bs, num_heads, head_dim, splits, "cuda")
         try:
             us = graph_us(lambda: decode_attention_fwd(q, pool.k, pool.v, o, pool.req_to_token, rows, lens, logits,
@@ -122,7 +126,8 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
             print(f"  tile {tile} failed: {type(exc).__name__}: {str(exc)[:100]}")
         out.append({"heads": list(heads), "bs": bs, "ctx": ctx, "kv_dtype": str(kv_dtype).removeprefix("torch."),
                     "splits": splits, "plan": splits == plan,
-                    "min_chunk": min_chunk, "block_n": tile[0], "num_warps": tile[1], "num_stages": tile[2],
+                    "min_chunk": min_chunk, "block_n": tile.block_n, "num_warps": tile.num_warps,
+                    "num_stages": tile.num_stages, "warp_splits": tile.warp_splits,
                     "us": None if us is None else round(us, 2),
                     "x_floor": None if us is None else round(us / floor_us, 2), "floor_us": round(floor_us, 2)})
 
@@ -134,7 +139,7 @@ def decode_rows(heads, bs: int, ctx: int, copy_tb_s: float, plan_only: bool = Fa
     for splits in [plan] if plan_only else sorted({1, 2, 4, 8, 16, plan}):
         for min_chunk in ([32, 64, 128, 256] if splits > 1 and not plan_only else [dec.MIN_CHUNK]):
             measure(splits, min_chunk, default_tile)
-    for tile in TILES:
+    for tile in (dec.Stage1Tile(*t) for t in TILES):
         if tile != default_tile:
             measure(plan, dec.MIN_CHUNK, tile)
     return out
@@ -264,7 +269,7 @@ def main(argv=None) -> int:
             rows = decode_rows(heads, bs, ctx, copy_tb_s, args.plan_only, KV_DTYPES[args.kv_dtype], args.splits)
             result["decode"] += rows
             for r in rows:
-                tile = f"{r['block_n']}/{r['num_warps']}/{r['num_stages']}"
+                tile = f"{r['block_n']}/{r['num_warps']}/{r['num_stages']}{'s' if r['warp_splits'] else ''}"
                 us = "failed" if r["us"] is None else f"{r['us']:.1f}"
                 print(f"{'/'.join(map(str, heads)):>10} {bs:>4} {ctx:>5} {r['splits']:>6} {r['min_chunk']:>5} "
                       f"{tile:>10} {us:>9} {r['x_floor'] or '':>8}{'  plan' if r['plan'] else ''}")

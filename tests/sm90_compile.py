@@ -116,14 +116,14 @@ def cases():
                          torch.zeros(8, 2, d, dtype=bf16), torch.zeros(8, 2, d, dtype=bf16), 4, 2), \
             torch.randn(heads * d, 512, dtype=bf16)
 
-    def decode(pool_dtype, fused, v_words=None):
+    def decode(pool_dtype, fused, v_words=None, tile=None):
         bs, hq, hk, d = 2, 8, 2, 64
         q = torch.randn(bs, hq, d, dtype=bf16)
         pool = torch.randn(64, hk, d).to(pool_dtype)
         logits, lse, counters = dec.alloc_decode_workspace(bs, hq, d, 4, "cpu")
         dec.decode_attention_fwd(q, pool, pool, torch.empty_like(q), torch.zeros(3, 64, dtype=torch.int32),
                                  torch.tensor([1, 2]), torch.tensor([40, 50]), logits, lse, 4, 0.125,
-                                 counters=counters, fused_combine=fused, v_words=v_words)
+                                 counters=counters, fused_combine=fused, v_words=v_words, tile=tile)
 
     def extend(pool_dtype):
         n, hq, hk, d = 16, 8, 2, 64
@@ -229,6 +229,9 @@ def cases():
          lambda: decode(fp8, False, v_words=False)),
         ("decode attention, FP8 pool, V loaded as 32-bit words", (dec._decode_stage1_kernel, dec._decode_stage2_kernel),
          lambda: decode(fp8, False, v_words=True)),
+        ("decode attention, warps sharing each step (one request's tile), both pools",
+         (dec._decode_stage1_kernel, dec._decode_stage2_kernel),
+         lambda: (decode(bf16, True, tile=(64, 4, 2)), decode(fp8, False, v_words=True, tile=(64, 4, 2)))),
         ("extend attention, bf16 pool", (ext._extend_kernel,), lambda: extend(bf16)),
         ("extend attention, FP8 pool", (ext._extend_kernel,), lambda: extend(fp8)),
         ("FP8 activation quantization + W8A8 block GEMM",

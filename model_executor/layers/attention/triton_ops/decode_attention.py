@@ -5,7 +5,11 @@ before attention runs) are gathered from `k_buffer` / `v_buffer` through `req_to
 
 Stage 1 (grid `(bs, num_kv_heads * head_blocks, num_kv_splits)`): one program takes every query head of a
 KV head (GQA-grouped, up to BLOCK_H query heads per program) and one chunk of the positions; it writes the
-chunk's normalised partial output and its log-sum-exp into the workspace. Stage 2 (grid `(bs, num_kv_heads *
+chunk's normalised partial output and its log-sum-exp into the workspace. Inside a program each warp walks
+its own sub-split of the chunk (a step takes BLOCK_N positions per warp, one batched dot over the warps) with
+its own running max and sum, and the warps' partials are merged once at the end: no step exchanges softmax
+state between warps (with the warps sharing each step's positions, Llama-3.1-8B heads took 9 barriers a step in
+the sm_90 SASS, and 1-warp programs ran faster than 4-warp ones; docs/benchmarks.md, twenty-fifth session). Stage 2 (grid `(bs, num_kv_heads *
 head_blocks)`, stage 1's without the splits) merges the chunks. With num_kv_splits == 1 there is one stage:
 each program walks all its request's positions and writes the output itself (no workspace, no second
 launch).
@@ -41,18 +45,9 @@ import triton.language as tl
 
 from model_executor.layers.triton_ops.kernels import to_f16_scaled
 
-# Stage-1 tile: query heads per program (tl.dot needs M >= 16); the KV positions per loop step, warps and
-# pipeline stages come from stage1_tile (stage 2 takes the same warps, see decode_attention_fwd).
+# Stage-1 tile: query heads per program (tl.dot needs M >= 16); the KV positions per loop step, warps, pipeline
+# stages and warp splits come from stage1_tile (stage 2 takes the same warps, see decode_attention_fwd).
 BLOCK_H = 16
-
-
-# 64-wide heads take (64, 4, 3) from 5 requests except in one band of stage-1 programs along requests and kv
-# heads (one program a request and kv head there: the split plan stops splitting from 528), where (32, 4, 2)
-# is faster: more than 800 and at most 1024 (H200 sweeps, fourteenth and fifteenth sessions, docs/benchmarks.md).
-# Every batch measured at 1024 programs lost 6-15% on (64, 4, 3) (Llama-3.2-1B's 8 kv heads at 128 requests,
-# Qwen2.5-0.5B's 2 at 512, SmolLM2-1.7B's 32 at 32); every other batch measured, 24-512 requests of 2, 3, 5, 8
-# and 32 kv heads (72-8192 programs), gained 4-37% from it, but for one tie (1B heads at 256 requests).
-NARROW_TILE_PROGRAMS = (800, 1024)
 
 
 def on_capture_schedule(n: int) -> int:
@@ -63,41 +58,60 @@ def on_capture_schedule(n: int) -> int:
     return n // step * step
 
 
-def narrow_tile_batches(num_kv_heads: int) -> tuple[int, int]:
-    """(lo, hi): 64-wide heads take (32, 4, 2) at lo < batch size <= hi (NARROW_TILE_PROGRAMS in requests)."""
-    lo, hi = NARROW_TILE_PROGRAMS
-    return on_capture_schedule(lo // num_kv_heads), on_capture_schedule(hi // num_kv_heads)
+class Stage1Tile(NamedTuple):
+    """Stage 1's tile: BLOCK_N positions a step, num_warps, num_stages, and how the warps share the work. With
+    warp_splits, each warp walks its own sub-split of the program's positions (BLOCK_N a step per warp) and
+    the warps merge once at the end; without, the warps share each step's BLOCK_N positions (a running max and
+    sum exchanged through shared memory every step)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    warp_splits: bool = False
 
 
-def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of stage 1 for a batch of this size (num_kv_heads: the pool's, per rank):
-    a function of what a graph is captured for (never of the lengths, which change between replays). Chosen
-    from the tile sweeps of benchmarks/bench_attention.py on the H200 (docs/benchmarks.md):
+def _on_or_below(batch_size: int, programs: int, num_kv_heads: int) -> bool:
+    """Whether a batch has at most `programs` stage-1 programs a split, rounded down to a size of the default
+    capture schedule (so that a batch and the graph it pads to fall on the same side)."""
+    return batch_size <= on_capture_schedule(programs // num_kv_heads)
 
-    - up to 4 requests, longer steps over their positions (8 warps for 128-wide heads);
-    - from 5, a 64-position step and a third pipeline stage, for 128-wide heads at any batch and for 64-wide
-      heads outside the band of narrow_tile_batches(num_kv_heads) (97-128 requests for Llama-3.2-1B's 8 kv
-      heads, 25-32 for 32 kv heads, 401-512 for 2; see NARROW_TILE_PROGRAMS).
-      Fourteenth session, Llama-3.1-8B and -3.2-1B heads at 512, 2048 and 4k tokens, against the (32, 4, 2)
-      the rule had below 32 requests: 16 and 24 requests 3-31% faster for 128-wide heads, 2-36% for 64-wide;
-      8 requests 6-12% faster at 2048 and 4k, 1% (64-wide) and 8% (128-wide) slower at 512; 32-96 requests of
-      1B heads 13-45% faster, at 128 requests 8-15% slower;
-    - an FP8 pool (kv_f16: its dots in fp16, see kv_dots_in_fp16) from 2 to 24 requests (64, 4, 2), from 25
-      (64, 4, 3), at both head widths, its V loaded as words (v_words_default): 23-28% faster than the bf16
-      pool's tile of the time at 4-16 requests (thirteenth session, 4k), 31-38% for 1B heads at 32-256.
-      At one request the kernel alone was 13% faster at 512 tokens and 1% slower at 4k, but Llama-3.1-8B's
-      step at 4k was 2.5% slower in three runs of each: one request keeps the bf16 pool's tile.
 
-    The thresholds sit on sizes of the default capture list (4, 24, the band's), so a batch run eagerly takes
-    the tile of the graph it would be padded to."""
-    if kv_f16 and batch_size > 1:
-        return (64, 4, 2) if batch_size <= 24 else (64, 4, 3)
-    if batch_size <= 4:
-        return (64, 8, 2) if head_dim >= 128 else (64, 4, 2)
-    lo, hi = narrow_tile_batches(num_kv_heads)
-    if head_dim < 128 and lo < batch_size <= hi:
-        return (32, 4, 2)
-    return (64, 4, 3)
+def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool = False) -> Stage1Tile:
+    """Stage 1's tile for a batch of this size (num_kv_heads: the pool's, per rank): a function of what a
+    graph is captured for (never of the lengths, which change between replays). Chosen from the tile sweeps
+    of benchmarks/bench_attention.py on the H200 (docs/benchmarks.md, twenty-fifth session: Llama-3.1-8B and
+    -3.2-1B heads, 8 kv heads, 1-256 requests of 520 and 4096 tokens, at the split plan):
+
+    - one request: the warps share each step, (64, 8, 2) for 128-wide heads and (64, 4, 2) for 64-wide (the
+      fifth and fourteenth sessions' sweeps; warp splits measured 7.6-8.4 us against their 6.1 at 8B heads);
+    - from two requests, warp splits: mostly one warp a program, two where a longer context has few programs
+      (programs = requests x kv heads; the bands below at 8 kv heads in brackets).
+
+    The thresholds sit on sizes of the default capture list, so a batch run eagerly takes the tile of the
+    graph it would be padded to."""
+    if batch_size == 1:
+        return Stage1Tile(64, 8, 2) if head_dim >= 128 else Stage1Tile(64, 4, 2)
+    if kv_f16:
+        if head_dim < 128:
+            return Stage1Tile(32, 2, 2, True)
+        if batch_size == 2:
+            return Stage1Tile(16, 2, 2, True)
+        if _on_or_below(batch_size, 256, num_kv_heads):  # (3-32 requests)
+            return Stage1Tile(32, 1, 3, True)
+        if _on_or_below(batch_size, 512, num_kv_heads):  # (33-64)
+            return Stage1Tile(16, 2, 3, True)
+        return Stage1Tile(16, 1, 3, True)
+    if head_dim >= 128:
+        if _on_or_below(batch_size, 128, num_kv_heads):  # (2-16 requests)
+            return Stage1Tile(16, 1, 3, True)
+        if _on_or_below(batch_size, 512, num_kv_heads):  # (17-64)
+            return Stage1Tile(16, 2, 3, True)
+        return Stage1Tile(32, 1, 3, True)
+    if _on_or_below(batch_size, 512, num_kv_heads):  # (2-64 requests)
+        return Stage1Tile(32, 2, 3, True)
+    if _on_or_below(batch_size, 1024, num_kv_heads):  # (65-128)
+        return Stage1Tile(32, 1, 3, True)
+    return Stage1Tile(16, 1, 3, True)
 
 
 # The split plan (decode_split_plan). Tunables, measured on the H200 with benchmarks/bench_attention.py (it
@@ -192,18 +206,20 @@ def fused_combine_default(batch_size: int) -> bool:
 V_WORDS_MIN_BS = 2
 
 
-def v_words_default(batch_size: int, block_n: int) -> bool:
+def v_words_default(batch_size: int, tile: Stage1Tile) -> bool:
     """Whether stage 1 over an FP8 pool (fp16 dots) loads V as 32-bit words converted in that layout
-    (_load_e4m3_rows_as_f16) rather than as fp8 bytes, for a batch of this size and stage 1's BLOCK_N: a
-    function of what a graph is captured for. Same values either way.
+    (_load_e4m3_rows_as_f16) rather than as fp8 bytes, for a batch of this size and stage 1's tile: a function
+    of what a graph is captured for. Same values either way.
 
-    From benchmarks/bench_attention.py --decode-only --kv-dtype fp8_e4m3 on the H200 (docs/benchmarks.md,
+    With warp splits, always: their loops have 22-30% fewer instructions with words at every tile swept (sm_90
+    SASS, twenty-fifth session), and the tile sweep that chose them ran with words. With shared steps, from
+    benchmarks/bench_attention.py --decode-only --kv-dtype fp8_e4m3 on the H200 (docs/benchmarks.md,
     thirteenth session; Llama-3.1-8B heads at 4k): 5-7% faster at 32, 64 and 128 requests; at 4, 8 and 16 with
-    stage1_tile's (64, 4, 2) 37%, 30% and 33% faster than bytes with it; at one request as fast at 4k and 4%
-    slower at 512 (2 and 3 requests: not measured, words as from 4). Only with tiles of 64 positions or more:
-    with 32 words were 20% slower at 128 requests (621 vs 518 us) and 3% slower for Llama-3.2-1B heads at 8 and
-    16 (stage1_tile gives an FP8 pool 64 from 2 requests; a tile passed by the caller may be narrower)."""
-    return batch_size >= V_WORDS_MIN_BS and block_n >= 64
+    (64, 4, 2) 37%, 30% and 33% faster than bytes with it; at one request as fast at 4k and 4% slower at 512 (2
+    and 3 requests: not measured, words as from 4). Only with tiles of 64 positions or more: with 32 words were
+    20% slower at 128 requests (621 vs 518 us) and 3% slower for Llama-3.2-1B heads at 8 and 16 (a tile passed
+    by the caller may be narrower)."""
+    return tile.warp_splits or (batch_size >= V_WORDS_MIN_BS and tile.block_n >= 64)
 
 
 class DecodeWorkspace(NamedTuple):
@@ -315,6 +331,61 @@ def _load_e4m3_rows_as_f16(Buf, slots, head_off, stride_slot, mask_n, BLOCK_N: t
 
 
 @triton.jit
+def _load_e4m3_warp_rows_as_f16(Buf, slots, head_off, stride_slot, mask_n, WARPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """_load_e4m3_rows_as_f16 for slots [WARPS, BLOCK_N]: rows [WARPS, BLOCK_N, BLOCK_D] as fp16."""
+    offs_w = tl.arange(0, BLOCK_D // 4)
+    words = tl.load(Buf.to(tl.pointer_type(tl.int32)) + slots[:, :, None] * (stride_slot // 4) + head_off // 4
+                    + offs_w[None, None, :], mask=mask_n[:, :, None], other=0)
+    a, b, c, d = _e4m3_words_to_f16(words, INTERPRET)
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (WARPS, BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _attend_in_warp_splits(q, K_Buffer, V_Buffer, Req_to_token, req_row, stride_req_b, kv_head, stride_kbs, stride_kh,
+                           stride_vbs, stride_vh, split_start, split_end, qk_scale, offs_d, mask_d,
+                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
+                           IN_PRECISION: tl.constexpr, V_WORDS: tl.constexpr, INTERPRET: tl.constexpr):
+    """(acc, e_sum, e_max) of q [BLOCK_H, BLOCK_D] over positions [split_start, split_end), each warp with its
+    own sub-split: a step takes BLOCK_N positions per warp (warp w the w-th BLOCK_N of the step), one batched
+    dot over the warps ([WARPS, BLOCK_H, BLOCK_D] x [WARPS, BLOCK_D, BLOCK_N]: Triton puts the warps along the
+    batch axis), so no step exchanges a running max or sum between warps; the warps' partials are merged
+    once at the end. Expects num_warps == WARPS."""
+    q = tl.broadcast_to(q[None, :, :], (WARPS, BLOCK_H, BLOCK_D))
+    offs_w = tl.arange(0, WARPS)
+    e_max = tl.full([WARPS, BLOCK_H], float("-inf"), dtype=tl.float32)
+    e_sum = tl.zeros([WARPS, BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([WARPS, BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start_n in range(split_start, split_end, WARPS * BLOCK_N):
+        offs_n = start_n + offs_w[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [WARPS, BLOCK_N]
+        mask_n = offs_n < split_end
+        slots = tl.load(Req_to_token + req_row * stride_req_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+        # K gathered transposed: [WARPS, BLOCK_D, BLOCK_N]
+        k = tl.load(K_Buffer + slots[:, None, :] * stride_kbs + kv_head * stride_kh + offs_d[None, :, None],
+                    mask=mask_n[:, None, :] & mask_d[None, :, None], other=0.0)
+        qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION) * qk_scale  # log2 domain
+        qk = tl.where(mask_n[:, None, :], qk, float("-inf"))
+        n_e_max = tl.maximum(tl.max(qk, 2), e_max)
+        # (a warp whose positions so far are all masked keeps -inf: exp2(-inf - -inf) would be NaN)
+        n_e_max_or_0 = tl.where(n_e_max == float("-inf"), 0.0, n_e_max)
+        re_scale = tl.exp2(e_max - n_e_max_or_0)
+        p = tl.exp2(qk - n_e_max_or_0[:, :, None])
+        if V_WORDS:
+            v = _load_e4m3_warp_rows_as_f16(V_Buffer, slots, kv_head * stride_vh, stride_vbs, mask_n, WARPS,
+                                            BLOCK_N, BLOCK_D, INTERPRET)
+        else:
+            v = tl.load(V_Buffer + slots[:, :, None] * stride_vbs + kv_head * stride_vh + offs_d[None, None, :],
+                        mask=mask_n[:, :, None] & mask_d[None, None, :], other=0.0)
+        acc = acc * re_scale[:, :, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION)
+        e_sum = e_sum * re_scale + tl.sum(p, 2)
+        e_max = n_e_max
+    # The warps' partials merged: weights exp2(e_max - max), 0 for a warp that saw no position.
+    max_all = tl.max(e_max, 0)
+    weights = tl.exp2(e_max - tl.where(max_all == float("-inf"), 0.0, max_all)[None, :])
+    return tl.sum(acc * weights[:, :, None], 0), tl.sum(e_sum * weights, 0), max_all
+
+
+@triton.jit
 def _decode_stage1_kernel(
     Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse, O, Counters,
     qk_scale, v_scale, num_kv_splits, min_chunk,
@@ -332,6 +403,8 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WARP_SPLITS: tl.constexpr,
+    WARPS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     MERGE_HEADS: tl.constexpr,
     SINGLE_STAGE: tl.constexpr,
@@ -372,31 +445,37 @@ def _decode_stage1_kernel(
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         if KV_F16:  # an FP8 pool: every dot in fp16 (Q_PRESCALE); k, p and v follow q's dtype below
             q = to_f16_scaled(q, Q_PRESCALE)
-        e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for start_n in range(split_start, split_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < split_end
-            slots = tl.load(Req_to_token + req_row * stride_req_b + offs_n, mask=mask_n, other=0).to(tl.int64)
-            # K gathered transposed: [BLOCK_D, BLOCK_N]
-            k = tl.load(K_Buffer + slots[None, :] * stride_kbs + kv_head * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            # (an FP8 pool is cast up here; its K scale is folded into qk_scale, its V scale applied at the end)
-            qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION) * qk_scale  # log2 domain
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            n_e_max = tl.maximum(tl.max(qk, 1), e_max)
-            re_scale = tl.exp2(e_max - n_e_max)
-            p = tl.exp2(qk - n_e_max[:, None])
-            if V_WORDS:
-                v = _load_e4m3_rows_as_f16(V_Buffer, slots, kv_head * stride_vh, stride_vbs, mask_n, BLOCK_N, BLOCK_D,
-                                           INTERPRET)
-            else:
-                v = tl.load(V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vh + offs_d[None, :],
-                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-            acc = acc * re_scale[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION)
-            e_sum = e_sum * re_scale + tl.sum(p, 1)
-            e_max = n_e_max
+        if WARP_SPLITS:
+            acc, e_sum, e_max = _attend_in_warp_splits(
+                q, K_Buffer, V_Buffer, Req_to_token, req_row, stride_req_b, kv_head, stride_kbs, stride_kh,
+                stride_vbs, stride_vh, split_start, split_end, qk_scale, offs_d, mask_d, BLOCK_H, BLOCK_D, BLOCK_N,
+                WARPS, IN_PRECISION, V_WORDS, INTERPRET)
+        else:  # the warps share each step's positions
+            e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+            e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+            for start_n in range(split_start, split_end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < split_end
+                slots = tl.load(Req_to_token + req_row * stride_req_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+                # K gathered transposed: [BLOCK_D, BLOCK_N]
+                k = tl.load(K_Buffer + slots[None, :] * stride_kbs + kv_head * stride_kh + offs_d[:, None],
+                            mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                # (an FP8 pool is cast up here; its K scale is folded into qk_scale, its V scale applied at the end)
+                qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION) * qk_scale  # log2 domain
+                qk = tl.where(mask_n[None, :], qk, float("-inf"))
+                n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+                re_scale = tl.exp2(e_max - n_e_max)
+                p = tl.exp2(qk - n_e_max[:, None])
+                if V_WORDS:
+                    v = _load_e4m3_rows_as_f16(V_Buffer, slots, kv_head * stride_vh, stride_vbs, mask_n, BLOCK_N,
+                                               BLOCK_D, INTERPRET)
+                else:
+                    v = tl.load(V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vh + offs_d[None, :],
+                                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                acc = acc * re_scale[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION)
+                e_sum = e_sum * re_scale + tl.sum(p, 1)
+                e_max = n_e_max
 
         mask_hd = mask_h[:, None] & mask_d[None, :]
         if SINGLE_STAGE:
@@ -495,14 +574,15 @@ def decode_attention_fwd(
     min_chunk: a request of L tokens uses min(cdiv(L, min_chunk), num_kv_splits) chunks.
     sm_scale: softmax scale; k_scale, v_scale: the pool's dequantization scales (an FP8 pool holds
     K / k_scale, V / v_scale).
-    tile: stage 1's (BLOCK_N, num_warps, num_stages); default stage1_tile(bs, head_dim, num_kv_heads, fp16 dots).
+    tile: stage 1's Stage1Tile (or a tuple of its fields: (BLOCK_N, num_warps, num_stages[, warp_splits])); default
+    stage1_tile(bs, head_dim, num_kv_heads, fp16 dots).
     counters: the workspace's int32 arrival counters (DecodeWorkspace.counters: zeros, left zeros); needed
     when the chunks are merged by stage 1.
     fused_combine: merge the chunks in stage 1 (True) or in a second launch (False, stage 2); default
     fused_combine_default(bs) when counters are given, else False. Same bits either way; unused
     when num_kv_splits is 1.
     v_words: over an FP8 pool with fp16 dots, load V as 32-bit words (True) or as bytes (False); default
-    v_words_default(bs, BLOCK_N). Same values either way; unused otherwise (and when the pool is not 4-byte aligned).
+    v_words_default(bs, tile). Same values either way; unused otherwise (and when the pool is not 4-byte aligned).
     No host reads of device data, no allocations: safe to capture in a CUDA graph.
     """
     bs, num_heads, head_dim = q.shape
@@ -529,9 +609,10 @@ def decode_attention_fwd(
     single_stage = num_kv_splits == 1
     kv_f16 = kv_dots_in_fp16(q.dtype, k_buffer.dtype)
     qk_scale = sm_scale * k_scale * _LOG2E / (Q_PRESCALE if kv_f16 else 1.0)
-    block_n, num_warps, num_stages = tile or stage1_tile(bs, head_dim, num_kv_heads, kv_f16)
+    tile = Stage1Tile(*tile) if tile else stage1_tile(bs, head_dim, num_kv_heads, kv_f16)
+    block_n, num_warps, num_stages, warp_splits = tile
     if v_words is None:
-        v_words = v_words_default(bs, block_n)
+        v_words = v_words_default(bs, tile)
     v_words = (v_words and kv_f16 and block_d == head_dim  # (V read as 32-bit words: _load_e4m3_rows_as_f16)
                and v_buffer.data_ptr() % 4 == 0 and v_buffer.stride(1) % 4 == 0 and v_buffer.stride(0) % 4 == 0)
     if fused_combine is None:  # (the default needs the counters: without them, two stages)
@@ -560,6 +641,8 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         BLOCK_H=BLOCK_H,
         BLOCK_N=block_n,
+        WARP_SPLITS=warp_splits,
+        WARPS=num_warps if warp_splits else 1,
         SPLITS_P2=splits_p2,
         MERGE_HEADS=merge_heads,
         SINGLE_STAGE=single_stage,
