@@ -38,7 +38,7 @@ def make_inputs(seq_lens, num_heads, num_kv_heads, head_dim, seed):
     return q, k, v, req_to_token.to(DEVICE)
 
 
-def decode(inputs, seq_lens, workspace, num_kv_splits, fused, min_chunk):
+def decode(inputs, seq_lens, workspace, num_kv_splits, fused, min_chunk, tile=None):
     q, k, v, req_to_token = inputs
     logits, lse, counters = workspace
     logits.fill_(float("nan"))  # stale partials must not reach the output
@@ -47,7 +47,7 @@ def decode(inputs, seq_lens, workspace, num_kv_splits, fused, min_chunk):
     decode_mod.decode_attention_fwd(
         q, k, v, o, req_to_token, torch.arange(1, len(seq_lens) + 1, device=DEVICE),
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), logits, lse, num_kv_splits,
-        1 / math.sqrt(q.shape[-1]), min_chunk=min_chunk, counters=counters, fused_combine=fused)
+        1 / math.sqrt(q.shape[-1]), min_chunk=min_chunk, counters=counters, fused_combine=fused, tile=tile)
     return o
 
 
@@ -74,16 +74,16 @@ def chunk_plan(seq_len, num_kv_splits, min_chunk, block_n):
     return [(per * i, min(per * i + per, seq_len)) for i in range(n)]
 
 
-def two_stage_then_fused(monkeypatch, inputs, seq_lens, workspace, num_kv_splits, min_chunk):
+def two_stage_then_fused(monkeypatch, inputs, seq_lens, workspace, num_kv_splits, min_chunk, tile=None):
     """Both paths on the same inputs; the fused one with stage 2 taken away, so it must merge by itself."""
-    two_stage = decode(inputs, seq_lens, workspace, num_kv_splits, False, min_chunk)
+    two_stage = decode(inputs, seq_lens, workspace, num_kv_splits, False, min_chunk, tile)
 
     class NoStage2:
         def __getitem__(self, grid):
             raise AssertionError("the fused combine launched stage 2")
 
     monkeypatch.setattr(decode_mod, "_decode_stage2_kernel", NoStage2())
-    fused = decode(inputs, seq_lens, workspace, num_kv_splits, True, min_chunk)
+    fused = decode(inputs, seq_lens, workspace, num_kv_splits, True, min_chunk, tile)
     monkeypatch.undo()
     return two_stage, fused
 
@@ -92,19 +92,21 @@ def two_stage_then_fused(monkeypatch, inputs, seq_lens, workspace, num_kv_splits
 # blocks per kv head, the second partly masked) over two kv heads; MHA with a head dim not a power of two
 @in_process
 @pytest.mark.parametrize("heads", [(8, 2, 64), (40, 2, 32), (3, 3, 80)], ids=["gqa", "group20", "mha80"])
-def test_fused_combine_same_bits_as_two_stage(monkeypatch, heads):
+@pytest.mark.parametrize("tile", [None, (16, 2, 3, True)], ids=["rule", "warp_splits"])
+def test_fused_combine_same_bits_as_two_stage(monkeypatch, heads, tile):
     num_heads, num_kv_heads, head_dim = heads
     # 1: one position; 20: shorter than one chunk; 300: every split, the last ones left empty by the
     # alignment (they must still arrive); 64 / 65: one chunk / two
     seq_lens, num_kv_splits, min_chunk = [1, 20, 300, 64, 65, 157], 8, 32
-    block_n = decode_mod.stage1_tile(len(seq_lens), head_dim, num_kv_heads)[0]
+    block_n = (tile or decode_mod.stage1_tile(len(seq_lens), head_dim, num_kv_heads))[0]
     plan = chunk_plan(300, num_kv_splits, min_chunk, block_n)
     assert len(plan) == num_kv_splits and plan[-1][1] <= plan[-1][0], "the case must have an empty chunk"
     assert decode_mod.triton.cdiv(num_heads // num_kv_heads, decode_mod.BLOCK_H) == (2 if num_heads == 40 else 1)
     inputs = make_inputs(seq_lens, num_heads, num_kv_heads, head_dim, seed=0)
     workspace = decode_mod.alloc_decode_workspace(len(seq_lens) + 1, num_heads, head_dim, num_kv_splits, DEVICE)
 
-    two_stage, fused = two_stage_then_fused(monkeypatch, inputs, seq_lens, workspace, num_kv_splits, min_chunk)
+    two_stage, fused = two_stage_then_fused(monkeypatch, inputs, seq_lens, workspace, num_kv_splits, min_chunk,
+                                            tile)
     assert torch.equal(fused, two_stage)
     torch.testing.assert_close(fused, ref_decode(inputs, seq_lens), atol=1e-4, rtol=1e-4)
 

@@ -50,12 +50,27 @@ from model_executor.layers.triton_ops.kernels import to_f16_scaled
 BLOCK_H = 16
 
 
+# A bf16 pool's stage-1 programs along requests and kv heads (one program a request and kv head there: the split
+# plan stops splitting from 528) from which stage 1 takes warp splits, and up to which 64-wide heads take
+# (32, 1, 3) of them ((16, 1, 3) above). The band (800, 1024] is where 64-wide heads once took (32, 4, 2) instead
+# of (64, 4, 3) (H200 sweeps, fourteenth and fifteenth sessions: every batch measured at 1024 programs lost 6-15%
+# on (64, 4, 3), every other one measured, 24-512 requests of 2, 3, 5, 8 and 32 kv heads, gained 4-37% from it,
+# but for one tie); warp splits beat both there (twenty-fifth session, stage1_tile).
+NARROW_TILE_PROGRAMS = (800, 1024)
+
+
 def on_capture_schedule(n: int) -> int:
     """n rounded down to a size of the default capture schedule (runners/capture_lists.py: steps of 8 up to
     256, of 16 up to 512, of 32 beyond), so that a batch run eagerly and the graph it pads to fall on the same
     side of a threshold."""
     step = 8 if n <= 256 else 16 if n <= 512 else 32
     return n // step * step
+
+
+def narrow_tile_batches(num_kv_heads: int) -> tuple[int, int]:
+    """(lo, hi): NARROW_TILE_PROGRAMS in requests, on the capture schedule."""
+    lo, hi = NARROW_TILE_PROGRAMS
+    return on_capture_schedule(lo // num_kv_heads), on_capture_schedule(hi // num_kv_heads)
 
 
 class Stage1Tile(NamedTuple):
@@ -78,40 +93,41 @@ def _on_or_below(batch_size: int, programs: int, num_kv_heads: int) -> bool:
 
 def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool = False) -> Stage1Tile:
     """Stage 1's tile for a batch of this size (num_kv_heads: the pool's, per rank): a function of what a
-    graph is captured for (never of the lengths, which change between replays). Chosen from the tile sweeps
-    of benchmarks/bench_attention.py on the H200 (docs/benchmarks.md, twenty-fifth session: Llama-3.1-8B and
-    -3.2-1B heads, 8 kv heads, 1-256 requests of 520 and 4096 tokens, at the split plan):
+    graph is captured for (never of the lengths, which change between replays). From the tile sweeps of
+    benchmarks/bench_attention.py on the H200 (docs/benchmarks.md); "programs" are requests x kv heads, the
+    stage-1 programs a split (the requests at Llama's 8 kv heads in brackets).
 
-    - one request: the warps share each step, (64, 8, 2) for 128-wide heads and (64, 4, 2) for 64-wide (the
-      fifth and fourteenth sessions' sweeps; warp splits measured 7.6-8.4 us against their 6.1 at 8B heads);
-    - from two requests, warp splits: mostly one warp a program, two where a longer context has few programs
-      (programs = requests x kv heads; the bands below at 8 kv heads in brackets).
+    Warp splits (twenty-fifth session, against the shared-step tiles of the time in the same run, Llama-3.1-8B
+    and -3.2-1B heads at 4-256 requests of 520 and 4096 tokens), where they measured faster:
+    - an FP8 pool, 128-wide heads, from 128 programs (16 requests): 3-22% faster at 16, 64, 128 and 256
+      requests ((32, 1, 3) up to 256 programs, (16, 2, 3) up to 512, (16, 1, 3) beyond); at 4 requests
+      10-25% slower;
+    - bf16 pools from the band of NARROW_TILE_PROGRAMS up (more than 800 programs, 97 requests): 128-wide
+      heads (32, 1, 3), 1-9% faster at 128 and 256 requests; 64-wide heads (32, 1, 3) in the band (11-14%
+      faster at 128 requests than the (32, 4, 2) it replaces) and (16, 1, 3) above it (9-18% faster at 256
+      requests). At 4-64 requests they were mixed (-15% to +30%), so those batches keep the shared steps;
+    - an FP8 pool of 64-wide heads keeps the shared steps (with V as words, warp splits were up to 33% slower
+      at 4-16 requests and within -7% to +8% above).
+    Shared steps otherwise (the fifth, thirteenth and fourteenth sessions' sweeps): up to 4 requests
+    (64, 8, 2) for 128-wide heads and (64, 4, 2) for 64-wide; from 5, (64, 4, 3); an FP8 pool (fp16 dots) from 2
+    to 24 requests (64, 4, 2) (one request keeps the bf16 pool's tile).
 
     The thresholds sit on sizes of the default capture list, so a batch run eagerly takes the tile of the
     graph it would be padded to."""
-    if batch_size == 1:
-        return Stage1Tile(64, 8, 2) if head_dim >= 128 else Stage1Tile(64, 4, 2)
-    if kv_f16:
-        if head_dim < 128:
-            return Stage1Tile(32, 2, 2, True)
-        if batch_size == 2:
-            return Stage1Tile(16, 2, 2, True)
-        if _on_or_below(batch_size, 256, num_kv_heads):  # (3-32 requests)
+    lo, hi = narrow_tile_batches(num_kv_heads)
+    if kv_f16 and head_dim >= 128 and not _on_or_below(batch_size, 64, num_kv_heads):  # (from 9 requests)
+        if _on_or_below(batch_size, 256, num_kv_heads):  # (up to 32 requests)
             return Stage1Tile(32, 1, 3, True)
         if _on_or_below(batch_size, 512, num_kv_heads):  # (33-64)
             return Stage1Tile(16, 2, 3, True)
         return Stage1Tile(16, 1, 3, True)
-    if head_dim >= 128:
-        if _on_or_below(batch_size, 128, num_kv_heads):  # (2-16 requests)
-            return Stage1Tile(16, 1, 3, True)
-        if _on_or_below(batch_size, 512, num_kv_heads):  # (17-64)
-            return Stage1Tile(16, 2, 3, True)
-        return Stage1Tile(32, 1, 3, True)
-    if _on_or_below(batch_size, 512, num_kv_heads):  # (2-64 requests)
-        return Stage1Tile(32, 2, 3, True)
-    if _on_or_below(batch_size, 1024, num_kv_heads):  # (65-128)
-        return Stage1Tile(32, 1, 3, True)
-    return Stage1Tile(16, 1, 3, True)
+    if kv_f16 and batch_size > 1:
+        return Stage1Tile(64, 4, 2) if batch_size <= 24 else Stage1Tile(64, 4, 3)
+    if 1 < batch_size and lo < batch_size:  # a bf16 pool from the narrow band up (from 97 requests)
+        return Stage1Tile(32, 1, 3, True) if head_dim >= 128 or batch_size <= hi else Stage1Tile(16, 1, 3, True)
+    if batch_size <= 4:
+        return Stage1Tile(64, 8, 2) if head_dim >= 128 else Stage1Tile(64, 4, 2)
+    return Stage1Tile(64, 4, 3)
 
 
 # The split plan (decode_split_plan). Tunables, measured on the H200 with benchmarks/bench_attention.py (it
