@@ -5,12 +5,11 @@ before attention runs) are gathered from `k_buffer` / `v_buffer` through `req_to
 
 Stage 1 (grid `(bs, num_kv_heads * head_blocks, num_kv_splits)`): one program takes every query head of a
 KV head (GQA-grouped, up to BLOCK_H query heads per program) and one chunk of the positions; it writes the
-chunk's normalised partial output and its log-sum-exp into the workspace. Inside a program each warp walks
-its own sub-split of the chunk (a step takes BLOCK_N positions per warp, one batched dot over the warps) with
-its own running max and sum, and the warps' partials are merged once at the end: no step exchanges softmax
-state between warps (with the warps sharing each step's positions, Llama-3.1-8B heads took 9 barriers a step in
-the sm_90 SASS, and 1-warp programs ran faster than 4-warp ones; docs/benchmarks.md, twenty-fifth session). Stage 2 (grid `(bs, num_kv_heads *
-head_blocks)`, stage 1's without the splits) merges the chunks. With num_kv_splits == 1 there is one stage:
+chunk's normalised partial output and its log-sum-exp into the workspace. A program's warps either share
+each step's positions (a running max and sum exchanged through shared memory every step: 9 barriers a step at
+Llama-3.1-8B heads in the sm_90 SASS) or, with warp splits (stage1_tile: large batches), each walk their own
+sub-split of the chunk and merge once at the end. Stage 2 (grid `(bs, num_kv_heads * head_blocks)`, stage 1's
+without the splits) merges the chunks. With num_kv_splits == 1 there is one stage:
 each program walks all its request's positions and writes the output itself (no workspace, no second
 launch).
 
@@ -99,9 +98,9 @@ def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool 
 
     Warp splits (twenty-fifth session, against the shared-step tiles of the time in the same run, Llama-3.1-8B
     and -3.2-1B heads at 4-256 requests of 520 and 4096 tokens), where they measured faster:
-    - an FP8 pool, 128-wide heads, from 128 programs (16 requests): 3-22% faster at 16, 64, 128 and 256
+    - an FP8 pool, 128-wide heads, above 64 programs (from 9 requests): 3-22% faster at 16, 64, 128 and 256
       requests ((32, 1, 3) up to 256 programs, (16, 2, 3) up to 512, (16, 1, 3) beyond); at 4 requests
-      10-25% slower;
+      10-25% slower (8 requests not measured);
     - bf16 pools from the band of NARROW_TILE_PROGRAMS up (more than 800 programs, 97 requests): 128-wide
       heads (32, 1, 3), 1-9% faster at 128 and 256 requests; 64-wide heads (32, 1, 3) in the band (11-14%
       faster at 128 requests than the (32, 4, 2) it replaces) and (16, 1, 3) above it (9-18% faster at 256
@@ -123,7 +122,7 @@ def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool 
         return Stage1Tile(16, 1, 3, True)
     if kv_f16 and batch_size > 1:
         return Stage1Tile(64, 4, 2) if batch_size <= 24 else Stage1Tile(64, 4, 3)
-    if 1 < batch_size and lo < batch_size:  # a bf16 pool from the narrow band up (from 97 requests)
+    if batch_size > max(lo, 1):  # a bf16 pool from the narrow band up (from 97 requests)
         return Stage1Tile(32, 1, 3, True) if head_dim >= 128 or batch_size <= hi else Stage1Tile(16, 1, 3, True)
     if batch_size <= 4:
         return Stage1Tile(64, 8, 2) if head_dim >= 128 else Stage1Tile(64, 4, 2)
