@@ -9,7 +9,8 @@
 Decode: for each head shape (num_heads, num_kv_heads, head_dim) and (batch, context) point, both stages of
 `decode_attention_fwd` captured in one CUDA graph (no launch overhead, as in the decode graphs): the split plan
 the triton backend picks, other split counts and min_chunk values (the constants MIN_CHUNK, PROGRAMS_PER_SM,
-SINGLE_STAGE_MAX_LEN), and a sweep of the stage-1 tile (BLOCK_N, num_warps, num_stages) at the plan. Each row
+SINGLE_STAGE_MAX_LEN), and a sweep of the stage-1 tile (BLOCK_N, num_warps, num_stages, and whether the warps
+share each step or take warp splits: "s" after the tile) at the plan. Each row
 gives the KV bytes read per microsecond against the measured copy bandwidth. Extend: `extend_attention_fwd` at
 a few token counts with its tile configs, against torch SDPA on contiguous K/V.
 
