@@ -148,8 +148,8 @@ def test_merge_takes_only_the_written_splits(heads, splits, lens):
     """Both merges load a head block's chunks as one tile of next_pow2(splits) rows per head: the stale
     workspace (NaN here) past the split count, past a request's chunks (1 token: one chunk) and in chunks
     left empty by the alignment (520 in 8 splits, 1000 in 12) must never reach the output; a request of no
-    tokens gets zeros. bs 4 and 6 take stage 1's warp-split tiles (one warp at 128-wide heads, two at 64-wide;
-    stage 2 the same warps)."""
+    tokens gets zeros. bs 4 takes stage 1's 8-warp tile at 128-wide heads (stage 2 the same warps), bs 6
+    the 4-warp one."""
     num_heads, num_kv_heads, head_dim = heads
     bs = len(lens)
     pool = Pool(lens, num_kv_heads, head_dim, seed=splits)
