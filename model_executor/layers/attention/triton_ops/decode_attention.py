@@ -105,8 +105,9 @@ def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool 
       heads (32, 1, 3), 1-9% faster at 128 and 256 requests; 64-wide heads (32, 1, 3) in the band (11-14%
       faster at 128 requests than the (32, 4, 2) it replaces) and (16, 1, 3) above it (9-18% faster at 256
       requests). At 4-64 requests they were mixed (-15% to +30%), so those batches keep the shared steps.
-      Measured up to 2048 programs; larger batches (or more kv heads: 32 kv heads from 25 requests) take
-      warp splits by extrapolation;
+      Measured at 8 kv heads up to 2048 programs; other kv-head counts and larger batches follow by the
+      program count, unmeasured (32 kv heads of 64-wide heads take them from 25 requests, where the fourteenth
+      session had measured (64, 4, 3) the fastest shared-step tile);
     - an FP8 pool of 64-wide heads keeps the shared steps (with V as words, warp splits were up to 33% slower
       at 4-16 requests and within -7% to +8% above).
     Shared steps otherwise (the fifth, thirteenth and fourteenth sessions' sweeps): up to 4 requests
