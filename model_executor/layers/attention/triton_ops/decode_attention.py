@@ -314,9 +314,10 @@ def _merge_block(Att_Out, Att_Lse, O, cur_batch, kv_head, head_block, seq_len, n
 
 @triton.jit
 def _e4m3_words_to_f16(words, INTERPRET: tl.constexpr):
-    """int32 words of four e4m3 values each (the lowest byte first) -> four fp16 tensors, one per byte: two
-    packed conversions a word on a GPU (inline PTX, opaque to the compiler's layout choices); the same
-    values by byte arithmetic in Triton's interpreter, which cannot run PTX."""
+    """int32 words [..., W] of four e4m3 values each (the lowest byte first) -> fp16 [..., W, 2, 2], the four
+    values of a word in byte order along the two new minor axes (a reshape to [..., 4 W] gives the row): two
+    packed conversions a word on a GPU (inline PTX, opaque to the compiler's layout choices); the same values
+    by byte arithmetic in Triton's interpreter, which cannot run PTX."""
     if INTERPRET:
         a = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         b = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -329,7 +330,7 @@ def _e4m3_words_to_f16(words, INTERPRET: tl.constexpr):
                 "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
             constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
             is_pure=True, pack=1)
-    return a, b, c, d
+    return tl.join(tl.join(a, c), tl.join(b, d))  # (join adds the minor axis: [..., i, j] is byte 2 i + j)
 
 
 @triton.jit
@@ -344,8 +345,7 @@ def _load_e4m3_rows_as_f16(Buf, slots, head_off, stride_slot, mask_n, BLOCK_N: t
     offs_w = tl.arange(0, BLOCK_D // 4)
     words = tl.load(Buf.to(tl.pointer_type(tl.int32)) + slots[:, None] * (stride_slot // 4) + head_off // 4
                     + offs_w[None, :], mask=mask_n[:, None], other=0)
-    a, b, c, d = _e4m3_words_to_f16(words, INTERPRET)
-    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (BLOCK_N, BLOCK_D))  # (join adds the minor axis)
+    return tl.reshape(_e4m3_words_to_f16(words, INTERPRET), (BLOCK_N, BLOCK_D))
 
 
 @triton.jit
@@ -355,8 +355,7 @@ def _load_e4m3_warp_rows_as_f16(Buf, slots, head_off, stride_slot, mask_n, WARPS
     offs_w = tl.arange(0, BLOCK_D // 4)
     words = tl.load(Buf.to(tl.pointer_type(tl.int32)) + slots[:, :, None] * (stride_slot // 4) + head_off // 4
                     + offs_w[None, None, :], mask=mask_n[:, :, None], other=0)
-    a, b, c, d = _e4m3_words_to_f16(words, INTERPRET)
-    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (WARPS, BLOCK_N, BLOCK_D))
+    return tl.reshape(_e4m3_words_to_f16(words, INTERPRET), (WARPS, BLOCK_N, BLOCK_D))
 
 
 @triton.jit
@@ -468,7 +467,7 @@ def _decode_stage1_kernel(
                 q, K_Buffer, V_Buffer, Req_to_token, req_row, stride_req_b, kv_head, stride_kbs, stride_kh,
                 stride_vbs, stride_vh, split_start, split_end, qk_scale, offs_d, mask_d, BLOCK_H, BLOCK_D, BLOCK_N,
                 WARPS, IN_PRECISION, V_WORDS, INTERPRET)
-        else:  # the warps share each step's positions
+        else:  # the warps share each step's positions (a 3-D dot of one batch entry would run on every warp)
             e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
             e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
