@@ -187,6 +187,40 @@ def test_split_k_is_deterministic_and_each_split_count_is_right():
 
 
 @in_process
+@pytest.mark.parametrize("m,kind,cfg", [(5, "bf16", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "num_stages": 2}),
+                                         (3, "fp8", {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 4, "GEMV": True}),
+                                         (16, "fp8", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "X_FP8": True}),
+                                         (20, "fp8", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "X_FP8": True})])
+def test_split_k_adds_the_partials_in_split_order_and_leaves_its_counters_zero(m, kind, cfg):
+    """Split K's reduce (up to 16 rows in the GEMM: the last split of a column tile to arrive adds them; above,
+    a second kernel) gives exactly the fp32 partials of each K range, as the kernel computes them in one
+    split, added in split order 0, 1, .. and then the bias (float32 out, so that no rounding hides the
+    order); the arrival counters are zeros after each call, so a second call gives the same bits."""
+    assert (m <= sm.IN_KERNEL_REDUCE_MAX_ROWS) == (m < 20)  # both reduces
+    n, k, k_per_split = 48, 256, 64
+    w, s, _, _ = make_weight(kind, n, k, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    x, bias = torch.randn(m, k, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen).to(torch.bfloat16)
+    x_scale = None
+    if cfg.get("X_FP8"):
+        x, x_scale = fm.quantize_fp8_per_token(x.float())
+        x_scale = x_scale.reshape(-1).to(DEVICE)
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    split = sm._launch(dev(x), dev(w), dev(s), dev(bias), None, sm.GemmConfig(**cfg), x_scale=x_scale,
+                       out_dtype=torch.float32)
+    assert not sm.split_counters(split.device, 1).any()
+    one = sm.GemmConfig(**{**cfg, "SPLIT_K": 1})
+    total = torch.zeros(m, n)
+    for lo in range(0, k, k_per_split):
+        total += sm._launch(dev(x[:, lo:lo + k_per_split]), dev(w[:, lo:lo + k_per_split]), dev(s), None, None, one,
+                            x_scale=x_scale, out_dtype=torch.float32).cpu()
+    assert torch.equal(split.cpu(), total + bias.float())
+    again = sm._launch(dev(x), dev(w), dev(s), dev(bias), None, sm.GemmConfig(**cfg), x_scale=x_scale,
+                       out_dtype=torch.float32)
+    assert torch.equal(again, split)
+
+
+@in_process
 def test_refuses_bad_inputs():
     x = torch.zeros(17, 64, dtype=torch.bfloat16, device=DEVICE)
     w = torch.zeros(32, 64, dtype=torch.bfloat16, device=DEVICE)

@@ -41,9 +41,13 @@ a decode layer's post-attention norm between o_proj and gate/up, and the next la
 down and qkv.
 
 Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
-writes its fp32 partial to a workspace [splits, M, N] and a second kernel adds the splits in order 0..S-1,
-adds the bias and casts; no atomics, so the same inputs give the same bits (graph replay equals eager).
-The workspace is allocated per call with a size fixed by (splits, M, N): no host sync, CUDA-graph safe.
+writes its fp32 partial to a workspace [splits, M, N], and the splits are added in order 0..S-1, the bias
+added and the sum cast, so the same inputs give the same bits (graph replay equals eager). Up to
+IN_KERNEL_REDUCE_MAX_ROWS rows the GEMM does that itself: each split counts its arrival on its column tile's
+counter and the one that arrives last adds the tile (which split that is does not change the order of the
+sums) and zeroes the counter; above, a second kernel does. The workspace is allocated per call with a size
+fixed by (splits, M, N), the counters once per device (split_counters, zeros between calls): no host sync,
+CUDA-graph safe. One stream at a time: two split-K GEMMs running at once on one device would share counters.
 
 Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, GEMV) come from a table tuned per GPU by
 benchmarks/tune_small_m_gemm.py (configs/small_m_gemm_<GPU>.json, read once, at the first decode-sized
@@ -199,13 +203,14 @@ def _gemv_column(acc2, sq, K, eps, NORM: tl.constexpr):
 # (a GEMV of several rows compiles per row count: ROWS).
 @triton.jit(do_not_specialize=["M", "stride_yk"])
 def _small_m_gemm_kernel(
-    X, W, S, BIAS, Y, R, G, H, P, POS, LOC, COS, KB, VB, XS, M, N, K, k_per_split, eps, num_p,
+    X, W, S, BIAS, Y, YF, CNT, R, G, H, P, POS, LOC, COS, KB, VB, XS, M, N, K, k_per_split, eps, num_p,
     stride_xm, stride_wn, stride_ym, stride_sn, stride_yk,
     stride_cos, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads, num_kv_heads,
     k_scale, v_scale,
     SCALE: tl.constexpr,  # 0: none, 1: per output channel, 2: per (SCALE_BN x SCALE_BK) block
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SPLITS: tl.constexpr, REDUCE: tl.constexpr,
+    EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
@@ -213,8 +218,11 @@ def _small_m_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
-    PARTIAL: store fp32 sums to Y + s * stride_yk (the workspace; bias and cast left to the reduce);
-    otherwise add the bias and store in Y's dtype. GEMV (ROWS = M <= 4 rows): no tensor cores, the
+    PARTIAL (SPLITS > 1 programs along K): store fp32 sums to Y + s * stride_yk (the workspace); with REDUCE,
+    then count the arrival on the column tile's int32 counter CNT[n]: the split that arrives last adds the
+    tile's partials in split order (0, 1, ..), adds the bias, stores YF in its dtype and puts the counter back
+    to 0 (split K's reduce without a second launch; without REDUCE, _split_k_reduce_kernel does it).
+    Otherwise add the bias and store in Y's dtype. GEMV (ROWS = M <= 4 rows): no tensor cores, the
     products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile per row summed over K once at the end
     (NORM and ROPE take every row; SILU_MUL, ADD_NORM and PRENORMED one row only).
     SILU_MUL (GEMV, one split, no bias): W is [gate; up] with 2N rows; the program also sums the up rows
@@ -443,6 +451,21 @@ def _small_m_gemm_kernel(
     y_ptrs = offs_m[None, :] * stride_ym + offs_n[:, None]
     if PARTIAL:
         tl.store(Y + pid_k * stride_yk + y_ptrs, acc, mask=out_mask)
+        if REDUCE:
+            tl.debug_barrier()  # every thread's partial stored before the one thread's atomic releases them
+            # acq_rel at gpu scope (the default): the last arrival sees every other split's partial. In Triton's
+            # CPU interpreter the programs run one after another, so there the last split always adds them;
+            # on a GPU any split may (tests/test_small_m_gemm.py, compiled there, checks the bits).
+            if tl.atomic_add(CNT + pid_n, 1) == SPLITS - 1:
+                total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                # Unrolled: every split's loads in flight at once, then added in order. .cg: from L2, past this
+                # SM's L1, which the other programs' stores did not update.
+                for s in tl.static_range(SPLITS):
+                    total += tl.load(Y + s * stride_yk + y_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(BIAS + rows_n).to(tl.float32)[:, None]
+                tl.store(YF + y_ptrs, total.to(YF.dtype.element_ty), mask=out_mask)
+                tl.store(CNT + pid_n, 0)  # every split has arrived: zero for the next call (or graph replay)
     elif ROPE:
         if HAS_BIAS:
             acc += tl.load(BIAS + rows_n).to(tl.float32)[:, None]
@@ -622,15 +645,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         h_out = norm.sum_out if residual is not None else x
         partials = prenormed.partials if prenormed is not None else x
     eps = norm.eps if norm is not None else prenormed.eps if prenormed is not None else 0.0
-    _small_m_gemm_kernel[(triton.cdiv(n, cfg.BLOCK_N), splits)](
-        x, weight, scale if scale is not None else x, bias if bias is not None else x, out,
+    tiles = triton.cdiv(n, cfg.BLOCK_N)
+    reduce_in_kernel = partial and m <= IN_KERNEL_REDUCE_MAX_ROWS
+    counters = split_counters(x.device, tiles) if reduce_in_kernel else x
+    _small_m_gemm_kernel[(tiles, splits)](
+        x, weight, scale if scale is not None else x, bias if bias is not None else x, out, y, counters,
         residual if residual is not None else x, norm_weight, h_out, partials, *rope_ptrs,
         x_scale if x_scale is not None else x,
         m, n, k, k_per_split, eps, partials.numel() if prenormed is not None else 0,
         x.stride(0), weight.stride(0), out.stride(-2),  # (y's row stride: 2N with the rotary's paired rows)
         scale.stride(0) if scale_mode == 2 else 0, m * n, *rope_scalars,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
-        HAS_BIAS=bias is not None, PARTIAL=partial,
+        HAS_BIAS=bias is not None, PARTIAL=partial, SPLITS=splits, REDUCE=reduce_in_kernel,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
         GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1, SILU_MUL=silu_mul,
@@ -644,7 +670,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if partial:
+    if partial and not reduce_in_kernel:
         reduce_block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, reduce_block))](
             out, bias if bias is not None else out, y, n, splits, m * n, n, n,
@@ -738,6 +764,30 @@ def _sm_count(device: str) -> int:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
     return 4  # the interpreter: a few splits keep the split-K path exercised
+
+
+# Column tiles a split-K launch may have (its counters): 64K int32, far above any layer's N / BLOCK_N.
+MAX_SPLIT_TILES = 1 << 16
+# Split K's reduce runs in the GEMM (the last split of a tile adds the partials) up to this many rows, and as
+# a second kernel above. Llama-3.1-8B FP8 decode on the H200 (docs/benchmarks.md, twenty-sixth session), b2b
+# step against the second kernel everywhere: 1.7-3.2% faster at 4-16 rows, 2.6-4.1% slower at 32-64 rows
+# (the 17-64-row X_FP8 tiles hold 2-4x the partial sums a tile).
+IN_KERNEL_REDUCE_MAX_ROWS = MAX_M
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("small-M GEMM: split-K counters are allocated at the first eager call on a device "
+                           "(a warm-up run before graph capture), not during capture")
+    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's split-K arrival counters (int32 zeros, left zeros by every launch), enough for `tiles`."""
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"small-M GEMM: {tiles} column tiles, more than the {MAX_SPLIT_TILES} split-K counters")
+    return _counters(torch.device(device))
 
 
 def table_path(device: str) -> Path:
