@@ -208,7 +208,7 @@ def test_split_k_adds_the_partials_in_split_order_and_leaves_its_counters_zero(m
     dev = lambda t: None if t is None else t.to(DEVICE)
     split = sm._launch(dev(x), dev(w), dev(s), dev(bias), None, sm.GemmConfig(**cfg), x_scale=x_scale,
                        out_dtype=torch.float32)
-    assert not sm.split_counters(split.device, 1).any()
+    assert not sm.split_counters(split.device).any()
     one = sm.GemmConfig(**{**cfg, "SPLIT_K": 1})
     total = torch.zeros(m, n)
     for lo in range(0, k, k_per_split):
@@ -218,6 +218,28 @@ def test_split_k_adds_the_partials_in_split_order_and_leaves_its_counters_zero(m
     again = sm._launch(dev(x), dev(w), dev(s), dev(bias), None, sm.GemmConfig(**cfg), x_scale=x_scale,
                        out_dtype=torch.float32)
     assert torch.equal(again, split)
+
+
+@in_process
+def test_split_k_with_more_tiles_than_counters_reduces_in_the_second_kernel(monkeypatch):
+    """A split-K launch with more column tiles than the device has arrival counters leaves its reduce to the
+    second kernel (the same bits); within the counters, up to 16 rows, there is no second launch."""
+    w, s, block, _ = make_weight("bf16", 48, 256, seed=13)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "num_stages": 2}  # 3 column tiles
+    launches, reduce_kernel = [], sm._split_k_reduce_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return reduce_kernel[grid]
+
+    monkeypatch.setattr(sm, "_split_k_reduce_kernel", Spy())
+    in_kernel = run(x, w, s, None, block, cfg)
+    assert not launches
+    monkeypatch.setattr(sm, "MAX_SPLIT_TILES", 2)
+    assert torch.equal(run(x, w, s, None, block, cfg), in_kernel)
+    assert len(launches) == 1
 
 
 @in_process

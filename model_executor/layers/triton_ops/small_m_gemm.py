@@ -646,8 +646,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         partials = prenormed.partials if prenormed is not None else x
     eps = norm.eps if norm is not None else prenormed.eps if prenormed is not None else 0.0
     tiles = triton.cdiv(n, cfg.BLOCK_N)
-    reduce_in_kernel = partial and m <= IN_KERNEL_REDUCE_MAX_ROWS
-    counters = split_counters(x.device, tiles) if reduce_in_kernel else x
+    reduce_in_kernel = partial and m <= IN_KERNEL_REDUCE_MAX_ROWS and tiles <= MAX_SPLIT_TILES
+    counters = split_counters(x.device) if reduce_in_kernel else x
     _small_m_gemm_kernel[(tiles, splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out, y, counters,
         residual if residual is not None else x, norm_weight, h_out, partials, *rope_ptrs,
@@ -766,7 +766,8 @@ def _sm_count(device: str) -> int:
     return 4  # the interpreter: a few splits keep the split-K path exercised
 
 
-# Column tiles a split-K launch may have (its counters): 64K int32, far above any layer's N / BLOCK_N.
+# The split-K arrival counters a device has: 64K int32, far above any layer's N / BLOCK_N (a launch with more
+# column tiles leaves its reduce to the second kernel).
 MAX_SPLIT_TILES = 1 << 16
 # Split K's reduce runs in the GEMM (the last split of a tile adds the partials) up to this many rows, and as
 # a second kernel above. Llama-3.1-8B FP8 decode on the H200 (docs/benchmarks.md, twenty-sixth session), b2b
@@ -775,19 +776,17 @@ MAX_SPLIT_TILES = 1 << 16
 IN_KERNEL_REDUCE_MAX_ROWS = MAX_M
 
 
+def split_counters(device: torch.device | str) -> torch.Tensor:
+    """The device's split-K arrival counters: MAX_SPLIT_TILES int32 zeros, left zeros by every launch."""
+    return _counters(torch.device(device))
+
+
 @functools.cache
 def _counters(device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("small-M GEMM: split-K counters are allocated at the first eager call on a device "
                            "(a warm-up run before graph capture), not during capture")
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's split-K arrival counters (int32 zeros, left zeros by every launch), enough for `tiles`."""
-    if tiles > MAX_SPLIT_TILES:
-        raise ValueError(f"small-M GEMM: {tiles} column tiles, more than the {MAX_SPLIT_TILES} split-K counters")
-    return _counters(torch.device(device))
 
 
 def table_path(device: str) -> Path:
