@@ -776,13 +776,9 @@ MAX_SPLIT_TILES = 1 << 16
 IN_KERNEL_REDUCE_MAX_ROWS = MAX_M
 
 
-def split_counters(device: torch.device | str) -> torch.Tensor:
-    """The device's split-K arrival counters: MAX_SPLIT_TILES int32 zeros, left zeros by every launch."""
-    return _counters(torch.device(device))
-
-
 @functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K arrival counters: MAX_SPLIT_TILES int32 zeros, left zeros by every launch."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("small-M GEMM: split-K counters are allocated at the first eager call on a device "
                            "(a warm-up run before graph capture), not during capture")
