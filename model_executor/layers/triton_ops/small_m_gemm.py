@@ -21,8 +21,8 @@ value, enough to make the kernel conversion-bound below memory bandwidth.
 Why the dot is "swapped": tl.dot needs every dimension >= 16, and the row count is the small one, so the
 kernel computes y^T tiles: acc[BLOCK_N, 16] = W_tile[BLOCK_N, BLOCK_K] @ x_tile^T[BLOCK_K, 16]. The weight
 tile is the left operand (the large dimension, where the MMA shapes want it) and x's rows are padded to 16
-(FP8 rows above 16: to the next power of two, BLOCK_M) by re-reading row 0 (loads stay unmasked; padding
-rows are never stored). With one row, that row is loaded and converted once per step and broadcast to the
+(FP8 rows above 16: to the next power of two, BLOCK_M) with zeros (masked loads; padding rows are never
+stored). With one row, that row is loaded and converted once per step and broadcast to the
 16 columns (FP8: the conversion of x would otherwise cost half as much again as the weight's).
 
 For up to MAX_GEMV_ROWS rows a config may instead ask for GEMV: CUDA-core products of a [BLOCK_N, BLOCK_K]
@@ -251,7 +251,8 @@ def _small_m_gemm_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     PAIRED: tl.constexpr = SILU_MUL or ROPE  # a second row per output: up (n + N), or the head's other half
-    # Out-of-range rows / columns re-read a valid one (loads need no mask; their results are not stored).
+    # Out-of-range columns re-read a valid one (loads need no mask; their results are not stored); rows_m keeps
+    # the padding rows' pointers in range (the dot's loads of x mask them).
     if ROPE:
         rows_n = tl.where(offs_n < N, (offs_n // HALF) * (2 * HALF) + offs_n % HALF, 0).to(tl.int64)
         rows_b = rows_n + HALF
@@ -406,21 +407,30 @@ def _small_m_gemm_kernel(
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
+        # The padding rows (M to BLOCK_M) load nothing: zeros. (Re-reading row 0 there, as before, put up to
+        # BLOCK_M - M requests a step on the same L2 lines from every program at once: 48 rows of the 8B's
+        # gate/up took 1.6x the time of 64 on the H200, docs/benchmarks.md.)
+        x_rows = (offs_m < M)[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):  # (loads feeding tl.dot: pipelined with num_stages)
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                xt = tl.load(x1_ptrs if ONE_ROW else x_ptrs)
+                if ONE_ROW:
+                    xt = tl.load(x1_ptrs)
+                else:
+                    xt = tl.load(x_ptrs, mask=x_rows, other=0.0)
             else:
                 k_mask = (k + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-                xt = tl.load(x1_ptrs if ONE_ROW else x_ptrs, mask=k_mask if ONE_ROW else k_mask[:, None],
-                             other=0.0)
+                if ONE_ROW:
+                    xt = tl.load(x1_ptrs, mask=k_mask, other=0.0)
+                else:
+                    xt = tl.load(x_ptrs, mask=k_mask[:, None] & x_rows, other=0.0)
             if F16_DOT and not X_FP8:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16: another)
                 w = w.to(tl.float16)
                 if xt.dtype != tl.float16:  # bf16 x, scaled by a power of two into fp16's range: exact there
                     xt = to_f16_scaled(xt, X_PRESCALE)
-            if ONE_ROW:  # converted once, then the same column BLOCK_M times (the padding re-reads row 0 anyway)
+            if ONE_ROW:  # converted once, then the same column BLOCK_M times (padding columns: never stored)
                 xt = tl.broadcast_to(xt[:, None], [BLOCK_K, BLOCK_M])
             if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; float32 operands give the same products
                 w = w.to(tl.float32)
