@@ -1,13 +1,13 @@
-"""probe_xfp8_grid: the X_FP8 small-M GEMM's configs at 17-64 rows over a joint grid (issue 18)
+"""probe_xfp8_grid: the X_FP8 small-M GEMM's configs at 17-64 rows over a joint grid, per row count (issue 18)
 
-The tuner (tune_small_m_gemm) searches greedily: column x K tiles at about two programs an SM with 4 warps and
-4 stages, then the split count of the best tile, then warps / stages of the best of those. At 32-64 rows its
-picks for Llama-3.1-8B FP8 run at 1.3-3.4x their weights' read (4096 x 4096 at 64 rows: 13.1 us against 3.9),
-and the tiles it never paired with 8 warps or other splits (wide column tiles: fewer re-reads of x's tile from
-L2, and a full warpgroup per 64 columns) are untimed. This probe times every config of a joint grid (tiles x
-splits x warps x stages) for each (N, K) of a model's linear layers and each row count, next to the table's
-entry, on cold weights in one CUDA graph (tune_small_m_gemm.time_calls), and prints the best few. The kernels
-compile first in parallel worker processes (Triton's disk cache then serves the timing process).
+Until the twenty-seventh session the tuner (tune_small_m_gemm) searched X_FP8 greedily at every row count:
+column x K tiles at about two programs an SM with 4 warps and 4 stages, then the split count of the best tile,
+then warps / stages of the best of those. At 32-64 rows its picks for Llama-3.1-8B FP8 ran at 1.3-3.4x their
+weights' read (4096 x 4096 at 64 rows: 13.1 us against 3.9). This probe times every config of the joint grid
+(tune_small_m_gemm.xfp8_joint_grid: tiles x splits x warps x stages, which the tuner now uses above 16 rows) for
+each (N, K) of a model's linear layers at each row count given, not only at the buckets' own, next to the
+table's entry, on cold weights in one CUDA graph (tune_small_m_gemm.time_calls), and prints the best few. The
+kernels compile first in parallel worker processes (Triton's disk cache then serves the timing process).
 
     python -m benchmarks.probe_xfp8_grid --m 24 32 40 48 56 64 --json out.json --table-out table.json
     python -m benchmarks.probe_xfp8_grid --model qwen3-8b --kind fp8_block --table-out table.json
@@ -21,69 +21,24 @@ timed row counts, of its time over that row count's fastest.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import dataclasses
 import functools
 import json
-import multiprocessing as mp
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.tune_small_m_gemm import BLOCK, Weights, linear_shapes, time_calls
+from benchmarks.tune_small_m_gemm import (
+    BLOCK,
+    Weights,
+    linear_shapes,
+    precompile_xfp8,
+    time_calls,
+    xfp8_joint_grid,
+)
 from model_executor.configs import SHAPES, shape_path
 from model_executor.model_config import ModelConfig
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): 32-wide tiles on 2 warps (the table's picks for the narrow layers:
-# fp16 mma.sync), 64 on one warpgroup, 128 on one or two, 256 on two (FP8 wgmma)
-TILES = ([(32, 128, 2, s) for s in (3, 4)] + [(64, bk, 4, s) for bk in (128, 256) for s in (3, 4)]
-         + [(128, bk, w, s) for bk in (128, 256) for w in (4, 8) for s in (3, 4)]
-         + [(256, 128, 8, s) for s in (2, 3)])
-SPLITS = (1, 2, 4, 8)
-
-
-def grid(k: int, kind: str = "fp8") -> list:
-    """The configs timed for a weight of K columns (block scales: K steps of at most a scale block)."""
-    from model_executor.layers.triton_ops import small_m_gemm as sm
-
-    return [sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=st, X_FP8=True)
-            for bn, bk, w, st in TILES for s in SPLITS if k // s >= bk and (kind == "fp8" or bk <= BLOCK[1])]
-
-
-def _inputs(m: int, n: int, k: int, block: tuple[int, int] | None):
-    """FP8 rows, their scales, an FP8 weight and its scales (per channel, or per block)."""
-    xq = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
-    w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
-    if block is None:
-        return xq, torch.rand(m, device="cuda"), w, torch.rand(n, device="cuda")
-    return (xq, torch.rand(m, -(-k // block[1]), device="cuda"), w,
-            torch.rand(-(-n // block[0]), -(-k // block[1]), device="cuda"))
-
-
-def _compile(jobs: list) -> int:
-    """Worker: launch each (config, m, n, k, block) once, so that its kernel is in Triton's disk cache."""
-    from model_executor.layers.triton_ops import small_m_gemm as sm
-
-    done = 0
-    for cfg, m, n, k, block in jobs:
-        try:
-            sm.small_m_linear_fp8_act(*_inputs(m, n, k, block), None, torch.bfloat16, config=cfg, block=block)
-            torch.cuda.synchronize()
-            done += 1
-        except Exception as e:  # noqa: BLE001 (over the GPU's resources: the timing pass says so too)
-            print(f"    compile skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:90]}", flush=True)
-    return done
-
-
-def precompile(jobs: list, workers: int) -> None:
-    """Compile every job's kernel in `workers` processes (round robin)."""
-    t0 = time.perf_counter()
-    chunks = [jobs[i::workers] for i in range(workers)]
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        done = sum(pool.map(_compile, [c for c in chunks if c]))
-    print(f"compiled {done} of {len(jobs)} launches in {time.perf_counter() - t0:.0f} s ({workers} processes)")
 
 
 def time_config(act, wts: Weights, cfg) -> float:
@@ -134,7 +89,8 @@ def main(argv=None) -> int:
     dev = sm.device_name("cuda")
     buckets = sorted({sm.m_bucket(m) for m in args.m})
     block = BLOCK if args.kind == "fp8_block" else None
-    precompile([(c, b, n, k, block) for b in buckets for n, k in shapes for c in grid(k, args.kind)], args.workers)
+    precompile_xfp8([(c, b, n, k, block) for b in buckets for n, k in shapes for c in xfp8_joint_grid(k, args.kind)],
+                    args.workers)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'N':>6} {'K':>6} {'M':>3} {'read us':>8} {'table us':>9} {'best us':>8} {'best/table':>10}  best configs "
@@ -149,7 +105,7 @@ def main(argv=None) -> int:
                                         wts)
             table_cfg = (sm.tuned_configs(dev, args.kind, n, k) or {}).get(sm.m_bucket(m))
             table_us = measure(table_cfg) if table_cfg is not None and table_cfg.X_FP8 else float("nan")
-            timed = sorted(((measure(c), c) for c in grid(k, args.kind)), key=lambda r: r[0])
+            timed = sorted(((measure(c), c) for c in xfp8_joint_grid(k, args.kind)), key=lambda r: r[0])
             by_m[m] = ({c: us for us, c in timed}, table_us)
             best_us, best = timed[0]
             read_us = wts.bytes / 4.25e6  # (at the H200's measured copy bandwidth)

@@ -19,15 +19,19 @@ Search, per (kind, N, K, M): column/K tiles (up to 4 rows also the GEMV variant'
 above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
 _scaled_mm or the block GEMM)
 at a split count that gives about two programs per SM, then the split count for the best tile (of each
-variant), then warps/stages for the best of those (skipped with --quick).
+variant), then warps/stages for the best of those (skipped with --quick). Above 16 rows (not with --quick) the
+X_FP8 variant's configs are instead the joint grid XFP8_JOINT_TILES x XFP8_SPLITS, compiled first in
+--compile-workers processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import dataclasses
 import json
 import math
+import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -178,6 +182,66 @@ DOT_WARPS_STAGES = ((4, 3), (8, 4), (2, 4))
 GEMV_WARPS_STAGES = ((4, 2), (4, 3), (4, 6), (8, 2), (8, 3), (8, 4))
 
 
+# The X_FP8 configs above MAX_M rows (not with --quick): every (BLOCK_N, BLOCK_K, num_warps, num_stages) here at every
+# split of XFP8_SPLITS, timed jointly. The greedy search (tiles at 4 warps, then splits, then warps) had missed the
+# fastest of them for most Llama-3.1-8B shapes (benchmarks/probe_xfp8_grid.py, docs/benchmarks.md, twenty-seventh
+# session): 32-wide tiles on 2 warps (fp16 mma.sync), 64 on one warpgroup, 128 on one or two, 256 on two (FP8 wgmma).
+XFP8_JOINT_TILES = ([(32, 128, 2, s) for s in (3, 4)] + [(64, bk, 4, s) for bk in (128, 256) for s in (3, 4)]
+                    + [(128, bk, w, s) for bk in (128, 256) for w in (4, 8) for s in (3, 4)]
+                    + [(256, 128, 8, s) for s in (2, 3)])
+XFP8_SPLITS = (1, 2, 4, 8)
+
+
+def xfp8_config(bn: int, bk: int, split: int, warps: int, stages: int):
+    """An X_FP8 config (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    return sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages, X_FP8=True)
+
+
+def xfp8_joint_grid(k: int, kind: str = "fp8") -> list:
+    """The joint grid's X_FP8 configs for a weight of K columns (block scales: K steps of at most a scale block)."""
+    return [xfp8_config(bn, bk, s, w, st) for bn, bk, w, st in XFP8_JOINT_TILES for s in XFP8_SPLITS
+            if k // s >= bk and (kind == "fp8" or bk <= BLOCK[1])]
+
+
+def _xfp8_inputs(m: int, n: int, k: int, block: tuple[int, int] | None):
+    """FP8 rows, their scales, an FP8 weight and its scales (per channel, or per block)."""
+    xq = torch.randn(m, k, device=DEVICE).to(torch.float8_e4m3fn)
+    w = torch.randn(n, k, device=DEVICE).to(torch.float8_e4m3fn)
+    if block is None:
+        return xq, torch.rand(m, device=DEVICE), w, torch.rand(n, device=DEVICE)
+    return (xq, torch.rand(m, -(-k // block[1]), device=DEVICE), w,
+            torch.rand(-(-n // block[0]), -(-k // block[1]), device=DEVICE))
+
+
+def _compile_xfp8(jobs: list) -> int:
+    """Worker: launch each (config, m, n, k, block) once, so that its kernel is in Triton's disk cache."""
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    done = 0
+    for cfg, m, n, k, block in jobs:
+        try:
+            sm.small_m_linear_fp8_act(*_xfp8_inputs(m, n, k, block), None, torch.bfloat16, config=cfg, block=block)
+            torch.cuda.synchronize()
+            done += 1
+        except Exception as e:  # noqa: BLE001 (over the GPU's resources: the timing pass says so too)
+            print(f"    compile skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:90]}", flush=True)
+    return done
+
+
+def precompile_xfp8(jobs: list, workers: int) -> None:
+    """Compile the X_FP8 kernel of every (config, m, n, k, block) job in `workers` processes, round robin (a
+    joint grid is ~100 kernels; compiled one by one in the timing process they would take minutes)."""
+    if not jobs or workers < 1:
+        return
+    t0 = time.perf_counter()
+    chunks = [c for c in (jobs[i::workers] for i in range(workers)) if c]
+    with cf.ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as pool:
+        done = sum(pool.map(_compile_xfp8, chunks))
+    print(f"compiled {done} of {len(jobs)} X_FP8 kernels in {time.perf_counter() - t0:.0f} s ({len(chunks)} processes)")
+
+
 def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bool, log: list) -> dict:
     """Best config for one (kind, N, K, M) and the baseline's time; every timing goes to `log`."""
     x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
@@ -203,23 +267,26 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
 
 
     results = []
+    joint = act is not None and m > sm.MAX_M and not quick  # X_FP8 above MAX_M rows: the joint grid
     tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick, m)]
     if m <= sm.MAX_GEMV_ROWS:
         tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick, m)]
-    if act is not None:
+    if act is not None and not joint:
         tiles += [(bn, bk, None) for bn, bk in tile_grid(kind, quick, m)]  # (None: X_FP8)
     for bn, bk, gemv in tiles:
         cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sm.split_for(n, k, bn, bk, sms), num_warps=4, num_stages=4,
                             GEMV=bool(gemv), X_FP8=gemv is None)
         results.append((measure(cfg), cfg))
-    for x_fp8 in (False, True) if act is not None else (False,):  # the split pass for the best of each
+    for x_fp8 in (False, True) if act is not None and not joint else (False,):  # the split pass for the best of each
         best_us, best = min((r for r in results if r[1].X_FP8 == x_fp8), key=lambda r: r[0])
         for split in (1, 2, 4, 8, 16):
             if split != best.SPLIT_K and k // split >= best.BLOCK_K:
                 cfg = dataclasses.replace(best, SPLIT_K=split)
                 results.append((measure(cfg), cfg))
+    if joint:
+        results += [(measure(cfg), cfg) for cfg in xfp8_joint_grid(k, kind)]
     best_us, best = min(results, key=lambda r: r[0])
-    if not quick:
+    if not quick and not (joint and best.X_FP8):  # (the joint grid has its warps and stages)
         for warps, stages in GEMV_WARPS_STAGES if best.GEMV else DOT_WARPS_STAGES:
             cfg = dataclasses.replace(best, num_warps=warps, num_stages=stages)
             results.append((measure(cfg), cfg))
@@ -298,6 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--merge", action="store_true",
                    help="keep the --out table's entries for shapes this run does not tune (default: replace it)")
     p.add_argument("--json", dest="json_out", help="also write every timing here")
+    p.add_argument("--compile-workers", type=int, default=12,
+                   help="processes that compile the X_FP8 joint grid (above 16 rows) before the timing; 0: none")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_small_m_gemm needs a CUDA device", file=sys.stderr)
@@ -321,6 +390,11 @@ def main(argv=None) -> int:
     print(f"{'kind':>9} {'N':>6} {'K':>6} {'M':>3} {'today us':>9} {'default':>8} {'best us':>8} "
           f"{'vs today':>8} {'TB/s':>5}  table entry (today: F.linear = cublas for bf16, "
           f"act-quant + W8A8 GEMM = w8a8 for fp8)")
+    if not args.quick:
+        precompile_xfp8([(cfg, m, n, k, BLOCK if kind == "fp8_block" else None)
+                         for kind in args.kind if kind.startswith("fp8") for n, k in shapes
+                         for m in ms if sm.MAX_M < m <= sm.max_rows(kind) for cfg in xfp8_joint_grid(k, kind)],
+                        args.compile_workers)
     table: dict = {kind: {} for kind in args.kind}
     results, timings = {}, {}
     over_budget = False

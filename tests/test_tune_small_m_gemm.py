@@ -69,3 +69,56 @@ def test_merge_keeps_other_shapes_and_replaces_retuned_ones():
         "bf16": {"1,2": {"1": "cublas"}, "3,4": {"1": {"BLOCK_N": 8}, "16": "cublas"}, "7,8": {"1": "cublas"}},
         "fp8": {"5,6": {"1": "w8a8"}}}
     assert kept["bf16"]["3,4"] == {"1": "cublas", "16": "cublas"}  # the input is not modified
+
+
+def test_xfp8_joint_grid_pairs_every_tile_with_every_split_that_fits():
+    grid = tune.xfp8_joint_grid(4096)
+    assert len(grid) == len(set(grid)) == len(tune.XFP8_JOINT_TILES) * len(tune.XFP8_SPLITS)
+    assert all(c.X_FP8 and not c.GEMV for c in grid)
+    tiles = {(c.BLOCK_N, c.BLOCK_K, c.num_warps, c.num_stages) for c in grid}
+    assert tiles == set(tune.XFP8_JOINT_TILES)
+    # the table's picks of the twenty-seventh session are in it (Llama-3.1-8B: o_proj, down, gate/up at 64 rows)
+    for bn, bk, split, warps, stages in [(64, 256, 2, 4, 4), (64, 128, 1, 4, 3), (128, 128, 4, 8, 4)]:
+        assert tune.xfp8_config(bn, bk, split, warps, stages) in grid
+    # a short K keeps only the splits with a whole K step each; block scales only steps within a scale block
+    assert all(512 // c.SPLIT_K >= c.BLOCK_K for c in tune.xfp8_joint_grid(512))
+    assert {c.BLOCK_K for c in tune.xfp8_joint_grid(4096, "fp8_block")} == {128}
+
+
+@pytest.mark.parametrize("m,joint", [(64, True), (16, False)])
+def test_x_fp8_above_16_rows_is_searched_over_the_joint_grid(monkeypatch, m, joint):
+    """tune_one with the timing faked (the search logic on the CPU): above 16 rows every joint-grid config is
+    timed and the fastest of them wins, with no split or warps pass after it; at 16 rows the greedy search."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from model_executor.layers.quantization import fp8_ops
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    monkeypatch.setattr(tune, "DEVICE", "cpu")
+    monkeypatch.setattr(tune, "ROTATE_BYTES", 1)
+    monkeypatch.setattr(tune.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(fp8_ops, "per_token_group_quant_fp8", lambda x, g: (x, x[:, :1]))
+    called = []
+    monkeypatch.setattr(sm, "small_m_linear_fp8_act", lambda *a, config, block: called.append(config))
+    monkeypatch.setattr(tune, "kernel_calls", lambda sm_, x, wts, cfg: [lambda: called.append(cfg)])
+    monkeypatch.setattr(tune, "baseline_calls", lambda kind, x, wts: [lambda: called.append("base")])
+    fastest = tune.xfp8_config(256, 128, 4, 8, 2)  # only in the joint grid
+
+    def fake_time(calls):
+        calls[0]()
+        cfg = called[-1]
+        return 100.0 if cfg == "base" else 1.0 if cfg == fastest else 50.0 if cfg.X_FP8 else 60.0
+
+    monkeypatch.setattr(tune, "time_calls", fake_time)
+    n, k = 512, 4096
+    result = tune.tune_one(sm, "fp8", n, k, m, tune.Weights("fp8", n, k, torch.Generator()), torch.Generator(),
+                           quick=False, log=[])
+    x_fp8 = [c for c in called if c != "base" and c.X_FP8]
+    if joint:
+        assert result["best"] == fastest and result["best_us"] == 1.0
+        assert x_fp8 == tune.xfp8_joint_grid(k)  # each once, nothing after (no split or warps pass)
+    else:
+        assert fastest not in x_fp8 and result["best"].X_FP8 and result["best_us"] == 50.0
+        assert any(c.num_warps != 4 for c in called if c != "base")  # the warps pass ran
