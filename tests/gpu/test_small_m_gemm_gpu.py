@@ -279,15 +279,15 @@ def test_fused_qkv_rope_store_matches_the_two_kernels_and_replays(kind, heads, h
     assert (replayed_k.float().abs().sum((1, 2)) > 0).all()
 
 
-@pytest.mark.parametrize("m", [17, 24, 32, 33, 48, 64])
+@pytest.mark.parametrize("m", [5, 8, 12, 16, 17, 24, 32, 33, 48, 64])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # 8B
                                  (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)])  # 1B
 def test_fp8_activations_on_fp8_tensor_cores_match_the_w8a8_reference(n, k, m):
     """The X_FP8 kernel (x quantized per token, the dot on FP8 operands) at the server table's configs against
     float32 math on the same codes (fp8_linear_reference's W8A8 product), and against torch._scaled_mm (its
     default, float32 promotion: the kernel adds each K step's FP8 products into float32, or the sums drift
-    past a bf16 ulp); rows padded within a bucket (17 and 24 of 32, 33 and 48 of 64: the padding rows load zeros)
-    give the bits of the full bucket's rows."""
+    past a bf16 ulp); rows padded within a bucket (5 of 8, 12 of 16, 17 and 24 of 32, 33 and 48 of 64: the padding
+    rows load zeros) give the bits of the full bucket's rows."""
     from model_executor.layers.quantization import fp8_ops
 
     table = json.loads(sm.table_path(sm.device_name()).read_text())["fp8"][f"{n},{k}"]
