@@ -19,9 +19,8 @@ Search, per (kind, N, K, M): column/K tiles (up to 4 rows also the GEMV variant'
 above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
 _scaled_mm or the block GEMM)
 at a split count that gives about two programs per SM, then the split count for the best tile (of each
-variant), then warps/stages for the best of those (skipped with --quick). Above 16 rows (not with --quick) the
-X_FP8 variant's configs are instead the joint grid XFP8_JOINT_TILES x XFP8_SPLITS, compiled first in
---compile-workers processes.
+variant), then warps/stages for the best of those (skipped with --quick). Without --quick the X_FP8 variant's
+configs are instead the joint grid XFP8_JOINT_TILES x XFP8_SPLITS, compiled first in --compile-workers processes.
 """
 
 from __future__ import annotations
@@ -182,10 +181,11 @@ DOT_WARPS_STAGES = ((4, 3), (8, 4), (2, 4))
 GEMV_WARPS_STAGES = ((4, 2), (4, 3), (4, 6), (8, 2), (8, 3), (8, 4))
 
 
-# The X_FP8 configs above MAX_M rows (not with --quick): every (BLOCK_N, BLOCK_K, num_warps, num_stages) here at every
-# split of XFP8_SPLITS, timed jointly. The greedy search (tiles at 4 warps, then splits, then warps) had missed the
-# fastest of them for most Llama-3.1-8B shapes (benchmarks/probe_xfp8_grid.py, docs/benchmarks.md, twenty-seventh
-# session): 32-wide tiles on 2 warps (fp16 mma.sync), 64 on one warpgroup, 128 on one or two, 256 on two (FP8 wgmma).
+# The X_FP8 configs (not with --quick): every (BLOCK_N, BLOCK_K, num_warps, num_stages) here at every split of
+# XFP8_SPLITS, timed jointly. The greedy search (tiles at 4 warps, then splits, then warps) had missed the fastest of
+# them for most Llama-3.1-8B shapes at 8-64 rows, by 2-35% (benchmarks/probe_xfp8_grid.py, docs/benchmarks.md,
+# twenty-seventh session): 32-wide tiles on 2 warps (fp16 mma.sync), 64 on one warpgroup, 128 on one or two, 256 on
+# two (FP8 wgmma).
 XFP8_JOINT_TILES = ([(32, 128, 2, s) for s in (3, 4)] + [(64, bk, 4, s) for bk in (128, 256) for s in (3, 4)]
                     + [(128, bk, w, s) for bk in (128, 256) for w in (4, 8) for s in (3, 4)]
                     + [(256, 128, 8, s) for s in (2, 3)])
@@ -267,7 +267,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
 
 
     results = []
-    joint = act is not None and m > sm.MAX_M and not quick  # X_FP8 above MAX_M rows: the joint grid
+    joint = act is not None and not quick  # the X_FP8 variant: the joint grid
     tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick, m)]
     if m <= sm.MAX_GEMV_ROWS:
         tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick, m)]
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
                    help="keep the --out table's entries for shapes this run does not tune (default: replace it)")
     p.add_argument("--json", dest="json_out", help="also write every timing here")
     p.add_argument("--compile-workers", type=int, default=12,
-                   help="processes that compile the X_FP8 joint grid (above 16 rows) before the timing; 0: none")
+                   help="processes that compile the X_FP8 joint grid before the timing; 0: none")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_small_m_gemm needs a CUDA device", file=sys.stderr)
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     if not args.quick:
         precompile_xfp8([(cfg, m, n, k, BLOCK if kind == "fp8_block" else None)
                          for kind in args.kind if kind.startswith("fp8") for n, k in shapes
-                         for m in ms if sm.MAX_M < m <= sm.max_rows(kind) for cfg in xfp8_joint_grid(k, kind)],
+                         for m in ms if 1 < m <= sm.max_rows(kind) for cfg in xfp8_joint_grid(k, kind)],
                         args.compile_workers)
     table: dict = {kind: {} for kind in args.kind}
     results, timings = {}, {}

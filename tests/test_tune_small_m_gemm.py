@@ -85,10 +85,10 @@ def test_xfp8_joint_grid_pairs_every_tile_with_every_split_that_fits():
     assert {c.BLOCK_K for c in tune.xfp8_joint_grid(4096, "fp8_block")} == {128}
 
 
-@pytest.mark.parametrize("m,joint", [(64, True), (16, False)])
-def test_x_fp8_above_16_rows_is_searched_over_the_joint_grid(monkeypatch, m, joint):
-    """tune_one with the timing faked (the search logic on the CPU): above 16 rows every joint-grid config is
-    timed and the fastest of them wins, with no split or warps pass after it; at 16 rows the greedy search."""
+@pytest.mark.parametrize("m,quick", [(64, False), (8, False), (8, True)])
+def test_x_fp8_is_searched_over_the_joint_grid(monkeypatch, m, quick):
+    """tune_one with the timing faked (the search logic on the CPU): every joint-grid config is timed and the
+    fastest of them wins, with no split or warps pass after it; with --quick the greedy tiles instead."""
     from types import SimpleNamespace
 
     import torch
@@ -114,11 +114,12 @@ def test_x_fp8_above_16_rows_is_searched_over_the_joint_grid(monkeypatch, m, joi
     monkeypatch.setattr(tune, "time_calls", fake_time)
     n, k = 512, 4096
     result = tune.tune_one(sm, "fp8", n, k, m, tune.Weights("fp8", n, k, torch.Generator()), torch.Generator(),
-                           quick=False, log=[])
+                           quick=quick, log=[])
     x_fp8 = [c for c in called if c != "base" and c.X_FP8]
-    if joint:
+    if not quick:
         assert result["best"] == fastest and result["best_us"] == 1.0
         assert x_fp8 == tune.xfp8_joint_grid(k)  # each once, nothing after (no split or warps pass)
     else:
         assert fastest not in x_fp8 and result["best"].X_FP8 and result["best_us"] == 50.0
-        assert any(c.num_warps != 4 for c in called if c != "base")  # the warps pass ran
+        assert {c.BLOCK_N for c in x_fp8} <= {16, 32, 64, 128}  # tile_grid's tiles at 4 warps
+        assert all(c.num_warps == 4 for c in x_fp8)  # (no warps pass with --quick)
