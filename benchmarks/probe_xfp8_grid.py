@@ -4,7 +4,7 @@ Until the twenty-seventh session the tuner (tune_small_m_gemm) searched X_FP8 gr
 column x K tiles at about two programs an SM with 4 warps and 4 stages, then the split count of the best tile,
 then warps / stages of the best of those. At 32-64 rows its picks for Llama-3.1-8B FP8 ran at 1.3-3.4x their
 weights' read (4096 x 4096 at 64 rows: 13.1 us against 3.9). This probe times every config of the joint grid
-(tune_small_m_gemm.xfp8_joint_grid: tiles x splits x warps x stages, which the tuner now uses above 16 rows) for
+(tune_small_m_gemm.xfp8_joint_grid: tiles x splits x warps x stages, which the tuner now searches too) for
 each (N, K) of a model's linear layers at each row count given, not only at the buckets' own, next to the
 table's entry, on cold weights in one CUDA graph (tune_small_m_gemm.time_calls), and prints the best few. The
 kernels compile first in parallel worker processes (Triton's disk cache then serves the timing process).
