@@ -6,7 +6,7 @@ then warps / stages of the best of those. At 32-64 rows its picks for Llama-3.1-
 weights' read (4096 x 4096 at 64 rows: 13.1 us against 3.9). This probe times every config of the joint grid
 (tune_small_m_gemm.xfp8_joint_grid: tiles x splits x warps x stages, which the tuner now searches too) for
 each (N, K) of a model's linear layers at each row count given, not only at the buckets' own, next to the
-table's entry, on cold weights in one CUDA graph (tune_small_m_gemm.time_calls), and prints the best few. The
+table's entry, on cold weights in one CUDA graph (tune_small_m_gemm.time_config), and prints the best few. The
 kernels compile first in parallel worker processes (Triton's disk cache then serves the timing process).
 
     python -m benchmarks.probe_xfp8_grid --m 24 32 40 48 56 64 --json out.json --table-out table.json
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 from pathlib import Path
@@ -34,24 +33,12 @@ from benchmarks.tune_small_m_gemm import (
     Weights,
     linear_shapes,
     precompile_xfp8,
-    time_calls,
+    time_config,
+    xfp8_calls,
     xfp8_joint_grid,
 )
 from model_executor.configs import SHAPES, shape_path
 from model_executor.model_config import ModelConfig
-
-
-def time_config(act, wts: Weights, cfg) -> float:
-    """us per call of the X_FP8 GEMM of FP8 rows `act` (codes, scales) with each of wts' weight copies."""
-    from model_executor.layers.triton_ops import small_m_gemm as sm
-
-    try:
-        return time_calls([lambda w=w, s=s: sm.small_m_linear_fp8_act(*act, w, s, None, torch.bfloat16, config=cfg,
-                                                                      block=wts.block)
-                           for w, s in zip(wts.w, wts.s)])
-    except Exception as e:  # noqa: BLE001 (over the GPU's resources: skip it, say so)
-        print(f"    skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
-        return float("inf")
 
 
 def bucket_choice(by_m: dict) -> tuple:
@@ -102,8 +89,11 @@ def main(argv=None) -> int:
         by_m = {}  # m -> ({config: us}, the table entry's us)
         for m in args.m:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-            measure = functools.partial(time_config, fp8_ops.per_token_group_quant_fp8(x, k if block is None else block[1]),
-                                        wts)
+            act = fp8_ops.per_token_group_quant_fp8(x, k if block is None else block[1])
+
+            def measure(c, act=act, wts=wts):
+                return time_config(lambda: xfp8_calls(sm, act, wts, c), c)
+
             table_cfg = (sm.tuned_configs(dev, args.kind, n, k) or {}).get(sm.m_bucket(m))
             table_us = measure(table_cfg) if table_cfg is not None and table_cfg.X_FP8 else float("nan")
             timed = sorted(((measure(c), c) for c in xfp8_joint_grid(k, args.kind)), key=lambda r: r[0])

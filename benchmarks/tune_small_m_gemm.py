@@ -125,6 +125,21 @@ def kernel_calls(sm, x: torch.Tensor, wts: Weights, cfg) -> list[Callable[[], ob
             for w, s in zip(wts.w, wts.s)]
 
 
+def xfp8_calls(sm, act, wts: Weights, cfg, out_dtype: torch.dtype = torch.bfloat16) -> list[Callable[[], object]]:
+    """The X_FP8 GEMM of FP8 rows `act` (codes, scales) with each of wts' weight copies, a call each."""
+    return [lambda w=w, s=s: sm.small_m_linear_fp8_act(*act, w, s, None, out_dtype, config=cfg, block=wts.block)
+            for w, s in zip(wts.w, wts.s)]
+
+
+def time_config(make_calls: Callable[[], list], cfg) -> float:
+    """time_calls of a config's calls; inf (and a line saying so) where the config cannot run on this GPU."""
+    try:
+        return time_calls(make_calls())
+    except Exception as e:  # noqa: BLE001 (over the GPU's resources: skip it, say so)
+        print(f"    skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
+        return math.inf
+
+
 def baseline_calls(kind: str, x: torch.Tensor, wts: Weights) -> list[Callable[[], object]]:
     """What runs today at this M: F.linear (bf16), or activation quantization + the W8A8 GEMM (FP8)."""
     import torch.nn.functional as F
@@ -255,15 +270,10 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
         act = fp8_ops.per_token_group_quant_fp8(x, k if wts.block is None else wts.block[1])
 
     def measure(cfg):
-        try:
-            calls = kernel_calls(sm, x, wts, cfg) if not cfg.X_FP8 else [
-                lambda w=w, s=s: sm.small_m_linear_fp8_act(*act, w, s, None, x.dtype, config=cfg, block=wts.block)
-                for w, s in zip(wts.w, wts.s)]
-            us = time_calls(calls)
-        except Exception as e:  # noqa: BLE001 (over the GPU's resources: skip it, say so)
-            print(f"    skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
-            return math.inf
-        log.append([round(us, 2), sm.config_to_json(cfg)])
+        us = time_config(lambda: xfp8_calls(sm, act, wts, cfg, x.dtype) if cfg.X_FP8 else kernel_calls(sm, x, wts, cfg),
+                         cfg)
+        if us < math.inf:
+            log.append([round(us, 2), sm.config_to_json(cfg)])
         return us
 
 
