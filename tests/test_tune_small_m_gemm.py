@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -83,6 +84,16 @@ def test_xfp8_joint_grid_pairs_every_tile_with_every_split_that_fits():
     # a short K keeps only the splits with a whole K step each; block scales only steps within a scale block
     assert all(512 // c.SPLIT_K >= c.BLOCK_K for c in tune.xfp8_joint_grid(512))
     assert {c.BLOCK_K for c in tune.xfp8_joint_grid(4096, "fp8_block")} == {128}
+
+
+def test_both_reduces_times_each_split_config_with_either_reduce():
+    grid, both = tune.xfp8_joint_grid(4096), tune.xfp8_joint_grid(4096, both_reduces=True)
+    assert all(c.REDUCE_IN_KERNEL is None for c in grid)  # by default the row rule decides
+    splits = [c for c in grid if c.SPLIT_K > 1]
+    assert len(both) == len(set(both)) == len(grid) + len(splits)
+    for c in splits:
+        assert {b.REDUCE_IN_KERNEL for b in both if dataclasses.replace(b, REDUCE_IN_KERNEL=None) == c} == {False, True}
+    assert [c for c in both if c.SPLIT_K == 1] == [c for c in grid if c.SPLIT_K == 1]
 
 
 @pytest.mark.parametrize("m,quick", [(64, False), (8, False), (8, True)])
