@@ -455,8 +455,11 @@ def main(argv=None) -> int:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "quick": args.quick,
             "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if args.merge and out.exists():
-        table = merge_tables(json.loads(out.read_text()), table)
+    if args.merge and out.exists():  # (the kept table's _meta stays, with a line for this run)
+        kept = json.loads(out.read_text())
+        table = merge_tables(kept, table)
+        meta = {**kept.get("_meta", {}), f"merged {meta['written']}": {
+            **meta, "models": args.model, "tp": args.tp, "kinds": args.kind, "m": ms, "shapes": args.shapes}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"_meta": meta, **table}, indent=1) + "\n")
     print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
