@@ -41,13 +41,6 @@ from model_executor.configs import SHAPES, shape_path
 from model_executor.model_config import ModelConfig
 
 
-def short(c) -> str:
-    """BLOCK_N,BLOCK_K,SPLIT_K,warps,stages, and where split K's reduce runs if the config says (k: in the
-    GEMM, r: a second kernel)."""
-    where = {None: "", True: ",k", False: ",r"}[c.REDUCE_IN_KERNEL]
-    return f"{c.BLOCK_N},{c.BLOCK_K},{c.SPLIT_K},{c.num_warps},{c.num_stages}{where}"
-
-
 def bucket_choice(by_m: dict) -> tuple:
     """(config, its score, the table entry's score) for one M bucket: the config with the least mean over the
     bucket's timed row counts of its time over that row count's best (a bucket serves all of them)."""
@@ -65,9 +58,6 @@ def main(argv=None) -> int:
                    help="weight scales: per output channel, or per 128 x 128 block")
     p.add_argument("--m", type=int, nargs="+", default=[24, 32, 40, 48, 56, 64],
                    help="row counts (2-64; up to 16 the dot pads them to 16)")
-    p.add_argument("--both-reduces", action="store_true",
-                   help="time each split config with split K's reduce in the GEMM and in a second kernel (by "
-                        "default the row rule decides)")
     p.add_argument("--workers", type=int, default=12, help="compile processes")
     p.add_argument("--top", type=int, default=4, help="configs printed per case")
     p.add_argument("--margin", type=float, default=0.97, help="--table-out: replace an entry below this ratio")
@@ -87,15 +77,12 @@ def main(argv=None) -> int:
     dev = sm.device_name("cuda")
     buckets = sorted({sm.m_bucket(m) for m in args.m})
     block = BLOCK if args.kind == "fp8_block" else None
-
-    def grid(k: int) -> list:
-        return xfp8_joint_grid(k, args.kind, args.both_reduces)
-
-    precompile_xfp8([(c, b, n, k, block) for b in buckets for n, k in shapes for c in grid(k)], args.workers)
+    precompile_xfp8([(c, b, n, k, block) for b in buckets for n, k in shapes for c in xfp8_joint_grid(k, args.kind)],
+                    args.workers)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'N':>6} {'K':>6} {'M':>3} {'read us':>8} {'table us':>9} {'best us':>8} {'best/table':>10}  best configs "
-          "(BLOCK_N, BLOCK_K, SPLIT_K, warps, stages[, k / r: reduce in the GEMM / a second kernel]: us)")
+          "(BLOCK_N, BLOCK_K, SPLIT_K, warps, stages: us)")
     results, best_of = [], {}
     for n, k in shapes:
         wts = Weights(args.kind, n, k, gen)
@@ -109,11 +96,12 @@ def main(argv=None) -> int:
 
             table_cfg = (sm.tuned_configs(dev, args.kind, n, k) or {}).get(sm.m_bucket(m))
             table_us = measure(table_cfg) if table_cfg is not None and table_cfg.X_FP8 else float("nan")
-            timed = sorted(((measure(c), c) for c in grid(k)), key=lambda r: r[0])
+            timed = sorted(((measure(c), c) for c in xfp8_joint_grid(k, args.kind)), key=lambda r: r[0])
             by_m[m] = ({c: us for us, c in timed}, table_us)
             best_us, best = timed[0]
             read_us = wts.bytes / 4.25e6  # (at the H200's measured copy bandwidth)
-            tops = "; ".join(f"{short(c)}: {us:.2f}" for us, c in timed[:args.top])
+            tops = "; ".join(f"{c.BLOCK_N},{c.BLOCK_K},{c.SPLIT_K},{c.num_warps},{c.num_stages}: {us:.2f}"
+                             for us, c in timed[:args.top])
             print(f"{n:>6} {k:>6} {m:>3} {read_us:>8.2f} {table_us:>9.2f} {best_us:>8.2f} {best_us / table_us:>10.3f}  {tops}",
                   flush=True)
             results.append({"n": n, "k": k, "m": m, "read_us": round(read_us, 2), "table_us": round(table_us, 2),

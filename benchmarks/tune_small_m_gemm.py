@@ -214,16 +214,10 @@ def xfp8_config(bn: int, bk: int, split: int, warps: int, stages: int):
     return sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages, X_FP8=True)
 
 
-def xfp8_joint_grid(k: int, kind: str = "fp8", both_reduces: bool = False) -> list:
-    """The joint grid's X_FP8 configs for a weight of K columns (block scales: K steps of at most a scale block);
-    both_reduces: each split config twice, with split K's reduce in the GEMM and in a second kernel (rather than
-    by the row rule)."""
-    grid = [xfp8_config(bn, bk, s, w, st) for bn, bk, w, st in XFP8_JOINT_TILES for s in XFP8_SPLITS
+def xfp8_joint_grid(k: int, kind: str = "fp8") -> list:
+    """The joint grid's X_FP8 configs for a weight of K columns (block scales: K steps of at most a scale block)."""
+    return [xfp8_config(bn, bk, s, w, st) for bn, bk, w, st in XFP8_JOINT_TILES for s in XFP8_SPLITS
             if k // s >= bk and (kind == "fp8" or bk <= BLOCK[1])]
-    if not both_reduces:
-        return grid
-    return [v for c in grid for v in ([c] if c.SPLIT_K == 1 else
-                                      [dataclasses.replace(c, REDUCE_IN_KERNEL=r) for r in (False, True)])]
 
 
 def _xfp8_inputs(m: int, n: int, k: int, block: tuple[int, int] | None):
@@ -264,8 +258,7 @@ def precompile_xfp8(jobs: list, workers: int) -> None:
     print(f"compiled {done} of {len(jobs)} X_FP8 kernels in {time.perf_counter() - t0:.0f} s ({len(chunks)} processes)")
 
 
-def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bool, log: list,
-             both_reduces: bool = False) -> dict:
+def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bool, log: list) -> dict:
     """Best config for one (kind, N, K, M) and the baseline's time; every timing goes to `log`."""
     x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -302,7 +295,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
                 cfg = dataclasses.replace(best, SPLIT_K=split)
                 results.append((measure(cfg), cfg))
     if joint:
-        results += [(measure(cfg), cfg) for cfg in xfp8_joint_grid(k, kind, both_reduces)]
+        results += [(measure(cfg), cfg) for cfg in xfp8_joint_grid(k, kind)]
     best_us, best = min(results, key=lambda r: r[0])
     if not quick and not (joint and best.X_FP8):  # (the joint grid has its warps and stages)
         for warps, stages in GEMV_WARPS_STAGES if best.GEMV else DOT_WARPS_STAGES:
@@ -336,6 +329,18 @@ def merge_tables(kept: dict, tuned: dict) -> dict:
         for nk, per_m in entries.items():
             merged.setdefault(kind, {}).setdefault(nk, {}).update(per_m)
     return merged
+
+
+def only_shapes(spec: list[str], shapes: list, heads: list) -> tuple[list, list]:
+    """--shapes: the (N, K) of `shapes` and `heads` that `spec` ("N,K" strings) names; ValueError for a bad
+    spec or a shape the models do not have."""
+    try:
+        only = {(int(n), int(k)) for n, k in (s.split(",") for s in spec)}
+    except ValueError:
+        raise ValueError(f"expected N,K pairs, got {spec}") from None
+    if only - set(shapes) - set(heads):
+        raise ValueError(f"{sorted(only - set(shapes) - set(heads))} are not the models' linears")
+    return [s for s in shapes if s in only], [s for s in heads if s in only]
 
 
 def model_summary(models, tps, kinds, ms, results) -> list[str]:
@@ -385,9 +390,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", dest="json_out", help="also write every timing here")
     p.add_argument("--shapes", nargs="+", metavar="N,K",
                    help="only these (N, K) of the models' linears (default: all of them)")
-    p.add_argument("--both-reduces", action="store_true",
-                   help="the X_FP8 joint grid's split configs with split K's reduce in the GEMM and in a second "
-                        "kernel (by default the row rule decides)")
     p.add_argument("--compile-workers", type=int, default=12,
                    help="processes that compile the X_FP8 joint grid before the timing; 0: none")
     args = p.parse_args(argv)
@@ -404,10 +406,10 @@ def main(argv=None) -> int:
     heads = sorted({lm_head_shape(cfg, tp) for cfg in cfgs for tp in args.tp}) if args.lm_head else []
     heads += sorted({router_shape(cfg) for cfg in cfgs if router_shape(cfg)} - set(heads))  # bf16 only, too
     if args.shapes:
-        only = {tuple(int(v) for v in s.split(",")) for s in args.shapes}
-        if only - set(shapes + heads):
-            p.error(f"--shapes: {sorted(only - set(shapes + heads))} are not the models' linears")
-        shapes, heads = [s for s in shapes if s in only], [s for s in heads if s in only]
+        try:
+            shapes, heads = only_shapes(args.shapes, shapes, heads)
+        except ValueError as e:
+            p.error(f"--shapes: {e}")
     dev = sm.device_name("cuda")
     out = Path(args.out) if args.out else sm.table_path(dev)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -421,7 +423,7 @@ def main(argv=None) -> int:
     if not args.quick:
         precompile_xfp8([(cfg, m, n, k, BLOCK if kind == "fp8_block" else None)
                          for kind in args.kind if kind.startswith("fp8") for n, k in shapes
-                         for m in ms if 1 < m <= sm.max_rows(kind) for cfg in xfp8_joint_grid(k, kind, args.both_reduces)],
+                         for m in ms if 1 < m <= sm.max_rows(kind) for cfg in xfp8_joint_grid(k, kind)],
                         args.compile_workers)
     table: dict = {kind: {} for kind in args.kind}
     results, timings = {}, {}
@@ -437,7 +439,7 @@ def main(argv=None) -> int:
                     over_budget = True
                     print(f"  (past --budget-s {args.budget_s:.0f}: "
                           "the remaining cases get the --quick grid)")
-                r = tune_one(sm, kind, n, k, m, wts, gen, quick, log, args.both_reduces)
+                r = tune_one(sm, kind, n, k, m, wts, gen, quick, log)
                 results[(kind, n, k, m)] = r
                 entry = table_entry(kind, r)
                 entries[str(m)] = sm.config_to_json(None if isinstance(entry, str) else entry, kind)

@@ -190,18 +190,13 @@ def test_split_k_is_deterministic_and_each_split_count_is_right():
 @pytest.mark.parametrize("m,kind,cfg", [(5, "bf16", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "num_stages": 2}),
                                          (3, "fp8", {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 4, "GEMV": True}),
                                          (16, "fp8", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "X_FP8": True}),
-                                         (20, "fp8", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "X_FP8": True}),
-                                         (20, "fp8", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "X_FP8": True,
-                                                      "REDUCE_IN_KERNEL": True}),
-                                         (16, "fp8", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "X_FP8": True,
-                                                      "REDUCE_IN_KERNEL": False})])
+                                         (20, "fp8", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "X_FP8": True})])
 def test_split_k_adds_the_partials_in_split_order_and_leaves_its_counters_zero(m, kind, cfg):
     """Split K's reduce (up to 16 rows in the GEMM: the last split of a column tile to arrive adds them; above,
-    a second kernel; or as the config's REDUCE_IN_KERNEL says) gives exactly the fp32 partials of each K range,
-    as the kernel computes them in one split, added in split order 0, 1, .. and then the bias (float32 out, so
-    that no rounding hides the order); the arrival counters are zeros after each call, so a second call gives
-    the same bits."""
-    assert (m <= sm.IN_KERNEL_REDUCE_MAX_ROWS) == (m < 20)  # both reduces by the rule
+    a second kernel) gives exactly the fp32 partials of each K range, as the kernel computes them in one
+    split, added in split order 0, 1, .. and then the bias (float32 out, so that no rounding hides the
+    order); the arrival counters are zeros after each call, so a second call gives the same bits."""
+    assert (m <= sm.IN_KERNEL_REDUCE_MAX_ROWS) == (m < 20)  # both reduces
     n, k, k_per_split = 48, 256, 64
     w, s, _, _ = make_weight(kind, n, k, seed=11)
     gen = torch.Generator().manual_seed(12)
@@ -214,7 +209,7 @@ def test_split_k_adds_the_partials_in_split_order_and_leaves_its_counters_zero(m
     split = sm._launch(dev(x), dev(w), dev(s), dev(bias), None, sm.GemmConfig(**cfg), x_scale=x_scale,
                        out_dtype=torch.float32)
     assert not sm.split_counters(split.device).any()
-    one = sm.GemmConfig(**{**cfg, "SPLIT_K": 1, "REDUCE_IN_KERNEL": None})
+    one = sm.GemmConfig(**{**cfg, "SPLIT_K": 1})
     total = torch.zeros(m, n)
     for lo in range(0, k, k_per_split):
         total += sm._launch(dev(x[:, lo:lo + k_per_split]), dev(w[:, lo:lo + k_per_split]), dev(s), None, None, one,
@@ -245,39 +240,6 @@ def test_split_k_with_more_tiles_than_counters_reduces_in_the_second_kernel(monk
     monkeypatch.setattr(sm, "MAX_SPLIT_TILES", 2)
     assert torch.equal(run(x, w, s, None, block, cfg), in_kernel)
     assert len(launches) == 1
-
-
-@in_process
-def test_a_configs_reduce_in_kernel_overrides_the_row_rule(monkeypatch):
-    """REDUCE_IN_KERNEL decides where split K's reduce runs whatever the row count (the same bits either way);
-    unset, the row rule does; a config without splits cannot set it, and the table writes it only where set."""
-    w, s, block, _ = make_weight("fp8", 48, 256, seed=13)  # (FP8 weights: up to 64 rows, both sides of the rule)
-    gen = torch.Generator().manual_seed(15)
-    launches, reduce_kernel = [], sm._split_k_reduce_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return reduce_kernel[grid]
-
-    monkeypatch.setattr(sm, "_split_k_reduce_kernel", Spy())
-    cfg = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "num_stages": 2}
-    for m, setting, second_kernel in ((5, None, False), (5, False, True), (5, True, False)):
-        x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)
-        launches.clear()
-        out = run(x, w, s, None, block, {**cfg, "REDUCE_IN_KERNEL": setting})
-        assert bool(launches) == second_kernel, (m, setting)
-        assert torch.equal(out, run(x, w, s, None, block, cfg))
-    x = torch.randn(20, 256, generator=gen).to(torch.bfloat16)
-    for setting, second_kernel in ((None, True), (True, False)):
-        launches.clear()
-        run(x, w, s, None, block, {**cfg, "REDUCE_IN_KERNEL": setting})
-        assert bool(launches) == second_kernel, setting
-    with pytest.raises(ValueError, match="bad small-M GEMM config"):
-        sm.GemmConfig(**{**cfg, "SPLIT_K": 1, "REDUCE_IN_KERNEL": True})
-    assert "REDUCE_IN_KERNEL" not in sm.config_to_json(sm.GemmConfig(**cfg))
-    assert sm.config_to_json(sm.GemmConfig(**cfg, REDUCE_IN_KERNEL=False))["REDUCE_IN_KERNEL"] is False
-    assert sm.parse_entry(sm.config_to_json(sm.GemmConfig(**cfg, REDUCE_IN_KERNEL=True))).REDUCE_IN_KERNEL
 
 
 @in_process

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -72,6 +71,15 @@ def test_merge_keeps_other_shapes_and_replaces_retuned_ones():
     assert kept["bf16"]["3,4"] == {"1": "cublas", "16": "cublas"}  # the input is not modified
 
 
+def test_only_shapes_keeps_the_named_linears_and_refuses_others():
+    shapes, heads = [(6144, 4096), (4096, 4096), (24576, 4096)], [(151936, 4096)]
+    assert tune.only_shapes(["24576,4096", "151936,4096"], shapes, heads) == ([(24576, 4096)], [(151936, 4096)])
+    with pytest.raises(ValueError, match=r"\(5, 6\)"):
+        tune.only_shapes(["5,6", "6144,4096"], shapes, heads)
+    with pytest.raises(ValueError, match="N,K pairs"):
+        tune.only_shapes(["6144x4096"], shapes, heads)
+
+
 def test_xfp8_joint_grid_pairs_every_tile_with_every_split_that_fits():
     grid = tune.xfp8_joint_grid(4096)
     assert len(grid) == len(set(grid)) == len(tune.XFP8_JOINT_TILES) * len(tune.XFP8_SPLITS)
@@ -84,16 +92,6 @@ def test_xfp8_joint_grid_pairs_every_tile_with_every_split_that_fits():
     # a short K keeps only the splits with a whole K step each; block scales only steps within a scale block
     assert all(512 // c.SPLIT_K >= c.BLOCK_K for c in tune.xfp8_joint_grid(512))
     assert {c.BLOCK_K for c in tune.xfp8_joint_grid(4096, "fp8_block")} == {128}
-
-
-def test_both_reduces_times_each_split_config_with_either_reduce():
-    grid, both = tune.xfp8_joint_grid(4096), tune.xfp8_joint_grid(4096, both_reduces=True)
-    assert all(c.REDUCE_IN_KERNEL is None for c in grid)  # by default the row rule decides
-    splits = [c for c in grid if c.SPLIT_K > 1]
-    assert len(both) == len(set(both)) == len(grid) + len(splits)
-    for c in splits:
-        assert {b.REDUCE_IN_KERNEL for b in both if dataclasses.replace(b, REDUCE_IN_KERNEL=None) == c} == {False, True}
-    assert [c for c in both if c.SPLIT_K == 1] == [c for c in grid if c.SPLIT_K == 1]
 
 
 @pytest.mark.parametrize("m,quick", [(64, False), (8, False), (8, True)])

@@ -281,7 +281,9 @@ def test_fused_qkv_rope_store_matches_the_two_kernels_and_replays(kind, heads, h
 
 @pytest.mark.parametrize("m", [5, 8, 12, 16, 17, 24, 32, 33, 48, 64])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # 8B
-                                 (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)])  # 1B
+                                 (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),  # 1B
+                                 (24576, 4096), (4096, 12288),  # Qwen3-8B gate_up, down
+                                 (5120, 2048), (2048, 4096)])  # Qwen3-30B-A3B qkv, o
 def test_fp8_activations_on_fp8_tensor_cores_match_the_w8a8_reference(n, k, m):
     """The X_FP8 kernel (x quantized per token, the dot on FP8 operands) at the server table's configs against
     float32 math on the same codes (fp8_linear_reference's W8A8 product), and against torch._scaled_mm (its

@@ -45,8 +45,7 @@ writes its fp32 partial to a workspace [splits, M, N], and the splits are added 
 added and the sum cast, so the same inputs give the same bits (graph replay equals eager). Up to
 IN_KERNEL_REDUCE_MAX_ROWS rows the GEMM does that itself: each split counts its arrival on its column tile's
 counter and the one that arrives last adds the tile (which split that is does not change the order of the
-sums) and zeroes the counter; above, a second kernel does (a config's REDUCE_IN_KERNEL, where set, decides
-instead). The workspace is allocated per call with a size
+sums) and zeroes the counter; above, a second kernel does. The workspace is allocated per call with a size
 fixed by (splits, M, N), the counters once per device (split_counters, zeros between calls): no host sync,
 CUDA-graph safe. One stream at a time: two split-K GEMMs running at once on one device would share counters.
 
@@ -114,9 +113,6 @@ class GemmConfig:
     # entry with it is a config of the W8A8 path (fp8_linear._w8a8), which quantizes x anyway, not of this
     # weight-only one.
     X_FP8: bool = False
-    # Split K's reduce: in the GEMM (the last split of a column tile adds the partials) or in a second kernel;
-    # None: by the row count (IN_KERNEL_REDUCE_MAX_ROWS). Only with SPLIT_K > 1.
-    REDUCE_IN_KERNEL: bool | None = None
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -124,8 +120,7 @@ class GemmConfig:
             least = 1 if name == "BLOCK_N" and self.GEMV else 16
             if v < least or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
-        if (self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1 or (self.X_FP8 and self.GEMV)
-                or (self.REDUCE_IN_KERNEL is not None and self.SPLIT_K == 1)):
+        if self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1 or (self.X_FP8 and self.GEMV):
             raise ValueError(f"bad small-M GEMM config {self}")
 
 
@@ -661,8 +656,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         partials = prenormed.partials if prenormed is not None else x
     eps = norm.eps if norm is not None else prenormed.eps if prenormed is not None else 0.0
     tiles = triton.cdiv(n, cfg.BLOCK_N)
-    in_kernel = cfg.REDUCE_IN_KERNEL if cfg.REDUCE_IN_KERNEL is not None else m <= IN_KERNEL_REDUCE_MAX_ROWS
-    reduce_in_kernel = partial and in_kernel and tiles <= MAX_SPLIT_TILES
+    reduce_in_kernel = partial and m <= IN_KERNEL_REDUCE_MAX_ROWS and tiles <= MAX_SPLIT_TILES
     counters = split_counters(x.device) if reduce_in_kernel else x
     _small_m_gemm_kernel[(tiles, splits)](
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out, y, counters,
@@ -874,14 +868,7 @@ def choose_config(m: int, n: int, k: int, kind: str, device: str) -> GemmConfig 
 
 
 def config_to_json(cfg: GemmConfig | None, kind: str = "bf16"):
-    """A table value: the other path's name for None, else the config's fields (REDUCE_IN_KERNEL only where
-    it is set: the row rule otherwise)."""
-    if cfg is None:
-        return OTHER_PATHS[kind]
-    entry = asdict(cfg)
-    if entry["REDUCE_IN_KERNEL"] is None:
-        del entry["REDUCE_IN_KERNEL"]
-    return entry
+    return OTHER_PATHS[kind] if cfg is None else asdict(cfg)
 
 
 # ---------------------------------------------------------------- entry points
