@@ -279,17 +279,33 @@ def test_fused_qkv_rope_store_matches_the_two_kernels_and_replays(kind, heads, h
     assert (replayed_k.float().abs().sum((1, 2)) > 0).all()
 
 
-@pytest.mark.parametrize("m", [5, 8, 12, 16, 17, 24, 32, 33, 48, 64])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # 8B
-                                 (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),  # 1B
-                                 (24576, 4096), (4096, 12288),  # Qwen3-8B gate_up, down
-                                 (5120, 2048), (2048, 4096)])  # Qwen3-30B-A3B qkv, o
+def table_x_fp8_cases(kind: str, shapes: list, ms: list) -> list:
+    """(n, k, m) for each shape and row count whose M bucket the server's H200 table gives an X_FP8 config."""
+    table = json.loads(sm.table_path("NVIDIA_H200").read_text())[kind]
+    return [(n, k, m) for n, k in shapes for m in ms
+            if isinstance(e := table[f"{n},{k}"].get(str(sm.m_bucket(m))), dict) and e.get("X_FP8")]
+
+
+X_FP8_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # 8B
+                (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),  # 1B
+                (24576, 4096), (4096, 12288),  # Qwen3-8B gate_up, down
+                (5120, 2048), (2048, 4096)]  # Qwen3-30B-A3B qkv, o
+X_FP8_CASES = table_x_fp8_cases("fp8", X_FP8_SHAPES, [2, 3, 4, 5, 8, 12, 16, 17, 24, 32, 33, 48, 64])
+
+
+def test_the_x_fp8_cases_cover_every_shape_from_5_rows():
+    assert {(n, k) for n, k, m in X_FP8_CASES if m == 5} == set(X_FP8_SHAPES)
+    assert len([c for c in X_FP8_CASES if c[2] >= 5]) == 10 * len(X_FP8_SHAPES)
+
+
+@pytest.mark.parametrize("n,k,m", X_FP8_CASES)
 def test_fp8_activations_on_fp8_tensor_cores_match_the_w8a8_reference(n, k, m):
-    """The X_FP8 kernel (x quantized per token, the dot on FP8 operands) at the server table's configs against
-    float32 math on the same codes (fp8_linear_reference's W8A8 product), and against torch._scaled_mm (its
-    default, float32 promotion: the kernel adds each K step's FP8 products into float32, or the sums drift
-    past a bf16 ulp); rows padded within a bucket (5 of 8, 12 of 16, 17 and 24 of 32, 33 and 48 of 64: the padding
-    rows load zeros) give the bits of the full bucket's rows."""
+    """The X_FP8 kernel (x quantized per token, the dot on FP8 operands) at the server table's configs (every
+    shape and row count whose bucket has one: all of them from 5 rows, some at 2-4) against float32 math on the
+    same codes (fp8_linear_reference's W8A8 product), and against torch._scaled_mm (its default, float32
+    promotion: the kernel adds each K step's FP8 products into float32, or the sums drift past a bf16 ulp); rows
+    padded within a bucket (3 of 4, 5 of 8, 12 of 16, 17 and 24 of 32, 33 and 48 of 64: the padding rows load
+    zeros) give the bits of the full bucket's rows."""
     from model_executor.layers.quantization import fp8_ops
 
     table = json.loads(sm.table_path(sm.device_name()).read_text())["fp8"][f"{n},{k}"]
@@ -316,7 +332,19 @@ def test_fp8_activations_with_block_scales_match_the_block_w8a8_reference(n, k, 
     """The X_FP8 kernel with 128 x 128 block scales (x per 1 x 128 group: Qwen3's FP8 checkpoints) against
     float32 math on the same codes and against the block-scaled Triton GEMM it would replace; rows padded within a
     bucket give the bits of the full bucket's rows. (Explicit configs, split K and one split: the table's
-    fp8_block entries cover only Qwen3-8B's shapes and may change with a tune.)"""
+    fp8_block entries cover only Qwen3-8B's shapes and may change with a tune: the next test takes those.)"""
+    check_block_x_fp8(n, k, m, cfg)
+
+
+@pytest.mark.parametrize("n,k,m", table_x_fp8_cases("fp8_block", [(6144, 4096), (4096, 4096), (24576, 4096),
+                                                                  (4096, 12288)], [2, 3, 4, 5, 8, 12, 16, 24, 64]))
+def test_the_tables_block_scale_configs_match_the_block_w8a8_reference(n, k, m):
+    """As above at the server table's fp8_block configs (Qwen3-8B's shapes) from 2 rows."""
+    table = json.loads(sm.table_path(sm.device_name()).read_text())["fp8_block"][f"{n},{k}"]
+    check_block_x_fp8(n, k, m, sm.GemmConfig(**table[str(sm.m_bucket(m))]))
+
+
+def check_block_x_fp8(n: int, k: int, m: int, cfg: sm.GemmConfig) -> None:
     from model_executor.layers.quantization import fp8_ops
 
     w, s, block, w_deq = weight("fp8_block", n, k, seed=n + m)
