@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bisect
 
+from model_executor.layers.quantization.base import SMALL_M_BUCKETS
+
 GiB = 1024**3
 DEFAULT_MAX_EXTEND_TOKENS = 2048
 # Whole-backbone extend graphs (runners/full_extend_graph_runner.py) up to this many tokens: below it a
@@ -25,11 +27,11 @@ def default_cuda_graph_max_bs(gpu_memory_bytes: int) -> int:
     return 512
 
 
-# Row counts where the small-M GEMM may change its config (its table's M buckets from 16 up,
-# model_executor/layers/triton_ops/small_m_gemm.M_BUCKETS): an explicit list gets those below its largest
-# entry, so a graph never pads a batch across one and computes it as the same batch run eagerly (with FP8
-# activations re-quantized at every layer, a last-bit difference grows through the model).
-GEMM_ROW_BOUNDARIES = (16, 32, 64)
+# Row counts where the small-M GEMM may change its config (its table's M buckets): an explicit list gets
+# those below its largest entry, so a graph never pads a batch across one and computes it as the same batch run
+# eagerly (with FP8 activations re-quantized at every layer, a last-bit difference grows through the model).
+# The default decode schedule has them all; the default extend levels start at 4 (1-3 tokens pad to it).
+GEMM_ROW_BOUNDARIES = SMALL_M_BUCKETS
 
 
 def _with_gemm_boundaries(sizes: list[int]) -> list[int]:

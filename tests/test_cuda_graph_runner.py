@@ -46,13 +46,14 @@ def test_default_max_bs_from_memory():
 
 def test_explicit_list_and_max_running_cut():
     assert get_batch_sizes_to_capture(256, (16, 1, 4, 2, 8)) == [1, 2, 4, 8, 16]
-    assert get_batch_sizes_to_capture(None, (3, 1, 7)) == [1, 3, 7]
-    # the small-M GEMM's row boundaries below the largest size join an explicit list (capture_lists docstring)
-    assert get_batch_sizes_to_capture(None, (1, 20, 48)) == [1, 16, 20, 32, 48]
-    assert get_token_levels(0, (16, 64, 128)) == [16, 32, 64, 128]
-    assert get_token_levels(0, (8, 16)) == [8, 16]
+    # the small-M GEMM's row boundaries (its table's M buckets) below the largest size join an explicit list, so
+    # that no graph pads a batch across one (capture_lists docstring)
+    assert get_batch_sizes_to_capture(None, (3, 1, 7)) == [1, 2, 3, 4, 7]
+    assert get_batch_sizes_to_capture(None, (20, 48)) == [1, 2, 4, 8, 16, 20, 32, 48]
+    assert get_token_levels(0, (16, 64, 128)) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert get_token_levels(0, (8, 16)) == [1, 2, 4, 8, 16]
     assert get_batch_sizes_to_capture(256, None, max_running_requests=20) == [1, 2, 4, 8, 12, 16]
-    assert get_batch_sizes_to_capture(None, (1, 2, 64), max_running_requests=32) == [1, 2, 16, 32]
+    assert get_batch_sizes_to_capture(None, (1, 2, 64), max_running_requests=32) == [1, 2, 4, 8, 16, 32]
 
 
 def test_pick_size_bisects():

@@ -88,7 +88,7 @@ def test_default_token_levels():
     assert big[:42] == levels and big[42:44] == [2304, 2560]
     assert big[-9:] == [4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192] and len(big) == 58
     assert get_token_levels(100) == [4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 80, 96]
-    assert get_token_levels(2048, (64, 8, 512, 8)) == [8, 16, 32, 64, 512]  # (GEMM_ROW_BOUNDARIES added)
+    assert get_token_levels(2048, (64, 8, 512, 8)) == [1, 2, 4, 8, 16, 32, 64, 512]  # (GEMM_ROW_BOUNDARIES added)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])

@@ -112,6 +112,9 @@ class LinearMethod:
 SMALL_M_DEVICES = ("cuda",)
 SMALL_M_MAX = 64  # the kernel's largest row limit (small_m_gemm.MAX_M_FP8), checked before importing it
 SMALL_M_GEMV_ROWS = 4  # the rows its GEMVs take, a fused RMSNorm and rotary + KV store too
+# The row counts its config table is tuned at (small_m_gemm.M_BUCKETS): a batch takes the next one up's config,
+# so the bits of a row can change between two batch sizes only across one of these.
+SMALL_M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _small_m_module = None
 
 

@@ -76,7 +76,7 @@ import triton
 import triton.language as tl
 
 from model_executor.layers.norm import PrenormedRow
-from model_executor.layers.quantization.base import SMALL_M_GEMV_ROWS
+from model_executor.layers.quantization.base import SMALL_M_BUCKETS, SMALL_M_GEMV_ROWS
 from model_executor.layers.rotary_store_kv import RopeStore
 from model_executor.layers.triton_ops.kernels import to_f16_scaled
 
@@ -92,7 +92,7 @@ MAX_M_FP8 = 64
 # Defined beside SMALL_M_MAX, where the layers check it without importing Triton.
 MAX_GEMV_ROWS = SMALL_M_GEMV_ROWS
 CONFIG_DIR = Path(__file__).parent / "configs"
-M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the row counts the tuner times; a batch uses the next bucket up
+M_BUCKETS = SMALL_M_BUCKETS  # the row counts the tuner times; a batch uses the next bucket up
 FP8 = torch.float8_e4m3fn
 # FP8 weights: the dot runs in fp16 (e4m3 -> fp16 is one packed instruction per two values; e4m3 -> bf16
 # needs a second conversion per value, which caps the kernel below bandwidth), so bf16 x goes to fp16
