@@ -174,9 +174,9 @@ def test_online_fp8_load_peak_stays_near_fp8_size(tmp_path):
 
 @pytest.mark.parametrize("variant", ["fp8", "fp8_block", "fp8_kv"])
 def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
-    """The extend pieces traced by dynamo (the FP8 linears inside them) replay as eager runs, at a size under
-    the small-M kernel's 16 rows (eager and the 16-token graph both take the weight-only kernel: the traced
-    `duet::fp8_linear` op picks its path on the real row count, as eager does) and above it (W8A8); the
+    """The extend pieces traced by dynamo (the FP8 linears inside them) replay as eager runs at 5, 20 and 47
+    tokens (eager and the graph of its level take the same small-M config: the traced `duet::fp8_linear` op
+    picks its path on the real row count, as eager does, and no level pads across a GEMM row bucket); the
     5-token extend replays a whole graph of the 8-token level (the same kernels, attention inside)."""
     from runners.capture_lists import get_token_levels
     from tests.test_piecewise_runner import make_extend_batch, release
