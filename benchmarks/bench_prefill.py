@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enable-torch-compile", action="store_true", help="inductor inside the pieces")
+    p.add_argument("--quantization", choices=("none", "fp8", "int8"), help="weight quantization (default: the "
+                   "checkpoint's)")
     p.add_argument("--full-max-tokens", type=int, default=0,
                    help="also capture whole-backbone graphs at the levels up to this many tokens (0: none)")
     p.add_argument("--full-requests", type=int, nargs="+", default=[DEFAULT_MAX_REQUESTS],
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
                        context_length=max_size + args.prefix_len + 64,
                        random_weights=args.model_path is None or args.random_weights,
                        disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
-                       enable_torch_compile=args.enable_torch_compile)
+                       enable_torch_compile=args.enable_torch_compile, quantization=args.quantization)
     runner = ModelRunner(cfg)
     pw = PiecewiseCudaGraphRunner(runner, levels, capturer=default_capturer(device))
     info = pw.info()
@@ -168,7 +170,8 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "bench_prefill", "model": args.model_path or args.model, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(runner.dtype).replace("torch.", ""), "attention_backend": type(runner.attn_backend).__name__,
+        "dtype": str(runner.dtype).replace("torch.", ""), "quantization": args.quantization,
+        "attention_backend": type(runner.attn_backend).__name__,
         "piece_compiler": "inductor" if args.enable_torch_compile else "eager",
         "num_levels": len(levels), "max_level": levels[-1], "num_pieces": len(pw.pieces),
         "num_traces": pw.num_traces, **info,
