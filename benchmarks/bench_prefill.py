@@ -7,7 +7,7 @@ the same run.
 
 Each size N is one batch of --batch requests (N tokens in all, split evenly) extending --prefix-len cached
 tokens each. The piecewise runner captures the default token levels up to the first level >= the largest
-size (42 levels for 2048, as the server would), or --levels. With --full-max-tokens, the levels up to it
+size (44 levels for 2048, as the server would), or --levels. With --full-max-tokens, the levels up to it
 also get whole-backbone graphs (runners/full_extend_graph_runner.py), once per --full-requests row count, in
 the pieces' pool as in the server. Times are CUDA-event medians of --iters runs
 after --warmup runs; the trace, capture time and capture memory are those of the runner's start-up.

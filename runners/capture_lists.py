@@ -30,7 +30,8 @@ def default_cuda_graph_max_bs(gpu_memory_bytes: int) -> int:
 # Row counts where the small-M GEMM may change its config (its table's M buckets): an explicit list gets
 # those below its largest entry, so a graph never pads a batch across one and computes it as the same batch run
 # eagerly (with FP8 activations re-quantized at every layer, a last-bit difference grows through the model).
-# The default decode schedule has them all; the default extend levels start at 4 (1-3 tokens pad to it).
+# The default decode schedule and extend levels have them all (the piecewise runner's smallest level is 2: a
+# one-token extend takes the whole-backbone graph's level 1, where the backend has those graphs).
 GEMM_ROW_BOUNDARIES = SMALL_M_BUCKETS
 
 
@@ -61,12 +62,12 @@ def get_batch_sizes_to_capture(cuda_graph_max_bs: int | None, cuda_graph_bs: tup
 
 
 def get_token_levels(max_tokens: int, explicit: tuple[int, ...] | None = None) -> list[int]:
-    """Ascending extend token-count levels: 4..32 step 4, 48..256 step 16, 288..512 step 32,
+    """Ascending extend token-count levels: 1, 2, 4..32 step 4, 48..256 step 16, 288..512 step 32,
     576..1024 step 64, 1280..4096 step 256, 4608.. step 512, up to max_tokens (or the explicit list, with
     GEMM_ROW_BOUNDARIES below its largest entry)."""
     if explicit:
         return _with_gemm_boundaries(sorted(set(explicit)))
-    levels = (list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 513, 32))
+    levels = ([1, 2] + list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 513, 32))
               + list(range(576, 1025, 64)) + list(range(1280, 4097, 256))
               + list(range(4608, max(max_tokens, 4608) + 1, 512)))
     return [t for t in levels if t <= max_tokens]

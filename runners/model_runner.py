@@ -178,7 +178,9 @@ class ModelRunner:
             from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
 
             self.extend_graph_runner = PiecewiseCudaGraphRunner(self, list(cfg.piecewise_cuda_graph_tokens))
-            full_levels = [t for t in self.extend_graph_runner.levels if t <= cfg.full_extend_graph_max_tokens]
+            # (from the list itself, not the pieces' levels: those start at 2, and a one-token extend, a prompt
+            # cached but for its last token, takes a whole graph of one token, the GEMM rows eager runs)
+            full_levels = sorted({t for t in cfg.piecewise_cuda_graph_tokens if t <= cfg.full_extend_graph_max_tokens})
             if full_levels and self.attn_backend.supports_extend_cuda_graph:
                 from runners.full_extend_graph_runner import FullExtendGraphRunner
 

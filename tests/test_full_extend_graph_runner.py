@@ -160,7 +160,7 @@ def test_model_runner_builds_it_only_where_the_backend_can(tiny_llama, monkeypat
 
     class FakePiecewise:
         def __init__(self, runner, levels):
-            self.levels, self.capturer = levels, object()
+            self.levels, self.capturer = sorted({max(2, t) for t in levels}), object()  # (as the real one)
 
     class FakeFull:
         def __init__(self, runner, levels, capturer):
@@ -172,10 +172,12 @@ def test_model_runner_builds_it_only_where_the_backend_can(tiny_llama, monkeypat
                                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
     runner.device = torch.device("cuda")  # init_graph_runners only; nothing is allocated on it
     runner.config = mr.replace(runner.config, disable_piecewise_cuda_graph=False,
-                               piecewise_cuda_graph_tokens=(4, 8, 16, 32), full_extend_graph_max_tokens=16)
+                               piecewise_cuda_graph_tokens=(1, 2, 4, 8, 16, 32), full_extend_graph_max_tokens=16)
     runner.attn_backend.supports_extend_cuda_graph = True
     runner.init_graph_runners()
-    assert built["levels"] == [4, 8, 16] and built["capturer"] is runner.extend_graph_runner.capturer
+    # the whole graphs get the list's level 1, which the pieces serve at 2 (a one-token extend then runs the
+    # one-row GEMMs eager runs)
+    assert built["levels"] == [1, 2, 4, 8, 16] and built["capturer"] is runner.extend_graph_runner.capturer
     built.clear()
     runner.full_extend_graph_runner = None
     runner.attn_backend.supports_extend_cuda_graph = False

@@ -81,13 +81,13 @@ def kv_snapshot(runner: ModelRunner) -> list[torch.Tensor]:
 
 def test_default_token_levels():
     levels = get_token_levels(2048)
-    assert levels[:9] == [4, 8, 12, 16, 20, 24, 28, 32, 48]
-    assert levels[21:24] == [256, 288, 320] and levels[29:32] == [512, 576, 640]
-    assert levels[-5:] == [1024, 1280, 1536, 1792, 2048] and len(levels) == 42
+    assert levels[:11] == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48]  # (1 and 2: the GEMM row buckets below 4)
+    assert levels[23:26] == [256, 288, 320] and levels[31:34] == [512, 576, 640]
+    assert levels[-5:] == [1024, 1280, 1536, 1792, 2048] and len(levels) == 44
     big = get_token_levels(8192)
-    assert big[:42] == levels and big[42:44] == [2304, 2560]
-    assert big[-9:] == [4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192] and len(big) == 58
-    assert get_token_levels(100) == [4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 80, 96]
+    assert big[:44] == levels and big[44:46] == [2304, 2560]
+    assert big[-9:] == [4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192] and len(big) == 60
+    assert get_token_levels(100) == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 80, 96]
     assert get_token_levels(2048, (64, 8, 512, 8)) == [1, 2, 4, 8, 16, 32, 64, 512]  # (GEMM_ROW_BOUNDARIES added)
 
 
@@ -345,5 +345,5 @@ def test_bench_prefill_runs_on_cpu(tiny_llama, tmp_path, capsys):
     assert rows[20]["speedup"] == pytest.approx(rows[20]["eager_ms"] / rows[20]["piecewise_ms"], rel=1e-2)
     assert rows[40]["level"] is None and rows[40]["piecewise_ms"] is None  # above the largest level: eager
     assert "piecewise ms" in capsys.readouterr().out
-    assert bench_prefill.default_levels(2048)[-1] == 2048 and len(bench_prefill.default_levels(2048)) == 42
+    assert bench_prefill.default_levels(2048)[-1] == 2048 and len(bench_prefill.default_levels(2048)) == 44
     assert bench_prefill.default_levels(100)[-1] == 112
