@@ -32,7 +32,7 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
            torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.int8: "*i8"}
-OPTIONS = ("num_warps", "num_stages", "num_ctas")
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 # fp16 multiplies / FMAs / adds. Every kernel computes in float32 and uses fp16 only as a tensor-core operand;
 # LLVM narrows fptrunc(fpext(bf16 x) * 2^-4) to an fp16 multiply after the conversion, which overflows for
 # |x| > 65504 (kernels.to_f16_scaled avoids it).
@@ -85,6 +85,16 @@ def compile_launch(kernel, args, kwargs):
             raise TypeError(f"{kernel.fn.__name__}: argument {name} of type {type(value).__name__}")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options=options)
+
+
+def with_pdl(module, launch):
+    """launch() with the module's pdl_supported answering True, as on an sm_90 GPU (the CPU has no PDL)."""
+    saved = module.pdl_supported
+    module.pdl_supported = lambda device: True
+    try:
+        return launch()
+    finally:
+        module.pdl_supported = saved
 
 
 def cases():
@@ -198,6 +208,13 @@ def cases():
              torch.randn(1, 256, dtype=bf16), torch.ones(256, dtype=bf16), torch.empty(1, 256, dtype=bf16),
              torch.empty(64)))),
         ("small-M GEMV FP8 per channel", gemm, lambda: sm._launch(x, w8, s8, None, None, gemv)),
+        ("small-M GEMV FP8, add + RMSNorm epilogue, PDL (its first weight tile before gdc_wait)", gemm,
+         lambda: with_pdl(sm, lambda: sm._launch(x, w8, s8, None, None, gemv, pdl=True, add_norm=sm.AddRmsNormOutput(
+             torch.randn(1, 256, dtype=bf16), torch.ones(256, dtype=bf16), torch.empty(1, 256, dtype=bf16),
+             torch.empty(64))))),
+        ("small-M GEMV FP8 block scales, preloaded first tile, PDL", gemm,
+         lambda: with_pdl(sm, lambda: sm._launch(x, w8, torch.rand(2, 4), None, (128, 128),
+                                                 sm.GemmConfig(BLOCK_N=8, BLOCK_K=128, GEMV=True), pdl=True))),
         ("small-M GEMV FP8 per channel, 3 rows", gemm,
          lambda: sm._launch(torch.randn(3, 512, dtype=bf16), w8, s8, None, None, gemv)),
         ("small-M GEMV FP8 block scales, 4 rows, split K", gemm,
@@ -229,6 +246,9 @@ def cases():
          lambda: decode(fp8, False, v_words=False)),
         ("decode attention, FP8 pool, V loaded as 32-bit words", (dec._decode_stage1_kernel, dec._decode_stage2_kernel),
          lambda: decode(fp8, False, v_words=True)),
+        ("decode attention signalling PDL dependents, both stages", (dec._decode_stage1_kernel,
+                                                                      dec._decode_stage2_kernel),
+         lambda: with_pdl(dec, lambda: (decode(bf16, True), decode(fp8, False)))),
         ("decode attention, warp splits, both pools (FP8: V as words)",
          (dec._decode_stage1_kernel, dec._decode_stage2_kernel),
          lambda: (decode(bf16, True, tile=(16, 2, 3, True)), decode(fp8, False, tile=(32, 1, 3, True)))),

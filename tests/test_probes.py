@@ -16,6 +16,7 @@ import pytest
     ("probe_persistent_layer", []),
     ("probe_tma_gemv", []),
     ("probe_fp8_kv_qk", []),
+    ("probe_pdl_oproj", []),
 ])
 def test_refuses_without_cuda(monkeypatch, capsys, name, argv):
     probe = importlib.import_module(f"benchmarks.{name}")

@@ -896,6 +896,49 @@ def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg):
     torch.testing.assert_close(act.float().cpu(), ref, rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())
 
 
+PRELOAD_CASES = [({"BLOCK_N": 8, "BLOCK_K": 128, "GEMV": True}, 96),  # all of K in the preloaded step
+                 ({"BLOCK_N": 8, "BLOCK_K": 128, "GEMV": True}, 80),  # ... with a K tail (masked)
+                 ({"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True, "num_stages": 2}, 80)]  # the first of three steps
+
+
+@in_process
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("cfg,k", PRELOAD_CASES)
+def test_preloaded_first_tile_gives_the_loops_bits(kind, cfg, k):
+    """A one-row GEMV whose first weight tile is loaded before anything else (PRELOAD; with PDL on an sm_90 GPU
+    the wait for the kernel before comes after that load) takes its first step outside the loop: the same sums
+    in the same order, so the same bits as the loop, plain and with the add + RMSNorm epilogue (o_proj's)."""
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    w, s, block, _ = make_weight(kind, 40, k, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    x = dev(torch.randn(1, k, generator=gen).to(torch.bfloat16))
+    bias = dev(torch.randn(40, generator=gen).to(torch.bfloat16))
+    w, s, cfg = dev(w), dev(s), sm.GemmConfig(**cfg)
+    plain = sm._launch(x, w, s, bias, block, cfg)
+    assert torch.equal(sm._launch(x, w, s, bias, block, cfg, preload=True), plain)
+    residual = dev(torch.randn(1, 40, generator=gen).to(torch.bfloat16))
+    g = dev((torch.rand(40, generator=gen) + 0.5).to(torch.bfloat16))
+    row, h = sm.small_m_linear_add_rmsnorm(x, w, s, bias, block, residual, g, 1e-5, config=cfg)
+    row_pdl, h_pdl = sm.small_m_linear_add_rmsnorm(x, w, s, bias, block, residual, g, 1e-5, config=cfg,
+                                                   after_attention=True)
+    assert torch.equal(h_pdl, h) and torch.equal(row_pdl.weighted, row.weighted)
+    assert torch.equal(row_pdl.partials, row.partials)
+
+
+@interpreter_only
+def test_preload_refusals():
+    """The preloaded first tile (and PDL) goes with a one-row, single-split plain GEMV only."""
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    w = torch.randn(48, 64).to(torch.bfloat16)
+    gemv = sm.GemmConfig(8, 32, GEMV=True)
+    for bad in ({"x": torch.randn(2, 64).to(torch.bfloat16)}, {"cfg": sm.GemmConfig(8, 32, SPLIT_K=2, GEMV=True)},
+                {"cfg": sm.GemmConfig(16, 32)}, {"silu_mul": True},
+                {"norm": sm.RmsNormInput(torch.ones(64, dtype=torch.bfloat16), 1e-6)}):
+        args = {"x": x, "cfg": gemv, **bad}
+        with pytest.raises(ValueError, match="one-row, single-split plain GEMV"):
+            sm._launch(args.pop("x"), w, None, None, None, args.pop("cfg"), pdl=True, **args)
+
+
 @interpreter_only
 def test_add_rmsnorm_refusals(table, monkeypatch):
     """The epilogue and the pre-normed input need a single-split GEMV of one row and well-formed operands;
@@ -1000,10 +1043,11 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
                                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
     runner.attn_backend = TritonAttnBackend(runner)  # (the product refuses triton without CUDA)
     calls = {"add_norm": [], "prenormed": [], "norm": []}
-    for name, key in (("small_m_linear_add_rmsnorm", "add_norm"), ("small_m_prenormed_linear", "prenormed")):
+    for name, key, arg in (("small_m_linear_add_rmsnorm", "add_norm", "after_attention"),
+                           ("small_m_prenormed_linear", "prenormed", "rope")):
         real = getattr(sm, name)
-        monkeypatch.setattr(sm, name, lambda *a, real=real, key=key, **kw: calls[key].append(kw.get("rope")) or
-                            real(*a, **kw))
+        monkeypatch.setattr(sm, name, lambda *a, real=real, key=key, arg=arg, **kw: calls[key].append(kw.get(arg))
+                            or real(*a, **kw))
     real_norm = llama.RMSNorm.forward
     monkeypatch.setattr(llama.RMSNorm, "forward", lambda self, *a: calls["norm"].append(1) or real_norm(self, *a))
     fb, rows, loc = make_decode_batch(runner, 1, seed=5, max_prompt=12)
@@ -1015,10 +1059,12 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
                 v.clear()  # (the prefill's rows are many: it fused nothing)
             out = runner.forward_eager(fb).float()
             kv_fused = [buf[loc].clone() for buf in bufs]
-            assert len(calls["add_norm"]) == 2 * layers - 1  # o_proj in each layer, down in all but the last
+            # o_proj in each layer (after attention: it loads its first weight tile while attention runs),
+            # down in all but the last
+            assert calls["add_norm"] == [True, False] * (layers - 1) + [True]
             assert len(calls["prenormed"]) == layers - 1 and all(r is not None for r in calls["prenormed"])
             assert len(calls["norm"]) == 1  # the final norm (layer 0's input norm runs in its qkv GEMV)
-            monkeypatch.setattr(llama, "linear_add_rmsnorm", lambda *a: None)
+            monkeypatch.setattr(llama, "linear_add_rmsnorm", lambda *a, **kw: None)
             calls["norm"].clear()
             unfused = runner.forward_eager(fb).float()
             assert len(calls["norm"]) == 1 + layers  # the post-attention norms and the final one

@@ -192,13 +192,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                       consumer: LinearBase) -> tuple[PrenormedRow, torch.Tensor] | None:
+                       consumer: LinearBase, after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
     """(row, h) for h = linear(x) + residual at one decode row: the residual add and the sums of h^2 for
     norm(h) run in the epilogue of linear's GEMV, and `row` (a PrenormedRow) goes to `consumer`, the layer
     norm(h) feeds (which scales by 1 / rms in its GEMV: the norm's own launch goes). None where that cannot
     run: linear sharded over tensor-parallel ranks (its all-reduce comes before the add), a method with a
     GEMM of its own, no single-split GEMV config for linear or consumer. The caller then runs linear and the
-    norm apart."""
+    norm apart. after_attention: x is decode attention's output (o_proj: its GEMV loads its first weight tile
+    while attention runs, triton_ops/pdl.py)."""
     if linear.tp_size > 1:
         return None
     ops = linear.quant_method.small_m_operands(linear)
@@ -206,4 +207,4 @@ def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tens
     if ops is None or consumer_ops is None:
         return None
     return small_m_linear_add_rmsnorm(x, *ops, linear.bias, residual, norm.weight, norm.eps, consumer_ops[0],
-                                      consumer_ops[2])
+                                      consumer_ops[2], after_attention)

@@ -53,7 +53,7 @@ class LlamaMLP(nn.Module):
         residual add and the norm's sums go into o_proj's epilogue and the 1 / rms into the gate/up GEMV (the
         norm's own launch goes). With next_input, the (norm, linear) that the layer's output h' = mlp + h
         feeds next, the down projection's epilogue likewise adds h and returns (PrenormedRow of h', h')."""
-        fused = linear_add_rmsnorm(o_proj, x, residual, norm, self.gate_up_proj)
+        fused = linear_add_rmsnorm(o_proj, x, residual, norm, self.gate_up_proj, after_attention=True)
         if fused is None:
             h = o_proj(x)
             quantized = self.gate_up_proj.forward_normed_quantized(norm, h, residual)  # (FP8 rows above 16)

@@ -230,6 +230,55 @@ def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(kind
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("cfg", [None, sm.GemmConfig(BLOCK_N=8, BLOCK_K=4096, num_warps=4, num_stages=1, GEMV=True),
+                                 sm.GemmConfig(BLOCK_N=4, BLOCK_K=2048, num_warps=4, num_stages=2, GEMV=True)])
+def test_o_proj_launched_with_pdl_after_decode_attention_waits_for_its_output(kind, cfg):
+    """Decode attention (one request, 512 tokens, Llama-3.1-8B heads) then o_proj's GEMV launched with PDL
+    (after_attention: its first weight tile loaded before gdc_wait; the table's config, all of K, half of it),
+    eagerly and in a CUDA graph whose replay first fills attention's output with NaN: the same bits as the same
+    config without PDL. An o_proj that read x before attention wrote it would see NaN or stale values."""
+    from model_executor.layers.attention.triton_ops import decode_attention as dec
+
+    if kind == "fp8_block":  # (its table entry at one row is a split tl.dot tile; steps within a scale block)
+        cfg = sm.GemmConfig(BLOCK_N=cfg.BLOCK_N if cfg else 8, BLOCK_K=128, num_warps=4, num_stages=3, GEMV=True)
+    heads, kv_heads, d, hidden, context = 32, 8, 128, 4096, 512
+    gen = torch.Generator("cuda").manual_seed(3)
+    w, s, block, _ = weight(kind, hidden, hidden, seed=5)
+    k_buf = torch.randn(context + 1, kv_heads, d, device="cuda", generator=gen).bfloat16()
+    v_buf = torch.randn(context + 1, kv_heads, d, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(1, heads, d, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
+    g = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+    req_to_token = torch.arange(context + 1, dtype=torch.int32, device="cuda")[None, :].contiguous()
+    rows, lens = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.tensor([context], device="cuda")
+    ws = dec.alloc_decode_workspace(1, heads, d, 16, "cuda")
+    o = torch.empty(1, heads, d, dtype=torch.bfloat16, device="cuda")
+
+    def step(pdl):
+        o.fill_(float("nan"))
+        dec.decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, lens, ws.attn_logits, ws.attn_lse, 16,
+                                 d**-0.5, counters=ws.counters)
+        out = sm.small_m_linear_add_rmsnorm(o.view(1, hidden), w, s, None, block, residual, g, 1e-5, config=cfg,
+                                            after_attention=pdl)
+        assert out is not None, "no single-split GEMV config for o_proj"
+        row, h = out
+        return row.weighted, row.partials, h
+
+    ref = step(False)
+    assert not any(t.isnan().any() for t in ref)
+    for got in (step(True), step(True)):
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(True)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, ref))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("heads,head_dim,k", [((32, 8), 64, 2048), ((32, 8), 128, 4096)])  # 1B, 8B qkv
 @pytest.mark.parametrize("pool", ["bf16", "fp8"])
 @pytest.mark.parametrize("m", [1, 2, 4])

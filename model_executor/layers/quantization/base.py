@@ -202,16 +202,18 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
 def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                                block: tuple[int, int] | None, bias: torch.Tensor | None, residual: torch.Tensor,
                                norm_weight: torch.Tensor, eps: float, consumer: torch.Tensor,
-                               consumer_block: tuple[int, int] | None) -> tuple[PrenormedRow, torch.Tensor] | None:
+                               consumer_block: tuple[int, int] | None,
+                               after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
     """(row, h) for h = x @ weight^T (+ bias) + residual at one row x [..., K], from the GEMV's epilogue
     (small_m_gemm.small_m_linear_add_rmsnorm), where the small-M kernel runs this weight as a single-split
-    GEMV and can feed `row` to the GEMM of `consumer` (the weight norm(h) goes into); None otherwise."""
+    GEMV and can feed `row` to the GEMM of `consumer` (the weight norm(h) goes into); None otherwise.
+    after_attention: x is decode attention's output (the GEMV loads its first weight tile while attention runs)."""
     kernel = _rows_kernel(x, weight, block)
     if kernel is None or residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype \
             or not residual.is_contiguous() or not kernel.takes_prenormed(residual, consumer, consumer_block):
         return None
     out = kernel.small_m_linear_add_rmsnorm(x.reshape(1, -1), weight, scale, bias, block, residual.reshape(1, -1),
-                                            norm_weight, eps)
+                                            norm_weight, eps, after_attention=after_attention)
     return None if out is None else (out[0], out[1].reshape(residual.shape))
 
 

@@ -79,6 +79,7 @@ from model_executor.layers.norm import PrenormedRow
 from model_executor.layers.quantization.base import SMALL_M_BUCKETS, SMALL_M_GEMV_ROWS
 from model_executor.layers.rotary_store_kv import RopeStore
 from model_executor.layers.triton_ops.kernels import to_f16_scaled
+from model_executor.layers.triton_ops.pdl import pdl_supported
 
 logger = logging.getLogger("duet.small_m_gemm")
 
@@ -215,6 +216,7 @@ def _small_m_gemm_kernel(
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
     ADD_NORM: tl.constexpr, PRENORMED: tl.constexpr, NUM_P: tl.constexpr, X_FP8: tl.constexpr, ROWS: tl.constexpr,
+    PRELOAD: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
@@ -244,7 +246,13 @@ def _small_m_gemm_kernel(
     1 / sqrt(sum(P) / K + eps) at the end, as NORM scales them. X_FP8 (tl.dot): x holds FP8 codes and XS
     their float32 scales, one per row (per-channel or no weight scales: the sums are scaled by it at the end)
     or one per row and 1 x SCALE_BK group (block scales: each step's dot is scaled by its column); the dot
-    runs on FP8 operands (the W8A8 GEMM's math)."""
+    runs on FP8 operands (the W8A8 GEMM's math).
+    PRELOAD (a one-row plain GEMV: not paired, x not normed in the kernel): the first K step's weight tile is
+    loaded before anything else and the step taken outside the loop (the same sums in the same order). PDL
+    (with PRELOAD; launched with programmatic dependent launch): the kernel may start while the kernel before
+    it still runs, and waits for it (gdc_wait) after that load and before it reads x or anything else that
+    kernel may have written: a decode token's o_proj loads its weights while decode attention, which reads
+    little, runs (see pdl_supported)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -279,15 +287,38 @@ def _small_m_gemm_kernel(
             acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             if SCALE == 2:
                 s_up_ptrs = S + (rows_b // SCALE_BN) * stride_sn
+        if PRELOAD:  # the first step's weight tile: weights never depend on the kernel before
+            if EVEN_K:
+                w_first = tl.load(w_ptrs)
+            else:
+                w_first = tl.load(w_ptrs, mask=(k_start + offs_k)[None, :] < k_end, other=0.0)
+        if PDL:  # what follows may read what the kernel before wrote: wait for it (griddepcontrol.wait)
+            tl.extra.cuda.gdc_wait()
         if ADD_NORM:  # this program's columns of the residual and the norm weight, before the weights stream
             r_n = tl.load(R + rows_n).to(tl.float32)[:, None]
             g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
         if PRENORMED:  # the row's sum of h^2 (its partials are L2-resident: the kernel before wrote them)
             offs_p = tl.arange(0, NUM_P)
             rstd = 1.0 / tl.sqrt(tl.sum(tl.load(P + offs_p, mask=offs_p < num_p, other=0.0)) / K + eps)
+        k_loop = k_start
+        if PRELOAD:  # the loop's first step, taken with the tile loaded above (the loop's arithmetic)
+            if EVEN_K:
+                xt = tl.load(x_ptrs)
+            else:
+                xt = tl.load(x_ptrs, mask=(k_start + offs_k)[None, :] < k_end, other=0.0)
+            prod = w_first.to(tl.float32) * xt.to(tl.float32)
+            if SCALE == 2:
+                prod = prod * tl.load(s_ptrs + k_start // SCALE_BK)[:, None]
+            if ONE_STEP:  # (0 + prod: the same sums; no [BLOCK_N, BLOCK_K] float32 tile held across a loop)
+                acc2 = prod
+            else:
+                acc2 += prod
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            k_loop = k_start + BLOCK_K
         # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
         # or when the loop itself asks for stages; without it each step waits for its own loads.
-        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        for k in tl.range(k_loop, k_end if not ONE_STEP else k_loop, BLOCK_K, num_stages=NUM_STAGES):
             k_mask = (k + offs_k)[None, :] < k_end
             if EVEN_K:
                 w = tl.load(w_ptrs)
@@ -594,13 +625,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
             block: tuple[int, int] | None, cfg: GemmConfig, silu_mul: bool = False,
             norm: RmsNormInput | None = None, rope: RopeStore | None = None,
             add_norm: AddRmsNormOutput | None = None, prenormed: PrenormedRow | None = None,
-            x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+            preload: bool = False, pdl: bool = False) -> torch.Tensor:
     """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T);
     norm: x is first normed (and added to a residual) as `norm` says; rope: weight is a qkv projection
     and the epilogue runs the rotary and the KV store (the q heads of y rotated); add_norm: the epilogue
     adds the residual and prepares the next GEMM's PrenormedRow (y is its weighted row); prenormed: the
     input is that row (x is prenormed.weighted); x_scale: x holds FP8 codes with these scales, per row or
-    per row and block_k group (an X_FP8 config; y in out_dtype)."""
+    per row and block_k group (an X_FP8 config; y in out_dtype); preload: the first weight tile loaded
+    before anything else (a one-row, single-split plain GEMV); pdl: that, and launched with programmatic
+    dependent launch where the device has it (pdl.py: after a kernel that leaves the memory bus idle)."""
     if cfg.X_FP8 != (x_scale is not None):
         raise ValueError(f"FP8 activations (x_scale) go with an X_FP8 config and only with one, got {cfg}")
     if (add_norm is not None or prenormed is not None) and (not cfg.GEMV or cfg.SPLIT_K != 1):
@@ -609,6 +643,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         raise ValueError("the add + RMSNorm epilogue goes with a plain GEMV only")
     if prenormed is not None and norm is not None:
         raise ValueError("an input is either pre-normed or normed in the kernel, not both")
+    preload = preload or pdl
+    if preload and (not cfg.GEMV or cfg.SPLIT_K != 1 or x.shape[0] != 1 or silu_mul or norm is not None
+                    or rope is not None):
+        raise ValueError(f"a preloaded weight tile (PDL) goes with a one-row, single-split plain GEMV, got {cfg}")
     _check(x, weight, scale, bias, block, x_scale)
     if cfg.GEMV and x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"a GEMV config runs at most {MAX_GEMV_ROWS} rows, got {x.shape[0]}")
@@ -674,12 +712,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         ROPE=rope is not None, HALF=rope.cos_sin_cache.shape[-1] // 2 if rope is not None else 1,
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
         NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
-        ROWS=m if cfg.GEMV else 1,
+        ROWS=m if cfg.GEMV else 1, PRELOAD=preload, ONE_STEP=preload and k_per_split <= block_k, PDL=pdl and pdl_supported(x.device),
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=triton.next_power_of_2(m) if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)),
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl and pdl_supported(x.device) else {}))
     if partial and not reduce_in_kernel:
         reduce_block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, reduce_block))](
@@ -960,20 +999,40 @@ def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, s
 
 def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                                bias: torch.Tensor | None, block: tuple[int, int] | None, residual: torch.Tensor,
-                               norm_weight: torch.Tensor, eps: float,
-                               config: GemmConfig | None = None) -> tuple[PrenormedRow, torch.Tensor] | None:
+                               norm_weight: torch.Tensor, eps: float, config: GemmConfig | None = None,
+                               after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
     """(row, h) for one row x [1, K]: h = x @ W^T (+ bias) + residual, and `row`, the PrenormedRow of
     norm_weight * rmsnorm(h) for the GEMV that h's norm feeds, in one kernel: a decode token's o_proj with
     the residual add and the post-attention RMSNorm's work in its epilogue (the norm's own launch goes).
-    None where no single-split GEMV config applies, or while something traces."""
+    after_attention: x is decode attention's output, and the GEMV loads its first weight tile while attention
+    runs (PDL, pdl.py). None where no single-split GEMV config applies, or while something traces."""
+    explicit = config is not None
     config = _fused_config(x, weight, block, config, paired=False)
     if config is None:
         return None
+    if after_attention and not explicit:
+        config = preload_config(config, weight, block)
     n = weight.shape[0]
     out = AddRmsNormOutput(residual, norm_weight, torch.empty_like(residual),
                            torch.empty(triton.cdiv(n, config.BLOCK_N), dtype=torch.float32, device=x.device))
-    weighted = _launch(x, weight, scale, bias, block, config, add_norm=out)
+    weighted = _launch(x, weight, scale, bias, block, config, add_norm=out, pdl=after_attention)
     return PrenormedRow(weighted, out.partials, eps), out.h
+
+
+# A preloaded weight tile's bytes per thread (64 registers) up to which preload_config loads all of K before the wait.
+PRELOAD_MAX_BYTES_PER_THREAD = 256
+
+
+def preload_config(cfg: GemmConfig, weight: torch.Tensor, block: tuple[int, int] | None) -> GemmConfig:
+    """The config of a one-row GEMV launched with PDL after decode attention (pdl.py), from its table config:
+    all of K in the one step loaded before the wait (BLOCK_K = K rounded up to a power of two, one stage),
+    where that tile is at most PRELOAD_MAX_BYTES_PER_THREAD a thread; else the table's config, whose first
+    step is what is preloaded. Block scales keep their steps (one scale column a step)."""
+    k_p2 = triton.next_power_of_2(weight.shape[1])
+    per_thread = cfg.BLOCK_N * k_p2 * weight.element_size() // (32 * cfg.num_warps)
+    if block is not None or per_thread > PRELOAD_MAX_BYTES_PER_THREAD:
+        return cfg
+    return replace(cfg, BLOCK_K=k_p2, num_stages=1)
 
 
 def takes_prenormed(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from model_executor.layers.triton_ops.kernels import to_f16_scaled
+from model_executor.layers.triton_ops.pdl import pdl_supported
 
 # Stage-1 tile: query heads per program (tl.dot needs M >= 16); the KV positions per loop step, warps, pipeline
 # stages and warp splits come from stage1_tile (stage 2 takes the same warps, see decode_attention_fwd).
@@ -151,6 +152,9 @@ PROGRAMS_PER_SM_FP16_DOTS = 8
 MIN_SPLITS_FP16_DOTS = 3
 
 _LOG2E = 1.4426950408889634
+# Where stage 1 signals a kernel launched with PDL after it (triton_ops/pdl.py): 1 at its start, 2 once a program
+# has read its positions (programs without positions: never, they end), 0 never.
+PDL_SIGNAL_AT = 1
 # Triton's CPU interpreter (chosen by the environment before triton is first imported) cannot run the inline PTX
 # of _e4m3_words_to_f16; read once, not per call.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -431,7 +435,10 @@ def _decode_stage1_kernel(
     Q_PRESCALE: tl.constexpr,
     V_WORDS: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL_SIGNAL: tl.constexpr,
 ):
+    if PDL_SIGNAL == 1:  # a kernel launched with PDL after this one (o_proj) may start now (triton_ops/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
     split_id = tl.program_id(2)
@@ -494,6 +501,8 @@ def _decode_stage1_kernel(
                 e_sum = e_sum * re_scale + tl.sum(p, 1)
                 e_max = n_e_max
 
+        if PDL_SIGNAL == 2:  # (signal once the positions are read: the dependent's loads do not slow these)
+            tl.extra.cuda.gdc_launch_dependents()
         mask_hd = mask_h[:, None] & mask_d[None, :]
         if SINGLE_STAGE:
             out = acc * (v_scale / tl.maximum(e_sum, 1e-30))[:, None]
@@ -542,8 +551,11 @@ def _decode_stage2_kernel(
     MERGE_HEADS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
+    PDL_SIGNAL: tl.constexpr,
 ):
     """Program (request, kv head x head block), as stage 1's: merges that block's heads (_merge_block)."""
+    if PDL_SIGNAL:
+        tl.extra.cuda.gdc_launch_dependents()
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -600,7 +612,8 @@ def decode_attention_fwd(
     when num_kv_splits is 1.
     v_words: over an FP8 pool with fp16 dots, load V as 32-bit words (True) or as bytes (False); default
     v_words_default(bs, tile). Same values either way; unused otherwise (and when the pool is not 4-byte aligned).
-    No host reads of device data, no allocations: safe to capture in a CUDA graph.
+    No host reads of device data, no allocations: safe to capture in a CUDA graph. On sm_90+ each kernel
+    signals at its start that a kernel launched with PDL after it may start (triton_ops/pdl.py).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -669,6 +682,7 @@ def decode_attention_fwd(
         Q_PRESCALE=Q_PRESCALE,
         V_WORDS=v_words,
         INTERPRET=_INTERPRET,
+        PDL_SIGNAL=PDL_SIGNAL_AT if pdl_supported(q.device) else 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -688,6 +702,7 @@ def decode_attention_fwd(
         MERGE_HEADS=merge_heads,
         SPLITS_P2=splits_p2,
         SPLIT_ALIGN=block_n,
+        PDL_SIGNAL=pdl_supported(q.device),
         # Stage 1's warps: the fused combine merges the same tiles inside stage 1, and a reduction's order
         # follows the tile's layout, which follows num_warps.
         num_warps=num_warps,

@@ -1,0 +1,30 @@
+"""Programmatic dependent launch (PDL, sm_90+), used at one boundary of a decode step: decode attention ->
+o_proj.
+
+A kernel launched with PDL (`launch_pdl=True`; CUDA graphs keep the edge) may start once every program of the
+kernel before it has signalled (`gdc_launch_dependents`) or ended, and must wait (`gdc_wait`: that kernel
+complete and its writes visible) before it reads anything that kernel, or one before it, may have written. A
+kernel launched without PDL waits for the one before as always, so a signal is harmless where the next kernel
+is not a PDL launch; and every PDL kernel waits before it ends, so the stream's order holds transitively.
+
+Decode attention at one request reads ~2 MB (Llama-3.1-8B at 512 tokens) in ~6.7 us: the memory bus idles
+while it runs. It signals at its start, and a one-row o_proj GEMV launched with PDL loads its first weight tile
+before its wait (small_m_gemm's PRELOAD), so those bytes stream during attention. Applied everywhere (every
+small-M GEMM, a first tile each), PDL was slower in the sixth and tenth sessions (docs/benchmarks.md): there a
+GEMV's early programs compete with the streaming GEMV before them for bandwidth and SM slots."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on this device may signal and be launched with PDL (griddepcontrol needs sm_90)."""
+    return device.type == "cuda" and _capable(device.index if device.index is not None else torch.cuda.current_device())
