@@ -135,7 +135,8 @@ def main(argv=None) -> int:
           f"{args.layers} layers, {args.context} tokens, {splits} kv splits; o_proj's table config {table}, "
           f"with PDL {derived}", flush=True)
 
-    variants = {"table": (table, False, 0)}  # name: (o_proj config, PDL, attention's signal)
+    variants = {"table": (table, False, 0)}  # name: (o_proj config, PDL, attention's signal; -1: no PDL launch)
+    variants["preload derived, no PDL"] = (derived, True, -1)
     for signal in args.signals:
         variants[f"pdl table s{signal}"] = (table, True, signal)
         variants[f"pdl derived s{signal}"] = (derived, True, signal)
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
 
     graphs, outs = {}, {}
     for name, (cfg, pdl, signal) in variants.items():
-        dec.PDL_SIGNAL_AT = signal or 1
+        dec.PDL_SIGNAL_AT = max(signal, 1)
+        sm.pdl_supported = pdl_supported if signal >= 0 else (lambda device: False)
         for _ in range(2):  # compile outside the capture
             chain(layers, x0, r0, plan, cfg, pdl)
         torch.cuda.synchronize()

@@ -9,6 +9,7 @@ time goes.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -36,6 +37,14 @@ def summarize(prof, title: str, n: int = 20) -> None:
 PROFILE_ITERS = 10
 
 
+def write_kernels(prof, path: str) -> None:
+    """The profiled GPU kernels in start order as JSON: [[name, start us, duration us], ...] (all replays)."""
+    kernels = sorted((e.time_range.start, e.time_range.elapsed_us(), e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    with open(path, "w") as f:
+        json.dump([[name, start, dur] for start, dur, name in kernels], f)
+
+
 def profile_replays(replay, fb):
     """Three warm-up replays, then PROFILE_ITERS replays under the profiler."""
     with torch.inference_mode():
@@ -58,6 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=512, help="the decode requests' context (prompt) length")
     p.add_argument("--quantization", default=None, choices=("none", "fp8"), help="weight quantization")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"), help="auto: the model dtype")
+    p.add_argument("--kernels-json", help="write the decode replays' kernels in order (name, start us, duration us)")
     args = p.parse_args(argv)
     if not 1 <= args.input_len <= 4000:
         p.error(f"--input-len must be between 1 and 4000 (the profile's context is 4096), got {args.input_len}")
@@ -70,7 +80,10 @@ def main(argv=None) -> int:
     runner = ModelRunner(cfg)
     decode = CudaGraphRunner(runner, [args.decode_bs])
     batches, _, _ = prepare(runner, args.decode_bs, args.input_len, 4)
-    summarize(profile_replays(decode.replay, batches[0]), f"decode graph bs={args.decode_bs} context {args.input_len}")
+    prof = profile_replays(decode.replay, batches[0])
+    summarize(prof, f"decode graph bs={args.decode_bs} context {args.input_len}")
+    if args.kernels_json:
+        write_kernels(prof, args.kernels_json)
     if args.extend_tokens == 0:
         return 0
     extend = PiecewiseCudaGraphRunner(runner, [args.extend_tokens])
