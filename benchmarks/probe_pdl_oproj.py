@@ -12,9 +12,11 @@ programs competed with the streaming GEMV before them.
 One CUDA graph over --layers layers, each with its own cold weights and KV, as a decode layer runs them at one
 row (the model's kernels and their table configs): qkv GEMV -> decode attention (the backend's split plan) ->
 o_proj GEMV with the add + RMSNorm epilogue -> gate/up GEMV + SiLU-and-mul on the pre-normed row -> down GEMV.
-Variants change only o_proj: `table` (today: its table config, no PDL); with PDL, attention signalling at its
-start (s1) or after its positions' loop (s2), `pdl table` (the table config: its first K step preloaded), `pdl
-derived` (small_m_gemm.preload_config: all of K preloaded where that fits) and `pdl BN/BK/warps/stages`. Each PDL variant's output is compared bit for bit with the same
+Variants change only o_proj: `table` (its table config, no PDL); `preload derived, no PDL` (preload_config's
+config and its preloaded tile, launched without PDL: the config's own effect); with PDL (attention signals at its
+start), `pdl table` (the table config: its first K step preloaded), `pdl derived` (small_m_gemm.preload_config:
+all of K preloaded where that fits) and `pdl BN/BK/warps/stages`. (An earlier variant signalled from attention
+after its positions' loop instead: 0.3-2.5 us a layer slower than at its start, 8B FP8.) Each PDL variant's output is compared bit for bit with the same
 config run without PDL (`bits`). Reported: us a layer (median of replays, --rounds rounds alternating the
 variants), and the difference from `table` in the same round.
 
@@ -103,8 +105,6 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--configs", nargs="*", default=[],
                    help="more o_proj configs BLOCK_N/BLOCK_K/warps/stages run with PDL")
-    p.add_argument("--signals", type=int, nargs="+", default=[1, 2],
-                   help="where attention signals (decode_attention.PDL_SIGNAL_AT): 1 at its start, 2 after its loop")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--json", dest="json_out")
@@ -135,18 +135,15 @@ def main(argv=None) -> int:
           f"{args.layers} layers, {args.context} tokens, {splits} kv splits; o_proj's table config {table}, "
           f"with PDL {derived}", flush=True)
 
-    variants = {"table": (table, False, 0)}  # name: (o_proj config, PDL, attention's signal; -1: no PDL launch)
-    variants["preload derived, no PDL"] = (derived, True, -1)
-    for signal in args.signals:
-        variants[f"pdl table s{signal}"] = (table, True, signal)
-        variants[f"pdl derived s{signal}"] = (derived, True, signal)
-        for text in args.configs:
-            variants[f"pdl {text} s{signal}"] = (parse_config(text), True, signal)
+    # name: (o_proj config, preloaded first tile, launched with PDL)
+    variants = {"table": (table, False, False), "preload derived, no PDL": (derived, True, False),
+                "pdl table": (table, True, True), "pdl derived": (derived, True, True)}
+    for text in args.configs:
+        variants[f"pdl {text}"] = (parse_config(text), True, True)
 
     graphs, outs = {}, {}
-    for name, (cfg, pdl, signal) in variants.items():
-        dec.PDL_SIGNAL_AT = max(signal, 1)
-        sm.pdl_supported = pdl_supported if signal >= 0 else (lambda device: False)
+    for name, (cfg, pdl, launch_pdl) in variants.items():
+        sm.pdl_supported = pdl_supported if launch_pdl else (lambda device: False)
         for _ in range(2):  # compile outside the capture
             chain(layers, x0, r0, plan, cfg, pdl)
         torch.cuda.synchronize()

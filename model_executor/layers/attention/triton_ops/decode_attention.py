@@ -152,9 +152,6 @@ PROGRAMS_PER_SM_FP16_DOTS = 8
 MIN_SPLITS_FP16_DOTS = 3
 
 _LOG2E = 1.4426950408889634
-# Where stage 1 signals a kernel launched with PDL after it (triton_ops/pdl.py): 1 at its start, 2 once a program
-# has read its positions (programs without positions: never, they end), 0 never.
-PDL_SIGNAL_AT = 1
 # Triton's CPU interpreter (chosen by the environment before triton is first imported) cannot run the inline PTX
 # of _e4m3_words_to_f16; read once, not per call.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -437,7 +434,7 @@ def _decode_stage1_kernel(
     INTERPRET: tl.constexpr,
     PDL_SIGNAL: tl.constexpr,
 ):
-    if PDL_SIGNAL == 1:  # a kernel launched with PDL after this one (o_proj) may start now (triton_ops/pdl.py)
+    if PDL_SIGNAL:  # a kernel launched with PDL after this one (o_proj) may start now (triton_ops/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -501,8 +498,6 @@ def _decode_stage1_kernel(
                 e_sum = e_sum * re_scale + tl.sum(p, 1)
                 e_max = n_e_max
 
-        if PDL_SIGNAL == 2:  # (signal once the positions are read: the dependent's loads do not slow these)
-            tl.extra.cuda.gdc_launch_dependents()
         mask_hd = mask_h[:, None] & mask_d[None, :]
         if SINGLE_STAGE:
             out = acc * (v_scale / tl.maximum(e_sum, 1e-30))[:, None]
@@ -682,7 +677,7 @@ def decode_attention_fwd(
         Q_PRESCALE=Q_PRESCALE,
         V_WORDS=v_words,
         INTERPRET=_INTERPRET,
-        PDL_SIGNAL=PDL_SIGNAL_AT if pdl_supported(q.device) else 0,
+        PDL_SIGNAL=pdl_supported(q.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )
