@@ -926,6 +926,20 @@ def test_preloaded_first_tile_gives_the_loops_bits(kind, cfg, k):
 
 
 @interpreter_only
+def test_preload_config_loads_all_of_k_where_it_fits():
+    """After attention a GEMV is launched with PDL only where all of K fits one preloaded tile (at most 256 bytes
+    of weight a thread): Llama-3.1-8B FP8's o_proj (its table config 8 columns x 1024, 4 warps) takes all 4096
+    in one step; bf16 at that tile would hold 512 bytes a thread, and block scales keep their steps: None."""
+    table_cfg = sm.GemmConfig(8, 1024, num_warps=4, num_stages=3, GEMV=True)
+    fp8_w = torch.empty(4096, 4096, dtype=FP8)
+    assert sm.preload_config(table_cfg, fp8_w, None) == sm.GemmConfig(8, 4096, num_warps=4, num_stages=1, GEMV=True)
+    assert sm.preload_config(table_cfg, torch.empty(4096, 4096, dtype=torch.bfloat16), None) is None
+    assert sm.preload_config(table_cfg, fp8_w, (128, 128)) is None
+    assert sm.preload_config(sm.GemmConfig(4, 1024, GEMV=True), torch.empty(2048, 2000, dtype=torch.bfloat16),
+                             None).BLOCK_K == 2048  # (K rounded up to a power of two: the step masks the tail)
+
+
+@interpreter_only
 def test_preload_refusals():
     """The preloaded first tile (and PDL) goes with a one-row, single-split plain GEMV only."""
     x = torch.randn(1, 64).to(torch.bfloat16)

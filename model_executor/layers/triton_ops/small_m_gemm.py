@@ -1004,18 +1004,22 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
     """(row, h) for one row x [1, K]: h = x @ W^T (+ bias) + residual, and `row`, the PrenormedRow of
     norm_weight * rmsnorm(h) for the GEMV that h's norm feeds, in one kernel: a decode token's o_proj with
     the residual add and the post-attention RMSNorm's work in its epilogue (the norm's own launch goes).
-    after_attention: x is decode attention's output, and the GEMV loads its first weight tile while attention
-    runs (PDL, pdl.py). None where no single-split GEMV config applies, or while something traces."""
+    after_attention: x is decode attention's output; where preload_config gives a config (all of K in one
+    preloaded tile) the GEMV is launched with PDL and loads its weights while attention runs (pdl.py); an
+    explicit config is launched so as given (its first step preloaded). None where no single-split GEMV config applies, or while something traces."""
     explicit = config is not None
     config = _fused_config(x, weight, block, config, paired=False)
     if config is None:
         return None
-    if after_attention and not explicit:
-        config = preload_config(config, weight, block)
+    pdl = False
+    if after_attention:  # PDL where all of K is loaded before the wait (an explicit config: as given)
+        preloaded = config if explicit else preload_config(config, weight, block)
+        pdl = preloaded is not None
+        config = preloaded or config
     n = weight.shape[0]
     out = AddRmsNormOutput(residual, norm_weight, torch.empty_like(residual),
                            torch.empty(triton.cdiv(n, config.BLOCK_N), dtype=torch.float32, device=x.device))
-    weighted = _launch(x, weight, scale, bias, block, config, add_norm=out, pdl=after_attention)
+    weighted = _launch(x, weight, scale, bias, block, config, add_norm=out, pdl=pdl)
     return PrenormedRow(weighted, out.partials, eps), out.h
 
 
@@ -1023,15 +1027,16 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
 PRELOAD_MAX_BYTES_PER_THREAD = 256
 
 
-def preload_config(cfg: GemmConfig, weight: torch.Tensor, block: tuple[int, int] | None) -> GemmConfig:
+def preload_config(cfg: GemmConfig, weight: torch.Tensor, block: tuple[int, int] | None) -> GemmConfig | None:
     """The config of a one-row GEMV launched with PDL after decode attention (pdl.py), from its table config:
-    all of K in the one step loaded before the wait (BLOCK_K = K rounded up to a power of two, one stage),
-    where that tile is at most PRELOAD_MAX_BYTES_PER_THREAD a thread; else the table's config, whose first
-    step is what is preloaded. Block scales keep their steps (one scale column a step)."""
+    all of K in the one step loaded before the wait (BLOCK_K = K rounded up to a power of two, one stage), where
+    that tile is at most PRELOAD_MAX_BYTES_PER_THREAD a thread; else None, and the GEMV runs its table config
+    without PDL (with only its first step preloaded, the Llama-3.1-8B bf16 step measured 0.03 ms slower in one
+    A/B, docs/benchmarks.md). Block scales keep their steps (one scale column a step): None."""
     k_p2 = triton.next_power_of_2(weight.shape[1])
     per_thread = cfg.BLOCK_N * k_p2 * weight.element_size() // (32 * cfg.num_warps)
     if block is not None or per_thread > PRELOAD_MAX_BYTES_PER_THREAD:
-        return cfg
+        return None
     return replace(cfg, BLOCK_K=k_p2, num_stages=1)
 
 
