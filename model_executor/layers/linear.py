@@ -198,8 +198,8 @@ def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tens
     norm(h) feeds (which scales by 1 / rms in its GEMV: the norm's own launch goes). None where that cannot
     run: linear sharded over tensor-parallel ranks (its all-reduce comes before the add), a method with a
     GEMM of its own, no single-split GEMV config for linear or consumer. The caller then runs linear and the
-    norm apart. after_attention: x is decode attention's output (o_proj: its GEMV loads its first weight tile
-    while attention runs, triton_ops/pdl.py)."""
+    norm apart. after_attention: x is decode attention's output (o_proj: where all of K fits one tile, its GEMV
+    loads its weights while attention runs, triton_ops/pdl.py)."""
     if linear.tp_size > 1:
         return None
     ops = linear.quant_method.small_m_operands(linear)

@@ -234,7 +234,8 @@ def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(kind
                                  sm.GemmConfig(BLOCK_N=4, BLOCK_K=2048, num_warps=4, num_stages=2, GEMV=True)])
 def test_o_proj_launched_with_pdl_after_decode_attention_waits_for_its_output(kind, cfg):
     """Decode attention (one request, 512 tokens, Llama-3.1-8B heads) then o_proj's GEMV launched with PDL
-    (after_attention: its first weight tile loaded before gdc_wait; the table's config, all of K, half of it),
+    (after_attention: its first weight tile loaded before gdc_wait; None: preload_config's choice from the table,
+    all of K for FP8 and none for bf16 at this size, which then runs without PDL; all of K; half of it),
     eagerly and in a CUDA graph whose replay first fills attention's output with NaN: the same bits as the same
     config without PDL. An o_proj that read x before attention wrote it would see NaN or stale values."""
     from model_executor.layers.attention.triton_ops import decode_attention as dec

@@ -207,7 +207,8 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
     """(row, h) for h = x @ weight^T (+ bias) + residual at one row x [..., K], from the GEMV's epilogue
     (small_m_gemm.small_m_linear_add_rmsnorm), where the small-M kernel runs this weight as a single-split
     GEMV and can feed `row` to the GEMM of `consumer` (the weight norm(h) goes into); None otherwise.
-    after_attention: x is decode attention's output (the GEMV loads its first weight tile while attention runs)."""
+    after_attention: x is decode attention's output (where all of K fits one tile, the GEMV loads its weights
+    while attention runs)."""
     kernel = _rows_kernel(x, weight, block)
     if kernel is None or residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype \
             or not residual.is_contiguous() or not kernel.takes_prenormed(residual, consumer, consumer_block):

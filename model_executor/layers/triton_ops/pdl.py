@@ -7,10 +7,11 @@ complete and its writes visible) before it reads anything that kernel, or one be
 kernel launched without PDL waits for the one before as always, so a signal is harmless where the next kernel
 is not a PDL launch; and every PDL kernel waits before it ends, so the stream's order holds transitively.
 
-Decode attention at one request reads ~2 MB (Llama-3.1-8B at 512 tokens) in ~6.7 us: the memory bus idles
-while it runs. It signals at its start, and a one-row o_proj GEMV launched with PDL loads its first weight tile
-before its wait (small_m_gemm's PRELOAD), so those bytes stream during attention. Applied everywhere (every
-small-M GEMM, a first tile each), PDL was slower in the sixth and tenth sessions (docs/benchmarks.md): there a
+Decode attention at one request reads little and is bound by its latency: the memory bus idles while it
+runs. It signals at its start, and a one-row o_proj GEMV launched with PDL loads its weights (all of K
+in one tile, small_m_gemm.preload_config; PRELOAD in the kernel) before its wait, so those bytes stream during
+attention (measured in docs/benchmarks.md, twenty-ninth session). Applied
+everywhere (every small-M GEMM, a first tile each), PDL was slower in the sixth and tenth sessions: there a
 GEMV's early programs compete with the streaming GEMV before them for bandwidth and SM slots."""
 
 from __future__ import annotations

@@ -712,7 +712,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         ROPE=rope is not None, HALF=rope.cos_sin_cache.shape[-1] // 2 if rope is not None else 1,
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
         NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
-        ROWS=m if cfg.GEMV else 1, PRELOAD=preload, ONE_STEP=preload and k_per_split <= block_k, PDL=pdl and pdl_supported(x.device),
+        ROWS=m if cfg.GEMV else 1, PRELOAD=preload, ONE_STEP=preload and k_per_split <= block_k,
+        PDL=pdl and pdl_supported(x.device),
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=triton.next_power_of_2(m) if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)),
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
@@ -1006,7 +1007,8 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
     the residual add and the post-attention RMSNorm's work in its epilogue (the norm's own launch goes).
     after_attention: x is decode attention's output; where preload_config gives a config (all of K in one
     preloaded tile) the GEMV is launched with PDL and loads its weights while attention runs (pdl.py); an
-    explicit config is launched so as given (its first step preloaded). None where no single-split GEMV config applies, or while something traces."""
+    explicit config is launched so as given (its first step preloaded). None where no single-split GEMV
+    config applies, or while something traces."""
     explicit = config is not None
     config = _fused_config(x, weight, block, config, paired=False)
     if config is None:
@@ -1031,8 +1033,8 @@ def preload_config(cfg: GemmConfig, weight: torch.Tensor, block: tuple[int, int]
     """The config of a one-row GEMV launched with PDL after decode attention (pdl.py), from its table config:
     all of K in the one step loaded before the wait (BLOCK_K = K rounded up to a power of two, one stage), where
     that tile is at most PRELOAD_MAX_BYTES_PER_THREAD a thread; else None, and the GEMV runs its table config
-    without PDL (with only its first step preloaded, the Llama-3.1-8B bf16 step measured 0.03 ms slower in one
-    A/B, docs/benchmarks.md). Block scales keep their steps (one scale column a step): None."""
+    without PDL (with only its first step preloaded, the Llama-3.1-8B bf16 step measured slower,
+    docs/benchmarks.md). Block scales keep their steps (one scale column a step): None."""
     k_p2 = triton.next_power_of_2(weight.shape[1])
     per_thread = cfg.BLOCK_N * k_p2 * weight.element_size() // (32 * cfg.num_warps)
     if block is not None or per_thread > PRELOAD_MAX_BYTES_PER_THREAD:
