@@ -16,7 +16,8 @@ Variants change only o_proj: `table` (its table config, no PDL); `preload derive
 config and its preloaded tile, launched without PDL: the config's own effect); with PDL (attention signals at its
 start), `pdl table` (the table config: its first K step preloaded), `pdl derived` (small_m_gemm.preload_config:
 all of K preloaded where that fits) and `pdl BN/BK/warps/stages`. (An earlier variant signalled from attention
-after its positions' loop instead: 0.3-2.5 us a layer slower than at its start, 8B FP8.) Each PDL variant's output is compared bit for bit with the same
+after its positions' loop instead: 1.6-2.2 us a layer slower than at its start with all of K preloaded, 0.1
+faster with the table config's first step, 8B FP8.) Each PDL variant's output is compared bit for bit with the same
 config run without PDL (`bits`). Reported: us a layer (median of replays, --rounds rounds alternating the
 variants), and the difference from `table` in the same round.
 
