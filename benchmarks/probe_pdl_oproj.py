@@ -142,24 +142,23 @@ def main(argv=None) -> int:
     for text in args.configs:
         variants[f"pdl {text}"] = (parse_config(text), True, True)
 
-    graphs, outs = {}, {}
-    for name, (cfg, pdl, launch_pdl) in variants.items():
-        sm.pdl_supported = pdl_supported if launch_pdl else (lambda device: False)
-        for _ in range(2):  # compile outside the capture
-            chain(layers, x0, r0, plan, cfg, pdl)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(layers, x0, r0, plan, cfg, pdl)
-        graph.replay()
-        torch.cuda.synchronize()
-        graphs[name], outs[name] = graph, out
-        if pdl:  # the same config without PDL, eagerly: the same bits
-            ref = chain(layers, x0, r0, plan, cfg, False)
-            same = all(torch.equal(a, b) for a, b in zip(out, ref))
-            outs[name] = (out, same)
-        else:
-            outs[name] = (out, True)
+    graphs, same = {}, {}
+    try:
+        for name, (cfg, pdl, launch_pdl) in variants.items():
+            sm.pdl_supported = pdl_supported if launch_pdl else (lambda device: False)
+            for _ in range(2):  # compile outside the capture
+                chain(layers, x0, r0, plan, cfg, pdl)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(layers, x0, r0, plan, cfg, pdl)
+            graph.replay()
+            torch.cuda.synchronize()
+            graphs[name] = graph
+            ref = chain(layers, x0, r0, plan, cfg, False)  # the same config without PDL, eagerly: the same bits
+            same[name] = all(torch.equal(a, b) for a, b in zip(out, ref))
+    finally:
+        sm.pdl_supported = pdl_supported
 
     rounds = {name: [] for name in variants}
     for _ in range(args.rounds):
@@ -179,11 +178,10 @@ def main(argv=None) -> int:
     rows = []
     for name, times in rounds.items():
         delta = statistics.median(t - b for t, b in zip(times, base))
-        same = outs[name][1]
         print(f"{name:<22} {' '.join(f'{t:.2f}' for t in times):<30} {statistics.median(times):8.2f} "
-              f"{delta:+9.2f} {'same' if same else 'DIFFER'}")
+              f"{delta:+9.2f} {'same' if same[name] else 'DIFFER'}")
         rows.append({"variant": name, "us_per_layer": times, "median": statistics.median(times),
-                     "delta_vs_table": delta, "bits_equal_without_pdl": same})
+                     "delta_vs_table": delta, "bits_equal_without_pdl": same[name]})
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"probe": "probe_pdl_oproj", "gpu": torch.cuda.get_device_name(0), "layers": args.layers,

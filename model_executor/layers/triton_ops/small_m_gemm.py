@@ -644,6 +644,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     if prenormed is not None and norm is not None:
         raise ValueError("an input is either pre-normed or normed in the kernel, not both")
     preload = preload or pdl
+    pdl = pdl and pdl_supported(x.device)  # (elsewhere the tile is preloaded, with nothing to wait for)
     if preload and (not cfg.GEMV or cfg.SPLIT_K != 1 or x.shape[0] != 1 or silu_mul or norm is not None
                     or rope is not None):
         raise ValueError(f"a preloaded weight tile (PDL) goes with a one-row, single-split plain GEMV, got {cfg}")
@@ -713,13 +714,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
         NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
         ROWS=m if cfg.GEMV else 1, PRELOAD=preload, ONE_STEP=preload and k_per_split <= block_k,
-        PDL=pdl and pdl_supported(x.device),
+        PDL=pdl,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=triton.next_power_of_2(m) if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)),
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl and pdl_supported(x.device) else {}))
+        **({"launch_pdl": True} if pdl else {}))
     if partial and not reduce_in_kernel:
         reduce_block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, reduce_block))](

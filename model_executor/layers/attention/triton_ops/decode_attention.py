@@ -640,6 +640,7 @@ def decode_attention_fwd(
         v_words = v_words_default(bs, tile)
     v_words = (v_words and kv_f16 and block_d == head_dim  # (V read as 32-bit words: _load_e4m3_rows_as_f16)
                and v_buffer.data_ptr() % 4 == 0 and v_buffer.stride(1) % 4 == 0 and v_buffer.stride(0) % 4 == 0)
+    pdl_signal = pdl_supported(q.device)
     if fused_combine is None:  # (the default needs the counters: without them, two stages)
         fused_combine = counters is not None and fused_combine_default(bs)
     fused = fused_combine and not single_stage
@@ -677,7 +678,7 @@ def decode_attention_fwd(
         Q_PRESCALE=Q_PRESCALE,
         V_WORDS=v_words,
         INTERPRET=_INTERPRET,
-        PDL_SIGNAL=pdl_supported(q.device),
+        PDL_SIGNAL=pdl_signal,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -697,7 +698,7 @@ def decode_attention_fwd(
         MERGE_HEADS=merge_heads,
         SPLITS_P2=splits_p2,
         SPLIT_ALIGN=block_n,
-        PDL_SIGNAL=pdl_supported(q.device),
+        PDL_SIGNAL=pdl_signal,
         # Stage 1's warps: the fused combine merges the same tiles inside stage 1, and a reduction's order
         # follows the tile's layout, which follows num_warps.
         num_warps=num_warps,
