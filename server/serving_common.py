@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -40,11 +41,19 @@ class ServingContext:
         return self.served_model_name
 
 
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # (json.dumps without its per-call set-up)
+# Three characters that JSON leaves raw end a line for readers that split as str.splitlines does (httpx's
+# aiter_lines among them), which would cut an event's JSON in two: they go out as \u escapes, the same value.
+_LINE_BREAKS = re.compile("[\x85\u2028\u2029]")
+
+
+def _json(value) -> str:
+    """value as JSON text for an SSE data line: UTF-8 as is, but for the line breaks above."""
+    return _LINE_BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", _encode(value))
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-_json = json.JSONEncoder(ensure_ascii=False).encode  # what sse() writes, without json.dumps' per-call set-up
+    return f"data: {_json(obj)}\n\n"
 
 
 class ChoiceChunks:

@@ -4,6 +4,7 @@ wake-up and each stream's tokens go out as one event, with nothing lost on the w
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -117,3 +118,18 @@ def test_choice_chunks_write_exactly_what_sse_of_the_dict_writes(fields):
     expected = sse({"id": 'cmpl-"1"', "object": "text_completion", "created": 1700000000, "model": "my/model é",
                     "choices": [{"index": 3, **fields}], "usage": None})
     assert chunks(3, fields) == expected
+
+
+def test_sse_data_lines_survive_readers_that_split_on_unicode_line_breaks():
+    """Text with U+0085, U+2028 or U+2029 (a byte-level BPE can put them in a stream) goes out as \\u escapes:
+    a reader that splits as str.splitlines does (httpx's aiter_lines) gets one data line per event, whose JSON
+    holds the text unchanged."""
+    from httpx._decoders import LineDecoder
+
+    text = "a\x85b\u2028c\u2029d é \n"
+    chunks = ChoiceChunks("cmpl-1", "text_completion", 1700000000, "m\u2028")
+    for event in (sse({"text": text}), chunks(0, {"text": text, "finish_reason": None})):
+        lines = [line for line in LineDecoder().decode(event) if line]
+        assert len(lines) == 1 and lines[0].startswith("data: ")
+        body = json.loads(lines[0][6:])
+        assert (body.get("text") or body["choices"][0]["text"]) == text
