@@ -126,14 +126,15 @@ def cases():
                          torch.zeros(8, 2, d, dtype=bf16), torch.zeros(8, 2, d, dtype=bf16), 4, 2), \
             torch.randn(heads * d, 512, dtype=bf16)
 
-    def decode(pool_dtype, fused, v_words=None, tile=None):
-        bs, hq, hk, d = 2, 8, 2, 64
+    def decode(pool_dtype, fused, v_words=None, tile=None, bs=2, after_qkv=False):
+        hq, hk, d = 8, 2, 64
         q = torch.randn(bs, hq, d, dtype=bf16)
         pool = torch.randn(64, hk, d).to(pool_dtype)
         logits, lse, counters = dec.alloc_decode_workspace(bs, hq, d, 4, "cpu")
         dec.decode_attention_fwd(q, pool, pool, torch.empty_like(q), torch.zeros(3, 64, dtype=torch.int32),
-                                 torch.tensor([1, 2]), torch.tensor([40, 50]), logits, lse, 4, 0.125,
-                                 counters=counters, fused_combine=fused, v_words=v_words, tile=tile)
+                                 torch.tensor([1, 2][:bs]), torch.tensor([40, 50][:bs]), logits, lse, 4, 0.125,
+                                 counters=counters, fused_combine=fused, v_words=v_words, tile=tile,
+                                 after_qkv=after_qkv)
 
     def extend(pool_dtype):
         n, hq, hk, d = 16, 8, 2, 64
@@ -199,6 +200,9 @@ def cases():
         ("small-M GEMV bf16, RMSNorm + residual, rotary + KV store", gemm,
          lambda: sm._launch(x, rope()[1], None, None, None, gemv, rope=rope()[0],
                             norm=sm.RmsNormInput(torch.ones(512, dtype=bf16), 1e-5, x.clone(), torch.empty_like(x)))),
+        ("small-M GEMV bf16, rotary + KV store, signalling PDL dependents", gemm,
+         lambda: with_pdl(sm, lambda: sm._launch(x, rope()[1], None, None, None, gemv, rope=rope()[0],
+                                                 prenormed=row))),
         ("small-M GEMV FP8, 3 rows, RMSNorm + residual, rotary + KV store", gemm,
          lambda: sm._launch(x3, rope(3)[1].to(fp8), torch.rand(rope(3)[1].shape[0]), None, None, gemv,
                             rope=rope(3)[0], norm=sm.RmsNormInput(torch.ones(512, dtype=bf16), 1e-5, x3.clone(),
@@ -249,6 +253,10 @@ def cases():
         ("decode attention signalling PDL dependents, both stages", (dec._decode_stage1_kernel,
                                                                       dec._decode_stage2_kernel),
          lambda: with_pdl(dec, lambda: (decode(bf16, True), decode(fp8, False)))),
+        ("decode attention after the qkv kernel, one request: first step preloaded, PDL, both pools",
+         (dec._decode_stage1_kernel,),
+         lambda: with_pdl(dec, lambda: (decode(bf16, True, bs=1, after_qkv=True),
+                                        decode(fp8, True, bs=1, after_qkv=True)))),
         ("decode attention, warp splits, both pools (FP8: V as words)",
          (dec._decode_stage1_kernel, dec._decode_stage2_kernel),
          lambda: (decode(bf16, True, tile=(16, 2, 3, True)), decode(fp8, False, tile=(32, 1, 3, True)))),

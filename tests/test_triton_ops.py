@@ -176,6 +176,48 @@ def test_decode_adaptive_splits_mixed_lengths(num_kv_splits):
     torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
 
 
+@in_process
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16", "fp8"])
+@pytest.mark.parametrize("num_kv_splits", [1, 8])
+@pytest.mark.parametrize("seq_len", [1, 20, 64, 65, 130, 300])
+def test_decode_after_qkv_preload_gives_the_same_bits(seq_len, num_kv_splits, pool_dtype):
+    """One request after the qkv kernel (after_qkv): stage 1 loads its first step's K/V before it reads q, all
+    but the newest position, which it reads after (on a GPU: after waiting for that kernel); the same bits as
+    without, with the newest position first, inside or last in a program's first step, or past it (one stage:
+    the whole request; 8 splits of 64-position chunks). The newest slot's K/V is the one a zeroed stand-in would
+    change."""
+    gen = torch.Generator().manual_seed(seq_len)
+    req_to_token = make_req_to_token([seq_len], [1], 400, 320, gen)
+    k_buf, v_buf = make_pool(400, 2, 64, pool_dtype, gen)
+    q = torch.randn(1, 8, 64, generator=gen).to(DEVICE, torch.float16)
+    ws = decode_mod.alloc_decode_workspace(1, 8, 64, num_kv_splits, DEVICE)
+    tile = decode_mod.stage1_tile(1, 64, 2, decode_mod.kv_dots_in_fp16(q.dtype, pool_dtype))
+    assert decode_mod.preload_after_qkv(1, tile, decode_mod.v_words_default(1, tile))
+
+    def run(after_qkv):
+        o = torch.full_like(q, float("nan"))
+        decode_mod.decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, torch.tensor([1], device=DEVICE),
+                                        torch.tensor([seq_len], device=DEVICE), ws.attn_logits, ws.attn_lse,
+                                        num_kv_splits, 0.125, min_chunk=64, counters=ws.counters, after_qkv=after_qkv)
+        return o
+
+    want = run(False)
+    assert torch.equal(run(True), want)
+    ref = ref_decode(q, k_buf.float(), v_buf.float(), req_to_token, [1], [seq_len], 0.125)
+    torch.testing.assert_close(want.float(), ref, atol=3e-2, rtol=3e-2)
+    newest = req_to_token[1, seq_len - 1].long()
+    k_buf[newest], v_buf[newest] = 0, 0
+    assert not torch.equal(run(False), want)
+
+
+def test_decode_preloads_after_qkv_at_one_request_with_shared_steps_only():
+    one, two = decode_mod.stage1_tile(1, 128, 8), decode_mod.stage1_tile(2, 128, 8, True)
+    assert decode_mod.preload_after_qkv(1, one, False)
+    assert not decode_mod.preload_after_qkv(2, decode_mod.stage1_tile(2, 128, 8), False)
+    assert not decode_mod.preload_after_qkv(1, one._replace(warp_splits=True), False)
+    assert not decode_mod.preload_after_qkv(1, two, True)
+
+
 # Every tile stage1_tile gives, at both head widths, both pool kinds and a few kv-head counts (where this
 # process re-runs the module in a subprocess, that one collects them)
 RULE_TILES = [] if triton_mode.RERUN_IN_SUBPROCESS else sorted(

@@ -279,6 +279,61 @@ def test_o_proj_launched_with_pdl_after_decode_attention_waits_for_its_output(ki
         assert all(torch.equal(a, b) for a, b in zip(captured, ref))
 
 
+@pytest.mark.parametrize("kind,pool", [("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8")])
+@pytest.mark.parametrize("context", [100, 512, 4096])
+def test_decode_attention_launched_with_pdl_after_the_qkv_kernel_waits_for_its_kv(kind, pool, context):
+    """The qkv GEMV with the rotary and KV store (Llama-3.1-8B shapes, one token) then decode attention launched
+    with PDL (after_qkv: the first step's older K/V loaded before gdc_wait), eagerly and in a CUDA graph whose
+    replay first fills the newest slot's K and V with NaN: the same bits as attention launched without PDL. An
+    attention that read q or the newest K/V before the qkv kernel wrote them would see NaN or stale values. The
+    newest position falls in a program's preloaded first step (100 and 512 tokens) or in a later one (4096)."""
+    from model_executor.layers.attention.triton_ops import decode_attention as dec
+    from model_executor.layers.rotary import RotaryEmbedding
+    from model_executor.layers.rotary_store_kv import RopeStore
+
+    hq, hkv, d, hidden = 32, 8, 128, 4096
+    gen = torch.Generator("cuda").manual_seed(context)
+    w, s, block, _ = weight(kind, (hq + 2 * hkv) * d, hidden, seed=7)
+    dtype, (k_scale, v_scale) = (torch.bfloat16, (1.0, 1.0)) if pool == "bf16" else (torch.float8_e4m3fn, (0.5, 2.0))
+    k_pool = torch.randn(context + 1, hkv, d, device="cuda", generator=gen).to(dtype)
+    v_pool = torch.randn(context + 1, hkv, d, device="cuda", generator=gen).to(dtype)
+    x = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
+    g = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+    cache = RotaryEmbedding(d, 8192, 500000.0).cos_sin_cache.cuda()
+    newest = torch.tensor([context - 1], device="cuda")
+    rope = RopeStore(newest, cache, newest, k_pool, v_pool, hq, hkv, k_scale, v_scale)
+    req_to_token = torch.arange(context + 1, dtype=torch.int32, device="cuda")[None, :].contiguous()
+    rows, lens = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.tensor([context], device="cuda")
+    splits = dec.decode_split_plan(dec.decode_split_cap(1, hq, hkv, 132, 16), context)
+    ws = dec.alloc_decode_workspace(1, hq, d, splits, "cuda")
+    o = torch.empty(1, hq, d, dtype=torch.bfloat16, device="cuda")
+
+    def step(after_qkv):
+        k_pool[context - 1].fill_(float("nan"))
+        v_pool[context - 1].fill_(float("nan"))
+        out = sm.small_m_rmsnorm_linear(x, g, 1e-5, residual, w, s, None, block, rope=rope)
+        assert out is not None, "no single-split GEMV config for the qkv projection"
+        q = out[0][:, : hq * d].view(1, hq, d)
+        dec.decode_attention_fwd(q, k_pool, v_pool, o, req_to_token, rows, lens, ws.attn_logits, ws.attn_lse, splits,
+                                 d**-0.5, k_scale=k_scale, v_scale=v_scale, counters=ws.counters, after_qkv=after_qkv)
+        return o.clone()
+
+    assert dec.preload_after_qkv(1, dec.stage1_tile(1, d, hkv, pool == "fp8"), False)
+    ref = step(False)
+    assert not ref.isnan().any()
+    for got in (step(True), step(True)):
+        assert torch.equal(got, ref)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(True)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, ref)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("heads,head_dim,k", [((32, 8), 64, 2048), ((32, 8), 128, 4096)])  # 1B, 8B qkv
 @pytest.mark.parametrize("pool", ["bf16", "fp8"])

@@ -42,8 +42,8 @@ class AttentionBackend(ABC):
         if kv_stored:
             if not fb.mode.is_decode():
                 raise ValueError("only decode batches reach the attention backend with their K/V stored")
-            self.forward_decode(q.view(num_tokens, layer.num_heads, layer.head_dim), layer, fb,
-                                out.view(num_tokens, layer.num_heads, layer.head_dim))
+            self.forward_decode_stored(q.view(num_tokens, layer.num_heads, layer.head_dim), layer, fb,
+                                       out.view(num_tokens, layer.num_heads, layer.head_dim))
             return out
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
@@ -72,6 +72,12 @@ class AttentionBackend(ABC):
         qkv projection's kernel (with the rotary) before forward(..., kv_stored=True); None: forward stores
         them itself (the default)."""
         return None
+
+    def forward_decode_stored(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch,
+                              out: torch.Tensor) -> None:
+        """forward_decode right after the qkv projection's kernel stored the batch's K/V (kv_store_target) and
+        wrote q: a backend may start its kernel before that one ends (the triton backend: PDL)."""
+        self.forward_decode(q, layer, fb, out)
 
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:

@@ -101,14 +101,19 @@ class TritonAttnBackend(AttentionBackend):
         rotary_store_kv(positions, q, k, v, layer.rotary_emb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc,
                         k_scale, v_scale, **norms)
 
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor,
+                       after_qkv: bool = False) -> None:
         if self._decode_splits is None or self._decode_splits[0] is not fb:
             self.init_forward_metadata(fb)  # a caller that runs the model directly (tests, references)
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
         k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
         decode_attention_fwd(q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
                              fb.seq_lens, self.attn_logits, self.attn_lse, self._decode_splits[1], layer.scaling,
-                             k_scale=k_scale, v_scale=v_scale, counters=self.combine_counters)
+                             k_scale=k_scale, v_scale=v_scale, counters=self.combine_counters, after_qkv=after_qkv)
+
+    def forward_decode_stored(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch,
+                              out: torch.Tensor) -> None:
+        self.forward_decode(q, layer, fb, out, after_qkv=True)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, out: torch.Tensor) -> None:

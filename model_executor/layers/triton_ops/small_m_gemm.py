@@ -216,7 +216,7 @@ def _small_m_gemm_kernel(
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
     ADD_NORM: tl.constexpr, PRENORMED: tl.constexpr, NUM_P: tl.constexpr, X_FP8: tl.constexpr, ROWS: tl.constexpr,
-    PRELOAD: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr,
+    PRELOAD: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr, PDL_SIGNAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range [s * k_per_split, +k_per_split).
@@ -252,7 +252,10 @@ def _small_m_gemm_kernel(
     (with PRELOAD; launched with programmatic dependent launch): the kernel may start while the kernel before
     it still runs, and waits for it (gdc_wait) after that load and before it reads x or anything else that
     kernel may have written: a decode token's o_proj loads its weights while decode attention, which reads
-    little, runs (see pdl_supported)."""
+    little, runs (see pdl_supported). PDL_SIGNAL (ROPE): decode attention launched with PDL after this kernel
+    may start now; it loads the pool's older positions before it waits for this kernel (decode_attention.py)."""
+    if PDL_SIGNAL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -644,7 +647,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     if prenormed is not None and norm is not None:
         raise ValueError("an input is either pre-normed or normed in the kernel, not both")
     preload = preload or pdl
-    pdl = pdl and pdl_supported(x.device)  # (elsewhere the tile is preloaded, with nothing to wait for)
+    has_pdl = pdl_supported(x.device)
+    pdl = pdl and has_pdl  # (elsewhere the tile is preloaded, with nothing to wait for)
     if preload and (not cfg.GEMV or cfg.SPLIT_K != 1 or x.shape[0] != 1 or silu_mul or norm is not None
                     or rope is not None):
         raise ValueError(f"a preloaded weight tile (PDL) goes with a one-row, single-split plain GEMV, got {cfg}")
@@ -714,7 +718,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
         NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
         ROWS=m if cfg.GEMV else 1, PRELOAD=preload, ONE_STEP=preload and k_per_split <= block_k,
-        PDL=pdl,
+        PDL=pdl, PDL_SIGNAL=rope is not None and has_pdl,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
         BLOCK_M=triton.next_power_of_2(m) if cfg.GEMV else max(MAX_M, triton.next_power_of_2(m)),
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,

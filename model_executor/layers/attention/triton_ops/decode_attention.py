@@ -241,6 +241,17 @@ def v_words_default(batch_size: int, tile: Stage1Tile) -> bool:
     return tile.warp_splits or (batch_size >= V_WORDS_MIN_BS and tile.block_n >= 64)
 
 
+# The largest batch whose stage 1 preload_after_qkv lets start during the qkv kernel (PDL).
+PRELOAD_AFTER_QKV_MAX_BS = 1
+
+
+def preload_after_qkv(batch_size: int, tile: Stage1Tile, v_words: bool) -> bool:
+    """Whether stage 1 after the qkv projection's kernel (decode_attention_fwd's after_qkv) loads its first step
+    before it waits for that kernel: a function of what a graph is captured for. Shared steps with V as plain
+    loads only (the tiles of one request); measured at one request (docs/benchmarks.md, thirtieth session)."""
+    return batch_size <= PRELOAD_AFTER_QKV_MAX_BS and not tile.warp_splits and not v_words
+
+
 class DecodeWorkspace(NamedTuple):
     """What `decode_attention_fwd` needs besides its inputs, allocated once (a graph bakes the addresses in).
 
@@ -360,6 +371,26 @@ def _load_e4m3_warp_rows_as_f16(Buf, slots, head_off, stride_slot, mask_n, WARPS
 
 
 @triton.jit
+def _step_scores(q, k, mask_n, e_max, qk_scale, IN_PRECISION: tl.constexpr):
+    """A shared step's (p, re_scale, new e_max) for q [BLOCK_H, BLOCK_D] and k [BLOCK_D, BLOCK_N] (positions
+    outside mask_n masked out)."""
+    # (an FP8 pool is cast up here; its K scale is folded into qk_scale, its V scale applied at the end)
+    qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION) * qk_scale  # log2 domain
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+    re_scale = tl.exp2(e_max - n_e_max)
+    p = tl.exp2(qk - n_e_max[:, None])
+    return p, re_scale, n_e_max
+
+
+@triton.jit
+def _step_accumulate(acc, e_sum, p, v, re_scale, q_dtype: tl.constexpr, IN_PRECISION: tl.constexpr):
+    """A shared step's (acc, e_sum) after its weights p [BLOCK_H, BLOCK_N] and v [BLOCK_N, BLOCK_D]."""
+    acc = acc * re_scale[:, None] + tl.dot(p.to(q_dtype), v.to(q_dtype), input_precision=IN_PRECISION)
+    return acc, e_sum * re_scale + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_in_warp_splits(q, K_Buffer, V_Buffer, Req_to_token, req_row, stride_req_b, kv_head, stride_kbs, stride_kh,
                            stride_vbs, stride_vh, split_start, split_end, qk_scale, offs_d, mask_d,
                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
@@ -433,8 +464,10 @@ def _decode_stage1_kernel(
     V_WORDS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL_SIGNAL: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
-    if PDL_SIGNAL:  # a kernel launched with PDL after this one (o_proj) may start now (triton_ops/pdl.py)
+    if PDL_SIGNAL and not PDL_WAIT:  # a kernel launched with PDL after this one (o_proj) may start now (pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -460,6 +493,19 @@ def _decode_stage1_kernel(
     else:
         split_start, split_end, num_chunks = _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, BLOCK_N)
         has_work = split_end > split_start
+    if PRELOAD:  # the first step's tile but the newest position: the qkv kernel before stores only that one
+        offs_n0 = split_start + tl.arange(0, BLOCK_N)
+        mask_n0 = offs_n0 < split_end
+        slots0 = tl.load(Req_to_token + req_row * stride_req_b + offs_n0, mask=mask_n0, other=0).to(tl.int64)
+        old = mask_n0 & (offs_n0 < seq_len - 1)
+        k0 = tl.load(K_Buffer + slots0[None, :] * stride_kbs + kv_head * stride_kh + offs_d[:, None],
+                     mask=old[None, :] & mask_d[:, None], other=0.0)
+        v0 = tl.load(V_Buffer + slots0[:, None] * stride_vbs + kv_head * stride_vh + offs_d[None, :],
+                     mask=old[:, None] & mask_d[None, :], other=0.0)
+    if PDL_WAIT:  # q and the newest K/V come from the kernel before: wait for it (griddepcontrol.wait)
+        tl.extra.cuda.gdc_wait()
+        if PDL_SIGNAL:  # (only now: o_proj's early loads would compete with the qkv kernel's)
+            tl.extra.cuda.gdc_launch_dependents()
 
     if has_work:
         q = tl.load(Q + cur_batch.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -475,28 +521,35 @@ def _decode_stage1_kernel(
             e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
             e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            for start_n in range(split_start, split_end, BLOCK_N):
+            loop_start = split_start
+            if PRELOAD:  # the first step, with the tile loaded before the wait and the newest position read now
+                new = mask_n0 & (offs_n0 == seq_len - 1)
+                k0 = tl.where(new[None, :], tl.load(K_Buffer + slots0[None, :] * stride_kbs + kv_head * stride_kh
+                                                    + offs_d[:, None], mask=new[None, :] & mask_d[:, None],
+                                                    other=0.0), k0)
+                v0 = tl.where(new[:, None], tl.load(V_Buffer + slots0[:, None] * stride_vbs + kv_head * stride_vh
+                                                    + offs_d[None, :], mask=new[:, None] & mask_d[None, :],
+                                                    other=0.0), v0)
+                p, re_scale, e_max_step = _step_scores(q, k0, mask_n0, e_max, qk_scale, IN_PRECISION)
+                acc, e_sum = _step_accumulate(acc, e_sum, p, v0, re_scale, q.dtype, IN_PRECISION)
+                e_max = e_max_step
+                loop_start = split_start + BLOCK_N
+            for start_n in range(loop_start, split_end, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 mask_n = offs_n < split_end
                 slots = tl.load(Req_to_token + req_row * stride_req_b + offs_n, mask=mask_n, other=0).to(tl.int64)
                 # K gathered transposed: [BLOCK_D, BLOCK_N]
                 k = tl.load(K_Buffer + slots[None, :] * stride_kbs + kv_head * stride_kh + offs_d[:, None],
                             mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-                # (an FP8 pool is cast up here; its K scale is folded into qk_scale, its V scale applied at the end)
-                qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION) * qk_scale  # log2 domain
-                qk = tl.where(mask_n[None, :], qk, float("-inf"))
-                n_e_max = tl.maximum(tl.max(qk, 1), e_max)
-                re_scale = tl.exp2(e_max - n_e_max)
-                p = tl.exp2(qk - n_e_max[:, None])
+                p, re_scale, e_max_step = _step_scores(q, k, mask_n, e_max, qk_scale, IN_PRECISION)
                 if V_WORDS:
                     v = _load_e4m3_rows_as_f16(V_Buffer, slots, kv_head * stride_vh, stride_vbs, mask_n, BLOCK_N,
                                                BLOCK_D, INTERPRET)
                 else:
                     v = tl.load(V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vh + offs_d[None, :],
                                 mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-                acc = acc * re_scale[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION)
-                e_sum = e_sum * re_scale + tl.sum(p, 1)
-                e_max = n_e_max
+                acc, e_sum = _step_accumulate(acc, e_sum, p, v, re_scale, q.dtype, IN_PRECISION)
+                e_max = e_max_step
 
         mask_hd = mask_h[:, None] & mask_d[None, :]
         if SINGLE_STAGE:
@@ -584,6 +637,7 @@ def decode_attention_fwd(
     counters: torch.Tensor | None = None,
     fused_combine: bool | None = None,
     v_words: bool | None = None,
+    after_qkv: bool = False,
 ) -> None:
     """Decode attention; writes `o` in place.
 
@@ -607,6 +661,10 @@ def decode_attention_fwd(
     when num_kv_splits is 1.
     v_words: over an FP8 pool with fp16 dots, load V as 32-bit words (True) or as bytes (False); default
     v_words_default(bs, tile). Same values either way; unused otherwise (and when the pool is not 4-byte aligned).
+    after_qkv: the kernel just before wrote q and the batch's newest K/V (the qkv projection's kernel with the
+    rotary and KV store) and nothing else this call reads. Where preload_after_qkv says so, stage 1 loads its
+    first step's K/V but the newest position's before it reads q, and on sm_90+ is launched with PDL and waits
+    for that kernel only then (triton_ops/pdl.py). Same bits either way.
     No host reads of device data, no allocations: safe to capture in a CUDA graph. On sm_90+ each kernel
     signals at its start that a kernel launched with PDL after it may start (triton_ops/pdl.py).
     """
@@ -641,6 +699,8 @@ def decode_attention_fwd(
     v_words = (v_words and kv_f16 and block_d == head_dim  # (V read as 32-bit words: _load_e4m3_rows_as_f16)
                and v_buffer.data_ptr() % 4 == 0 and v_buffer.stride(1) % 4 == 0 and v_buffer.stride(0) % 4 == 0)
     pdl_signal = pdl_supported(q.device)
+    preload = after_qkv and preload_after_qkv(bs, tile, v_words)
+    pdl_wait = preload and pdl_signal
     if fused_combine is None:  # (the default needs the counters: without them, two stages)
         fused_combine = counters is not None and fused_combine_default(bs)
     fused = fused_combine and not single_stage
@@ -679,8 +739,11 @@ def decode_attention_fwd(
         V_WORDS=v_words,
         INTERPRET=_INTERPRET,
         PDL_SIGNAL=pdl_signal,
+        PRELOAD=preload,
+        PDL_WAIT=pdl_wait,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"launch_pdl": True} if pdl_wait else {}),
     )
     if single_stage or fused:
         return
