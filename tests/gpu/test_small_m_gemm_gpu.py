@@ -281,12 +281,14 @@ def test_o_proj_launched_with_pdl_after_decode_attention_waits_for_its_output(ki
 
 @pytest.mark.parametrize("kind,pool", [("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8")])
 @pytest.mark.parametrize("context", [100, 512, 4096])
-def test_decode_attention_launched_with_pdl_after_the_qkv_kernel_waits_for_its_kv(kind, pool, context):
-    """The qkv GEMV with the rotary and KV store (Llama-3.1-8B shapes, one token) then decode attention launched
-    with PDL (after_qkv: the first step's older K/V loaded before gdc_wait), eagerly and in a CUDA graph whose
-    replay first fills the newest slot's K and V with NaN: the same bits as attention launched without PDL. An
-    attention that read q or the newest K/V before the qkv kernel wrote them would see NaN or stale values. The
-    newest position falls in a program's preloaded first step (100 and 512 tokens) or in a later one (4096)."""
+@pytest.mark.parametrize("bs", [1, 2])
+def test_decode_attention_launched_with_pdl_after_the_qkv_kernel_waits_for_its_kv(kind, pool, context, bs):
+    """The qkv GEMV with the rotary and KV store (Llama-3.1-8B shapes, one token a request) then decode attention
+    launched with PDL (after_qkv: the first step's older K/V loaded before gdc_wait), eagerly and in a CUDA graph
+    whose replay first fills the newest slots' K and V with NaN: the same bits as attention launched without PDL.
+    An attention that read q or the newest K/V before the qkv kernel wrote them would see NaN or stale values.
+    The newest position falls in a program's preloaded first step (100 and 512 tokens) or in a later one (4096);
+    the second request is one token shorter."""
     from model_executor.layers.attention.triton_ops import decode_attention as dec
     from model_executor.layers.rotary import RotaryEmbedding
     from model_executor.layers.rotary_store_kv import RopeStore
@@ -295,31 +297,37 @@ def test_decode_attention_launched_with_pdl_after_the_qkv_kernel_waits_for_its_k
     gen = torch.Generator("cuda").manual_seed(context)
     w, s, block, _ = weight(kind, (hq + 2 * hkv) * d, hidden, seed=7)
     dtype, (k_scale, v_scale) = (torch.bfloat16, (1.0, 1.0)) if pool == "bf16" else (torch.float8_e4m3fn, (0.5, 2.0))
-    k_pool = torch.randn(context + 1, hkv, d, device="cuda", generator=gen).to(dtype)
-    v_pool = torch.randn(context + 1, hkv, d, device="cuda", generator=gen).to(dtype)
-    x = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
-    residual = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
+    k_pool = torch.randn(bs * context + 1, hkv, d, device="cuda", generator=gen).to(dtype)
+    v_pool = torch.randn(bs * context + 1, hkv, d, device="cuda", generator=gen).to(dtype)
+    x = torch.randn(bs, hidden, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(bs, hidden, device="cuda", generator=gen).bfloat16()
     g = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
     cache = RotaryEmbedding(d, 8192, 500000.0).cos_sin_cache.cuda()
-    newest = torch.tensor([context - 1], device="cuda")
-    rope = RopeStore(newest, cache, newest, k_pool, v_pool, hq, hkv, k_scale, v_scale)
-    req_to_token = torch.arange(context + 1, dtype=torch.int32, device="cuda")[None, :].contiguous()
-    rows, lens = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.tensor([context], device="cuda")
-    splits = dec.decode_split_plan(dec.decode_split_cap(1, hq, hkv, 132, 16), context)
-    ws = dec.alloc_decode_workspace(1, hq, d, splits, "cuda")
-    o = torch.empty(1, hq, d, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([context - r for r in range(bs)], device="cuda")
+    req_to_token = (torch.arange(context, dtype=torch.int32, device="cuda")[None, :]
+                    + context * torch.arange(bs, dtype=torch.int32, device="cuda")[:, None]).contiguous()
+    rows = torch.arange(bs, device="cuda")
+    newest = req_to_token[rows, lens - 1].long()
+    rope = RopeStore(lens - 1, cache, newest, k_pool, v_pool, hq, hkv, k_scale, v_scale)
+    splits = dec.decode_split_plan(dec.decode_split_cap(bs, hq, hkv, 132, 16), context)
+    ws = dec.alloc_decode_workspace(bs, hq, d, splits, "cuda")
+    o = torch.empty(bs, hq, d, dtype=torch.bfloat16, device="cuda")
+
+    nan_bits, as_bits = (0x7F, torch.uint8) if pool == "fp8" else (0x7FC0, torch.int16)
 
     def step(after_qkv):
-        k_pool[context - 1].fill_(float("nan"))
-        v_pool[context - 1].fill_(float("nan"))
+        k_pool.view(as_bits).index_fill_(0, newest, nan_bits)
+        v_pool.view(as_bits).index_fill_(0, newest, nan_bits)
         out = sm.small_m_rmsnorm_linear(x, g, 1e-5, residual, w, s, None, block, rope=rope)
         assert out is not None, "no single-split GEMV config for the qkv projection"
-        q = out[0][:, : hq * d].view(1, hq, d)
+        q = out[0][:, : hq * d].view(bs, hq, d)
         dec.decode_attention_fwd(q, k_pool, v_pool, o, req_to_token, rows, lens, ws.attn_logits, ws.attn_lse, splits,
                                  d**-0.5, k_scale=k_scale, v_scale=v_scale, counters=ws.counters, after_qkv=after_qkv)
         return o.clone()
 
-    assert dec.preload_after_qkv(1, dec.stage1_tile(1, d, hkv, pool == "fp8"), False)
+    tile = dec.stage1_tile(bs, d, hkv, pool == "fp8")
+    v_words = pool == "fp8" and dec.v_words_default(bs, tile)  # (as decode_attention_fwd decides it)
+    assert dec.preload_after_qkv(bs, tile, v_words) == (pool == "bf16" or bs == 1)
     ref = step(False)
     assert not ref.isnan().any()
     for got in (step(True), step(True)):

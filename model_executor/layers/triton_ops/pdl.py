@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (PDL, sm_90+), used at one boundary of a decode step: decode attention ->
-o_proj.
+"""Programmatic dependent launch (PDL, sm_90+), used at two boundaries of a decode step: the qkv kernel ->
+decode attention -> o_proj.
 
 A kernel launched with PDL (`launch_pdl=True`; CUDA graphs keep the edge) may start once every program of the
 kernel before it has signalled (`gdc_launch_dependents`) or ended, and must wait (`gdc_wait`: that kernel
@@ -7,12 +7,17 @@ complete and its writes visible) before it reads anything that kernel, or one be
 kernel launched without PDL waits for the one before as always, so a signal is harmless where the next kernel
 is not a PDL launch; and every PDL kernel waits before it ends, so the stream's order holds transitively.
 
-Decode attention at one request reads little and is bound by its latency: the memory bus idles while it
-runs. It signals at its start, and a one-row o_proj GEMV launched with PDL loads its weights (all of K
-in one tile, small_m_gemm.preload_config; PRELOAD in the kernel) before its wait, so those bytes stream during
-attention (measured in docs/benchmarks.md, twenty-ninth session). Applied
-everywhere (every small-M GEMM, a first tile each), PDL was slower in the sixth and tenth sessions: there a
-GEMV's early programs compete with the streaming GEMV before them for bandwidth and SM slots."""
+Decode attention at one or two requests reads little and is bound by its latency: the memory bus idles
+while it runs.
+- The qkv GEMV that runs the rotary and KV store signals at its start; decode attention after it is launched
+  with PDL and loads its first step's K/V (all but the newest position, the one that kernel stores) before its
+  wait (decode_attention.preload_after_qkv), so its first loads overlap the GEMV's last wave.
+- Attention signals at its start; a one-row o_proj GEMV launched with PDL loads its weights (all of K in one
+  tile, small_m_gemm.preload_config; PRELOAD in the kernel) before its wait, so those bytes stream while
+  attention runs (it may start while the qkv kernel still runs: every attention program has started by then).
+Measured in docs/benchmarks.md (twenty-ninth and thirtieth sessions). Applied everywhere (every small-M GEMM, a
+first tile each), PDL was slower in the sixth and tenth sessions: there a GEMV's early programs compete with the
+streaming GEMV before them for bandwidth and SM slots."""
 
 from __future__ import annotations
 

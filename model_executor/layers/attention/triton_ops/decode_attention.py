@@ -24,6 +24,10 @@ increments that pair's int32 counter; the one that brings it to the request's ch
 heads as a stage-2 program would (the same helper at the same num_warps), then puts the counter back to 0,
 so the next call (or graph replay) finds it zeroed with no memset.
 
+After the qkv kernel (after_qkv, at one or two requests: preload_after_qkv): stage 1 is launched with PDL
+(triton_ops/pdl.py) and loads its first step's K/V, but the newest position's, before it waits for that
+kernel; after the wait it reads q and the newest position's K/V and takes that step as the loop would.
+
 Chunking, from `seq_lens` read on the device: a request of length L uses n = min(cdiv(L, min_chunk),
 num_kv_splits) chunks of `round_up(cdiv(L, n), BLOCK_N)` positions, so a short request uses few splits
 and their programs do real work; the programs of splits past a request's last chunk only exit, and stage 2
@@ -242,13 +246,15 @@ def v_words_default(batch_size: int, tile: Stage1Tile) -> bool:
 
 
 # The largest batch whose stage 1 preload_after_qkv lets start during the qkv kernel (PDL).
-PRELOAD_AFTER_QKV_MAX_BS = 1
+PRELOAD_AFTER_QKV_MAX_BS = 2
 
 
 def preload_after_qkv(batch_size: int, tile: Stage1Tile, v_words: bool) -> bool:
     """Whether stage 1 after the qkv projection's kernel (decode_attention_fwd's after_qkv) loads its first step
     before it waits for that kernel: a function of what a graph is captured for. Shared steps with V as plain
-    loads only (the tiles of one request); measured at one request (docs/benchmarks.md, thirtieth session)."""
+    loads only (the tiles of one to four requests, but V as words over an FP8 pool from two). Measured at one and
+    two requests (docs/benchmarks.md, thirtieth session: faster at both; at three and four the Llama models measured
+    ran their qkv projection without the rotary + KV store epilogue, so no after_qkv, and measured unchanged)."""
     return batch_size <= PRELOAD_AFTER_QKV_MAX_BS and not tile.warp_splits and not v_words
 
 
@@ -467,7 +473,7 @@ def _decode_stage1_kernel(
     PRELOAD: tl.constexpr,
     PDL_WAIT: tl.constexpr,
 ):
-    if PDL_SIGNAL and not PDL_WAIT:  # a kernel launched with PDL after this one (o_proj) may start now (pdl.py)
+    if PDL_SIGNAL:  # a kernel launched with PDL after this one (o_proj) may start now (triton_ops/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -504,8 +510,6 @@ def _decode_stage1_kernel(
                      mask=old[:, None] & mask_d[None, :], other=0.0)
     if PDL_WAIT:  # q and the newest K/V come from the kernel before: wait for it (griddepcontrol.wait)
         tl.extra.cuda.gdc_wait()
-        if PDL_SIGNAL:  # (only now: o_proj's early loads would compete with the qkv kernel's)
-            tl.extra.cuda.gdc_launch_dependents()
 
     if has_work:
         q = tl.load(Q + cur_batch.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
