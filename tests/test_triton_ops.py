@@ -184,8 +184,8 @@ def test_decode_after_qkv_preload_gives_the_same_bits(seq_len, num_kv_splits, po
     """One request after the qkv kernel (after_qkv): stage 1 loads its first step's K/V before it reads q, all
     but the newest position, which it reads after (on a GPU: after waiting for that kernel); the same bits as
     without, with the newest position first, inside or last in a program's first step, or past it (one stage:
-    the whole request; 8 splits of 64-position chunks). The newest slot's K/V is the one a zeroed stand-in would
-    change."""
+    the whole request; 8 splits of 64-position chunks). Zeroing the newest slot's K/V then changes the output:
+    the case reads it."""
     gen = torch.Generator().manual_seed(seq_len)
     req_to_token = make_req_to_token([seq_len], [1], 400, 320, gen)
     k_buf, v_buf = make_pool(400, 2, 64, pool_dtype, gen)
