@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="weight quantization (default: the checkpoint's)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--capture-default-list", action="store_true",
-                   help="also capture the default decode list (max_bs 256) and report its time and memory")
+                   help="also capture the default decode list (max_bs 256, the server's runner) and report its time "
+                        "and memory, and each batch size's b2b ms replayed from it")
     p.add_argument("--json", dest="json_out", help="write the results here")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process and GPU each)")
     args = p.parse_args(argv)
@@ -243,13 +244,12 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
     # CUDA graphs only on a GPU: the CPU stand-in re-runs Python, so its timings are not graph timings.
     graphs = device.type == "cuda"
     graph_runner = CudaGraphRunner(runner, sorted(set(args.batch_size))) if graphs else None
-    default_capture = None
+    default_capture, full = None, None
     if args.capture_default_list and graphs:
         sizes = get_batch_sizes_to_capture(256)
         full = CudaGraphRunner(runner, sizes)
         default_capture = {"sizes": len(sizes), "seconds": round(full.capture_seconds, 2),
                            "gib": round(full.capture_bytes / 2**30, 3)}
-        del full
     results = []
     for bs in args.batch_size:
         batches, prefill_ms, (rows, loc) = prepare(runner, bs, args.input_len, steps)
@@ -271,10 +271,13 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
                         "graph_b2b_over_floor": round(b2b_ms / floor_ms, 3),
                         "graph_vs_eager_max_abs_diff": (eager_logits - graph_logits).abs().max().item(),
                         "greedy_tokens_equal": bool(torch.equal(eager_logits.argmax(-1), graph_logits.argmax(-1)))})
+            if full is not None:  # the same steps from the server's runner (a graph among all sizes)
+                row["default_list_b2b_ms"] = round(time_back_to_back(full.replay, batches, device), 4)
         results.append(row)
         runner.allocator.free(loc)
         for row in rows:
             runner.req_to_token_pool.free(row)
+    del full
     if tp_rank != 0:
         return 0
     report = {
@@ -313,7 +316,8 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
                   f"{r['eager_over_floor']:>12.2f} {'-':>10} {'-':>7}")
     if default_capture:
         print(f"default decode list: {default_capture['sizes']} graphs captured in {default_capture['seconds']} s, "
-              f"{default_capture['gib']} GiB")
+              f"{default_capture['gib']} GiB; b2b ms from it: "
+              + ", ".join(f"bs {r['batch_size']} {r['default_list_b2b_ms']:.3f}" for r in results))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)
