@@ -210,6 +210,7 @@ def test_decode_after_qkv_preload_gives_the_same_bits(seq_len, num_kv_splits, po
     assert not torch.equal(run(False), want)
 
 
+@in_process
 def test_decode_preloads_after_qkv_at_one_and_two_requests_with_shared_steps_only():
     """Where it was measured faster (one and two requests, shared steps, V loaded plainly), and nowhere else."""
     assert [bs for bs in range(1, 9) if decode_mod.preload_after_qkv(bs, decode_mod.stage1_tile(bs, 128, 8), False)] \
