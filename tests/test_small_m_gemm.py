@@ -807,9 +807,12 @@ def test_fused_qkv_rope_store_refusals():
 def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(tiny_llama, table, monkeypatch, bs):
     """A bf16 Llama decode step of one or two requests on the triton backend: every layer's input norm, qkv
     GEMV, rotary and KV store run as one kernel, and the logits and the K/V it stores have the bits of the
-    same step with the rotary and store run by the backend (the qkv GEMV with the norm, then rotary_store_kv)."""
+    same step with the rotary and store run by the backend (the qkv GEMV with the norm, then rotary_store_kv).
+    Attention after the one kernel is told so (after_qkv: it preloads, and on sm_90 is launched with PDL);
+    after rotary_store_kv it is not."""
     from test_cuda_graph_runner import make_decode_batch, release
 
+    from model_executor.layers.attention import triton_backend as tb
     from model_executor.layers.attention.radix_attention import RadixAttention
     from model_executor.layers.attention.triton_backend import TritonAttnBackend
     from runners.model_runner import ModelRunner, RunnerConfig
@@ -824,6 +827,10 @@ def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(ti
     calls = []
     real = sm.small_m_rmsnorm_linear
     monkeypatch.setattr(sm, "small_m_rmsnorm_linear", lambda *a, **kw: calls.append(kw.get("rope")) or real(*a, **kw))
+    after_qkv = []
+    attend = tb.decode_attention_fwd
+    monkeypatch.setattr(tb, "decode_attention_fwd", lambda *a, **kw: after_qkv.append(kw["after_qkv"]) or attend(*a, **kw))
+    layers = runner.model_config.num_hidden_layers
     fb, rows, loc = make_decode_batch(runner, bs, seed=6, max_prompt=12)
     assert loc.numel() == bs
     bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
@@ -831,14 +838,17 @@ def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(ti
         with torch.no_grad():
             calls.clear()
             fused = runner.forward_eager(fb).clone()
-            assert len(calls) == runner.model_config.num_hidden_layers and all(c is not None for c in calls)
+            assert len(calls) == layers and all(c is not None for c in calls)
+            assert after_qkv == [True] * layers
             kv_fused = [buf[loc].clone() for buf in bufs]
             for buf in bufs:
                 buf[loc] = float("nan")  # the unfused step must write them again
             monkeypatch.setattr(RadixAttention, "rope_store", lambda *a: None)
             calls.clear()
+            after_qkv.clear()
             unfused = runner.forward_eager(fb)
-            assert calls == [None] * runner.model_config.num_hidden_layers  # the norm still in the GEMV
+            assert calls == [None] * layers  # the norm still in the GEMV
+            assert after_qkv == [False] * layers
     finally:
         release(runner, rows, fb)
     assert torch.equal(fused, unfused)
