@@ -426,8 +426,11 @@ def test_lm_head_takes_the_kernel_where_the_table_says(table, monkeypatch):
     table({"bf16": {"50,64": {"4": cfg}}})
     with torch.no_grad():
         out = head(hidden)
-        assert torch.equal(out, sm.small_m_linear(hidden, head.weight, config=sm.GemmConfig(**cfg)))
-        assert_matches_reference(out, ref, torch.bfloat16)
+        # float32 logits straight from the kernel's float32 sums (no bf16 rounding: within float32's error)
+        assert out.dtype == torch.float32
+        assert torch.equal(out, sm.small_m_linear(hidden, head.weight, config=sm.GemmConfig(**cfg),
+                                                  out_dtype=torch.float32))
+        assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
         table({})
         assert torch.equal(head(hidden), torch.nn.functional.linear(hidden, head.weight))
 
@@ -1047,12 +1050,14 @@ def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, c
 
 
 @interpreter_only
-def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, table, monkeypatch):
+@pytest.mark.parametrize("lm_head_gemv", [False, True])
+def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, table, monkeypatch, lm_head_gemv):
     """A bf16 Llama decode step of one request on the triton backend: o_proj's and down's GEMVs add the
-    residual and sum h^2 in their epilogues (down: not in the last layer, whose output goes to the final
-    norm), gate/up + SiLU and the next layer's qkv (+ rotary + KV store) take the PrenormedRow; only the
-    final RMSNorm runs as a norm. The logits and the K/V stored stay within bf16 rounding of the same step
-    with o_proj, down and the norms run apart (and the greedy token is the same)."""
+    residual and sum h^2 in their epilogues, gate/up + SiLU and the next layer's qkv (+ rotary + KV store)
+    take the PrenormedRow. The last layer's down does so for the final norm where the LM head runs as a
+    single-split GEMV (lm_head_gemv: the table says so), the LM head taking the row (float32 logits); else
+    the final RMSNorm runs as a norm. The logits and the K/V stored stay within bf16 rounding of the same
+    step with o_proj, down and the norms run apart (and the greedy token is the same)."""
     from test_cuda_graph_runner import make_decode_batch, release
 
     from model_executor.layers.attention.triton_backend import TritonAttnBackend
@@ -1061,7 +1066,8 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     gemv = {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}
-    table({"bf16": {"128,64": gemv, "64,64": gemv, "256,64": gemv, "64,128": gemv}})  # qkv, o, gate/up, down
+    entries = {"128,64": gemv, "64,64": gemv, "256,64": gemv, "64,128": gemv}  # qkv, o, gate/up, down
+    table({"bf16": entries | ({"320,64": gemv} if lm_head_gemv else {})})  # (the LM head)
     runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="bfloat16",
                                       attention_backend="torch_native", max_running_requests=2, max_total_tokens=256,
                                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
@@ -1074,6 +1080,7 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
                             or real(*a, **kw))
     real_norm = llama.RMSNorm.forward
     monkeypatch.setattr(llama.RMSNorm, "forward", lambda self, *a: calls["norm"].append(1) or real_norm(self, *a))
+    linear_add_rmsnorm = llama.linear_add_rmsnorm
     fb, rows, loc = make_decode_batch(runner, 1, seed=5, max_prompt=12)
     bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
     layers = runner.model_config.num_hidden_layers
@@ -1084,10 +1091,14 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
             out = runner.forward_eager(fb).float()
             kv_fused = [buf[loc].clone() for buf in bufs]
             # o_proj in each layer (after attention: it loads its first weight tile while attention runs),
-            # down in all but the last
-            assert calls["add_norm"] == [True, False] * (layers - 1) + [True]
-            assert len(calls["prenormed"]) == layers - 1 and all(r is not None for r in calls["prenormed"])
-            assert len(calls["norm"]) == 1  # the final norm (layer 0's input norm runs in its qkv GEMV)
+            # down in all but the last, and in the last too where the LM head takes its row
+            assert calls["add_norm"] == [True, False] * (layers - 1) + [True] + [False] * lm_head_gemv
+            # the next layers' qkv (with the rotary), then the LM head (without)
+            assert len(calls["prenormed"]) == layers - 1 + lm_head_gemv
+            assert all(r is not None for r in calls["prenormed"][: layers - 1])
+            assert calls["prenormed"][layers - 1:] == [None] * lm_head_gemv
+            # the final norm unless the LM head took it (layer 0's input norm runs in its qkv GEMV)
+            assert len(calls["norm"]) == 1 - lm_head_gemv
             monkeypatch.setattr(llama, "linear_add_rmsnorm", lambda *a, **kw: None)
             calls["norm"].clear()
             unfused = runner.forward_eager(fb).float()
@@ -1098,3 +1109,12 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
     assert out.argmax(-1).tolist() == unfused.argmax(-1).tolist()
     for fused_kv, buf in zip(kv_fused, bufs):
         torch.testing.assert_close(buf[loc].float(), fused_kv.float(), rtol=2.0**-5, atol=2.0**-5)
+    # A one-token prompt is an extend batch of one row: its final norm runs as a norm (its hidden states may
+    # go to more than the LM head), where the row fusions around it still run.
+    monkeypatch.setattr(llama, "linear_add_rmsnorm", linear_add_rmsnorm)
+    for v in calls.values():
+        v.clear()
+    with torch.no_grad():
+        fb, rows, _ = make_decode_batch(runner, 1, seed=7, max_prompt=2, min_prompt=1)
+    release(runner, rows, fb)
+    assert calls["add_norm"] == [True, False] * (layers - 1) + [True] and len(calls["norm"]) == 1

@@ -18,6 +18,7 @@ from torch import nn
 
 from model_executor.distributed import parallel_state as ps
 from model_executor.layers.linear import _copy_into, _tp
+from model_executor.layers.norm import PrenormedRow
 from model_executor.layers.quantization import fp8_math
 from model_executor.layers.quantization.base import current_quant_config, set_kept_dtype, small_m_kernel
 from model_executor.lazy_slice import materialize
@@ -98,12 +99,26 @@ class ParallelLMHead(VocabParallelEmbedding):
             del self.weight_scale  # not loaded, never read: the table's scales are the embedding's
         self._table = (embedding,)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.int8:
+    def small_m_operands(self) -> tuple[torch.Tensor, None, None] | None:
+        """(weight, scale, scale block) as the small-M kernel takes them (linear.linear_add_rmsnorm's consumer);
+        None for an int8 table, which has a GEMM of its own."""
+        return None if self.int8 else (self.weight, None, None)
+
+    def forward(self, hidden: torch.Tensor | PrenormedRow) -> torch.Tensor:
+        """Logits [rows, vocab]: float32 where the small-M kernel runs (it stores its float32 sums; no
+        conversion kernel after it), else in hidden's dtype. hidden may be a PrenormedRow (the last layer's
+        down projection made it, linear.linear_add_rmsnorm): the final norm's 1 / rms goes into the GEMV."""
+        if isinstance(hidden, PrenormedRow):
+            kernel = small_m_kernel(hidden.weighted, self.weight)
+            logits = None if kernel is None else kernel.small_m_prenormed_linear(hidden, self.weight,
+                                                                                 out_dtype=torch.float32)
+            if logits is None:  # (linear_add_rmsnorm checked this weight's config before it made the row)
+                raise RuntimeError("the LM head was given a PrenormedRow that its GEMV cannot take")
+        elif self.int8:
             scale = self._table[0].weight_scale.to(fp8_math.INT8_COMPUTE_DTYPE)
             logits = fp8_math.int8_weight_only_mm(hidden, self.weight, scale)
         elif kernel := small_m_kernel(hidden, self.weight):  # decode-sized CUDA batches, where the table says so
-            logits = kernel.small_m_linear(hidden, self.weight)
+            logits = kernel.small_m_linear(hidden, self.weight, out_dtype=torch.float32)
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:

@@ -68,6 +68,11 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
 
+    def small_m_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int] | None] | None:
+        """(weight, scale, scale block) as the small-M kernel takes them, or None: a method with a GEMM of
+        its own (no fused one-row paths then)."""
+        return self.quant_method.small_m_operands(self)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """For a [gate; up] layer: silu(gate) * up in one kernel where its method can (a decode row), else
         None (the caller runs forward and SiluAndMul)."""
@@ -192,18 +197,19 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                       consumer: LinearBase, after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
+                       consumer, after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
     """(row, h) for h = linear(x) + residual at one decode row: the residual add and the sums of h^2 for
     norm(h) run in the epilogue of linear's GEMV, and `row` (a PrenormedRow) goes to `consumer`, the layer
-    norm(h) feeds (which scales by 1 / rms in its GEMV: the norm's own launch goes). None where that cannot
+    norm(h) feeds (a LinearBase, or the LM head: anything with small_m_operands(); it scales by 1 / rms in
+    its GEMV: the norm's own launch goes). None where that cannot
     run: linear sharded over tensor-parallel ranks (its all-reduce comes before the add), a method with a
     GEMM of its own, no single-split GEMV config for linear or consumer. The caller then runs linear and the
     norm apart. after_attention: x is decode attention's output (o_proj: where all of K fits one tile, its GEMV
     loads its weights while attention runs, triton_ops/pdl.py)."""
     if linear.tp_size > 1:
         return None
-    ops = linear.quant_method.small_m_operands(linear)
-    consumer_ops = consumer.quant_method.small_m_operands(consumer)
+    ops = linear.small_m_operands()
+    consumer_ops = consumer.small_m_operands()
     if ops is None or consumer_ops is None:
         return None
     return small_m_linear_add_rmsnorm(x, *ops, linear.bias, residual, norm.weight, norm.eps, consumer_ops[0],

@@ -47,7 +47,7 @@ class LlamaMLP(nn.Module):
         return out if out is not None else self.down_proj(self.act(gate_up))
 
     def forward_after(self, o_proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                      next_input: tuple[RMSNorm, LinearBase] | None = None
+                      next_input: tuple[RMSNorm, LinearBase | ParallelLMHead] | None = None
                       ) -> tuple[torch.Tensor | PrenormedRow, torch.Tensor]:
         """(self(norm(h)), h) for h = o_proj(x) + residual. At a decode row where the small-M GEMVs run, the
         residual add and the norm's sums go into o_proj's epilogue and the 1 / rms into the gate/up GEMV (the
@@ -125,16 +125,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, fb: ForwardBatch, next_layer: LlamaDecoderLayer | None = None):
-        """(hidden, residual) for the next layer: hidden is the MLP's output, or at a decode row (a dense
-        MLP, a next layer) a PrenormedRow of the next layer's input norm (residual then holds the sum).
+    def forward(self, positions, hidden, residual, fb: ForwardBatch,
+                next_input: tuple[RMSNorm, LinearBase | ParallelLMHead] | None = None):
+        """(hidden, residual) for what follows: hidden is the MLP's output, or at a decode row (a dense MLP
+        and a next_input) a PrenormedRow of next_input's norm (residual then holds the sum). next_input is
+        the (norm, linear) the layer's output goes into next: the next layer's input norm and qkv_proj, or
+        the final norm and the LM head.
         At a decode row the input norm goes into qkv_proj's GEMV (whole, or its 1 / rms after a
         PrenormedRow); the post-attention norm into o_proj's epilogue (the add and the sums of squares) and
         the gate/up GEMV (the 1 / rms). Computed whole inside the gate/up GEMV it measured slower."""
         attn, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, fb)
         if isinstance(self.mlp, LlamaMLP):
-            next_input = None if next_layer is None else (next_layer.input_layernorm,
-                                                          next_layer.self_attn.qkv_proj)
             return self.mlp.forward_after(self.self_attn.o_proj, attn, residual, self.post_attention_layernorm,
                                           next_input)
         hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
@@ -153,12 +154,22 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
+                lm_head: ParallelLMHead | None = None) -> torch.Tensor | PrenormedRow:
+        """The final norm's output, [tokens, H]. With lm_head (a decode batch, for its logits only): at one row
+        where the small-M GEMVs run, a PrenormedRow of it instead, made in the last down projection's epilogue
+        (the norm's own launch goes; the LM head's GEMV scales by 1 / rms)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
-            next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            hidden, residual = layer(positions, hidden, residual, fb, next_layer)
+            if i + 1 < len(self.layers):
+                nxt = self.layers[i + 1]
+                next_input = (nxt.input_layernorm, nxt.self_attn.qkv_proj)
+            else:
+                next_input = None if lm_head is None else (self.norm, lm_head)
+            hidden, residual = layer(positions, hidden, residual, fb, next_input)
+        if isinstance(hidden, PrenormedRow):
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -190,7 +201,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits [bs, vocab] of each request's last token."""
-        return compute_logits(self.lm_head, self.model(input_ids, positions, fb), fb)
+        # A decode batch's hidden states go to the LM head only: its final norm may go into the GEMVs around it.
+        head = self.lm_head if fb.mode.is_decode() and fb.prompt_logprob_plan is None else None
+        return compute_logits(self.lm_head, self.model(input_ids, positions, fb, head), fb)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the fused parameters; returns the names of parameters loaded.

@@ -129,21 +129,30 @@ class GemmConfig:
 
 
 @triton.jit
-def _rope_store(a, b, offs_n, rows_n, rows_b, offs_m, rows_m, N, M, Y, stride_ym, POS, LOC, COS, KB, VB,
-                stride_cos, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads,
-                num_kv_heads, k_scale, v_scale, HALF: tl.constexpr):
-    """The ROPE epilogue: a, b [BLOCK_N, BLOCK_M] float32 sums of rows rows_n and rows_b = rows_n + HALF (half
-    rows offs_n), a column per token (offs_m; rows_m: clamped to a real token). Rounded to y's dtype first,
-    as the linear's output, then as rotary_store_kv computes."""
-    a = a.to(Y.dtype.element_ty).to(tl.float32)
-    b = b.to(Y.dtype.element_ty).to(tl.float32)
-    valid = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    head = (offs_n // HALF)[:, None]
+def _rope_operands(offs_n, rows_m, POS, LOC, COS, stride_cos, HALF: tl.constexpr):
+    """The ROPE epilogue's loads, taken before the weights stream (their latency hides under it): each token's
+    KV slot and the cos / sin of its position for the program's half rows offs_n ([1, BLOCK_M] int64, then
+    [BLOCK_N, BLOCK_M] float32 twice)."""
     j = (offs_n % HALF)[:, None]
     pos = tl.load(POS + rows_m).to(tl.int64)[None, :]
     slot = tl.load(LOC + rows_m).to(tl.int64)[None, :]
     cos = tl.load(COS + pos * stride_cos + j).to(tl.float32)
     sin = tl.load(COS + pos * stride_cos + HALF + j).to(tl.float32)
+    return slot, cos, sin
+
+
+@triton.jit
+def _rope_store(a, b, offs_n, rows_n, rows_b, offs_m, N, M, Y, stride_ym, slot, cos, sin, KB, VB,
+                stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads,
+                num_kv_heads, k_scale, v_scale, HALF: tl.constexpr):
+    """The ROPE epilogue: a, b [BLOCK_N, BLOCK_M] float32 sums of rows rows_n and rows_b = rows_n + HALF (half
+    rows offs_n), a column per token (offs_m), with _rope_operands' slot, cos and sin. Rounded to y's dtype
+    first, as the linear's output, then as rotary_store_kv computes."""
+    a = a.to(Y.dtype.element_ty).to(tl.float32)
+    b = b.to(Y.dtype.element_ty).to(tl.float32)
+    valid = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    head = (offs_n // HALF)[:, None]
+    j = (offs_n % HALF)[:, None]
     ra = a * cos - b * sin
     rb = b * cos + a * sin
     is_q = head < num_q_heads
@@ -276,6 +285,14 @@ def _small_m_gemm_kernel(
     w_ptrs = W + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
     if SCALE == 2:
         s_ptrs = S + (rows_n // SCALE_BN) * stride_sn
+    # What the epilogue reads besides the sums, loaded before the weights stream so that its latency hides under
+    # them rather than following them (none of it is written by a kernel this one may overlap: PDL).
+    if SCALE == 1:
+        scale_n = tl.load(S + rows_n)[:, None]
+        if PAIRED:
+            scale_b = tl.load(S + rows_b)[:, None]
+    if ROPE:
+        rope_slot, rope_cos, rope_sin = _rope_operands(offs_n, rows_m, POS, LOC, COS, stride_cos, HALF)
     if GEMV and ROWS == 1:  # (its own loop: the multi-row form below measured 0.9% slower at 8B FP8 bs 1)
         x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -300,9 +317,10 @@ def _small_m_gemm_kernel(
         if ADD_NORM:  # this program's columns of the residual and the norm weight, before the weights stream
             r_n = tl.load(R + rows_n).to(tl.float32)[:, None]
             g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
-        if PRENORMED:  # the row's sum of h^2 (its partials are L2-resident: the kernel before wrote them)
+        if PRENORMED:  # the row's partial sums of h^2 (L2-resident: the kernel before wrote them), summed after
+            # the loop: a program's weights start streaming before they arrive
             offs_p = tl.arange(0, NUM_P)
-            rstd = 1.0 / tl.sqrt(tl.sum(tl.load(P + offs_p, mask=offs_p < num_p, other=0.0)) / K + eps)
+            p_sums = tl.load(P + offs_p, mask=offs_p < num_p, other=0.0)
         k_loop = k_start
         if PRELOAD:  # the loop's first step, taken with the tile loaded above (the loop's arithmetic)
             if EVEN_K:
@@ -368,6 +386,8 @@ def _small_m_gemm_kernel(
             acc_up = tl.sum(acc2_up, axis=1)[:, None]
         if NORM:  # (one split: this program saw all of K)
             rstd = 1.0 / tl.sqrt(tl.sum(sumsq) / K + eps)
+        if PRENORMED:
+            rstd = 1.0 / tl.sqrt(tl.sum(p_sums) / K + eps)
         if NORM or PRENORMED:
             acc = acc * rstd
             if PAIRED:
@@ -488,9 +508,9 @@ def _small_m_gemm_kernel(
         if X_FP8 and SCALE != 2:
             acc = acc * tl.load(XS + rows_m)[None, :]
     if SCALE == 1:
-        acc = acc * tl.load(S + rows_n)[:, None]
+        acc = acc * scale_n
         if PAIRED:
-            acc_up = acc_up * tl.load(S + rows_b)[:, None]
+            acc_up = acc_up * scale_b
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     y_ptrs = offs_m[None, :] * stride_ym + offs_n[:, None]
     if PARTIAL:
@@ -514,8 +534,8 @@ def _small_m_gemm_kernel(
         if HAS_BIAS:
             acc += tl.load(BIAS + rows_n).to(tl.float32)[:, None]
             acc_up += tl.load(BIAS + rows_b).to(tl.float32)[:, None]
-        _rope_store(acc, acc_up, offs_n, rows_n, rows_b, offs_m, rows_m, N, M, Y, stride_ym, POS, LOC, COS, KB,
-                    VB, stride_cos, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads,
+        _rope_store(acc, acc_up, offs_n, rows_n, rows_b, offs_m, N, M, Y, stride_ym, rope_slot, rope_cos,
+                    rope_sin, KB, VB, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads,
                     num_kv_heads, k_scale, v_scale, HALF)
     else:
         if HAS_BIAS:
@@ -924,12 +944,12 @@ def _device_key(x: torch.Tensor) -> str:
 
 
 def _impl(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-          block_n: int, block_k: int) -> torch.Tensor:
+          block_n: int, block_k: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     block = (block_n, block_k) if block_n > 0 else None
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     kind = weight_kind(weight, block)
     cfg = choose_config(m, n, k, kind, _device_key(x)) or default_config(m, n, k, kind)
-    return _launch(x, weight, scale, bias, block, cfg)
+    return _launch(x, weight, scale, bias, block, cfg, out_dtype=out_dtype)
 
 
 _op = torch.library.custom_op("duet::small_m_gemm", _impl, mutates_args=())
@@ -946,16 +966,17 @@ def _tracing() -> bool:
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                   config: GemmConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= max_rows) @ dequantized weight^T (+ bias) -> [M, N] in x's dtype; see the module
-    docstring for the layouts. `config` overrides the table (the tuner and tests); otherwise the config is
-    chosen per call from the table (cheap: cached), or the default when the table has none."""
+                   config: GemmConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (M <= max_rows) @ dequantized weight^T (+ bias) -> [M, N] in out_dtype (default: x's dtype;
+    while something traces always x's: the caller converts); see the module docstring for the layouts.
+    `config` overrides the table (the tuner and tests); otherwise the config is chosen per call from the
+    table (cheap: cached), or the default when the table has none."""
     if config is not None:
-        return _launch(x, weight, scale, bias, block, config)
+        return _launch(x, weight, scale, bias, block, config, out_dtype=out_dtype)
     block_n, block_k = block if block is not None else (0, 0)
     if _tracing():
         return _op(x, weight, scale, bias, block_n, block_k)
-    return _impl(x, weight, scale, bias, block_n, block_k)
+    return _impl(x, weight, scale, bias, block_n, block_k, out_dtype)
 
 
 def fused_gemv_config(n: int, k: int, kind: str, device: str, paired: bool = False, m: int = 1) -> GemmConfig | None:
@@ -1055,14 +1076,16 @@ def takes_prenormed(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int
 
 def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
                              bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                             rope: RopeStore | None = None, config: GemmConfig | None = None) -> torch.Tensor | None:
+                             rope: RopeStore | None = None, config: GemmConfig | None = None,
+                             out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (one row): small_m_rmsnorm_linear's y with
-    the norm's work already done by the kernel that made h. With `rope`, the qkv projection's rotary and KV
-    store run in the same kernel. None where no single-split GEMV config applies, or while something traces."""
+    the norm's work already done by the kernel that made h, in out_dtype (default: the row's). With `rope`,
+    the qkv projection's rotary and KV store run in the same kernel. None where no single-split GEMV config
+    applies, or while something traces."""
     config = _fused_config(row.weighted, weight, block, config, paired=rope is not None)
     if config is None:
         return None
-    return _launch(row.weighted, weight, scale, bias, block, config, rope=rope, prenormed=row)
+    return _launch(row.weighted, weight, scale, bias, block, config, rope=rope, prenormed=row, out_dtype=out_dtype)
 
 
 def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
