@@ -18,6 +18,7 @@ import pytest
     ("probe_fp8_kv_qk", []),
     ("probe_pdl_oproj", []),
     ("probe_pdl_step", []),
+    ("probe_fused_mlp", []),
 ])
 def test_refuses_without_cuda(monkeypatch, capsys, name, argv):
     probe = importlib.import_module(f"benchmarks.{name}")
