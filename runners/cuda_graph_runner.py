@@ -54,12 +54,13 @@ class GraphInputBuffers:
 
     def batch(self, bs: int, model_runner, backend) -> ForwardBatch:
         """A decode batch over the first bs rows of the buffers (all padding until `load` fills them)."""
-        input_ids, positions, req_pool_indices, out_cache_loc, seq_lens = self.rows(bs)[0]
+        (input_ids, positions, req_pool_indices, out_cache_loc, seq_lens), logits = self.rows(bs)
         return ForwardBatch(
             mode=ForwardMode.DECODE, batch_size=bs, input_ids=input_ids, positions=positions,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens,
             out_cache_loc=out_cache_loc, req_to_token_pool=model_runner.req_to_token_pool,
-            kv_cache=model_runner.kv_cache, attn_backend=backend, seq_lens_cpu=[self.seq_len_fill] * bs)
+            kv_cache=model_runner.kv_cache, attn_backend=backend, seq_lens_cpu=[self.seq_len_fill] * bs,
+            logits_out=logits)
 
     def rows(self, bs: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """([input_ids, positions, req_pool_indices, out_cache_loc, seq_lens][:bs], logits[:bs]), cached."""
@@ -105,8 +106,10 @@ class CudaGraphRunner:
         return self.buffers.batch(bs, self.model_runner, self.backend)
 
     def _forward(self, fb: ForwardBatch) -> None:
+        """The model's step into the static logits (fb.logits_out: the LM head writes them there)."""
         logits = self.model(fb.input_ids, fb.positions, fb)
-        self.buffers.logits[: fb.batch_size].copy_(logits)
+        if logits.data_ptr() != fb.logits_out.data_ptr():  # (a model that does not honour logits_out)
+            fb.logits_out.copy_(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -435,6 +435,38 @@ def test_lm_head_takes_the_kernel_where_the_table_says(table, monkeypatch):
         assert torch.equal(head(hidden), torch.nn.functional.linear(hidden, head.weight))
 
 
+@interpreter_only
+def test_lm_head_writes_its_logits_into_a_given_buffer(table, monkeypatch):
+    """A decode graph's static logits (fb.logits_out): the kernel stores into the buffer itself (the
+    runner's copy after the head goes), and F.linear's logits are converted into it; the values are those
+    the head returns without a buffer."""
+    from model_executor.layers.embedding import ParallelLMHead
+
+    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    head = ParallelLMHead(50, 64, tp_rank=0, tp_size=1).to(torch.bfloat16)
+    head.weight.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    buf = torch.full((8, 50), float("nan"))
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, *a, **kw: copies.append(1) or real_copy(t, src, *a, **kw))
+    with torch.no_grad():
+        for entry, n_copies in (
+                ({"bf16": {"50,64": {"4": {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2, "num_stages": 2}}}}, 0),
+                ({}, 1)):  # the kernel (split K: its reduce writes the buffer), then F.linear and one copy
+            table(entry)
+            expected = head(hidden).float()
+            copies.clear()
+            got = head(hidden, out=buf[:3])
+            assert len(copies) == n_copies
+            assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:3], expected)
+            assert buf[3:].isnan().all()  # (rows past the batch's untouched)
+            buf.fill_(float("nan"))
+        with pytest.raises(ValueError, match="y_out must be a contiguous"):
+            sm.small_m_linear(hidden, head.weight, config=sm.GemmConfig(BLOCK_N=16, BLOCK_K=32),
+                              out_dtype=torch.float32, y_out=buf[:, :25][:3])
+
+
 @in_process
 def test_cpu_path_does_not_take_the_kernel(table):
     """Without the opt-in, CPU tensors keep F.linear / the FP8 reference (the server's CPU path)."""

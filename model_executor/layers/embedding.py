@@ -104,23 +104,28 @@ class ParallelLMHead(VocabParallelEmbedding):
         None for an int8 table, which has a GEMM of its own."""
         return None if self.int8 else (self.weight, None, None)
 
-    def forward(self, hidden: torch.Tensor | PrenormedRow) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor | PrenormedRow, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [rows, vocab]: float32 where the small-M kernel runs (it stores its float32 sums; no
-        conversion kernel after it), else in hidden's dtype. hidden may be a PrenormedRow (the last layer's
-        down projection made it, linear.linear_add_rmsnorm): the final norm's 1 / rms goes into the GEMV."""
+        conversion kernel after it) or `out` is given, else in hidden's dtype. hidden may be a PrenormedRow
+        (the last layer's down projection made it, linear.linear_add_rmsnorm): the final norm's 1 / rms goes
+        into the GEMV. out: a float32 [rows, vocab] tensor to write the logits into (and return): the small-M
+        kernel stores there directly; other paths' logits are converted into it by one copy."""
+        direct = out if self.tp_size == 1 else None
         if isinstance(hidden, PrenormedRow):
             kernel = small_m_kernel(hidden.weighted, self.weight)
             logits = None if kernel is None else kernel.small_m_prenormed_linear(hidden, self.weight,
-                                                                                 out_dtype=torch.float32)
+                                                                                 out_dtype=torch.float32, y_out=direct)
             if logits is None:  # (linear_add_rmsnorm checked this weight's config before it made the row)
                 raise RuntimeError("the LM head was given a PrenormedRow that its GEMV cannot take")
         elif self.int8:
             scale = self._table[0].weight_scale.to(fp8_math.INT8_COMPUTE_DTYPE)
             logits = fp8_math.int8_weight_only_mm(hidden, self.weight, scale)
         elif kernel := small_m_kernel(hidden, self.weight):  # decode-sized CUDA batches, where the table says so
-            logits = kernel.small_m_linear(hidden, self.weight, out_dtype=torch.float32)
+            logits = kernel.small_m_linear(hidden, self.weight, out_dtype=torch.float32, y_out=direct)
         else:
             logits = F.linear(hidden, self.weight)
-        if self.tp_size == 1:
+        if self.tp_size > 1:
+            logits = ps.tensor_model_parallel_all_gather(logits)[:, : self.vocab_size]
+        if out is None or logits is out:
             return logits
-        return ps.tensor_model_parallel_all_gather(logits)[:, : self.vocab_size]
+        return out.copy_(logits)

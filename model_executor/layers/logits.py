@@ -19,8 +19,9 @@ def last_token_hidden(hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
 
 
 def compute_logits(lm_head: ParallelLMHead, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-    """float32 logits [bs, vocab] of each request's last token. With a prompt-logprob plan, also scores the
-    plan's rows into fb.prompt_logprobs (here, outside any graph: the graph runners hand over the hidden states)."""
+    """float32 logits [bs, vocab] of each request's last token, in fb.logits_out if the batch gives one. With a
+    prompt-logprob plan, also scores the plan's rows into fb.prompt_logprobs (here, outside any graph: the
+    graph runners hand over the hidden states)."""
     if fb.prompt_logprob_plan is not None:
         fb.prompt_logprobs = score_prompt_rows(lm_head, hidden, fb.prompt_logprob_plan)
-    return lm_head(last_token_hidden(hidden, fb)).float()
+    return lm_head(last_token_hidden(hidden, fb), out=fb.logits_out).float()

@@ -649,7 +649,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
             norm: RmsNormInput | None = None, rope: RopeStore | None = None,
             add_norm: AddRmsNormOutput | None = None, prenormed: PrenormedRow | None = None,
             x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-            preload: bool = False, pdl: bool = False) -> torch.Tensor:
+            preload: bool = False, pdl: bool = False, y_out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight^T (+ bias); silu_mul: weight is [gate; up] and y = silu(x @ gate^T) * (x @ up^T);
     norm: x is first normed (and added to a residual) as `norm` says; rope: weight is a qkv projection
     and the epilogue runs the rotary and the KV store (the q heads of y rotated); add_norm: the epilogue
@@ -657,7 +657,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     input is that row (x is prenormed.weighted); x_scale: x holds FP8 codes with these scales, per row or
     per row and block_k group (an X_FP8 config; y in out_dtype); preload: the first weight tile loaded
     before anything else (a one-row, single-split plain GEMV); pdl: that, and launched with programmatic
-    dependent launch where the device has it (pdl.py: after a kernel that leaves the memory bus idle)."""
+    dependent launch where the device has it (pdl.py: after a kernel that leaves the memory bus idle);
+    y_out: y goes there (contiguous [M, N] in out_dtype, not with the rotary's paired rows) and is returned."""
     if cfg.X_FP8 != (x_scale is not None):
         raise ValueError(f"FP8 activations (x_scale) go with an X_FP8 config and only with one, got {cfg}")
     if (add_norm is not None or prenormed is not None) and (not cfg.GEMV or cfg.SPLIT_K != 1):
@@ -695,7 +696,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         bias = bias.contiguous()
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul or rope is not None else weight.shape[0]  # (paired: half the rows)
-    y = torch.empty((m, weight.shape[0] if rope is not None else n), dtype=out_dtype or x.dtype, device=x.device)
+    if y_out is None:
+        y = torch.empty((m, weight.shape[0] if rope is not None else n), dtype=out_dtype or x.dtype, device=x.device)
+    elif (rope is not None or y_out.shape != (m, n) or y_out.dtype != (out_dtype or x.dtype)
+          or not y_out.is_contiguous()):
+        raise ValueError(f"y_out must be a contiguous [{m}, {n}] {out_dtype or x.dtype} tensor (no rotary), got "
+                         f"{tuple(y_out.shape)} {y_out.dtype}")
+    else:
+        y = y_out
     if m == 0 or n == 0:
         return y
     block_k = cfg.BLOCK_K
@@ -943,13 +951,20 @@ def _device_key(x: torch.Tensor) -> str:
     return device_name(str(x.device)) if x.is_cuda else "cpu"
 
 
-def _impl(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-          block_n: int, block_k: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+         block_n: int, block_k: int, out_dtype: torch.dtype | None = None,
+         y_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The launch at the table's config (or the default)."""
     block = (block_n, block_k) if block_n > 0 else None
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     kind = weight_kind(weight, block)
     cfg = choose_config(m, n, k, kind, _device_key(x)) or default_config(m, n, k, kind)
-    return _launch(x, weight, scale, bias, block, cfg, out_dtype=out_dtype)
+    return _launch(x, weight, scale, bias, block, cfg, out_dtype=out_dtype, y_out=y_out)
+
+
+def _impl(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+          block_n: int, block_k: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _run(x, weight, scale, bias, block_n, block_k, out_dtype)
 
 
 _op = torch.library.custom_op("duet::small_m_gemm", _impl, mutates_args=())
@@ -966,17 +981,19 @@ def _tracing() -> bool:
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                   config: GemmConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   config: GemmConfig | None = None, out_dtype: torch.dtype | None = None,
+                   y_out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= max_rows) @ dequantized weight^T (+ bias) -> [M, N] in out_dtype (default: x's dtype;
-    while something traces always x's: the caller converts); see the module docstring for the layouts.
+    while something traces always x's: the caller converts), written into y_out if given (not while
+    something traces); see the module docstring for the layouts.
     `config` overrides the table (the tuner and tests); otherwise the config is chosen per call from the
     table (cheap: cached), or the default when the table has none."""
     if config is not None:
-        return _launch(x, weight, scale, bias, block, config, out_dtype=out_dtype)
+        return _launch(x, weight, scale, bias, block, config, out_dtype=out_dtype, y_out=y_out)
     block_n, block_k = block if block is not None else (0, 0)
     if _tracing():
         return _op(x, weight, scale, bias, block_n, block_k)
-    return _impl(x, weight, scale, bias, block_n, block_k, out_dtype)
+    return _run(x, weight, scale, bias, block_n, block_k, out_dtype, y_out)
 
 
 def fused_gemv_config(n: int, k: int, kind: str, device: str, paired: bool = False, m: int = 1) -> GemmConfig | None:
@@ -1077,15 +1094,18 @@ def takes_prenormed(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int
 def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
                              bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
                              rope: RopeStore | None = None, config: GemmConfig | None = None,
-                             out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+                             out_dtype: torch.dtype | None = None,
+                             y_out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (one row): small_m_rmsnorm_linear's y with
-    the norm's work already done by the kernel that made h, in out_dtype (default: the row's). With `rope`,
+    the norm's work already done by the kernel that made h, in out_dtype (default: the row's; into y_out if
+    given). With `rope`,
     the qkv projection's rotary and KV store run in the same kernel. None where no single-split GEMV config
     applies, or while something traces."""
     config = _fused_config(row.weighted, weight, block, config, paired=rope is not None)
     if config is None:
         return None
-    return _launch(row.weighted, weight, scale, bias, block, config, rope=rope, prenormed=row, out_dtype=out_dtype)
+    return _launch(row.weighted, weight, scale, bias, block, config, rope=rope, prenormed=row, out_dtype=out_dtype,
+                   y_out=y_out)
 
 
 def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
