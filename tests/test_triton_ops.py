@@ -402,6 +402,8 @@ def _extend_case(num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, dt
         (4, 2, 64, (16, 16, 4, 1)),  # small tiles: many KV blocks, unaligned prefix/band boundaries
         (3, 3, 128, (32, 16, 4, 1)),
         (6, 2, 80, (16, 32, 4, 1)),
+        (4, 2, 64, (16, 16, 4, 3)),  # pipelined loops (the long-extend tiles' stages)
+        (4, 2, 64, (16, 16, 4, 1, 3)),  # only the prefix's loop pipelined (the short-extend tiles')
     ],
 )
 def test_extend_matches_reference(num_heads, num_kv_heads, head_dim, config):
@@ -445,18 +447,30 @@ def test_extend_last_token_matches_decode():
 
 @in_process
 def test_short_extends_take_64_row_tiles_and_a_batch_takes_its_levels_tile():
-    """16-bit heads up to 128 wide: 64x64 tiles up to 512 new tokens per request (measured faster there),
-    128x64 above and when the length is not given; float32 and wider heads keep theirs. The bound is an extend
-    level, so a batch and the graph level it pads to (the whole extend graphs size the grid by the level)
-    take the same tile."""
+    """16-bit heads up to 128 wide: 64x64 tiles with the new tokens' loop unpipelined up to 512 new tokens per
+    request (measured faster there), 3 stages above and when the length is not given (64x64 tiles for
+    head_dim 64, 128x128 for 128); the prefix's loop in 3 stages throughout. float32 and wider heads keep
+    theirs. The bound is an extend level, so a batch and the graph level it pads to (the whole extend graphs
+    size the grid by the level) take the same tile."""
     from runners.capture_lists import get_token_levels, pick_size
 
     get = extend_mod.get_extend_config
-    for head_dim, warps in ((64, 4), (128, 8)):
-        assert get(head_dim, torch.bfloat16, 1) == get(head_dim, torch.float16, 512) == (64, 64, 4, 1)
-        assert get(head_dim, torch.bfloat16, 513) == get(head_dim, torch.bfloat16) == (128, 64, warps, 1)
-    assert get(256, torch.bfloat16, 100) == (64, 32, 8, 1)
-    assert get(64, torch.float32, 100) == (32, 32, 4, 1)
+    for head_dim in (64, 128):
+        assert get(head_dim, torch.bfloat16, 1) == get(head_dim, torch.float16, 512) == (64, 64, 4, 1, 3)
+    assert get(64, torch.bfloat16, 513) == get(64, torch.bfloat16) == (64, 64, 4, 3, 3)
+    assert get(128, torch.bfloat16, 513) == get(128, torch.bfloat16) == (128, 128, 8, 3, 3)
+    # a device whose programs get less shared memory (an L40S: 99 KiB) keeps the unpipelined tiles where the
+    # pipelined ones would not fit; an H100 / H200 (227 KiB) takes them all
+    l40s, h200 = 101376, 232448
+    assert get(128, torch.bfloat16, 100, l40s) == (64, 64, 4, 1, 0)
+    assert get(128, torch.bfloat16, 513, l40s) == (128, 64, 8, 1, 0)
+    assert get(64, torch.bfloat16, 100, l40s) == (64, 64, 4, 1, 3)
+    assert get(64, torch.bfloat16, 513, l40s) == (64, 64, 4, 3, 3)
+    for head_dim, n in ((64, 100), (64, 513), (128, 100), (128, 513)):
+        assert get(head_dim, torch.bfloat16, n, h200) == get(head_dim, torch.bfloat16, n)
+        assert extend_mod.shared_bytes(get(head_dim, torch.bfloat16, n), head_dim) <= h200
+    assert get(256, torch.bfloat16, 100) == (64, 32, 8, 1, 0)
+    assert get(64, torch.float32, 100) == (32, 32, 4, 1, 0)
     levels = get_token_levels(2048)
     for n in range(1, 2049):
         assert get(128, torch.bfloat16, n) == get(128, torch.bfloat16, pick_size(levels, n)), n

@@ -14,6 +14,7 @@ visited.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -35,33 +36,63 @@ class ExtendConfig(NamedTuple):
     block_m: int
     block_n: int
     num_warps: int
-    num_stages: int
+    num_stages: int  # the new tokens' loops (software pipelining of their K/V loads; 1: none)
+    pool_stages: int = 0  # the cached prefix's loop (rows gathered from the pool); 0: num_stages
 
 
 # Up to this many new tokens in the batch's longest request, 16-bit inputs of head_dim <= 128 take 64x64
-# tiles: 1.06-1.46x faster than 128x64 at 16-512 tokens for head_dim 64 and 128 on the H200 (bench_attention,
-# docs/benchmarks.md); above it, unmeasured, the 128x64 tiles stay. 512 is an extend graph level, so a batch and
+# tiles without pipelining the new tokens' loop: 1.06-1.46x faster than 128x64 at 16-512 tokens for head_dim
+# 64 and 128 on the H200, and 1.3x faster than a 3-stage loop at 128 tokens (bench_attention,
+# docs/benchmarks.md). Above it the new tokens' loop takes 3 stages (64x64 tiles for head_dim 64, 128x128 for
+# 128): 1-18% faster at 1024-8192 tokens (thirty-second session). 512 is an extend graph level, so a batch and
 # the level it pads to take the same tile.
 SHORT_EXTEND_MAX_TOKENS = 512
+# The cached prefix's loop gathers its rows through req_to_token: pipelined in 3 stages, 16-128 new tokens behind
+# a 1024-4096-token prefix take 1.4-2.0x less time (thirty-second session), whatever the new tokens' tile.
+POOL_STAGES = 3
+
+
+def shared_bytes(cfg: ExtendConfig, head_dim: int) -> int:
+    """An upper bound on the kernel's shared memory at a 16-bit config: q's tile and each pipeline stage's K
+    and V tiles (ptxas for sm_90, triton 3.6: 224 KiB estimated and used at 128x128 tiles of 128-wide heads in
+    3 stages; 112 KiB estimated, 80.5 KiB used for 64x64 tiles with the prefix's loop in 3 stages)."""
+    d = triton.next_power_of_2(head_dim)
+    return 2 * d * (cfg.block_m + 2 * cfg.block_n * max(cfg.num_stages, cfg.pool_stages))
+
+
+@functools.cache
+def max_shared_bytes(device_index: int) -> int:
+    """The shared memory a program may use on this CUDA device (the bound Triton checks at launch)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
 def get_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                      max_extend_len: int | None = None) -> ExtendConfig:
+                      max_extend_len: int | None = None, max_shared: int | None = None) -> ExtendConfig:
     """Tile sizes for `extend_attention_fwd` on Hopper/Ampere-class GPUs (the interpreter ignores warps).
 
-    16-bit inputs: 64x64 tiles up to SHORT_EXTEND_MAX_TOKENS new tokens per request, 128x64 above (or when
-    max_extend_len is not given); no register spills on sm_90 for head_dim 64 and 128 (ptxas, triton 3.6).
-    float32 inputs (tests, not serving) use tf32x3 dots, whose operands need smaller tiles.
+    16-bit inputs of head_dim <= 128: 64x64 tiles up to SHORT_EXTEND_MAX_TOKENS new tokens per request, the
+    new tokens' loop not pipelined; above (or when max_extend_len is not given) 3 stages, 64x64 tiles for
+    head_dim 64 and 128x128 for 128; the prefix's loop in POOL_STAGES stages. Where a device's shared memory
+    (max_shared, bytes a program) is below shared_bytes of those, the unpipelined tiles of before (64x64 up
+    to SHORT_EXTEND_MAX_TOKENS, 128x64 above). float32 inputs (tests, not serving) use tf32x3 dots, whose
+    operands need smaller tiles.
     """
     if dtype == torch.float32:
         return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
-    if head_dim <= 128 and max_extend_len is not None and max_extend_len <= SHORT_EXTEND_MAX_TOKENS:
-        return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
-    if head_dim <= 64:
-        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=1)
-    if head_dim <= 128:
-        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=1)
-    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=1)
+    if head_dim > 128:
+        return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=1)
+    if max_extend_len is not None and max_extend_len <= SHORT_EXTEND_MAX_TOKENS:
+        cfg = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, pool_stages=POOL_STAGES)
+        unpipelined = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
+    elif head_dim <= 64:
+        cfg = ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pool_stages=POOL_STAGES)
+        unpipelined = ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=1)
+    else:
+        cfg = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pool_stages=POOL_STAGES)
+        unpipelined = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=1)
+    if max_shared is not None and shared_bytes(cfg, head_dim) > max_shared:
+        return unpipelined
+    return cfg
 
 
 @triton.jit
@@ -74,11 +105,13 @@ def _attend_block_range(
     CAUSAL: tl.constexpr,
     FROM_POOL: tl.constexpr,
     IN_PRECISION: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """Online softmax over key positions kv_start..kv_end. K / V point at the KV head's first element;
-    FROM_POOL: position p is row slot_table[p] (the pool); otherwise row row_base + p (the new tokens).
-    qk_scale includes the pool's K scale and v_scale is its V scale (1.0 for the new tokens)."""
-    for start_n in range(kv_start, kv_end, BLOCK_N):
+    """Online softmax over key positions kv_start..kv_end, the loop software-pipelined in STAGES stages. K / V
+    point at the KV head's first element; FROM_POOL: position p is row slot_table[p] (the pool); otherwise row
+    row_base + p (the new tokens). qk_scale includes the pool's K scale and v_scale is its V scale (1.0 for
+    the new tokens)."""
+    for start_n in tl.range(kv_start, kv_end, BLOCK_N, num_stages=STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         if FROM_POOL:
@@ -123,6 +156,8 @@ def _extend_kernel(
     IN_PRECISION: tl.constexpr,
     POOL_F16: tl.constexpr,
     Q_PRESCALE: tl.constexpr,
+    NEW_STAGES: tl.constexpr,
+    POOL_STAGES: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -184,22 +219,23 @@ def _extend_kernel(
     else:
         q_pool = q
         pool_qk_scale = qk_scale * k_scale
-    acc, e_sum, e_max = _attend_block_range(
-        acc, e_sum, e_max, q_pool, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
-        0, prefix_len, pool_qk_scale, v_scale, offs_d, mask_d,
-        BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION)
+    if prefix_len > 0:  # (a pipelined loop's prologue costs even when it runs no step: 0.5-1.4 us at 128 tokens)
+        acc, e_sum, e_max = _attend_block_range(
+            acc, e_sum, e_max, q_pool, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
+            0, prefix_len, pool_qk_scale, v_scale, offs_d, mask_d,
+            BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION, STAGES=POOL_STAGES)
     # 2. New tokens before the tile's first query: visible to every row.
     shared_end = prefix_len + block_m * BLOCK_M
     acc, e_sum, e_max = _attend_block_range(
         acc, e_sum, e_max, q, q_pos, k_new, v_new, stride_knbs, stride_vnbs, slot_table, new_row_base,
         prefix_len, shared_end, qk_scale, 1.0, offs_d, mask_d,
-        BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=False, IN_PRECISION=IN_PRECISION)
+        BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=False, IN_PRECISION=IN_PRECISION, STAGES=NEW_STAGES)
     # 3. The tile's own band, up to its last real query position: causal mask.
     band_end = prefix_len + tl.minimum((block_m + 1) * BLOCK_M, extend_len)
     acc, e_sum, e_max = _attend_block_range(
         acc, e_sum, e_max, q, q_pos, k_new, v_new, stride_knbs, stride_vnbs, slot_table, new_row_base,
         shared_end, band_end, qk_scale, 1.0, offs_d, mask_d,
-        BLOCK_N=BLOCK_N, CAUSAL=True, FROM_POOL=False, IN_PRECISION=IN_PRECISION)
+        BLOCK_N=BLOCK_N, CAUSAL=True, FROM_POOL=False, IN_PRECISION=IN_PRECISION, STAGES=NEW_STAGES)
 
     out = acc / e_sum[:, None]
     tl.store(O + new_rows[:, None] * stride_obs + cur_head * stride_oh + offs_d[None, :],
@@ -237,7 +273,8 @@ def extend_attention_fwd(
     positions 0 .. prefix_len + i: the prefix read from the pool through req_to_token, the new tokens
     straight from k / v (so the kernel never reads a slot it is writing).
     max_extend_len: host int >= every extend_seq_lens[b] (sizes the grid).
-    config: tile override (default `get_extend_config(head_dim, q.dtype, max_extend_len)`).
+    config: tile override (default `get_extend_config(head_dim, q.dtype, max_extend_len, <the device's shared
+    memory>)`).
     k_scale, v_scale: the pool's scales: an FP8 pool stores K / k_scale and V / v_scale (saturated casts)
     and the prefix read from it is scaled back; the new tokens are attended unquantized.
     """
@@ -250,7 +287,8 @@ def extend_attention_fwd(
     assert all(t.stride(-1) == 1 for t in (q, k, v, o, k_buffer, v_buffer, req_to_token))
     if bs == 0 or num_tokens == 0 or max_extend_len <= 0:
         return
-    cfg = config or get_extend_config(head_dim, q.dtype, max_extend_len)
+    cfg = config or get_extend_config(head_dim, q.dtype, max_extend_len,
+                                      max_shared_bytes(q.device.index or 0) if q.is_cuda else None)
 
     grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
@@ -272,6 +310,8 @@ def extend_attention_fwd(
         IN_PRECISION=_dot_precision(q.dtype),
         POOL_F16=kv_dots_in_fp16(q.dtype, k_buffer.dtype),
         Q_PRESCALE=Q_PRESCALE,
+        NEW_STAGES=cfg.num_stages,
+        POOL_STAGES=cfg.pool_stages or cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
