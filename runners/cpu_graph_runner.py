@@ -16,6 +16,7 @@ every size above 1 (dynamo specializes size 1, which gets a trace of its own). I
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -67,8 +68,8 @@ class CpuGraphRunner:
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, len(self.batch_sizes) + 2)
         # The traced forward reads the batch only for its mode (decode: every row is a last token); attention
-        # gets the real batch from the forward context.
-        self._traced_batch = self._padded_batch(self.max_bs)
+        # gets the real batch from the forward context. It returns its logits: none go into the buffers.
+        self._traced_batch = dataclasses.replace(self._padded_batch(self.max_bs), logits_out=None)
         model = self.model
 
         def decode_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
