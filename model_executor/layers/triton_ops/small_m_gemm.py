@@ -1098,9 +1098,8 @@ def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: tor
                              y_out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (one row): small_m_rmsnorm_linear's y with
     the norm's work already done by the kernel that made h, in out_dtype (default: the row's; into y_out if
-    given). With `rope`,
-    the qkv projection's rotary and KV store run in the same kernel. None where no single-split GEMV config
-    applies, or while something traces."""
+    given). With `rope`, the qkv projection's rotary and KV store run in the same kernel. None where no
+    single-split GEMV config applies, or while something traces."""
     config = _fused_config(row.weighted, weight, block, config, paired=rope is not None)
     if config is None:
         return None
