@@ -413,14 +413,19 @@ def test_linear_methods_take_the_kernel_at_small_m(quant, table, monkeypatch):
             assert calls == [4]
 
 
-@interpreter_only
-def test_lm_head_takes_the_kernel_where_the_table_says(table, monkeypatch):
+def _small_lm_head(monkeypatch):
+    """A bf16 LM head of 50 x 64 that may take the small-M kernel on CPU tensors, and 3 hidden rows for it."""
     from model_executor.layers.embedding import ParallelLMHead
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     head = ParallelLMHead(50, 64, tp_rank=0, tp_size=1).to(torch.bfloat16)
     head.weight.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
-    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    return head, torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+
+@interpreter_only
+def test_lm_head_takes_the_kernel_where_the_table_says(table, monkeypatch):
+    head, hidden = _small_lm_head(monkeypatch)
     ref = reference(hidden, head.weight.float(), None)
     cfg = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2, "num_stages": 2}
     table({"bf16": {"50,64": {"4": cfg}}})
@@ -440,12 +445,7 @@ def test_lm_head_writes_its_logits_into_a_given_buffer(table, monkeypatch):
     """A decode graph's static logits (fb.logits_out): the kernel stores into the buffer itself (the
     runner's copy after the head goes), and F.linear's logits are converted into it; the values are those
     the head returns without a buffer."""
-    from model_executor.layers.embedding import ParallelLMHead
-
-    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
-    head = ParallelLMHead(50, 64, tp_rank=0, tp_size=1).to(torch.bfloat16)
-    head.weight.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
-    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    head, hidden = _small_lm_head(monkeypatch)
     buf = torch.full((8, 50), float("nan"))
     copies = []
     real_copy = torch.Tensor.copy_

@@ -963,8 +963,9 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias
 
 
 def _impl(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-          block_n: int, block_k: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return _run(x, weight, scale, bias, block_n, block_k, out_dtype)
+          block_n: int, block_k: int) -> torch.Tensor:
+    """The traced op (x's dtype out: small_m_linear's caller converts while something traces)."""
+    return _run(x, weight, scale, bias, block_n, block_k)
 
 
 _op = torch.library.custom_op("duet::small_m_gemm", _impl, mutates_args=())
