@@ -25,6 +25,11 @@ import triton
 import triton.language as tl
 
 TILES = [(bn, bk) for bn in (64, 128) for bk in (64, 128)]
+# The small-M kernel (triton_ops/small_m_gemm.py: the swapped dot, rows padded to a power of two, split K with
+# its reduce in the kernel) let past its row limit: (BLOCK_N, BLOCK_K, warps, stages), and split counts that
+# give about one to two waves of programs on the GPU.
+SMALL_M_TILES = ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3))
+SMALL_M_PROGRAMS = (64, 300)
 SPLITS = (1, 2, 4)
 WARPS_STAGES = ((4, 3), (8, 3), (4, 4))
 
@@ -72,10 +77,33 @@ def triton_call(x: torch.Tensor, w: torch.Tensor, bn: int, bk: int, split: int, 
     return call
 
 
+def small_m_configs(n: int, k: int) -> list:
+    from model_executor.layers.triton_ops.small_m_gemm import GemmConfig
+
+    out = []
+    for bn, bk, warps, stages in SMALL_M_TILES:
+        for split in (1, 2, 4, 8, 16):
+            programs = triton.cdiv(n, bn) * split
+            if k // split >= bk and (SMALL_M_PROGRAMS[0] <= programs <= SMALL_M_PROGRAMS[1] or split == 1):
+                out.append(GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages))
+    return out
+
+
+def small_m_call(x: torch.Tensor, w: torch.Tensor, cfg):
+    """The small-M kernel at M rows (its row limit and in-kernel reduce limit lifted for the probe)."""
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    sm.max_rows = lambda kind: 256
+    sm.IN_KERNEL_REDUCE_MAX_ROWS = 256
+    return lambda: sm._launch(x, w, None, None, None, cfg)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--m", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--kernels", nargs="+", choices=("plain", "small_m"), default=["plain", "small_m"],
+                   help="Triton candidates: the minimal split-K GEMM above, the small-M kernel past its rows")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -104,20 +132,27 @@ def main(argv=None) -> int:
                 lib[backend] = time_calls([lambda w=w, x=x: F.linear(x, w) for w in wts.w])
             torch.backends.cuda.preferred_blas_library(default)
             best = None
-            for (bn, bk), split, (warps, stages) in itertools.product(TILES, SPLITS, WARPS_STAGES):
-                if n % bn or k % (bk * split):
-                    continue
-                calls = [triton_call(x, w, bn, bk, split, warps, stages) for w in wts.w]
+            candidates = []
+            if "plain" in args.kernels:
+                candidates += [(f"{bn}x{bk} split {split} {warps}w/{stages}s",
+                                lambda w, x=x, c=(bn, bk, split, warps, stages): triton_call(x, w, *c))
+                               for (bn, bk), split, (warps, stages) in itertools.product(TILES, SPLITS, WARPS_STAGES)
+                               if not (n % bn or k % (bk * split))]
+            if "small_m" in args.kernels:
+                candidates += [(f"small-M {c.BLOCK_N}x{c.BLOCK_K} split {c.SPLIT_K} {c.num_warps}w/{c.num_stages}s",
+                                lambda w, x=x, c=c: small_m_call(x, w, c)) for c in small_m_configs(n, k)]
+            for label, make in candidates:
+                calls = [make(w) for w in wts.w]
                 try:
                     err = float((calls[0]().float() - ref).abs().max() / ref.abs().max())
                     us = time_calls(calls)
                 except Exception as exc:  # noqa: BLE001 (a tile over the GPU's resources: skip it)
-                    print(f"  {bn}x{bk} split {split} {warps}w/{stages}s: {type(exc).__name__}", file=sys.stderr)
+                    print(f"  {label}: {type(exc).__name__}", file=sys.stderr)
                     continue
                 if err > 1e-2:
-                    raise RuntimeError(f"{name} M={m} {bn}x{bk} split {split}: relative error {err:.2e}")
+                    raise RuntimeError(f"{name} M={m} {label}: relative error {err:.2e}")
                 if best is None or us < best[0]:
-                    best = (us, f"{bn}x{bk} split {split} {warps}w/{stages}s")
+                    best = (us, label)
             row = {"layer": name, "n": n, "k": k, "m": m, "cublas_us": lib["cublas"], "cublaslt_us": lib["cublaslt"],
                    "triton_us": best[0] if best else None, "triton_config": best[1] if best else None}
             rows.append(row)

@@ -105,6 +105,24 @@ def test_fused_experts_skewed_routing_and_model_dtype_weights():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+@in_process
+@pytest.mark.parametrize("align", ["one_program", "torch"])
+def test_out_of_range_expert_id_goes_to_the_last_expert(align, monkeypatch):
+    """An id past the experts (what a router gave a NaN row: a garbage padded row in a whole extend graph) is
+    aligned as expert E - 1, as the small-batch kernels clamp it. Unclamped, the one-program align counted it
+    in no group yet scattered it over expert 0's first slots, so another token's assignment was never
+    computed and its output read whatever memory held (graph and eager then differed)."""
+    if align == "torch":
+        monkeypatch.setattr(kernels, "ALIGN_ONE_PROGRAM_MAX", 0)
+    x, w13, w2, weights, ids = make_moe(12, 8, 32, 24, 3, torch.float32, seed=5)
+    assert (ids == 0).any()  # expert 0 has real assignments the stray id could overwrite
+    ids[4] = torch.tensor([8, 9, 8], dtype=ids.dtype)
+    out = kernels.fused_experts_triton(x, w13, w2, weights, ids, True, False, config=SMALL)
+    ids[4] = 7
+    torch.testing.assert_close(out, kernels.fused_experts_triton(x, w13, w2, weights, ids, True, False, config=SMALL),
+                               rtol=0, atol=0)
+
+
 def test_select_experts_topk_and_renormalise():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
     weights, ids = select_experts(logits, 2, renormalize=False)
@@ -193,7 +211,9 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
     tuning.load_table.cache_clear()
     try:
         assert tuning.get_config(8, 96, 64, 1, "cpu") == small
-        assert tuning.get_config(8, 96, 64, 40, "cpu") == large  # the nearest entry
+        assert tuning.get_config(8, 96, 64, 2, "cpu") == large  # rounded up, as a graph pads: not the nearer 1
+        assert tuning.get_config(8, 96, 64, 64, "cpu") == large
+        assert tuning.get_config(8, 96, 64, 500, "cpu") == large  # past the table: its largest entry
         assert tuning.get_config(8, 96, 128, 40, "cpu") == tuning.default_config(40)  # no table for this shape
     finally:
         tuning.load_table.cache_clear()

@@ -88,6 +88,23 @@ def test_fused_router_masked_experts():
     torch.testing.assert_close(w.cpu().sum(-1), torch.ones(3))
 
 
+@in_process
+@pytest.mark.parametrize("num_experts", [8, 128])
+def test_fused_router_nan_row_names_experts(num_experts):
+    """A row of NaN logits (a garbage padded row in a whole extend graph) still names k distinct experts in
+    0..E-1 (it named expert BLOCK_E: no logit equals a NaN maximum), and the other rows' picks are unchanged."""
+    logits = torch.randn(3, num_experts, generator=torch.Generator().manual_seed(2))
+    logits[1] = float("nan")
+    logits[2, 3] = float("nan")
+    w, ids = router_kernel.topk_softmax(logits.to(DEVICE), 4, True)
+    ids = ids.cpu()
+    assert ((ids >= 0) & (ids < num_experts)).all()
+    assert all(len(set(row.tolist())) == 4 for row in ids)
+    assert ids[0].tolist() == stable_topk(logits[:1], 4)[0].tolist()
+    assert 3 not in ids[2].tolist()
+    torch.testing.assert_close(w[0].cpu().sum(), torch.tensor(1.0))
+
+
 def test_router_fake_op_shapes():
     """The registered op's fake impl (what dynamo and the piecewise runner see): float32 weights, int32 ids."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -151,7 +151,8 @@ def test_tuned_table_picks_the_path_per_token_count(config_dir):
     (config_dir / tuning.table_path(8, 96, 64, "cpu").name).write_text(json.dumps(table))
     assert tuning.select_path(8, 96, 64, 1, "cpu") == ("small_batch", small)
     assert tuning.select_path(8, 96, 64, 4, "cpu") == ("grouped", grouped)
-    assert tuning.select_path(8, 96, 64, 3, "cpu") == ("grouped", grouped)  # the nearest entry: 4
+    assert tuning.select_path(8, 96, 64, 2, "cpu") == ("grouped", grouped)  # rounded up to 4 (1 is as near)
+    assert tuning.select_path(8, 96, 64, 3, "cpu") == ("grouped", grouped)
     assert tuning.select_path(8, 96, 64, 9, "cpu") == ("small_batch", tuning.default_small_config(9))
     assert tuning.select_path(8, 96, 64, 40, "cpu") == ("grouped", grouped)
     assert tuning.get_small_config(8, 96, 64, 4, "cpu") == small  # a forced small path: the tuned tiles

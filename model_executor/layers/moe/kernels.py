@@ -32,6 +32,15 @@ _ALIGN_CHUNK = 64
 
 
 @triton.jit
+def _load_ids(ids_ptr, offs, numel, num_experts):
+    """The expert ids at offs, clamped into 0..E-1 (as the small-batch kernels clamp theirs): an id outside
+    would be counted in no expert's group yet scattered over expert 0's first slots, dropping real tokens'
+    assignments. Past numel: -1, no expert."""
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
+    return tl.where(offs < numel, tl.minimum(tl.maximum(ids, 0), num_experts - 1), -1)
+
+
+@triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, numel, num_experts, max_padded, max_blocks,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     e_idx = tl.arange(0, BLOCK_E)
@@ -39,7 +48,7 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, numel, num
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, numel, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
+        ids = _load_ids(ids_ptr, offs, numel, num_experts)
         counts += tl.sum((ids[:, None] == e_idx[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     cum = tl.cumsum(padded, axis=0)
@@ -58,7 +67,7 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, numel, num
     i = tl.arange(0, CHUNK)
     for start in range(0, numel, CHUNK):
         offs = start + i
-        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
+        ids = _load_ids(ids_ptr, offs, numel, num_experts)
         onehot = ids[:, None] == e_idx[None, :]
         base = tl.sum(tl.where(onehot, offset[None, :], 0), axis=1)
         rank = tl.sum(((ids[None, :] == ids[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
@@ -94,7 +103,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
 
 def _align_torch(flat: torch.Tensor, block_m: int, num_experts: int, max_padded: int, max_blocks: int):
     """The same result from torch ops of fixed sizes (no host sync): for large batches."""
-    flat = flat.long()  # the fused router's ids are int32; scatter indices are int64
+    # int64 scatter indices (the fused router's ids are int32), clamped into 0..E-1 as the kernel clamps them
+    flat = flat.long().clamp(0, num_experts - 1)
     numel, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))

@@ -20,6 +20,9 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_exper
     e_valid = e < num_experts
     x = tl.load(logits_ptr + t_safe[:, None] * stride_t + e[None, :], mask=e_valid[None, :],
                 other=float("-inf")).to(tl.float32)
+    # A NaN logit (a garbage padded row in a graph) ranks below every number: every pick below stays an
+    # expert index (a NaN row would otherwise match no logit and name expert BLOCK_E, past the weights).
+    x = tl.where(x >= float("-inf"), x, float("-inf"))  # (false only for NaN)
     row_max = tl.max(x, axis=1)
     ex = tl.where(e_valid[None, :], tl.exp(x - row_max[:, None]), 0.0)
     denom = tl.sum(ex, axis=1)

@@ -3,8 +3,10 @@
 Tables are JSON files in moe/configs/ named `E=<experts>,N=<2*I>,K=<H>,device=<GPU name>.json` (N, K: the
 w13 GEMM's shape; the GPU name as torch.cuda.get_device_name gives it, spaces as underscores: `NVIDIA_H200`),
 with `,dtype=fp8_w8` before `.json` for FP8 expert weights, mapping a token count to the kernel config
-measured fastest at it (written by benchmarks/tune_fused_moe.py). A lookup takes the entry of the nearest
-token count; FP8 weights without a table of their own use the shape's bf16 table. Read once per file.
+measured fastest at it (written by benchmarks/tune_fused_moe.py). A lookup takes the entry of the smallest
+token count at or above its own (the largest past the table), as a CUDA graph pads a batch up to its size: a
+batch run eagerly and the padded graph of it then take the same tiles, so their float32 sums (and the
+routing near-ties that follow them in the next layer) agree; FP8 weights without a table of their own use the shape's bf16 table. Read once per file.
 
 The small-batch path (moe/small_batch.py: two GEMV kernels, no align or combine kernel) runs at up to
 SMALL_BATCH_MAX_TOKENS tokens. A table entry of such a token count may say which path the tuner measured
@@ -102,26 +104,26 @@ def _no_table(num_experts: int, n: int, k: int, device: str, dtype: str | None) 
                        "one)", table_path(num_experts, n, k, device, dtype).name)
 
 
-def _nearest(num_experts: int, n: int, k: int, num_tokens: int, device: str, dtype: str | None) -> dict | None:
+def _lookup(num_experts: int, n: int, k: int, num_tokens: int, device: str, dtype: str | None) -> dict | None:
     table = dtype and load_table(num_experts, n, k, device_name(device), dtype)
     table = table or load_table(num_experts, n, k, device_name(device))
     if table is None:
         _no_table(num_experts, n, k, device_name(device), dtype)
         return None
-    return table[min(table, key=lambda m: abs(m - num_tokens))]
+    return table[min((m for m in table if m >= num_tokens), default=max(table))]
 
 
 def get_config(num_experts: int, n: int, k: int, num_tokens: int, device: str = "cuda",
                dtype: str | None = None) -> dict:
     """The grouped path's config. dtype: None for weights in the activations' dtype, "fp8_w8" for FP8."""
-    entry = _nearest(num_experts, n, k, num_tokens, device, dtype)
+    entry = _lookup(num_experts, n, k, num_tokens, device, dtype)
     return default_config(num_tokens) if entry is None else {key: entry[key] for key in KEYS}
 
 
 def get_small_config(num_experts: int, n: int, k: int, num_tokens: int, device: str = "cuda",
                      dtype: str | None = None) -> dict:
     """The small-batch kernels' config at this token count (tuned, else the default)."""
-    entry = _nearest(num_experts, n, k, num_tokens, device, dtype) or {}
+    entry = _lookup(num_experts, n, k, num_tokens, device, dtype) or {}
     return entry.get("small_batch") or default_small_config(num_tokens)
 
 
@@ -129,7 +131,7 @@ def select_path(num_experts: int, n: int, k: int, num_tokens: int, device: str =
                 dtype: str | None = None) -> tuple[str, dict]:
     """("small_batch", its config) or ("grouped", its config) for this token count (see the module doc)."""
     if num_tokens <= SMALL_BATCH_MAX_TOKENS:
-        entry = _nearest(num_experts, n, k, num_tokens, device, dtype) or {}
+        entry = _lookup(num_experts, n, k, num_tokens, device, dtype) or {}
         if entry.get("path", "small_batch") == "small_batch":
             return "small_batch", entry.get("small_batch") or default_small_config(num_tokens)
     return "grouped", get_config(num_experts, n, k, num_tokens, device, dtype)
