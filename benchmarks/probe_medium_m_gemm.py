@@ -6,11 +6,14 @@ session's profile): 2.3 TB/s over its 1.94 GB of layer weights, qkv (12.6 MB) in
 and the tensor cores bound it. The small-M kernel stops at 16 rows and the piecewise graphs trace the linear
 layers through F.linear. Before building anything, this probe times, on cold weights in one CUDA graph
 (tune_small_m_gemm.time_calls), F.linear under cuBLAS and under cuBLASLt against a minimal Triton split-K
-GEMM over a small grid of tiles, per (N, K) of the model's linear layers and M, and reports TB/s of weight
-read and the best Triton config's ratio to cuBLAS.
+GEMM over a small grid of tiles, and against the small-M kernel let past its row limit (`--kernels small_m`),
+per (N, K) of the model's linear layers and M, and reports TB/s of weight read and the best Triton config's
+ratio to cuBLAS. Measured on the H200 (docs/benchmarks.md, thirteenth and thirty-third sessions), both lose to
+cuBLAS at 128 rows but on gate_up, where they tie.
 
     python -m benchmarks.probe_medium_m_gemm --json out.json
     python -m benchmarks.probe_medium_m_gemm --model llama-3.1-8b --m 128 256
+    python -m benchmarks.probe_medium_m_gemm --m 128 --kernels small_m
 """
 
 from __future__ import annotations
@@ -90,11 +93,12 @@ def small_m_configs(n: int, k: int) -> list:
 
 
 def small_m_call(x: torch.Tensor, w: torch.Tensor, cfg):
-    """The small-M kernel at M rows (its row limit and in-kernel reduce limit lifted for the probe)."""
+    """The small-M kernel at M rows. Its row limit and in-kernel reduce limit are lifted for this probe's
+    process (module globals: nothing else runs here)."""
     from model_executor.layers.triton_ops import small_m_gemm as sm
 
-    sm.max_rows = lambda kind: 256
-    sm.IN_KERNEL_REDUCE_MAX_ROWS = 256
+    sm.max_rows = lambda kind: max(256, x.shape[0])
+    sm.IN_KERNEL_REDUCE_MAX_ROWS = max(256, x.shape[0])
     return lambda: sm._launch(x, w, None, None, None, cfg)
 
 

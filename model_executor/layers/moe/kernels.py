@@ -2,7 +2,7 @@
 
     moe_align_block_size: the T*k (token, expert) assignments sorted by expert, each expert's group padded
         to a multiple of BLOCK_M with a sentinel (T*k), the expert of each BLOCK_M block, and the padded
-        total. One program for small batches (decode, small extends); torch ops for large ones (a
+        total. An id outside 0..E-1 counts as expert E-1. One program for small batches (decode, small extends); torch ops for large ones (a
         single program would loop too long). Neither syncs with the host.
     grouped GEMM (one kernel, two uses): each program takes BLOCK_M sorted assignments of one expert and
         BLOCK_N output columns. First use: x @ w13[e].T with gate and up accumulated side by side and
@@ -85,7 +85,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     """Returns (sorted_ids int32 [max_padded], expert_ids int32 [max_padded / block_m], total int32 [1]).
 
     sorted_ids lists flat assignment indices (token * k + j) grouped by expert, in token order within an
-    expert, each group padded to a multiple of block_m with the sentinel T*k."""
+    expert, each group padded to a multiple of block_m with the sentinel T*k. Ids outside 0..E-1 (a router's
+    NaN row once gave E) are clamped into it."""
     numel = topk_ids.numel()
     max_padded = max_padded_slots(numel, num_experts, block_m)
     max_blocks = triton.cdiv(max_padded, block_m)

@@ -10,6 +10,7 @@ Ties: the kernel ranks the float32 logits (softmax is monotonic) and gives an ex
 index, as sorting the probabilities stably would. torch.topk documents no tie order and on the CPU does not
 keep the lower index (of equal logits it may take the higher expert), so at an exact tie on the k-th
 place the two paths may choose different experts of equal weight; without ties they choose the same ones.
+The kernel ranks a NaN logit below every number, so a row of garbage (a padding row) names experts in range.
 
 While something traces (dynamo, FakeTensorMode) the CUDA call goes through the registered
 `duet::topk_softmax` op, opaque to the tracer; in eager, directly.
