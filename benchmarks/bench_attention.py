@@ -12,7 +12,8 @@ the triton backend picks, other split counts and min_chunk values (the constants
 SINGLE_STAGE_MAX_LEN), and a sweep of the stage-1 tile (BLOCK_N, num_warps, num_stages, and whether the warps
 share each step or take warp splits: "s" after the tile) at the plan. Each row
 gives the KV bytes read per microsecond against the measured copy bandwidth. Extend: `extend_attention_fwd` at
-a few token counts with its tile configs, against torch SDPA on contiguous K/V.
+a few token counts with its tile configs, against torch SDPA on contiguous K/V and against the flash path the
+triton backend takes for long prompts without a cached prefix (the store, then torch's flash kernel).
 
 --combine (alone, decode only): at the split plan of each point, the chunks merged by a second launch
 (stage 2) against merged in stage 1 (fused_combine), both in CUDA graphs, with a check that they give the
@@ -219,6 +220,20 @@ def extend_rows(heads, n_tok: int) -> list[dict]:
     us = graph_us(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
                                                                            enable_gqa=True))
     out.append({"heads": list(heads), "tokens": n_tok, "config": "torch_sdpa_contiguous", "us": round(us, 2),
+                "tflops": round(flops / us / 1e6, 1)})
+    # what the triton backend runs for a long extend without a cached prefix (flash_extend): the store, then
+    # torch's flash kernel over the new tokens as one variable-length batch
+    from model_executor.layers import triton_ops
+    from model_executor.layers.attention import flash_extend
+
+    cu = torch.tensor([0, n_tok], dtype=torch.int32, device="cuda")
+
+    def flash():
+        triton_ops.store_kv(pool.k, pool.v, loc, k, v)
+        flash_extend.flash_varlen_causal(q, k, v, cu, n_tok, 1.0 / math.sqrt(head_dim))
+
+    us = graph_us(flash)
+    out.append({"heads": list(heads), "tokens": n_tok, "config": "store_and_flash_varlen", "us": round(us, 2),
                 "tflops": round(flops / us / 1e6, 1)})
     return out
 

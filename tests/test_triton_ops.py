@@ -474,3 +474,94 @@ def test_short_extends_take_64_row_tiles_and_a_batch_takes_its_levels_tile():
     levels = get_token_levels(2048)
     for n in range(1, 2049):
         assert get(128, torch.bfloat16, n) == get(128, torch.bfloat16, pick_size(levels, n)), n
+
+
+# ---------------------------------------------------------------- long prefix-free extends: the flash path
+
+
+def _batch(prefix_lens, extend_lens, bound=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(seq_lens_cpu=[p + e for p, e in zip(prefix_lens, extend_lens)],
+                           extend_seq_lens_cpu=list(extend_lens), max_extend_len=bound or max(extend_lens),
+                           max_extend_len_bound=bound)
+
+
+@in_process
+def test_flash_extend_rule():
+    """Only eager batches with no cached prefix and a request past the short-extend tiles, 16-bit, FA2 heads."""
+    from model_executor.layers.attention import flash_extend as fe
+
+    n = fe.FLASH_EXTEND_MIN_TOKENS
+    assert n == extend_mod.SHORT_EXTEND_MAX_TOKENS + 1
+    fits = fe.batch_fits_flash
+    assert fits(_batch([0, 0], [n, 3]), torch.bfloat16, 128)
+    assert fits(_batch([0], [4 * n]), torch.float16, 64)
+    assert not fits(_batch([0, 0], [n - 1, 3]), torch.bfloat16, 128)  # short: the Triton tiles
+    assert not fits(_batch([0, 1], [n, 3]), torch.bfloat16, 128)  # one cached prefix: the pool's kernel
+    assert not fits(_batch([0], [n], bound=n), torch.bfloat16, 128)  # a whole extend graph's static batch
+    assert not fits(_batch([0], [n]), torch.float32, 128)
+    assert not fits(_batch([0], [n]), torch.bfloat16, 100)  # FA2 heads: multiples of 8 up to 256
+    assert not fits(_batch([0], [n]), torch.bfloat16, 264)
+    assert fits(_batch([0], [n]), torch.bfloat16, 256)
+
+
+def _sdpa_varlen(calls):
+    """A stand-in for torch's flash kernel off CUDA: per request, causal SDPA over cu's ranges."""
+
+    def fn(q, k, v, cu, max_len, scale):
+        calls.append((cu.tolist(), max_len))
+        outs = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1))
+        return torch.cat(outs)
+
+    return fn
+
+
+@in_process
+def test_flash_extend_path_stores_kv_and_matches_the_kernel(monkeypatch):
+    """The triton backend's flash path (the kernel replaced by per-request SDPA off CUDA) stores the new K/V at
+    their slots, passes each request's token range, and writes what the Triton extend kernel writes."""
+    from types import SimpleNamespace
+
+    from model_executor.forward_batch import ForwardBatch, ForwardMode
+    from model_executor.layers.attention import flash_extend as fe
+    from model_executor.layers.attention.triton_backend import TritonAttnBackend
+    from model_executor.memory_pool import KVCache
+
+    num_heads, num_kv_heads, head_dim, extend_lens = 4, 2, 16, [5, 9, 3]
+    cfg = SimpleNamespace(num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim)
+    runner = SimpleNamespace(model_config=cfg, context_len=64, device=torch.device(DEVICE), dtype=torch.float32,
+                             kv_dtype=torch.float32, req_to_token_pool=SimpleNamespace(size=8))
+    backend = TritonAttnBackend(runner)
+    gen = torch.Generator().manual_seed(3)
+    req_to_token = make_req_to_token(extend_lens, [4, 2, 7], 40, 16, gen)
+    loc = torch.cat([req_to_token[r, :e] for r, e in zip([4, 2, 7], extend_lens)]).long()
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=gen)
+    kv = torch.randn(sum(extend_lens), 2 * num_kv_heads, head_dim, generator=gen)  # row-strided, like QKV's
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    layer = SimpleNamespace(layer_id=0, head_dim=head_dim, scaling=0.25)
+
+    def run(flash: bool):
+        cache = KVCache(40, 1, num_kv_heads, head_dim, torch.float32, DEVICE)
+        fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * len(loc), [4, 2, 7], extend_lens, loc,
+                                extend_seq_lens=extend_lens, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+                                kv_cache=cache, attn_backend=backend, device=DEVICE)
+        monkeypatch.setattr(fe, "use_flash_extend", lambda *a: flash)
+        out = torch.full_like(q, float("nan"))
+        backend.forward_extend(q, k, v, layer, fb, out)
+        return out, cache
+
+    calls = []
+    monkeypatch.setattr(fe, "flash_varlen_causal", _sdpa_varlen(calls))
+    out_kernel, cache_kernel = run(False)
+    assert calls == []
+    out_flash, cache_flash = run(True)
+    assert calls == [([0, 5, 14, 17], 9)]
+    for got, want in zip(cache_flash.get_kv(0), cache_kernel.get_kv(0)):
+        assert torch.equal(got, want)
+    assert torch.equal(cache_flash.get_kv(0)[0][loc], k) and torch.equal(cache_flash.get_kv(0)[1][loc], v)
+    torch.testing.assert_close(out_flash, out_kernel, atol=1e-4, rtol=1e-4)

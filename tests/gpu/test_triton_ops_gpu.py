@@ -251,3 +251,75 @@ def test_extend_bf16(heads, prefix_lens, extend_lens):
     for p, e in zip(prefix_lens, extend_lens):
         assert rel_err(o[start : start + e], ref[start : start + e]) < 1e-2, f"request prefix {p} extend {e}"
         start += e
+
+
+# ---------------------------------------------------------------- long prefix-free extends: torch's flash kernel
+
+
+@pytest.mark.parametrize("heads", HEAD_CONFIGS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens,flash",
+    [
+        ([0, 0, 0, 0], [600, 1300, 513, 1], True),
+        ([0], [4096], True),
+        ([0, 0], [512, 7], False),  # short: the Triton kernel
+        ([0, 3], [1000, 600], False),  # a cached prefix: the Triton kernel
+    ],
+    ids=["mixed", "single4096", "short", "prefix"],
+)
+def test_backend_extend_flash_path(heads, prefix_lens, extend_lens, flash, monkeypatch):
+    """The triton backend's extend: long batches without a cached prefix run torch's flash kernel (GQA heads in
+    place, one launch for the batch), store the new K/V as the Triton kernel does, and match the fp32 reference
+    and the Triton kernel; the others stay in the Triton kernel."""
+    from types import SimpleNamespace
+
+    from model_executor.forward_batch import ForwardBatch, ForwardMode
+    from model_executor.layers.attention import flash_extend
+    from model_executor.layers.attention.triton_backend import TritonAttnBackend
+    from model_executor.memory_pool import KVCache
+
+    num_heads, num_kv_heads, head_dim = heads
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pool = Pool(seq_lens, num_kv_heads, head_dim, seed=4)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, device=DEV).to(torch.bfloat16)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    ref = extend_ref(pool, q, prefix_lens, extend_lens, sm_scale)
+    loc, k, v = new_kv(pool, prefix_lens, extend_lens)
+    rows = list(range(1, len(seq_lens) + 1))
+    cfg = SimpleNamespace(num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim)
+    runner = SimpleNamespace(model_config=cfg, context_len=8192, device=torch.device(DEV), dtype=torch.bfloat16,
+                             kv_dtype=torch.bfloat16, req_to_token_pool=SimpleNamespace(size=8))
+    backend = TritonAttnBackend(runner)
+    calls = []
+    flash_fn = flash_extend.flash_varlen_causal
+    monkeypatch.setattr(flash_extend, "flash_varlen_causal", lambda *a: calls.append(a[4]) or flash_fn(*a))
+
+    def run(use_flash):
+        cache = KVCache(pool.k.shape[0] - 1, 1, num_kv_heads, head_dim, torch.bfloat16, DEV)
+        cache.k_buffers[0].copy_(pool.k)
+        cache.v_buffers[0].copy_(pool.v)
+        cache.k_buffers[0][loc] = float("nan")  # the new tokens' slots: stored, never read
+        cache.v_buffers[0][loc] = float("nan")
+        fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * len(loc), rows, seq_lens, loc, extend_seq_lens=extend_lens,
+                                req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token), kv_cache=cache,
+                                attn_backend=backend, device=DEV)
+        assert flash_extend.use_flash_extend(fb, q, head_dim) == use_flash
+        out = torch.full_like(q, float("nan"))
+        layer = SimpleNamespace(layer_id=0, head_dim=head_dim, scaling=sm_scale)
+        backend.forward_extend(q, k, v, layer, fb, out)
+        assert torch.equal(cache.k_buffers[0][loc], k) and torch.equal(cache.v_buffers[0][loc], v)
+        return out
+
+    out = run(flash)
+    assert calls == ([max(extend_lens)] if flash else [])
+    assert torch.isfinite(out).all()
+    start = 0
+    for p, e in zip(prefix_lens, extend_lens):
+        assert rel_err(out[start : start + e], ref[start : start + e]) < 1e-2, f"request prefix {p} extend {e}"
+        start += e
+    if flash:  # the Triton kernel on the same batch: equal up to bf16 rounding of the same sums
+        o_kernel = torch.empty_like(q)
+        k_buf, v_buf = pool.k.clone(), pool.v.clone()
+        extend_attention_fwd(q, k, v, o_kernel, k_buf, v_buf, loc, pool.req_to_token,
+                             *extend_args(prefix_lens, extend_lens), sm_scale)
+        assert rel_err(out, o_kernel.float()) < 1e-2
