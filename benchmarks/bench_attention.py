@@ -12,8 +12,8 @@ the triton backend picks, other split counts and min_chunk values (the constants
 SINGLE_STAGE_MAX_LEN), and a sweep of the stage-1 tile (BLOCK_N, num_warps, num_stages, and whether the warps
 share each step or take warp splits: "s" after the tile) at the plan. Each row
 gives the KV bytes read per microsecond against the measured copy bandwidth. Extend: `extend_attention_fwd` at
-a few token counts with its tile configs, against torch SDPA on contiguous K/V and against the flash path the
-triton backend takes for long prompts without a cached prefix (the store, then torch's flash kernel).
+a few token counts with its tile configs, against torch SDPA on contiguous K/V (its default pick, cuDNN on the
+H200 with torch 2.11, and its FA2 kernel).
 
 --combine (alone, decode only): at the split plan of each point, the chunks merged by a second launch
 (stage 2) against merged in stage 1 (fused_combine), both in CUDA graphs, with a check that they give the
@@ -216,25 +216,20 @@ def extend_rows(heads, n_tok: int) -> list[dict]:
             continue
         out.append({"heads": list(heads), "tokens": n_tok, "config": "default" if cfg is None else list(cfg),
                     "us": round(us, 2), "tflops": round(flops / us / 1e6, 1)})
+    # torch's SDPA on the same (contiguous) K/V: its default pick (cuDNN on the H200 with torch 2.11) and FA2
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     qs, ks, vs = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    us = graph_us(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
-                                                                           enable_gqa=True))
-    out.append({"heads": list(heads), "tokens": n_tok, "config": "torch_sdpa_contiguous", "us": round(us, 2),
-                "tflops": round(flops / us / 1e6, 1)})
-    # what the triton backend runs for a long extend without a cached prefix (flash_extend): the store, then
-    # torch's flash kernel over the new tokens as one variable-length batch
-    from model_executor.layers import triton_ops
-    from model_executor.layers.attention import flash_extend
+    for name, backends in (("torch_sdpa_contiguous", None), ("torch_sdpa_flash", [SDPBackend.FLASH_ATTENTION])):
+        def sdpa(backends=backends):
+            if backends is None:
+                return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            with sdpa_kernel(backends):
+                return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
 
-    cu = torch.tensor([0, n_tok], dtype=torch.int32, device="cuda")
-
-    def flash():
-        triton_ops.store_kv(pool.k, pool.v, loc, k, v)
-        flash_extend.flash_varlen_causal(q, k, v, cu, n_tok, 1.0 / math.sqrt(head_dim))
-
-    us = graph_us(flash)
-    out.append({"heads": list(heads), "tokens": n_tok, "config": "store_and_flash_varlen", "us": round(us, 2),
-                "tflops": round(flops / us / 1e6, 1)})
+        us = graph_us(sdpa)
+        out.append({"heads": list(heads), "tokens": n_tok, "config": name, "us": round(us, 2),
+                    "tflops": round(flops / us / 1e6, 1)})
     return out
 
 

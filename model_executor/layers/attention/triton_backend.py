@@ -17,7 +17,6 @@ import torch
 
 from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch
-from model_executor.layers.attention import flash_extend
 from model_executor.layers.attention.base import AttentionBackend
 from model_executor.layers.attention.radix_attention import RadixAttention
 from model_executor.layers.attention.triton_ops import (
@@ -54,8 +53,6 @@ class TritonAttnBackend(AttentionBackend):
         # The split count of the decode batch being run, and that batch; set by init_forward_metadata or the
         # graph hooks (a graph bakes it in).
         self._decode_splits: tuple[ForwardBatch, int] | None = None
-        # The extend batch whose attention runs in the flash kernel, and its cu_seqlens (made once per batch).
-        self._flash_cu: tuple[ForwardBatch, torch.Tensor] | None = None
 
     # ---- the decode split plan ----------------------------------------------------------------------
     def split_cap(self, bs: int) -> int:
@@ -120,21 +117,9 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
-        if flash_extend.use_flash_extend(fb, q, layer.head_dim):
-            self.forward_extend_flash(q, k, v, layer, fb, out)
-            return
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
         k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
         extend_attention_fwd(q, k, v, out, k_buf, v_buf, fb.out_cache_loc, fb.req_to_token_pool.req_to_token,
                              fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens, fb.extend_start_loc,
                              fb.max_extend_len, layer.scaling,
                              k_scale=k_scale, v_scale=v_scale)
-
-    def forward_extend_flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
-                             fb: ForwardBatch, out: torch.Tensor) -> None:
-        """A long extend batch without cached prefixes (flash_extend.use_flash_extend): K/V stored, then torch's
-        flash kernel over the new tokens."""
-        fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        if self._flash_cu is None or self._flash_cu[0] is not fb:
-            self._flash_cu = (fb, flash_extend.cu_seqlens(fb, q.shape[0]))
-        out.copy_(flash_extend.flash_varlen_causal(q, k, v, self._flash_cu[1], fb.max_extend_len, layer.scaling))
