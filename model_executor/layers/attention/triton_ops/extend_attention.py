@@ -106,31 +106,51 @@ def _attend_block_range(
     FROM_POOL: tl.constexpr,
     IN_PRECISION: tl.constexpr,
     STAGES: tl.constexpr,
+    FULL_BLOCKS: tl.constexpr = False,
 ):
     """Online softmax over key positions kv_start..kv_end, the loop software-pipelined in STAGES stages. K / V
     point at the KV head's first element; FROM_POOL: position p is row slot_table[p] (the pool); otherwise row
-    row_base + p (the new tokens). qk_scale includes the pool's K scale and v_scale is its V scale (1.0 for
-    the new tokens)."""
+    row_base + p (the new tokens). qk_scale includes the pool's K scale and v_scale is its V scale (applied
+    only FROM_POOL: the new tokens have none). FULL_BLOCKS (not CAUSAL): the caller guarantees that
+    kv_end - kv_start is a multiple of BLOCK_N, so no key needs a mask.
+
+    The per-key arithmetic is what bounds this loop on Hopper: the scale is folded into the exponent (one
+    multiply-add a score), masks are applied only where a block can hold hidden keys, and P @ V accumulates
+    into the rescaled acc inside the dot."""
     for start_n in tl.range(kv_start, kv_end, BLOCK_N, num_stages=STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < kv_end
+        if FULL_BLOCKS:
+            mask_n = tl.full([BLOCK_N], 1, tl.int1)
+        else:
+            mask_n = offs_n < kv_end
         if FROM_POOL:
             rows = tl.load(slot_table + offs_n, mask=mask_n, other=0).to(tl.int64)
         else:
             rows = row_base + offs_n.to(tl.int64)
         # K transposed: [BLOCK_D, BLOCK_N]
-        k = tl.load(K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION) * qk_scale  # log2 domain
-        if CAUSAL:
-            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if FULL_BLOCKS:
+            k = tl.load(K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_d[:, None], other=0.0)
         else:
-            visible = mask_n[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+            k = tl.load(K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None],
+                        other=0.0)
+        qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION)  # unscaled
+        if CAUSAL:
+            qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+        elif not FULL_BLOCKS:
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        n_e_max = tl.maximum(tl.max(qk, 1) * qk_scale, e_max)  # log2 domain
         re_scale = tl.exp2(e_max - n_e_max)
-        p = tl.exp2(qk - n_e_max[:, None])
-        v = tl.load(V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * re_scale[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION) * v_scale
+        p = tl.exp2(qk * qk_scale - n_e_max[:, None])
+        if FULL_BLOCKS:
+            v = tl.load(V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        else:
+            v = tl.load(V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
+                        other=0.0)
+        acc = acc * re_scale[:, None]
+        if FROM_POOL:
+            acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION) * v_scale
+        else:
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=IN_PRECISION)
         e_sum = e_sum * re_scale + tl.sum(p, 1)
         e_max = n_e_max
     return acc, e_sum, e_max
@@ -224,12 +244,14 @@ def _extend_kernel(
             acc, e_sum, e_max, q_pool, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
             0, prefix_len, pool_qk_scale, v_scale, offs_d, mask_d,
             BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION, STAGES=POOL_STAGES)
-    # 2. New tokens before the tile's first query: visible to every row.
+    # 2. New tokens before the tile's first query: visible to every row (block_m * BLOCK_M keys: whole blocks
+    # when BLOCK_N divides BLOCK_M).
     shared_end = prefix_len + block_m * BLOCK_M
     acc, e_sum, e_max = _attend_block_range(
         acc, e_sum, e_max, q, q_pos, k_new, v_new, stride_knbs, stride_vnbs, slot_table, new_row_base,
         prefix_len, shared_end, qk_scale, 1.0, offs_d, mask_d,
-        BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=False, IN_PRECISION=IN_PRECISION, STAGES=NEW_STAGES)
+        BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=False, IN_PRECISION=IN_PRECISION, STAGES=NEW_STAGES,
+        FULL_BLOCKS=BLOCK_M % BLOCK_N == 0)
     # 3. The tile's own band, up to its last real query position: causal mask.
     band_end = prefix_len + tl.minimum((block_m + 1) * BLOCK_M, extend_len)
     acc, e_sum, e_max = _attend_block_range(
