@@ -181,7 +181,8 @@ def _extend_kernel(
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
-    block_m = tl.program_id(2)
+    # The last tiles of a request attend to the most keys: dispatched first, so that short ones fill the tail.
+    block_m = tl.num_programs(2) - 1 - tl.program_id(2)
 
     extend_len = tl.load(Extend_seq_lens + cur_batch).to(tl.int32)
     if block_m * BLOCK_M >= extend_len:
