@@ -5,11 +5,11 @@ from `k_buffer` / `v_buffer` through `req_to_token`; the new tokens' keys and va
 `v` directly, and the same kernel stores them in the pool at `out_cache_loc` (one launch per layer instead
 of a store kernel and an attention kernel: each Triton launch costs host time).
 
-Grid `(bs, num_heads, cdiv(max_extend_len, BLOCK_M))`: a program takes BLOCK_M new tokens of one request
-and one head and runs a flash-attention loop (online softmax, fp32 accumulation) over the KV blocks:
-first the positions every row of the tile sees (the prefix, then earlier new tokens; no causal mask),
-then the tile's own diagonal band with the causal mask. Blocks past the tile's last position are never
-visited.
+Grid `(bs, num_heads, cdiv(max_extend_len, BLOCK_M))`, its last tiles (which attend to the most keys)
+dispatched first: a program takes BLOCK_M new tokens of one request and one head and runs a flash-attention
+loop (online softmax, fp32 accumulation) over the KV blocks: first the positions every row of the tile sees
+(the prefix, then earlier new tokens; no causal mask), then the tile's own diagonal band with the causal mask.
+Blocks past the tile's last position are never visited.
 """
 
 from __future__ import annotations
