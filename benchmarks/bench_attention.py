@@ -24,6 +24,7 @@ COMBINE_HEADS x COMBINE_POINTS; --heads / --points replace them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -224,9 +225,7 @@ def extend_rows(heads, n_tok: int) -> list[dict]:
     qs, ks, vs = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     for name, backends in (("torch_sdpa_contiguous", None), ("torch_sdpa_flash", [SDPBackend.FLASH_ATTENTION])):
         def sdpa(backends=backends):
-            if backends is None:
-                return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            with sdpa_kernel(backends):
+            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
                 return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
 
         us = graph_us(sdpa)

@@ -2,8 +2,8 @@
 
     moe_align_block_size: the T*k (token, expert) assignments sorted by expert, each expert's group padded
         to a multiple of BLOCK_M with a sentinel (T*k), the expert of each BLOCK_M block, and the padded
-        total. An id outside 0..E-1 counts as expert E-1. One program for small batches (decode, small extends); torch ops for large ones (a
-        single program would loop too long). Neither syncs with the host.
+        total. An id outside 0..E-1 counts as expert E-1. One program for small batches (decode, small
+        extends); torch ops for large ones (a single program would loop too long). Neither syncs with the host.
     grouped GEMM (one kernel, two uses): each program takes BLOCK_M sorted assignments of one expert and
         BLOCK_N output columns. First use: x @ w13[e].T with gate and up accumulated side by side and
         SiLU-and-mul in the epilogue -> act [T*k, I]. Second: act @ w2[e].T times the routing weight ->

@@ -6,7 +6,8 @@ with `,dtype=fp8_w8` before `.json` for FP8 expert weights, mapping a token coun
 measured fastest at it (written by benchmarks/tune_fused_moe.py). A lookup takes the entry of the smallest
 token count at or above its own (the largest past the table), as a CUDA graph pads a batch up to its size: a
 batch run eagerly and the padded graph of it then take the same tiles, so their float32 sums (and the
-routing near-ties that follow them in the next layer) agree; FP8 weights without a table of their own use the shape's bf16 table. Read once per file.
+routing near-ties that follow them in the next layer) agree. FP8 weights without a table of their own use the
+shape's bf16 table. Read once per file.
 
 The small-batch path (moe/small_batch.py: two GEMV kernels, no align or combine kernel) runs at up to
 SMALL_BATCH_MAX_TOKENS tokens. A table entry of such a token count may say which path the tuner measured

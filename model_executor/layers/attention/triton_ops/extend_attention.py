@@ -119,20 +119,19 @@ def _attend_block_range(
     into the rescaled acc inside the dot."""
     for start_n in tl.range(kv_start, kv_end, BLOCK_N, num_stages=STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if FULL_BLOCKS:
-            mask_n = tl.full([BLOCK_N], 1, tl.int1)
+        mask_n = offs_n < kv_end
+        if FULL_BLOCKS:  # only the head dim can be masked
+            mask_k = mask_d[:, None]
+            mask_v = mask_d[None, :]
         else:
-            mask_n = offs_n < kv_end
+            mask_k = mask_n[None, :] & mask_d[:, None]
+            mask_v = mask_n[:, None] & mask_d[None, :]
         if FROM_POOL:
             rows = tl.load(slot_table + offs_n, mask=mask_n, other=0).to(tl.int64)
         else:
             rows = row_base + offs_n.to(tl.int64)
         # K transposed: [BLOCK_D, BLOCK_N]
-        if FULL_BLOCKS:
-            k = tl.load(K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_d[:, None], other=0.0)
-        else:
-            k = tl.load(K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None],
-                        other=0.0)
+        k = tl.load(K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_k, other=0.0)
         qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION)  # unscaled
         if CAUSAL:
             qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
@@ -141,11 +140,7 @@ def _attend_block_range(
         n_e_max = tl.maximum(tl.max(qk, 1) * qk_scale, e_max)  # log2 domain
         re_scale = tl.exp2(e_max - n_e_max)
         p = tl.exp2(qk * qk_scale - n_e_max[:, None])
-        if FULL_BLOCKS:
-            v = tl.load(V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-        else:
-            v = tl.load(V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
-                        other=0.0)
+        v = tl.load(V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_v, other=0.0)
         acc = acc * re_scale[:, None]
         if FROM_POOL:
             acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=IN_PRECISION) * v_scale
