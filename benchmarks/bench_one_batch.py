@@ -40,6 +40,7 @@ from datetime import datetime, timezone
 import torch
 
 from model_executor.configs import SHAPES, shape_path
+from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardMode
 from runners.capture_lists import get_batch_sizes_to_capture
 from runners.cuda_graph_runner import CudaGraphRunner
@@ -68,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and memory, and each batch size's b2b ms replayed from it")
     p.add_argument("--json", dest="json_out", help="write the results here")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process and GPU each)")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="with --tp-size > 1: NCCL for every sum (default: the one-shot kernel for small ones)")
     args = p.parse_args(argv)
     if args.random_weights and not args.model_path:
         p.error("--random-weights goes with --model-path (the shapes of --model always have random weights)")
@@ -236,7 +239,7 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
                        random_weights=args.model_path is None or args.random_weights,
                        disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
                        tp_rank=tp_rank, tp_size=args.tp_size, dist_init_method=init_method,
-                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                       custom_all_reduce=not args.disable_custom_all_reduce, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(cfg)
     bandwidth = measure_copy_bandwidth(device)
     wbytes = weight_bytes(runner.model)
@@ -282,7 +285,7 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
         return 0
     report = {
         "benchmark": "bench_one_batch", "model": args.model_path or args.model, "device": str(device),
-        "tp_size": args.tp_size,
+        "tp_size": args.tp_size, "all_reduce": ps.describe_all_reduce(),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(runner.dtype).replace("torch.", ""), "attention_backend": type(runner.attn_backend).__name__,
         "quantization": runner.quant.method if runner.quant else None,
@@ -296,7 +299,8 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
         "results": results,
     }
     weights_kind = f"{report['quantization']} weights" if report["quantization"] else "weights"
-    print(f"model {report['model']} on {report['gpu']} x{args.tp_size} ({report['dtype']}, {report['attention_backend']}, "
+    sums = f" (all-reduce: {report['all_reduce']})" if args.tp_size > 1 else ""
+    print(f"model {report['model']} on {report['gpu']} x{args.tp_size}{sums} ({report['dtype']}, {report['attention_backend']}, "
           f"KV {report['kv_cache_dtype']}), input {args.input_len}, {steps} decode steps; {weights_kind} "
           f"{wbytes / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"{'FP8 weight-read ' if report['quantization'] and 'fp8' in report['quantization'] else 'all-weights '}floor "

@@ -73,6 +73,17 @@ def router_shape(cfg: ModelConfig) -> tuple[int, int] | None:
     return (cfg.num_experts, cfg.hidden_size) if cfg.moe_layers else None
 
 
+# The linears whose one-row GEMV takes other kernels' work when the small-M kernel runs it: qkv the RMSNorm
+# before it (and the rotary + KV store after it), gate_up the RMSNorm before it and the SiLU-and-mul after
+# it (quantization/base.py). cuBLAS there costs those launches too, so the kernel keeps such a shape unless
+# cuBLAS is faster by the margin.
+FUSED_LAYERS = ("qkv", "gate_up")
+
+
+def fused_shapes(cfgs: list[ModelConfig], tps: list[int]) -> set[tuple[int, int]]:
+    return {s for cfg in cfgs for tp in tps for name, s in linear_shapes(cfg, tp).items() if name in FUSED_LAYERS}
+
+
 def lm_head_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     """One rank's LM head GEMM (layers/embedding.py: the vocabulary split in equal blocks)."""
     return (-(-cfg.vocab_size // tp), cfg.hidden_size)
@@ -310,10 +321,11 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
 
 def table_entry(kind: str, result: dict):
     """The kernel's best config, or the other path's name ("cublas", "w8a8") where the kernel is not
-    faster by the margin (bf16) or where the other path is faster by it (FP8: weight-only should win)."""
+    faster by the margin (bf16) or where the other path is faster by it (FP8: weight-only should win, and
+    so should the kernel at one row of a layer that fuses other work into it: result["feeds_fusion"])."""
     from model_executor.layers.triton_ops.small_m_gemm import OTHER_PATHS
 
-    if kind.startswith("fp8"):
+    if kind.startswith("fp8") or result.get("feeds_fusion"):
         other_wins = result["base_us"] < OTHER_MARGIN * result["best_us"]
     else:
         other_wins = result["best_us"] > OTHER_MARGIN * result["base_us"]
@@ -403,6 +415,7 @@ def main(argv=None) -> int:
         p.error("FP8 kinds need an sm89+ GPU; pass --kind bf16")
     cfgs = [ModelConfig.from_pretrained(shape_path(name)) for name in args.model]
     shapes = sorted({s for cfg in cfgs for tp in args.tp for s in linear_shapes(cfg, tp).values()})
+    fused = fused_shapes(cfgs, args.tp)
     heads = sorted({lm_head_shape(cfg, tp) for cfg in cfgs for tp in args.tp}) if args.lm_head else []
     heads += sorted({router_shape(cfg) for cfg in cfgs if router_shape(cfg)} - set(heads))  # bf16 only, too
     if args.shapes:
@@ -440,6 +453,7 @@ def main(argv=None) -> int:
                     print(f"  (past --budget-s {args.budget_s:.0f}: "
                           "the remaining cases get the --quick grid)")
                 r = tune_one(sm, kind, n, k, m, wts, gen, quick, log)
+                r["feeds_fusion"] = m == 1 and (n, k) in fused
                 results[(kind, n, k, m)] = r
                 entry = table_entry(kind, r)
                 entries[str(m)] = sm.config_to_json(None if isinstance(entry, str) else entry, kind)

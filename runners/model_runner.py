@@ -63,6 +63,7 @@ class RunnerConfig:
     tp_size: int = 1
     dist_init_method: str | None = None
     dist_timeout_s: float = ps.DEFAULT_TIMEOUT_S
+    custom_all_reduce: bool = True  # CUDA, one host: small sums through the one-shot kernel (parallel_state)
     quantization: str | None = None  # none / fp8 / int8; None: the checkpoint's
     kv_cache_dtype: str = "auto"  # auto (the model dtype) or fp8_e4m3
     # The server passes --sampling-backend (default auto: flashinfer on a GPU when installed, for the unseeded
@@ -104,7 +105,7 @@ class ModelRunner:
         if config.tp_size > 1 and config.dist_init_method is None:
             raise ValueError("tensor parallelism needs dist_init_method")
         ps.init_tensor_parallel(config.tp_rank, config.tp_size, config.dist_init_method or "", self.device,
-                                config.dist_timeout_s)
+                                config.dist_timeout_s, config.custom_all_reduce)
         self.tp_rank, self.tp_size = config.tp_rank, config.tp_size
         cfg = self.model_config
         self.num_kv_heads = ps.kv_heads_per_rank(cfg.num_key_value_heads, config.tp_size)  # this rank's KV heads

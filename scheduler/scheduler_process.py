@@ -87,7 +87,9 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
     if rank is None:
         return config
     return dataclasses.replace(config, device=rank.device, tp_rank=rank.tp_rank, tp_size=rank.tp_size,
-                               dist_init_method=rank.dist_init_method, dist_timeout_s=args.dist_timeout)
+                               dist_init_method=rank.dist_init_method, dist_timeout_s=args.dist_timeout,
+                               # peer memory reaches only this host's GPUs
+                               custom_all_reduce=not args.disable_custom_all_reduce and args.nnodes == 1)
 
 
 def scheduler_config(args: ServerArgs) -> SchedulerConfig:

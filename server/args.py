@@ -109,6 +109,9 @@ class ServerArgs:
     watchdog_timeout: float = _f(60.0, "with --tp-size > 1: seconds a rank's scheduler loop may go without "
                                        "finishing an iteration before the server stops, naming the rank (a hung "
                                        "rank stalls its peers in their next collective); 0: off")
+    disable_custom_all_reduce: bool = _f(False, "with --tp-size > 1 on GPUs: NCCL for every all-reduce, instead "
+                                                "of the one-shot kernel over peer memory for small sums (on by "
+                                                "default on one host; --nnodes > 1 always uses NCCL)")
     dist_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the rank "
                                     "fails (a hung rank brings the server down instead of stalling it)")
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics; "

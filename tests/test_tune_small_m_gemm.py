@@ -26,6 +26,16 @@ def test_table_entry_keeps_the_other_path_only_where_it_measured_faster():
     assert tune.table_entry("bf16", {"best": best, "best_us": 9.0, "base_us": 10.0}) is best
     assert tune.table_entry("fp8", {"best": best, "best_us": 10.1, "base_us": 10.0}) is best  # within margin
     assert tune.table_entry("fp8_block", {"best": best, "best_us": 11.0, "base_us": 10.0}) == "w8a8"
+    # one row of a layer that fuses its neighbours' work into the kernel: the kernel keeps a near tie
+    assert tune.table_entry("bf16", {"best": best, "best_us": 9.9, "base_us": 10.0, "feeds_fusion": True}) is best
+    assert tune.table_entry("bf16", {"best": best, "best_us": 10.1, "base_us": 10.0, "feeds_fusion": True}) is best
+    assert tune.table_entry("bf16", {"best": best, "best_us": 11.0, "base_us": 10.0,
+                                     "feeds_fusion": True}) == "cublas"
+
+
+def test_fused_shapes_are_the_norm_fed_layers_of_each_tp():
+    cfg = ModelConfig.from_pretrained(shape_path("llama-3.1-8b"))
+    assert tune.fused_shapes([cfg], [1, 2]) == {(6144, 4096), (28672, 4096), (3072, 4096), (14336, 4096)}
 
 
 def test_refuses_without_cuda(monkeypatch, capsys):

@@ -80,7 +80,7 @@ def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | 
         sampled = greedy_tokens(runner, temperature=1.0)  # ... and rank 0's tokens must win everywhere
         return {"logits": logits, "tokens": tokens, "sampled": sampled,
                 "kv_heads": runner.kv_cache.k_buffers[0].shape[1], "num_slots": runner.num_kv_slots,
-                "path_counts": dict(runner.path_counts)}
+                "path_counts": dict(runner.path_counts), "one_shot_calls": ps.one_shot_calls()}
     finally:
         ps.destroy_tensor_parallel()
 

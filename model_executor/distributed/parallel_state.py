@@ -6,8 +6,9 @@ received requests, the KV-size minimum). At tp 1 nothing is initialised and ever
 the single-process path runs the same model code with no communication.
 
 The device all-reduce is the custom op `duet::all_reduce`: dynamo (the piecewise runner's tracer) sees one
-opaque call that returns a new tensor, and CUDA-graph capture records the NCCL kernel inside whichever
-graph it runs in (decode graphs and extend pieces alike).
+opaque call that returns a new tensor, and CUDA-graph capture records its kernel inside whichever graph it
+runs in (decode graphs and extend pieces alike). On one host with CUDA, sums up to a few MiB take the
+one-shot kernel over peer memory (custom_all_reduce.py), larger ones NCCL.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from model_executor.distributed.custom_all_reduce import OneShotAllReduce, create_one_shot_all_reduce
 
 logger = logging.getLogger("duet.parallel_state")
 
@@ -38,17 +41,19 @@ class _GroupState:
     size: int
     device_group: dist.ProcessGroup | None
     cpu_group: dist.ProcessGroup | None
+    one_shot: OneShotAllReduce | None = None  # the small sums' kernel; None: NCCL (or gloo) for all
 
 
 _STATE = _GroupState(rank=0, size=1, device_group=None, cpu_group=None)
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
-                         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                         timeout_s: float = DEFAULT_TIMEOUT_S, custom_all_reduce: bool = True) -> None:
     """Join the TP group of `size` ranks at `init_method` (tcp://host:port or file://path).
 
     Every collective, host or device, fails after `timeout_s` instead of hanging on a rank that stopped
-    answering. tp 1 initialises nothing."""
+    answering. With `custom_all_reduce` on CUDA (every rank on one host), small sums take the one-shot
+    kernel. tp 1 initialises nothing."""
     global _STATE
     if size == 1:
         _STATE = _GroupState(rank=0, size=1, device_group=None, cpu_group=None)
@@ -71,6 +76,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         warm = torch.ones(1, device=device)
         dist.all_reduce(warm, group=device_group)
         torch.cuda.synchronize(device)
+        if custom_all_reduce:
+            _STATE.one_shot = create_one_shot_all_reduce(device_group, cpu_group, device)
     logger.info("tensor-parallel rank %d of %d (%s) joined at %s", rank, size, backend, init_method)
 
 
@@ -138,7 +145,23 @@ def kv_head_start(num_kv_heads: int, tp_rank: int, tp_size: int) -> int:
 # ---- device collectives (the model's forward) -----------------------------------------------------
 
 
+def describe_all_reduce() -> str:
+    """The device sum's path, for start-up lines and benchmark reports."""
+    if _STATE.size == 1:
+        return "none (tp 1)"
+    if _STATE.one_shot is not None:
+        return f"one-shot up to {_STATE.one_shot.max_bytes >> 10} KiB, NCCL above"
+    return dist.get_backend(_STATE.device_group)
+
+
+def one_shot_calls() -> int | None:
+    """Sums the one-shot kernel took (eager or captured); None where it is not set up."""
+    return None if _STATE.one_shot is None else _STATE.one_shot.calls
+
+
 def _all_reduce_impl(x: torch.Tensor) -> torch.Tensor:
+    if _STATE.one_shot is not None and _STATE.one_shot.fits(x):
+        return _STATE.one_shot(x)
     out = x.clone()
     dist.all_reduce(out, group=_STATE.device_group)
     return out

@@ -46,9 +46,19 @@ def test_tp2_greedy_tokens_equal_tp1_through_graphs(checkpoint, tp1):
     for r in (tp1, *ranks):  # every step went through a graph: the extend piece, then the decode graphs
         assert r["path_counts"].get("extend_graph", 0) > 0 and r["path_counts"].get("decode_graph", 0) > 0, r
         assert r["path_counts"].get("decode_eager", 0) == 0
+    # the layers' sums went one-shot (a [tokens, 2048] float32 sum is 8 KiB a row), at capture and eagerly
+    assert ranks[0]["one_shot_calls"] > 0 and ranks[1]["one_shot_calls"] == ranks[0]["one_shot_calls"]
+    assert tp1["one_shot_calls"] is None
     assert ranks[0]["tokens"] == ranks[1]["tokens"] == tp1["tokens"]
     assert ranks[0]["sampled"] == ranks[1]["sampled"]
     worst = max((a - b).abs().max().item() for a, b in zip(tp1["logits"], ranks[0]["logits"]))
     print(f"\ntp1 tokens {tp1['tokens']}\ntp2 max |logits - tp1 logits| = {worst:.2e}")
     assert worst < 1e-2
     assert ranks[0]["kv_heads"] == 4 and tp1["kv_heads"] == 8  # Llama-3.2-1B: 8 KV heads, 4 per rank
+
+
+def test_tp2_with_nccl_only_gives_the_same_tokens(checkpoint, tp1):
+    """--disable-custom-all-reduce: every sum through NCCL, the same greedy tokens."""
+    ranks = run_tp([checkpoint], size=2, custom_all_reduce=False, **GRAPHS)[0]
+    assert ranks[0]["one_shot_calls"] is None and ranks[1]["one_shot_calls"] is None
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] == tp1["tokens"]
