@@ -1,27 +1,34 @@
-"""The one-shot all-reduce's dispatch, without a GPU: which sums take it (shape and dtype only, so every
-rank decides alike), that parallel_state routes them there and the rest to the process group, that the
-ranks agree to fall back together when one of them could not set it up, and the flag that turns it off.
-The kernel itself runs in tests/gpu/test_custom_all_reduce_gpu.py (two GPUs)."""
+"""The one-shot all-reduce without a GPU: its kernel's protocol in Triton's interpreter (rank 0 of two,
+the peer's writes staged by hand), which sums take it (shape and dtype only, so every rank decides alike),
+that parallel_state routes them there and the rest to the process group, that the ranks agree to fall back
+together when one of them could not set it up, and the flag that turns it off. Two real ranks run it in
+tests/gpu/test_custom_all_reduce_gpu.py."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+import triton_mode
+from triton_mode import HAS_CUDA, in_process
 
 from model_executor.distributed import custom_all_reduce as car
 from model_executor.distributed import parallel_state as ps
 
+test_in_subprocess = triton_mode.subprocess_test(__file__)
+
 
 class FakeOneShot(car.OneShotAllReduce):
-    """The real `fits`, on CPU tensors, with buffers of max_bytes; calls recorded instead of summed."""
+    """The real `fits`, on CPU tensors, with lanes of max_bytes; calls recorded instead of summed."""
 
     def __init__(self, max_bytes: int = 1024):
         self.device_type, self.max_bytes, self.calls = "cpu", max_bytes, 0
-        self.buffers = {dt: torch.empty(max_bytes // dt.itemsize, dtype=dt) for dt in car.DTYPES}
+        self.lanes = {dt: car.Lane(torch.empty(0, dtype=dt), torch.empty(0), torch.empty(0), max_bytes // dt.itemsize)
+                      for dt in car.DTYPES}
         self.seen: list[tuple[int, ...]] = []
 
     def __call__(self, x):
@@ -35,12 +42,62 @@ class FakeOneShot(car.OneShotAllReduce):
     ((2, 256), torch.bfloat16, True),       # 1024: the whole buffer
     ((3, 256), torch.bfloat16, False),      # 1536: larger than the buffer
     ((1, 128), torch.float32, True),
-    ((1, 260), torch.bfloat16, False),      # 520 bytes: not a 16-byte multiple
-    ((4, 64), torch.float16, False),        # a dtype the kernel does not sum
+    ((1, 260), torch.float16, True),        # any size up to the buffer, any alignment
+    ((4, 64), torch.int32, False),          # a dtype the kernel does not sum
     ((0, 256), torch.bfloat16, False),
 ])
 def test_fits_depends_on_size_and_dtype(shape, dtype, fits):
     assert FakeOneShot().fits(torch.zeros(shape, dtype=dtype)) is fits
+
+
+NEG_ZERO_BITS = {2: -(1 << 15), 4: -(1 << 31)}
+
+
+def _is_neg_zero(t: torch.Tensor) -> torch.Tensor:
+    ints = t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    return ints == NEG_ZERO_BITS[t.element_size()]
+
+
+def _run_with_deadline(fn, seconds: float = 120.0):
+    """fn() in a thread: a kernel that waits for data that never comes fails the test instead of hanging it."""
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "the one-shot kernel is still waiting for a peer's data"
+    return box["out"]
+
+
+@in_process
+@pytest.mark.skipif(HAS_CUDA, reason="CPU buffers stand in for peer memory: interpreter only (GPU: tests/gpu)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_sums_rotates_its_slots_and_clears_what_it_read(dtype):
+    """Rank 0 of two. Before each call the peer's input is written into rank 0's buffer (what the peer's
+    kernel would have sent); the call must send rank 0's input into the peer's buffer, return the sum
+    rounded once, move the slot on and set the previous call's slot back to -0.0 as far as it was filled
+    (a larger earlier call included), and never send -0.0 (the "not arrived" mark)."""
+    world, lane_numel = 2, 2500
+    mine = torch.full((car.SLOTS * world * lane_numel,), -0.0, dtype=dtype)
+    peer = torch.full_like(mine, -0.0)
+    assert _is_neg_zero(mine).all()
+    lane = car.Lane(mine, torch.tensor([mine.data_ptr(), peer.data_ptr()]), car.Lane.empty_state("cpu"), lane_numel)
+    region = lambda buf, slot, rank, n: buf.view(car.SLOTS, world, lane_numel)[slot, rank, :n]
+    gen = torch.Generator().manual_seed(0)
+    for call, n in enumerate([2500, 5, 1030, 7, 2048, 3]):  # several chunks, one, the whole lane
+        slot = int(lane.state[0])
+        assert slot == call % car.SLOTS
+        x, theirs = (torch.randn(n, generator=gen).to(dtype) for _ in range(2))
+        x[0], theirs[-1] = -0.0, 0.0
+        region(mine, slot, 1, n).copy_(theirs)
+        out = _run_with_deadline(lambda x=x: car.one_shot_sum(x, lane, rank=0, world=world))
+        # the sum in float32, rounded once (to nearest on a GPU; the interpreter truncates to bf16: 1 ulp)
+        torch.testing.assert_close(out.float(), (x.float() + theirs.float()).to(dtype).float(), atol=0,
+                                   rtol=0 if dtype == torch.float32 else 2**-7)
+        sent = region(peer, slot, 0, n)
+        assert torch.equal(sent, x) and not _is_neg_zero(sent).any()  # -0.0 went out as +0.0
+        assert lane.state.tolist()[:2] == [(slot + 1) % car.SLOTS, 0] and int(lane.state[2 + slot]) == n
+        prev = (slot - 1) % car.SLOTS
+        assert _is_neg_zero(mine.view(car.SLOTS, world, lane_numel)[prev, 1]).all(), (call, prev)
 
 
 def test_fits_refuses_another_device_type():

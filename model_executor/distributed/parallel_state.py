@@ -18,11 +18,13 @@ import datetime
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from model_executor.distributed.custom_all_reduce import OneShotAllReduce, create_one_shot_all_reduce
+if TYPE_CHECKING:  # (its module imports triton: loaded only where a CUDA group sets it up)
+    from model_executor.distributed.custom_all_reduce import OneShotAllReduce
 
 logger = logging.getLogger("duet.parallel_state")
 
@@ -77,6 +79,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         dist.all_reduce(warm, group=device_group)
         torch.cuda.synchronize(device)
         if custom_all_reduce:
+            from model_executor.distributed.custom_all_reduce import create_one_shot_all_reduce
+
             _STATE.one_shot = create_one_shot_all_reduce(device_group, cpu_group, device)
     logger.info("tensor-parallel rank %d of %d (%s) joined at %s", rank, size, backend, init_method)
 
