@@ -160,3 +160,34 @@ def test_the_flag_reaches_the_runner(argv, expected):
 
     args = ServerArgs(**vars(build_parser().parse_args(["--device", "cpu", "--tp-size", "2", *argv])))
     assert runner_config(args, plan_ranks(args)[0]).custom_all_reduce is expected
+
+
+@in_process
+@pytest.mark.skipif(HAS_CUDA, reason="CPU buffers stand in for peer memory: interpreter only (GPU: tests/gpu)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_adds_the_residual_and_prepares_the_norm(dtype):
+    """ADD_NORM (one row, what the gate/up GEMV after it reads as a PrenormedRow): h = the sum, rounded,
+    plus the residual; out = norm weight * h; one float32 sum of h^2 per chunk. The sum itself goes out to
+    the peer as in a plain call."""
+    world, lane_numel, n = 2, 4096, 3000
+    mine = torch.full((car.SLOTS * world * lane_numel,), -0.0, dtype=dtype)
+    peer = torch.full_like(mine, -0.0)
+    lane = car.Lane(mine, torch.tensor([mine.data_ptr(), peer.data_ptr()]), car.Lane.empty_state("cpu"), lane_numel)
+    gen = torch.Generator().manual_seed(1)
+    x, theirs, residual = (torch.randn(1, n, generator=gen).to(dtype) for _ in range(3))
+    weight = torch.rand(n, generator=gen).to(dtype) + 0.5
+    mine.view(car.SLOTS, world, lane_numel)[0, 1, :n].copy_(theirs.view(-1))
+    block, _ = car.tile_for(n * x.element_size())
+    weighted, h, partials = _run_with_deadline(lambda: car.one_shot_sum(x, lane, 0, world,
+                                                                        add_norm=(residual, weight)))
+    s = (x.float() + theirs.float()).to(dtype)
+    want_h = (s.float() + residual.float()).to(dtype)
+    # float32 exact; bf16 within the interpreter's truncating roundings (a dropped residual or weight is O(1))
+    tol = {"atol": 0, "rtol": 0} if dtype == torch.float32 else {"atol": 0.05, "rtol": 2**-6}
+    torch.testing.assert_close(h.float(), want_h.float(), **tol)
+    torch.testing.assert_close(weighted.float(), (h.float() * weight.float()).to(dtype).float(), **tol)
+    chunks = h.float().view(-1).split(block)
+    assert partials.shape == (len(chunks),) and partials.dtype == torch.float32
+    torch.testing.assert_close(partials, torch.stack([(c * c).sum() for c in chunks]), rtol=1e-5, atol=0)
+    assert torch.equal(peer.view(car.SLOTS, world, lane_numel)[0, 0, :n], x.view(-1))
+    assert lane.state.tolist()[:2] == [1, 0]

@@ -60,7 +60,7 @@ def greedy_tokens(runner, prompts: list[list[int]] = PROMPTS, max_new: int = 8,
 
 
 def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | None = None,
-              **overrides) -> dict:
+              prompts: list[list[int]] = PROMPTS, **overrides) -> dict:
     """overrides: RunnerConfig fields (device "cuda" means this rank's GPU, cuda:tp_rank)."""
     from model_executor.distributed import parallel_state as ps
     from runners.model_runner import ModelRunner, RunnerConfig
@@ -72,15 +72,16 @@ def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | 
                                          **overrides}))
     _phase(tp_rank, "runner ready")
     try:
-        logits = prefill_decode_logits(runner)
+        logits = prefill_decode_logits(runner, prompts)
         _phase(tp_rank, "prefill + decode logits")
-        tokens = greedy_tokens(runner)
+        tokens = greedy_tokens(runner, prompts)
         _phase(tp_rank, "greedy tokens")
         torch.manual_seed(1000 + tp_rank)  # unseeded sampling draws differently on each rank ...
-        sampled = greedy_tokens(runner, temperature=1.0)  # ... and rank 0's tokens must win everywhere
+        sampled = greedy_tokens(runner, prompts, temperature=1.0)  # ... and rank 0's tokens must win everywhere
         return {"logits": logits, "tokens": tokens, "sampled": sampled,
                 "kv_heads": runner.kv_cache.k_buffers[0].shape[1], "num_slots": runner.num_kv_slots,
-                "path_counts": dict(runner.path_counts), "one_shot_calls": ps.one_shot_calls()}
+                "path_counts": dict(runner.path_counts), "one_shot_calls": ps.one_shot_calls(),
+                "add_norm_calls": ps.one_shot_calls(add_norm=True)}
     finally:
         ps.destroy_tensor_parallel()
 

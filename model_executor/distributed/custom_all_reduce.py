@@ -49,13 +49,16 @@ MAX_PROGRAMS = 128
 
 
 @triton.jit
-def _one_shot_kernel(x_ptr, out_ptr, buf_ptr, peers_ptr, state_ptr, numel, lane_numel, RANK: tl.constexpr,
+def _one_shot_kernel(x_ptr, out_ptr, buf_ptr, peers_ptr, state_ptr, numel, lane_numel,
+                     res_ptr, norm_w_ptr, h_ptr, partials_ptr, RANK: tl.constexpr,
                      WORLD: tl.constexpr, SLOTS: tl.constexpr, INT_T: tl.constexpr, SIGN: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, ADD_NORM: tl.constexpr):
     """out = the sum over ranks of x, BLOCK elements a program at a time. buf_ptr: this rank's
     SLOTS x WORLD x lane_numel receive buffer; peers_ptr: every rank's buffer address (int64); state_ptr:
     int32 [slot, programs done, numel each slot last held]. INT_T: an integer type of the element's width,
-    SIGN: its sign bit alone (-0.0's bits)."""
+    SIGN: its sign bit alone (-0.0's bits). ADD_NORM (one row): the sum s, rounded, is added to the
+    residual, h = s + residual goes to h_ptr, out_ptr gets norm_w * h and partials_ptr each chunk's sum of
+    h^2 (a PrenormedRow for the GEMV after, as small_m_gemm's ADD_NORM epilogue makes one)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     slot = tl.load(state_ptr, volatile=True)
@@ -82,7 +85,16 @@ def _one_shot_kernel(x_ptr, out_ptr, buf_ptr, peers_ptr, state_ptr, numel, lane_
             while tl.sum((v.to(INT_T, bitcast=True) == SIGN).to(tl.int32), axis=0) > 0:
                 v = tl.load(src, mask=mask, other=1.0, volatile=True)
             acc += v.to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        total = acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        if ADD_NORM:
+            res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            h = (total.to(tl.float32) + res).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(h_ptr + offs, h, mask=mask)
+            hf = h.to(tl.float32)
+            tl.store(partials_ptr + c, tl.sum(tl.where(mask, hf * hf, 0.0), axis=0))
+            g = tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            total = (hf * g).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out_ptr + offs, total, mask=mask)
     # 3. the previous call's slot back to -0.0, as far as that call filled it
     prev = (slot + SLOTS - 1) % SLOTS
     used = tl.load(state_ptr + 2 + prev, volatile=True)
@@ -121,20 +133,27 @@ def tile_for(nbytes: int) -> tuple[int, int]:
 
 
 def one_shot_sum(x: torch.Tensor, lane: Lane, rank: int, world: int, block: int | None = None,
-                 num_warps: int | None = None) -> torch.Tensor:
+                 num_warps: int | None = None, add_norm: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The kernel's launch: the sum of x over the ranks (x: at most lane.numel elements). Every rank must
     launch it with the same block (a program waits for the same chunks from its peers): by default
-    tile_for's."""
+    tile_for's. add_norm: (residual, norm weight) of one row; then (norm weight * h, h, partial sums of h^2
+    per chunk, float32) for h = the sum + residual, instead of the sum."""
     x = x.contiguous()
     out = torch.empty_like(x)
     n = x.numel()
     if block is None:
         block, num_warps = tile_for(n * x.element_size())
     grid = (min(triton.cdiv(n, block), MAX_PROGRAMS),)
-    _one_shot_kernel[grid](x, out, lane.buf, lane.peers, lane.state, n, lane.numel, RANK=rank, WORLD=world,
-                           SLOTS=SLOTS, INT_T=_INT_TYPES[x.element_size()], SIGN=-(1 << (8 * x.element_size() - 1)),
-                           BLOCK=block, num_warps=num_warps)
-    return out
+    h = partials = residual = norm_weight = x  # (unused without add_norm)
+    if add_norm is not None:
+        residual, norm_weight = add_norm
+        h = torch.empty_like(x)
+        partials = torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
+    _one_shot_kernel[grid](x, out, lane.buf, lane.peers, lane.state, n, lane.numel, residual, norm_weight, h,
+                           partials, RANK=rank, WORLD=world, SLOTS=SLOTS, INT_T=_INT_TYPES[x.element_size()],
+                           SIGN=-(1 << (8 * x.element_size() - 1)), BLOCK=block, ADD_NORM=add_norm is not None,
+                           num_warps=num_warps)
+    return out if add_norm is None else (out, h, partials)
 
 
 class OneShotAllReduce:
@@ -159,7 +178,7 @@ class OneShotAllReduce:
             handle.barrier()  # every rank's buffer holds -0.0 before any rank writes into it
             self.lanes[dtype] = Lane(buf, torch.tensor(ptrs, dtype=torch.int64, device=device),
                                      Lane.empty_state(device), numel)
-        self.calls = 0  # host-side calls (eager, or captured into a graph): tests read it
+        self.calls = self.add_norm_calls = 0  # host-side calls (eager, or captured into a graph): tests read them
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether x goes one-shot. Shape and dtype only, so every rank decides alike."""
@@ -169,6 +188,13 @@ class OneShotAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return one_shot_sum(x, self.lanes[x.dtype], self.rank, self.world)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
+        """One row's sum with the residual add and RMSNorm's first step: (norm_weight * h, h, partials)."""
+        self.calls += 1
+        self.add_norm_calls += 1
+        return one_shot_sum(x, self.lanes[x.dtype], self.rank, self.world,
+                            add_norm=(residual.contiguous(), norm_weight))
 
 
 def create_one_shot_all_reduce(group: dist.ProcessGroup, cpu_group: dist.ProcessGroup,

@@ -158,9 +158,12 @@ def describe_all_reduce() -> str:
     return dist.get_backend(_STATE.device_group)
 
 
-def one_shot_calls() -> int | None:
-    """Sums the one-shot kernel took (eager or captured); None where it is not set up."""
-    return None if _STATE.one_shot is None else _STATE.one_shot.calls
+def one_shot_calls(add_norm: bool = False) -> int | None:
+    """Sums the one-shot kernel took (eager or captured; add_norm: those with the residual add and the norm's
+    sums); None where it is not set up."""
+    if _STATE.one_shot is None:
+        return None
+    return _STATE.one_shot.add_norm_calls if add_norm else _STATE.one_shot.calls
 
 
 def _all_reduce_impl(x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +180,18 @@ _all_reduce_op = torch.library.custom_op("duet::all_reduce", _all_reduce_impl, m
 @_all_reduce_op.register_fake
 def _(x):
     return torch.empty_like(x)
+
+
+def can_all_reduce_add_rmsnorm(x: torch.Tensor) -> bool:
+    """Whether all_reduce_add_rmsnorm takes x (one row the one-shot kernel sums; not while dynamo traces)."""
+    return (_STATE.one_shot is not None and not torch.compiler.is_compiling() and x.numel() == x.shape[-1]
+            and _STATE.one_shot.fits(x))
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
+    """For one row x that can_all_reduce_add_rmsnorm takes: h = the sum of x over the group + residual, in
+    one kernel with what RMSNorm(h) needs first: (norm_weight * h, h, float32 sums of h^2 by chunk)."""
+    return _STATE.one_shot.add_rmsnorm(x, residual, norm_weight)
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:

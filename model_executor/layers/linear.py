@@ -15,7 +15,7 @@ from torch import nn
 from model_executor.distributed import parallel_state as ps
 from model_executor.layers.norm import PrenormedRow, RMSNorm
 from model_executor.layers.quantization import current_linear_method
-from model_executor.layers.quantization.base import copy_into, small_m_linear_add_rmsnorm
+from model_executor.layers.quantization.base import copy_into, small_m_kernel, small_m_linear_add_rmsnorm
 from model_executor.layers.rotary_store_kv import RopeStore
 from model_executor.lazy_slice import materialize
 
@@ -194,6 +194,20 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+def all_reduce_add_rmsnorm(linear: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                           consumer) -> tuple[PrenormedRow, torch.Tensor] | None:
+    """linear_add_rmsnorm's tensor-parallel twin: (row, h) for h = linear(x) + residual at one decode row,
+    where linear's all-reduce is the one-shot kernel. The kernel takes the residual add and the sums of h^2
+    for norm(h), and `row` goes to `consumer` as linear_add_rmsnorm's does. None where that cannot run (tp 1,
+    no one-shot sum for this row, a consumer whose GEMM at one row is not the small-M kernel's)."""
+    ops = consumer.small_m_operands()
+    if linear.tp_size == 1 or ops is None or not ps.can_all_reduce_add_rmsnorm(residual) \
+            or small_m_kernel(residual, ops[0], ops[2]) is None:  # (the consumer's GEMV takes the row)
+        return None
+    weighted, h, partials = ps.all_reduce_add_rmsnorm(linear.quant_method.apply(linear, x), residual, norm.weight)
+    return PrenormedRow(weighted, partials, norm.eps), h
 
 
 def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,

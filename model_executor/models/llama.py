@@ -20,6 +20,7 @@ from model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    all_reduce_add_rmsnorm,
     default_weight_loader,
     linear_add_rmsnorm,
 )
@@ -54,6 +55,8 @@ class LlamaMLP(nn.Module):
         norm's own launch goes). With next_input, the (norm, linear) that the layer's output h' = mlp + h
         feeds next, the down projection's epilogue likewise adds h and returns (PrenormedRow of h', h')."""
         fused = linear_add_rmsnorm(o_proj, x, residual, norm, self.gate_up_proj, after_attention=True)
+        if fused is None:  # tensor parallel: the add and the norm's sums in the all-reduce's kernel instead
+            fused = all_reduce_add_rmsnorm(o_proj, x, residual, norm, self.gate_up_proj)
         if fused is None:
             h = o_proj(x)
             quantized = self.gate_up_proj.forward_normed_quantized(norm, h, residual)  # (FP8 rows above 16)

@@ -57,6 +57,38 @@ def test_tp2_greedy_tokens_equal_tp1_through_graphs(checkpoint, tp1):
     assert ranks[0]["kv_heads"] == 4 and tp1["kv_heads"] == 8  # Llama-3.2-1B: 8 KV heads, 4 per rank
 
 
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    """Llama-3.1-8B's layer shapes (so tp 2's GEMVs are in the H200's small-M table), two layers and a
+    32k vocabulary."""
+    import json
+
+    cfg = json.loads((shape_path("llama-3.1-8b") / "config.json").read_text())
+    shape = tmp_path_factory.mktemp("wide-shape")
+    (shape / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=2, vocab_size=32000)))
+    return str(save_random_checkpoint(shape, tmp_path_factory.mktemp("wide-random"), seed=0,
+                                      dtype=torch.bfloat16, device="cuda"))
+
+
+def test_tp2_one_row_sums_take_the_norm_and_match_nccl(wide_checkpoint):
+    """bf16, one request (decode rows of one): the o_proj sum's kernel also adds the residual and makes the
+    gate/up GEMV's prenormed row (the post-attention norm's launch goes). Its logits must match the NCCL
+    path's (separate sum and RMSNorm) within bf16's rounding; a wrong add or norm would be off by O(1)."""
+    one = [[5, 17, 42, 99, 123, 7, 250, 31, 64, 8]]
+    bf16 = dict(GRAPHS, dtype="bfloat16")
+    fused = run_tp([wide_checkpoint], size=2, prompts=one, **bf16)[0]
+    nccl = run_tp([wide_checkpoint], size=2, prompts=one, custom_all_reduce=False, **bf16)[0]
+    assert fused[0]["add_norm_calls"] > 0 and fused[0]["add_norm_calls"] == fused[1]["add_norm_calls"]
+    assert nccl[0]["add_norm_calls"] is None
+    for r in (*fused, *nccl):
+        assert r["path_counts"].get("decode_graph", 0) > 0 and r["path_counts"].get("decode_eager", 0) == 0, r
+    scale = max(t.abs().max().item() for t in nccl[0]["logits"])
+    worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused[0]["logits"], nccl[0]["logits"]))
+    print(f"\none row, bf16: max |fused - nccl logits| = {worst:.3e} (largest logit {scale:.3e}); tokens "
+          f"{fused[0]['tokens']} / {nccl[0]['tokens']}")
+    assert worst <= 0.03 * scale
+
+
 def test_tp2_with_nccl_only_gives_the_same_tokens(checkpoint, tp1):
     """--disable-custom-all-reduce: every sum through NCCL, the same greedy tokens."""
     ranks = run_tp([checkpoint], size=2, custom_all_reduce=False, **GRAPHS)[0]
