@@ -191,3 +191,42 @@ def test_the_kernel_adds_the_residual_and_prepares_the_norm(dtype):
     torch.testing.assert_close(partials, torch.stack([(c * c).sum() for c in chunks]), rtol=1e-5, atol=0)
     assert torch.equal(peer.view(car.SLOTS, world, lane_numel)[0, 0, :n], x.view(-1))
     assert lane.state.tolist()[:2] == [1, 0]
+
+
+def test_o_proj_hands_its_partial_sum_to_the_add_norm_kernel_at_tp2(monkeypatch):
+    """linear.all_reduce_add_rmsnorm: at tp 2 the row's partial o_proj output goes to the sum's kernel with
+    the residual and the norm weight, and its (weighted, h, partials) become the consumer's PrenormedRow;
+    at tp 1, or where the consumer's GEMV is not the small-M kernel's, or the sum cannot take the row, the
+    caller's separate path runs (None)."""
+    from model_executor.layers import linear as lin
+    from model_executor.layers.norm import RMSNorm
+
+    with ps.shard_as(0, 2):
+        o_proj = lin.RowParallelLinear(8, 4)
+        gate_up = lin.MergedColumnParallelLinear(4, [6, 6])
+    with ps.shard_as(0, 1):
+        o_proj_tp1 = lin.RowParallelLinear(8, 4)
+    norm = RMSNorm(4, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x, residual = torch.randn(1, 4), torch.randn(1, 4)
+    sent = []
+
+    def fake_sum(y, res, weight):  # the peer sent the same partial sum
+        sent.append((y, res, weight))
+        h = 2 * y + res
+        return weight * h, h, (h * h).sum().reshape(1)
+
+    monkeypatch.setattr(ps, "can_all_reduce_add_rmsnorm", lambda t: True)
+    monkeypatch.setattr(ps, "all_reduce_add_rmsnorm", fake_sum)
+    monkeypatch.setattr(lin, "small_m_kernel", lambda *a: object())
+    row, h = lin.all_reduce_add_rmsnorm(o_proj, x, residual, norm, gate_up)
+    y = o_proj.quant_method.apply(o_proj, x)
+    assert torch.equal(sent[0][0], y) and sent[0][1] is residual and sent[0][2] is norm.weight
+    assert torch.equal(h, 2 * y + residual) and torch.equal(row.weighted, norm.weight * h) and row.eps == 1e-5
+    assert lin.all_reduce_add_rmsnorm(o_proj_tp1, x, residual, norm, gate_up) is None
+    monkeypatch.setattr(lin, "small_m_kernel", lambda *a: None)
+    assert lin.all_reduce_add_rmsnorm(o_proj, x, residual, norm, gate_up) is None
+    monkeypatch.setattr(lin, "small_m_kernel", lambda *a: object())
+    monkeypatch.setattr(ps, "can_all_reduce_add_rmsnorm", lambda t: False)
+    assert lin.all_reduce_add_rmsnorm(o_proj, x, residual, norm, gate_up) is None
+    assert len(sent) == 1
