@@ -239,7 +239,8 @@ def run(args: argparse.Namespace, tp_rank: int = 0, init_method: str | None = No
                        random_weights=args.model_path is None or args.random_weights,
                        disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
                        tp_rank=tp_rank, tp_size=args.tp_size, dist_init_method=init_method,
-                       custom_all_reduce=not args.disable_custom_all_reduce, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                       custom_all_reduce=not args.disable_custom_all_reduce, quantization=args.quantization,
+                       kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(cfg)
     bandwidth = measure_copy_bandwidth(device)
     wbytes = weight_bytes(runner.model)

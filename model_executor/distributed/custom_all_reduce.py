@@ -178,7 +178,7 @@ class OneShotAllReduce:
             handle.barrier()  # every rank's buffer holds -0.0 before any rank writes into it
             self.lanes[dtype] = Lane(buf, torch.tensor(ptrs, dtype=torch.int64, device=device),
                                      Lane.empty_state(device), numel)
-        self.calls = self.add_norm_calls = 0  # host-side calls (eager, or captured into a graph): tests read them
+        self.calls = self.add_norm_calls = 0  # host-side calls (eager, or captured in a graph), for tests
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether x goes one-shot. Shape and dtype only, so every rank decides alike."""
@@ -206,7 +206,7 @@ def create_one_shot_all_reduce(group: dist.ProcessGroup, cpu_group: dist.Process
     one_shot, why = None, ""
     try:
         one_shot = OneShotAllReduce(group, device)
-    except (ImportError, AttributeError, RuntimeError) as e:  # no symm_mem, no peer access, a failed exchange
+    except (ImportError, AttributeError, RuntimeError) as e:  # no symm_mem, no peer access, a failed swap
         why = f"{type(e).__name__}: {e}"
     ok = torch.tensor([1 if one_shot is not None else 0], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group)

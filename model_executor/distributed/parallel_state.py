@@ -7,8 +7,8 @@ the single-process path runs the same model code with no communication.
 
 The device all-reduce is the custom op `duet::all_reduce`: dynamo (the piecewise runner's tracer) sees one
 opaque call that returns a new tensor, and CUDA-graph capture records its kernel inside whichever graph it
-runs in (decode graphs and extend pieces alike). On one host with CUDA, sums up to a few MiB take the
-one-shot kernel over peer memory (custom_all_reduce.py), larger ones NCCL.
+runs in (decode graphs and extend pieces alike). On one host with CUDA, sums up to 2 MiB take the one-shot
+kernel over peer memory (custom_all_reduce.py), larger ones NCCL.
 """
 
 from __future__ import annotations
