@@ -38,6 +38,10 @@ def outputs(server: ServerProcess, concurrent: bool = False) -> list[list[int]]:
         return list(pool.map(lambda p: generate(server.url, p), PROMPTS * 2))
 
 
+def rank_pid(url: str, name: str = "scheduler (tp rank 1)") -> int:
+    return httpx.get(f"{url}/server_info", timeout=10).json()["scheduler_info"]["scheduler_pids"][name]
+
+
 def concurrent_pool():
     return concurrent.futures.ThreadPoolExecutor(max_workers=6)
 
@@ -91,8 +95,7 @@ def test_dp2_spreads_requests_over_both_replicas_with_dp1_outputs(model_path, tp
 def test_a_dead_tp_rank_stops_the_server_with_its_name(model_path):
     srv = ServerProcess("--tp-size", "2", model_dir=model_path, fake=False).wait_healthy()
     try:
-        pid = httpx.get(f"{srv.url}/server_info", timeout=10).json()["scheduler_info"]["scheduler_pids"][
-            "scheduler (tp rank 1)"]
+        pid = rank_pid(srv.url)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         saw_503 = False
@@ -118,8 +121,7 @@ def test_a_hung_tp_rank_stops_the_server_with_its_name(model_path):
     srv = ServerProcess("--tp-size", "2", "--watchdog-timeout", "3", model_dir=model_path, fake=False).wait_healthy()
     pid = None
     try:
-        pid = httpx.get(f"{srv.url}/server_info", timeout=10).json()["scheduler_info"]["scheduler_pids"][
-            "scheduler (tp rank 1)"]
+        pid = rank_pid(srv.url)
         stopped = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         rc = srv.proc.wait(30)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.fake_scheduler import ServerProcess, build_tiny_model_folder
-from tests.test_tp_server import outputs
+from tests.test_tp_server import outputs, rank_pid
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,8 +66,7 @@ def test_a_rank_killed_mid_generation_stops_the_server(model_path):
             for _ in range(4):
                 pool.submit(load)
             time.sleep(3)
-            pid = httpx.get(f"{srv.url}/server_info", timeout=10).json()["scheduler_info"]["scheduler_pids"][
-                "scheduler (tp rank 1)"]
+            pid = rank_pid(srv.url)
             killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             rc = srv.proc.wait(60)
