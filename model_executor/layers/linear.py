@@ -202,9 +202,10 @@ def all_reduce_add_rmsnorm(linear: RowParallelLinear, x: torch.Tensor, residual:
     where linear's all-reduce is the one-shot kernel. The kernel takes the residual add and the sums of h^2
     for norm(h), and `row` goes to `consumer` as linear_add_rmsnorm's does. None where that cannot run (tp 1,
     no one-shot sum for this row, a consumer whose GEMM at one row is not the small-M kernel's)."""
+    if linear.tp_size == 1 or not ps.can_all_reduce_add_rmsnorm(residual):
+        return None
     ops = consumer.small_m_operands()
-    if linear.tp_size == 1 or ops is None or not ps.can_all_reduce_add_rmsnorm(residual) \
-            or small_m_kernel(residual, ops[0], ops[2]) is None:  # (the consumer's GEMV takes the row)
+    if ops is None or small_m_kernel(residual, ops[0], ops[2]) is None:  # (the consumer's GEMV takes the row)
         return None
     weighted, h, partials = ps.all_reduce_add_rmsnorm(linear.quant_method.apply(linear, x), residual, norm.weight)
     return PrenormedRow(weighted, partials, norm.eps), h
