@@ -81,8 +81,10 @@ def router_shape(cfg: ModelConfig) -> tuple[int, int] | None:
 # config unless another is faster by FUSION_MARGIN, and keeps the kernel unless cuBLAS is faster by OTHER_MARGIN:
 # either alternative costs the fused kernels' launches too.
 FUSED_LAYERS = {"qkv": SMALL_M_GEMV_ROWS, "gate_up": 1}
-# Llama-3.1-8B at two rows (H200, thirty-sixth session): its qkv as a split tl.dot (17.6 us) instead of the fused
-# GEMV (18.2-18.7 us alone) made the decode step at bs 2 2.2% slower, the RMSNorm and rotary + KV store back.
+# H200, Llama-3.1-8B at two rows (docs/benchmarks.md): a split tl.dot for qkv (17.6 us against the fused GEMV's
+# 18.2-18.7 us alone) brought the RMSNorm and rotary + KV store kernels back, and the bs 2 step measured 2.2%
+# slower (thirty-sixth session; o_proj's entry changed in the same table). With FP8 weights, X_FP8 entries in
+# place of the GEMVs of qkv, o and down at two rows measured 4% slower (twenty-eighth session).
 FUSION_MARGIN = 1.10
 
 
