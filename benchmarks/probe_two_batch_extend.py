@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 from datetime import datetime, timezone
 
@@ -52,18 +51,10 @@ def micro_batches(tokens: int, k: int) -> list[tuple[int, int]]:
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """bench_prefill's timing (CUDA events, each run synchronised, the median) of fn()."""
+    from benchmarks.bench_prefill import time_ms as median_ms
+
+    return median_ms(lambda _: fn(), None, torch.device("cuda"), iters, warmup)
 
 
 def replay_serial(graphs: list) -> None:
