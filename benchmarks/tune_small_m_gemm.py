@@ -15,6 +15,10 @@ time: three of a layer's four linears quantize inside the RMSNorm or SiLU-and-mu
 Timing: every call of a measurement reads its own copy of the weight, enough copies that together they
 exceed the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode
 step is a graph replay: no launch overhead); the median of a few replays over the number of calls.
+A layer that fuses its neighbours' work at up to 4 rows (qkv, gate_up: Fusion) has its single-split GEMVs timed
+in the fused form it runs, and its other configs and the baseline pay the time of the neighbours' own kernels,
+measured at the same rows (the RMSNorm, and the rotary + KV store or the SiLU-and-mul): what each choice costs
+the step.
 Search, per (kind, N, K, M): column/K tiles (up to 4 rows also the GEMV variant's; for both FP8 kinds
 above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
 _scaled_mm or the block GEMM)
@@ -35,6 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,29 +79,34 @@ def router_shape(cfg: ModelConfig) -> tuple[int, int] | None:
     return (cfg.num_experts, cfg.hidden_size) if cfg.moe_layers else None
 
 
-# The linears whose GEMV takes other kernels' work when the small-M kernel runs it, and up to how many rows:
-# qkv the RMSNorm before it and the rotary + KV store after it (up to SMALL_M_GEMV_ROWS decode tokens), gate_up
-# the RMSNorm before it and the SiLU-and-mul after it (one row; quantization/base.py). Only a single-split GEMV
-# runs those fusions (small_m_gemm.fused_gemv_config). At such a row count the tuner keeps the fastest fusable
-# config unless another is faster by FUSION_MARGIN, and keeps the kernel unless cuBLAS is faster by OTHER_MARGIN:
-# either alternative costs the fused kernels' launches too.
-FUSED_LAYERS = {"qkv": SMALL_M_GEMV_ROWS, "gate_up": 1}
-# H200, Llama-3.1-8B at two rows (docs/benchmarks.md): a split tl.dot for qkv (17.6 us against the fused GEMV's
-# 18.2-18.7 us alone) brought the RMSNorm and rotary + KV store kernels back, and the bs 2 step measured 2.2%
-# slower (thirty-sixth session; o_proj's entry changed in the same table). With FP8 weights, X_FP8 entries in
-# place of the GEMVs of qkv, o and down at two rows measured 4% slower (twenty-eighth session).
-FUSION_MARGIN = 1.10
+@dataclass(frozen=True)
+class Fusion:
+    """A linear whose single-split GEMV takes its neighbours' work at up to SMALL_M_GEMV_ROWS rows
+    (quantization/base.py, models/llama.py): "qkv" takes the input RMSNorm (a PrenormedRow from the down
+    projection before it) and the rotary + KV store; "gate_up" the post-attention RMSNorm (from o_proj) and the
+    SiLU-and-mul. heads: qkv's (q heads, kv heads, head dim) on one rank."""
+    layer: str
+    heads: tuple[int, int, int] = (0, 0, 0)
 
 
-def fused_shapes(cfgs: list[ModelConfig], tps: list[int]) -> dict[tuple[int, int], int]:
-    """{(N, K): the most rows at which a layer of that shape fuses its neighbours' work} over the models and tps."""
-    rows: dict[tuple[int, int], int] = {}
+FUSED_LAYERS = ("qkv", "gate_up")
+# The unfused kernels' calls per measurement (small activations: no weight copies to rotate).
+NEIGHBOUR_CALLS = 32
+
+
+def fused_shapes(cfgs: list[ModelConfig], tps: list[int]) -> dict[tuple[int, int], Fusion]:
+    """{(N, K): its Fusion} for the layers that fuse their neighbours' work, over the models and tps."""
+    from model_executor.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
+
+    fused: dict[tuple[int, int], Fusion] = {}
     for cfg in cfgs:
         for tp in tps:
             for name, shape in linear_shapes(cfg, tp).items():
                 if name in FUSED_LAYERS:
-                    rows[shape] = max(rows.get(shape, 0), FUSED_LAYERS[name])
-    return rows
+                    heads = (heads_per_rank(cfg.num_attention_heads, tp),
+                             kv_heads_per_rank(cfg.num_key_value_heads, tp), cfg.head_dim)
+                    fused.setdefault(shape, Fusion(name, heads if name == "qkv" else (0, 0, 0)))
+    return fused
 
 
 def fusable(cfg) -> bool:
@@ -104,16 +114,12 @@ def fusable(cfg) -> bool:
     return cfg.GEMV and cfg.SPLIT_K == 1
 
 
-def best_of(results: list, feeds_fusion: bool) -> tuple[float, object]:
-    """The fastest (us, config) of `results`; where the layer feeds a fusion at this row count, the fastest
-    fusable one unless some other config is faster by FUSION_MARGIN."""
-    best = min(results, key=lambda r: r[0])
-    fused = [r for r in results if fusable(r[1])]
-    if feeds_fusion and fused:
-        best_fused = min(fused, key=lambda r: r[0])
-        if best_fused[0] <= FUSION_MARGIN * best[0]:
-            return best_fused
-    return best
+def best_of(results: list, neighbour_us: float = 0.0) -> tuple[float, object]:
+    """The fastest (us, config) of `results` by what the layer's step costs: a fusable config's time (measured
+    fused, where the layer fuses), any other's plus neighbour_us, the time of the kernels the fusion would
+    have saved (0 where the layer fuses nothing)."""
+    us, cfg = min(results, key=lambda r: r[0] + (0.0 if fusable(r[1]) else neighbour_us))
+    return us + (0.0 if fusable(cfg) else neighbour_us), cfg
 
 
 def lm_head_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
@@ -172,6 +178,54 @@ def xfp8_calls(sm, act, wts: Weights, cfg, out_dtype: torch.dtype = torch.bfloat
     """The X_FP8 GEMM of FP8 rows `act` (codes, scales) with each of wts' weight copies, a call each."""
     return [lambda w=w, s=s: sm.small_m_linear_fp8_act(*act, w, s, None, out_dtype, config=cfg, block=wts.block)
             for w, s in zip(wts.w, wts.s)]
+
+
+def rope_store(fusion: Fusion, m: int):
+    """A RopeStore for m decode tokens of a qkv Fusion's heads (random cos / sin, slots 0 .. m-1 of a small pool)."""
+    from model_executor.layers.rotary_store_kv import RopeStore
+
+    hq, hkv, d = fusion.heads
+    pool = [torch.zeros(64, hkv, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    return RopeStore(torch.arange(m, device=DEVICE) * 37 + 100, torch.randn(4096, d, device=DEVICE),
+                     torch.arange(m, device=DEVICE), pool[0], pool[1], hq, hkv)
+
+
+def fused_calls(sm, fusion: Fusion, x: torch.Tensor, wts: Weights, cfg) -> list[Callable[[], object]]:
+    """A fusable config's calls as the fused layer runs it: on a PrenormedRow of x's rows, with the SiLU-and-mul
+    (gate_up) or the rotary and KV store (qkv) in its epilogue, at half the column tile (paired rows, as
+    small_m_gemm.fused_gemv_config gives it)."""
+    from model_executor.layers.norm import PrenormedRow
+
+    row = PrenormedRow(x, torch.rand(x.shape[0] * 16, device=DEVICE) + 0.5, 1e-5)
+    paired = dataclasses.replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
+    if fusion.layer == "gate_up":
+        return [lambda w=w, s=s: sm.small_m_silu_and_mul(row, w, s, wts.block, config=paired)
+                for w, s in zip(wts.w, wts.s)]
+    rope = rope_store(fusion, x.shape[0])
+    return [lambda w=w, s=s: sm.small_m_prenormed_linear(row, w, s, None, wts.block, rope=rope, config=paired)
+            for w, s in zip(wts.w, wts.s)]
+
+
+def neighbour_calls(fusion: Fusion, x: torch.Tensor, n: int) -> list[Callable[[], object]]:
+    """The kernels the layer runs besides its GEMM where it does not fuse (the fused GEMV does their work): the
+    RMSNorm (with the residual add) of x's rows, then the SiLU-and-mul of the [gate; up] output, or the rotary
+    and KV store of the qkv output; NEIGHBOUR_CALLS calls."""
+    from model_executor.layers.activation import SiluAndMul
+    from model_executor.layers.norm import RMSNorm
+    from model_executor.layers.rotary_store_kv import rotary_store_kv
+
+    m, k = x.shape
+    norm = RMSNorm(k).to(device=DEVICE, dtype=x.dtype)
+    residual = torch.randn_like(x)
+    y = torch.randn(m, n, device=DEVICE, dtype=x.dtype)
+    if fusion.layer == "gate_up":
+        act = SiluAndMul()
+        return [lambda: (norm(x, residual), act(y))] * NEIGHBOUR_CALLS
+    hq, hkv, d = fusion.heads
+    rope = rope_store(fusion, m)
+    q, k_, v = y.view(m, -1, d).split([hq, hkv, hkv], dim=1)
+    return [lambda: (norm(x, residual), rotary_store_kv(rope.positions, q, k_, v, rope.cos_sin_cache, rope.k_buffer,
+                                                        rope.v_buffer, rope.loc))] * NEIGHBOUR_CALLS
 
 
 def time_config(make_calls: Callable[[], list], cfg) -> float:
@@ -302,9 +356,10 @@ def precompile_xfp8(jobs: list, workers: int) -> None:
 
 
 def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bool, log: list,
-             feeds_fusion: bool = False) -> dict:
-    """Best config for one (kind, N, K, M) and the baseline's time; every timing goes to `log`. feeds_fusion:
-    the layer fuses its neighbours' work at M rows (best_of)."""
+             fusion: Fusion | None = None) -> dict:
+    """Best config for one (kind, N, K, M) and the baseline's time; every timing goes to `log`. fusion: the
+    layer fuses its neighbours' work at M rows: fusable configs are timed fused, and the other configs' times and
+    the baseline's include the neighbours' kernels (neighbour_us, best_of)."""
     x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -314,9 +369,15 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
 
         act = fp8_ops.per_token_group_quant_fp8(x, k if wts.block is None else wts.block[1])
 
+    def calls(cfg):
+        if cfg.X_FP8:
+            return xfp8_calls(sm, act, wts, cfg, x.dtype)
+        if fusion is not None and fusable(cfg):
+            return fused_calls(sm, fusion, x, wts, cfg)
+        return kernel_calls(sm, x, wts, cfg)
+
     def measure(cfg):
-        us = time_config(lambda: xfp8_calls(sm, act, wts, cfg, x.dtype) if cfg.X_FP8 else kernel_calls(sm, x, wts, cfg),
-                         cfg)
+        us = time_config(lambda: calls(cfg), cfg)
         if us < math.inf:
             log.append([round(us, 2), sm.config_to_json(cfg)])
         return us
@@ -341,25 +402,27 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
                 results.append((measure(cfg), cfg))
     if joint:
         results += [(measure(cfg), cfg) for cfg in xfp8_joint_grid(k, kind)]
-    best_us, best = best_of(results, feeds_fusion)
+    neighbour_us = time_calls(neighbour_calls(fusion, x, n)) if fusion is not None else 0.0
+    best_us, best = best_of(results, neighbour_us)
     if not quick and not (joint and best.X_FP8):  # (the joint grid has its warps and stages)
         for warps, stages in GEMV_WARPS_STAGES if best.GEMV else DOT_WARPS_STAGES:
             cfg = dataclasses.replace(best, num_warps=warps, num_stages=stages)
             results.append((measure(cfg), cfg))
-        best_us, best = best_of(results, feeds_fusion)
+        best_us, best = best_of(results, neighbour_us)
     default = sm.default_config(m, n, k, kind)
     default_us = next((us for us, c in results if c == default), None) or measure(default)
-    base_us = time_calls(baseline_calls(kind, x, wts))
-    return {"best": best, "best_us": best_us, "default_us": default_us, "base_us": base_us}
+    base_us = time_calls(baseline_calls(kind, x, wts)) + neighbour_us
+    return {"best": best, "best_us": best_us, "default_us": best_of([(default_us, default)], neighbour_us)[0],
+            "base_us": base_us, "neighbour_us": neighbour_us}
 
 
 def table_entry(kind: str, result: dict):
     """The kernel's best config, or the other path's name ("cublas", "w8a8") where the kernel is not
-    faster by the margin (bf16) or where the other path is faster by it (FP8: weight-only should win, and
-    so should a fusable config of a layer that fuses other work into it at these rows: result["feeds_fusion"])."""
+    faster by the margin (bf16) or where the other path is faster by it (FP8: weight-only should win). (Where
+    the layer fuses, both times include what the fusion saves: tune_one.)"""
     from model_executor.layers.triton_ops.small_m_gemm import OTHER_PATHS
 
-    if kind.startswith("fp8") or (result.get("feeds_fusion") and fusable(result["best"])):
+    if kind.startswith("fp8"):
         other_wins = result["base_us"] < OTHER_MARGIN * result["best_us"]
     else:
         other_wins = result["best_us"] > OTHER_MARGIN * result["base_us"]
@@ -486,14 +549,13 @@ def main(argv=None) -> int:
                     over_budget = True
                     print(f"  (past --budget-s {args.budget_s:.0f}: "
                           "the remaining cases get the --quick grid)")
-                feeds = m <= fused.get((n, k), 0)
-                r = tune_one(sm, kind, n, k, m, wts, gen, quick, log, feeds_fusion=feeds)
-                r["feeds_fusion"] = feeds
+                fusion = fused.get((n, k)) if m <= SMALL_M_GEMV_ROWS else None
+                r = tune_one(sm, kind, n, k, m, wts, gen, quick, log, fusion=fusion)
                 results[(kind, n, k, m)] = r
                 entry = table_entry(kind, r)
                 entries[str(m)] = sm.config_to_json(None if isinstance(entry, str) else entry, kind)
                 timings[f"{kind},{n},{k},{m}"] = {key: round(r[key], 2)
-                                                  for key in ("base_us", "best_us", "default_us")}
+                                                  for key in ("base_us", "best_us", "default_us", "neighbour_us")}
                 timings[f"{kind},{n},{k},{m}"]["all"] = log
                 chosen = r["base_us"] if isinstance(entry, str) else r["best_us"]
                 print(f"{kind:>9} {n:>6} {k:>6} {m:>3} {r['base_us']:>9.1f} {r['default_us']:>8.1f} "

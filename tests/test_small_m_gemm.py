@@ -522,20 +522,21 @@ FUSED_GEMV_CASES = [(144, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),
 @in_process
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("k,cfg", FUSED_GEMV_CASES)
-def test_fused_silu_and_mul_equals_linear_then_silu_and_mul(kind, k, cfg):
-    """One row through a [gate; up] weight: the fused GEMV's silu(gate) * up has the bits of the GEMV with
+@pytest.mark.parametrize("m", [1, 3])
+def test_fused_silu_and_mul_equals_linear_then_silu_and_mul(kind, k, cfg, m):
+    """m rows through a [gate; up] weight: the fused GEMV's silu(gate) * up has the bits of the GEMV with
     half the column tile (the rows each program sums) followed by the SiLU-and-mul kernel. I = 40 is not a
     multiple of the tile, and the up block starts mid scale block for fp8_block (32-row blocks, I = 40)."""
     from model_executor.layers.triton_ops import ops as triton_ops
 
     inter = 40
     w, s, block, _ = make_weight(kind, 2 * inter, k, seed=k)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     dev = lambda t: None if t is None else t.to(DEVICE)
     # (a fused program sums BLOCK_N gate rows and BLOCK_N up rows, each as the plain GEMV's program does)
     fused = sm.small_m_silu_and_mul(dev(x), dev(w), dev(s), block, config=sm.GemmConfig(**cfg))
     gate_up = sm.small_m_linear(dev(x), dev(w), dev(s), None, block, config=sm.GemmConfig(**cfg))
-    assert fused.shape == (1, inter)
+    assert fused.shape == (m, inter)
     assert torch.equal(fused.cpu(), triton_ops.silu_and_mul(gate_up).cpu())
 
 
@@ -550,8 +551,11 @@ def test_fused_silu_and_mul_config_and_refusals(table):
     assert sm.silu_and_mul_config(80, 64, "bf16", "cpu") is None  # cuBLAS
     assert sm.silu_and_mul_config(31, 64, "bf16", "cpu") is None  # no [gate; up] halves
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
-    assert sm.small_m_silu_and_mul(torch.zeros(2, 64, dtype=torch.bfloat16), w) is None  # two rows
+    assert sm.small_m_silu_and_mul(torch.zeros(2, 64, dtype=torch.bfloat16), w) is None  # no two-row entry
     assert sm.small_m_silu_and_mul(torch.zeros(1, 64, dtype=torch.bfloat16), w).shape == (1, 16)
+    table({"bf16": {"32,64": {"1": gemv, "2": gemv, "8": gemv}}})
+    assert sm.small_m_silu_and_mul(torch.zeros(2, 64, dtype=torch.bfloat16), w).shape == (2, 16)
+    assert sm.small_m_silu_and_mul(torch.zeros(5, 64, dtype=torch.bfloat16), w) is None  # above the GEMV's rows
     with pytest.raises(ValueError, match="single-split GEMV"):
         sm.small_m_silu_and_mul(torch.zeros(1, 64, dtype=torch.bfloat16), w,
                                 config=sm.GemmConfig(8, 64, SPLIT_K=2, GEMV=True))
@@ -627,9 +631,9 @@ def test_fused_rmsnorm_refusals(table):
                    norm=sm.RmsNormInput(g, 1e-6))
 
 
-def _tiny_mlp(quant, table):
+def _tiny_mlp(quant, table, rows=("1",)):
     """A LlamaMLP (hidden 64, intermediate 64) in bf16 or FP8 with random weights, and the table giving its
-    [gate; up] weight a GEMV at one row; (mlp, the generator that filled it)."""
+    [gate; up] weight a GEMV at `rows`' buckets; (mlp, the generator that filled it)."""
     from types import SimpleNamespace
 
     from model_executor.layers.quantization import QuantConfig, quantization_context, restore_kept_dtypes
@@ -638,7 +642,7 @@ def _tiny_mlp(quant, table):
     hidden, inter = 64, 64  # (block FP8: the down projection's input is a whole number of 32-wide blocks)
     gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
     kind = {None: "bf16", "fp8": "fp8", "fp8_block": "fp8_block"}[quant]
-    table({kind: {f"{2 * inter},{hidden}": {"1": gemv}}})
+    table({kind: {f"{2 * inter},{hidden}": dict.fromkeys(rows, gemv)}})
     cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=inter)  # what LlamaMLP reads
     with quantization_context(None if quant is None else QuantConfig(quant, block=(32, 32)
                                                                       if quant == "fp8_block" else None)):
@@ -709,9 +713,10 @@ def test_forward_normed_folds_the_norm_in_where_the_table_has_a_gemv(quant, with
 
 @interpreter_only
 @pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
-def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
-    """LlamaMLP at one decode row runs gate/up + SiLU-and-mul as one kernel (the table's GEMV for the
-    [2I, K] weight) with the unfused path's bits; at two rows the linear and SiluAndMul run apart."""
+def test_llama_mlp_fuses_the_activation_where_the_table_has_a_gemv(quant, table, monkeypatch):
+    """LlamaMLP at a decode row runs gate/up + SiLU-and-mul as one kernel (the table's GEMV for the [2I, K]
+    weight) with the unfused path's bits; at two rows the linear and SiluAndMul run apart until the table
+    gives two rows a GEMV too, and then two rows fuse with the unfused bits."""
     from model_executor.layers.triton_ops import ops as triton_ops
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
@@ -719,16 +724,23 @@ def test_llama_mlp_fuses_the_activation_at_one_row(quant, table, monkeypatch):
     hidden = mlp.gate_up_proj.weight.shape[1]
     fused = []
     real = sm.small_m_silu_and_mul
-    monkeypatch.setattr(sm, "small_m_silu_and_mul", lambda *a, **kw: fused.append(a[0].shape) or real(*a, **kw))
+
+    def counted(*a, **kw):
+        out = real(*a, **kw)
+        if out is not None:
+            fused.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(sm, "small_m_silu_and_mul", counted)
     x = torch.randn(2, hidden, generator=gen).to(torch.bfloat16)
+    # (on a GPU SiluAndMul runs this Triton kernel; on a CPU tensor it would take torch's silu)
+    unfused = lambda mlp, rows: mlp.down_proj(triton_ops.silu_and_mul(mlp.gate_up_proj(rows)))
     with torch.no_grad():
-        out = mlp(x[:1])
-        assert len(fused) == 1
-        # (on a GPU SiluAndMul runs this Triton kernel; on a CPU tensor it would take torch's silu)
-        unfused = mlp.down_proj(triton_ops.silu_and_mul(mlp.gate_up_proj(x[:1])))
-        assert torch.equal(out, unfused)
+        assert torch.equal(mlp(x[:1]), unfused(mlp, x[:1])) and fused == [1]
         mlp(x)
-        assert len(fused) == 1  # two rows: the linear and SiluAndMul
+        assert fused == [1]  # two rows: the linear and SiluAndMul
+        mlp, _ = _tiny_mlp(quant, table, rows=("1", "2"))  # (the same weights; the table has a two-row GEMV)
+        assert torch.equal(mlp(x), unfused(mlp, x)) and fused == [1, 2]
 
 
 @interpreter_only
@@ -833,8 +845,8 @@ def test_fused_qkv_rope_store_refusals():
             torch.tensor([1]), cache, torch.tensor([0]), pool[:, :1], pool, 4, 2), config=gemv)
     with pytest.raises(ValueError, match="a position and a slot for each of the 2 tokens"):
         sm.small_m_rmsnorm_linear(torch.zeros(2, 64, dtype=torch.bfloat16), g, 1e-6, None, w, rope=rope, config=gemv)
-    with pytest.raises(ValueError, match="take one row"):
-        sm._launch(torch.zeros(2, 64, dtype=torch.bfloat16), w, None, None, None, gemv, silu_mul=True)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        sm._launch(torch.zeros(5, 64, dtype=torch.bfloat16), w, None, None, None, gemv, silu_mul=True)
 
 
 @interpreter_only
@@ -894,16 +906,17 @@ def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(ti
 O_PROJ_GEMV = {"BLOCK_N": 32, "BLOCK_K": 32, "GEMV": True}  # (N = 144: a partial last column tile)
 
 
-def _add_norm_case(kind, k, cfg, seed=0):
-    """A decode row x [1, 80] through o_proj [k, 80] (+ bias) + residual, RMSNorm (weight g) over its k
+def _add_norm_case(kind, k, cfg, seed=0, m=1):
+    """m decode rows x [m, 80] through o_proj [k, 80] (+ bias) + residual, RMSNorm (weight g) over its k
     columns, and a [gate; up] weight [80, k]: operands on the device, the fused pair's outputs, and the
-    dequantized gate/up weight."""
+    dequantized gate/up weight. Row r's residual is scaled by 1 + 2r: each row has its own 1 / rms."""
     dev = lambda t: None if t is None else t.to(DEVICE)
     w_o, s_o, block, _ = make_weight(kind, k, 80, seed=seed + 1)
     w_gu, s_gu, _, w_gu_deq = make_weight(kind, 80, k, seed=seed + 2)
     gen = torch.Generator().manual_seed(seed + 3)
-    x = (torch.randn(1, 80, generator=gen) * 2).to(torch.bfloat16)
-    residual = (torch.randn(1, k, generator=gen) * 4).to(torch.bfloat16)
+    x = (torch.randn(m, 80, generator=gen) * 2).to(torch.bfloat16)
+    row_scale = 1 + 2 * torch.arange(m, dtype=torch.float32)[:, None]
+    residual = (torch.randn(m, k, generator=gen) * 4 * row_scale).to(torch.bfloat16)
     g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
     bias = torch.randn(k, generator=gen).to(torch.bfloat16)
     ops = {"x": dev(x), "w_o": dev(w_o), "s_o": dev(s_o), "bias": dev(bias), "block": block,
@@ -917,13 +930,15 @@ def _add_norm_case(kind, k, cfg, seed=0):
 @in_process
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("k,cfg", FUSED_GEMV_CASES)
-def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg):
-    """One decode row: o_proj's GEMV with the residual add and the norm's sums in its epilogue, then the
-    [gate; up] GEMV + SiLU-and-mul on that pre-normed row. h is the plain GEMV's output (same config) plus
-    the residual as torch adds them; the weighted row is g * h; the partial sums (one per program, the last
-    column tile partial) add up to sum(h^2); the activation is silu(gate) * up of the float32 reference of
-    RMSNorm(h) within the roundings of the unfused path (1 / rms is far from 1: h's values are ~4)."""
-    ops, row, h, act, w_gu_deq = _add_norm_case(kind, k, cfg)
+@pytest.mark.parametrize("m", [1, 3])
+def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg, m):
+    """m decode rows: o_proj's GEMV with the residual add and the norm's sums in its epilogue, then the
+    [gate; up] GEMV + SiLU-and-mul on those pre-normed rows. h is the plain GEMV's output (same config) plus
+    the residual as torch adds them; the weighted rows are g * h; each row's partial sums (one per program,
+    the last column tile partial) add up to its sum(h^2); the activation is silu(gate) * up of the float32
+    reference of RMSNorm(h) within the roundings of the unfused path (1 / rms is far from 1 and differs by
+    row: h's values are ~4, ~12, ~20)."""
+    ops, row, h, act, w_gu_deq = _add_norm_case(kind, k, cfg, m=m)
     o = sm.small_m_linear(ops["x"], ops["w_o"], ops["s_o"], ops["bias"], ops["block"],
                           config=sm.GemmConfig(**O_PROJ_GEMV))
     h_ref = (o + ops["residual"]).cpu()
@@ -933,11 +948,13 @@ def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg):
         torch.testing.assert_close(row.weighted.float().cpu(), weighted_ref.float(), rtol=2.0**-7, atol=0)
     else:
         assert torch.equal(h.cpu(), h_ref) and torch.equal(row.weighted.cpu(), weighted_ref)
-    assert row.partials.shape == (-(-k // O_PROJ_GEMV["BLOCK_N"]),) and row.eps == 1e-5
-    torch.testing.assert_close(row.partials.sum().cpu(), h.float().pow(2).sum().cpu(), rtol=1e-5, atol=0)
+    programs = -(-k // O_PROJ_GEMV["BLOCK_N"])
+    assert row.partials.shape == (m * programs,) and row.eps == 1e-5
+    torch.testing.assert_close(row.partials.view(m, programs).sum(1).cpu(), h.float().pow(2).sum(1).cpu(),
+                               rtol=1e-5, atol=0)
     ref = rmsnorm_reference(h.cpu(), ops["g"].cpu(), 1e-5) @ w_gu_deq.t()
     ref = torch.nn.functional.silu(ref[:, :40]) * ref[:, 40:]
-    assert act.shape == (1, 40)
+    assert act.shape == (m, 40)
     torch.testing.assert_close(act.float().cpu(), ref, rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())
 
 
@@ -1047,10 +1064,12 @@ def test_add_rmsnorm_refusals(table, monkeypatch):
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("head_dim,cfg", [(16, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),
                                           (24, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True})])
-def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, cfg):
-    """The next layer's qkv GEMV on a PrenormedRow (a down projection's epilogue made it): y is the float32
-    reference of RMSNorm(h) @ W within the unfused roundings, and with the rotary epilogue it has the bits
-    of the same GEMV followed by rotary_store_kv (as the normed qkv kernel's test checks)."""
+@pytest.mark.parametrize("m", [1, 3])
+def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, cfg, m):
+    """The next layer's qkv GEMV on a PrenormedRow of m rows (a down projection's epilogue made it, each row
+    with its own scale): y is the float32 reference of RMSNorm(h) @ W within the unfused roundings, and with
+    the rotary epilogue it has the bits of the same GEMV followed by rotary_store_kv (as the normed qkv
+    kernel's test checks)."""
     from model_executor.layers.rotary import RotaryEmbedding
     from model_executor.layers.rotary_store_kv import rotary_store_kv
 
@@ -1060,8 +1079,8 @@ def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, c
     w_d, s_d, block, _ = make_weight(kind, k, 80, seed=head_dim)  # the down projection: K 80 -> 144
     w, s, _, w_deq = make_weight(kind, n, k, seed=head_dim + 1)
     gen = torch.Generator().manual_seed(13)
-    x = torch.randn(1, 80, generator=gen).to(torch.bfloat16)
-    residual = (torch.randn(1, k, generator=gen) * 3).to(torch.bfloat16)
+    x = torch.randn(m, 80, generator=gen).to(torch.bfloat16)
+    residual = (torch.randn(m, k, generator=gen) * 3 * (1 + 2 * torch.arange(m)[:, None])).to(torch.bfloat16)
     g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
     row, h = sm.small_m_linear_add_rmsnorm(dev(x), dev(w_d), dev(s_d), None, block, dev(residual), dev(g), 1e-5,
                                            config=sm.GemmConfig(**O_PROJ_GEMV))
@@ -1070,21 +1089,23 @@ def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, c
     ref = rmsnorm_reference(h.cpu(), g, 1e-5) @ w_deq.t()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())
     cache = RotaryEmbedding(head_dim, 64, 10000.0).cos_sin_cache
-    positions, loc = torch.tensor([21]), torch.tensor([3])
+    positions, loc = torch.tensor([21, 5, 40][:m]), torch.tensor([3, 7, 0][:m])
     pools = [torch.zeros(8, hkv, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
     rope = sm.RopeStore(dev(positions), dev(cache), dev(loc), pools[0], pools[1], hq, hkv)
     y_rope = sm.small_m_prenormed_linear(row, dev(w), dev(s), None, block, rope=rope, config=cfg)
-    q_ref, k_ref, v_ref = y.view(1, -1, head_dim).split([hq, hkv, hkv], dim=1)
+    q_ref, k_ref, v_ref = y.view(m, -1, head_dim).split([hq, hkv, hkv], dim=1)
     rotary_store_kv(dev(positions), q_ref, k_ref, v_ref, dev(cache), pools[2], pools[3], dev(loc), 1.0, 1.0)
     assert torch.equal(y_rope.cpu(), y.cpu())  # (y's q heads rotated in place by rotary_store_kv)
     assert torch.equal(pools[0].cpu(), pools[2].cpu()) and torch.equal(pools[1].cpu(), pools[3].cpu())
-    assert pools[0][3].float().abs().sum() > 0
+    assert all(pools[0][slot].float().abs().sum() > 0 for slot in loc.tolist())
 
 
 @interpreter_only
 @pytest.mark.parametrize("lm_head_gemv", [False, True])
-def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, table, monkeypatch, lm_head_gemv):
-    """A bf16 Llama decode step of one request on the triton backend: o_proj's and down's GEMVs add the
+@pytest.mark.parametrize("bs", [1, 2])
+def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, table, monkeypatch, lm_head_gemv,
+                                                                   bs):
+    """A bf16 Llama decode step of bs requests on the triton backend: o_proj's and down's GEMVs add the
     residual and sum h^2 in their epilogues, gate/up + SiLU and the next layer's qkv (+ rotary + KV store)
     take the PrenormedRow. The last layer's down does so for the final norm where the LM head runs as a
     single-split GEMV (lm_head_gemv: the table says so), the LM head taking the row (float32 logits); else
@@ -1097,7 +1118,7 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
     from runners.model_runner import ModelRunner, RunnerConfig
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
-    gemv = {"1": {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}}
+    gemv = {key: {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True} for key in ("1", "2")}
     entries = {"128,64": gemv, "64,64": gemv, "256,64": gemv, "64,128": gemv}  # qkv, o, gate/up, down
     table({"bf16": entries | ({"320,64": gemv} if lm_head_gemv else {})})  # (the LM head)
     runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="bfloat16",
@@ -1113,7 +1134,7 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
     real_norm = llama.RMSNorm.forward
     monkeypatch.setattr(llama.RMSNorm, "forward", lambda self, *a: calls["norm"].append(1) or real_norm(self, *a))
     linear_add_rmsnorm = llama.linear_add_rmsnorm
-    fb, rows, loc = make_decode_batch(runner, 1, seed=5, max_prompt=12)
+    fb, rows, loc = make_decode_batch(runner, bs, seed=5, max_prompt=12)
     bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
     layers = runner.model_config.num_hidden_layers
     try:

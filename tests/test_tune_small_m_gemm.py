@@ -9,7 +9,6 @@ import pytest
 
 from benchmarks import tune_small_m_gemm as tune
 from model_executor.configs import shape_path
-from model_executor.layers.quantization.base import SMALL_M_GEMV_ROWS
 from model_executor.model_config import ModelConfig
 
 
@@ -32,30 +31,22 @@ def test_table_entry_keeps_the_other_path_only_where_it_measured_faster():
     assert tune.table_entry("bf16", {"best": best, "best_us": 9.0, "base_us": 10.0}) is best
     assert tune.table_entry("fp8", {"best": best, "best_us": 10.1, "base_us": 10.0}) is best  # within margin
     assert tune.table_entry("fp8_block", {"best": best, "best_us": 11.0, "base_us": 10.0}) == "w8a8"
-    # a layer that fuses its neighbours' work into the kernel at these rows: a fusable config keeps a near tie
-    assert tune.table_entry("bf16", {"best": best, "best_us": 9.9, "base_us": 10.0, "feeds_fusion": True}) is best
-    assert tune.table_entry("bf16", {"best": best, "best_us": 10.1, "base_us": 10.0, "feeds_fusion": True}) is best
-    assert tune.table_entry("bf16", {"best": best, "best_us": 11.0, "base_us": 10.0,
-                                     "feeds_fusion": True}) == "cublas"
-    # ... but a config that cannot fuse has nothing to keep: the usual margin
-    assert tune.table_entry("bf16", {"best": SPLIT_DOT, "best_us": 9.9, "base_us": 10.0,
-                                     "feeds_fusion": True}) == "cublas"
 
 
-def test_fused_shapes_are_the_norm_fed_layers_of_each_tp_with_their_fused_rows():
+def test_fused_shapes_are_the_norm_fed_layers_of_each_tp_with_their_heads():
     cfg = ModelConfig.from_pretrained(shape_path("llama-3.1-8b"))
-    assert tune.fused_shapes([cfg], [1, 2]) == {(6144, 4096): SMALL_M_GEMV_ROWS, (28672, 4096): 1,
-                                                (3072, 4096): SMALL_M_GEMV_ROWS, (14336, 4096): 1}
+    assert tune.fused_shapes([cfg], [1, 2]) == {
+        (6144, 4096): tune.Fusion("qkv", (32, 8, 128)), (28672, 4096): tune.Fusion("gate_up"),
+        (3072, 4096): tune.Fusion("qkv", (16, 4, 128)), (14336, 4096): tune.Fusion("gate_up")}
 
 
-def test_a_fused_layer_keeps_its_fastest_fusable_config_unless_another_is_faster_by_the_margin():
+def test_a_fused_layers_other_configs_pay_for_the_kernels_its_fusion_saves():
     gemv_2 = SimpleNamespace(GEMV=True, SPLIT_K=2)  # a GEMV, but split: not fusable
     results = [(18.2, GEMV), (17.6, SPLIT_DOT), (17.0, gemv_2)]
-    assert tune.best_of(results, feeds_fusion=False) == (17.0, gemv_2)
-    assert tune.best_of(results, feeds_fusion=True) == (18.2, GEMV)  # within 10% of 17.0
-    slow = [(22.5, GEMV), (17.7, SPLIT_DOT)]  # 27% slower: the fusion does not pay for that
-    assert tune.best_of(slow, feeds_fusion=True) == (17.7, SPLIT_DOT)
-    assert tune.best_of([(17.7, SPLIT_DOT)], feeds_fusion=True) == (17.7, SPLIT_DOT)  # nothing fusable measured
+    assert tune.best_of(results) == (17.0, gemv_2)  # a layer that fuses nothing
+    assert tune.best_of(results, neighbour_us=1.0) == (18.0, gemv_2)  # 17.0 + 1.0 < 18.2
+    assert tune.best_of(results, neighbour_us=1.5) == (18.2, GEMV)  # the fused GEMV saves more than it loses
+    assert tune.best_of([(17.7, SPLIT_DOT)], neighbour_us=4.0) == (21.7, SPLIT_DOT)  # nothing fusable measured
 
 
 def test_refuses_without_cuda(monkeypatch, capsys):
@@ -164,11 +155,12 @@ def test_x_fp8_is_searched_over_the_joint_grid(monkeypatch, m, quick):
         assert all(c.num_warps == 4 for c in x_fp8)  # (no warps pass with --quick)
 
 
-@pytest.mark.parametrize("feeds_fusion", [False, True])
-def test_tune_one_keeps_a_fused_layers_gemv_and_tunes_its_warps(monkeypatch, feeds_fusion):
-    """tune_one with the timing faked, bf16 at two rows: a split tl.dot tile is fastest, single-split GEMVs within
-    10% of it. A layer that fuses at these rows gets the fastest fusable GEMV (its warps / stages pass run on it);
-    any other layer the dot."""
+@pytest.mark.parametrize("neighbour_us", [None, 0.5, 3.0])
+def test_tune_one_times_a_fused_layers_gemv_fused_and_its_neighbours(monkeypatch, neighbour_us):
+    """tune_one with the timing faked, bf16 at two rows: a split tl.dot tile takes 17 us, the single-split GEMVs
+    18-18.5 us timed fused (what the plain GEMV takes is not asked), cuBLAS 30. A layer that fuses nothing
+    (None) gets the dot; a fused layer whose neighbours' kernels take 0.5 us the dot too (17.5 us), and at 3 us
+    the fastest fused GEMV (its warps / stages pass run fused); the baseline pays the neighbours too."""
     import torch
 
     from model_executor.layers.triton_ops import small_m_gemm as sm
@@ -178,23 +170,27 @@ def test_tune_one_keeps_a_fused_layers_gemv_and_tunes_its_warps(monkeypatch, fee
     monkeypatch.setattr(tune.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132))
     called = []
     monkeypatch.setattr(tune, "kernel_calls", lambda sm_, x, wts, cfg: [lambda: called.append(cfg)])
+    monkeypatch.setattr(tune, "fused_calls", lambda sm_, fusion, x, wts, cfg: [lambda: called.append(("fused", cfg))])
+    monkeypatch.setattr(tune, "neighbour_calls", lambda fusion, x, n: [lambda: called.append("neighbours")])
     monkeypatch.setattr(tune, "baseline_calls", lambda kind, x, wts: [lambda: called.append("base")])
 
     def fake_time(calls):
         calls[0]()
         cfg = called[-1]
-        if cfg == "base":
-            return 30.0
-        if cfg.GEMV and cfg.SPLIT_K == 1:
-            return 18.0 if cfg.num_warps == 8 else 18.5
-        return 17.0
+        if cfg in ("base", "neighbours"):
+            return 30.0 if cfg == "base" else neighbour_us
+        if isinstance(cfg, tuple):  # fused: a single-split GEMV
+            return 18.0 if cfg[1].num_warps == 8 else 18.5
+        assert not tune.fusable(cfg) or neighbour_us is None  # (a fused layer's GEMVs are timed fused)
+        return 18.5 if tune.fusable(cfg) else 17.0
 
     monkeypatch.setattr(tune, "time_calls", fake_time)
     n, k = 6144, 4096
+    fusion = None if neighbour_us is None else tune.Fusion("qkv", (32, 8, 128))
     result = tune.tune_one(sm, "bf16", n, k, 2, tune.Weights("bf16", n, k, torch.Generator()), torch.Generator(),
-                           quick=False, log=[], feeds_fusion=feeds_fusion)
-    if feeds_fusion:
+                           quick=False, log=[], fusion=fusion)
+    if neighbour_us == 3.0:
         assert result["best"].GEMV and result["best"].SPLIT_K == 1 and result["best"].num_warps == 8
-        assert result["best_us"] == 18.0
+        assert result["best_us"] == 18.0 and result["base_us"] == 33.0
     else:
-        assert not tune.fusable(result["best"]) and result["best_us"] == 17.0
+        assert not tune.fusable(result["best"]) and result["best_us"] == 17.0 + (neighbour_us or 0.0)

@@ -18,8 +18,8 @@ class PrenormedRow:
     1 / rms(h): the GEMM of RMSNorm(h) within one rounding, with no normed row in memory and no pass over h
     before the weights stream. small_m_gemm.small_m_linear_add_rmsnorm makes one, with h beside it; a
     consumer that cannot take the row runs RMSNorm on h."""
-    weighted: torch.Tensor  # [1, K]
-    partials: torch.Tensor  # [P] float32
+    weighted: torch.Tensor  # [M, K]: M rows (up to small_m_gemm.MAX_GEMV_ROWS)
+    partials: torch.Tensor  # [M * P] float32: each row's P sums, row by row
     eps: float
 
 

@@ -229,6 +229,50 @@ def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(kind
     assert torch.equal(captured, act) and torch.equal(captured_h, h)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay(kind, m):
+    """2-4 decode rows, each with its own scale, at the 8B's shapes and GEMV configs given here (the table's
+    may be other kernels at these rows): o_proj with the residual add and each row's sums of h^2 in its
+    epilogue, then the gate/up + SiLU GEMV and the qkv GEMV on those pre-normed rows, against a float32
+    reference of RMSNorm(h) from the kernel's h (h itself: the plain GEMV plus the residual, torch's bits);
+    a graph replay has eager's bits."""
+    hidden, inter = 4096, 14336
+    w, s, block, _ = weight(kind, hidden, hidden, seed=hidden)
+    gw, gs, gblock, g_deq = weight(kind, 2 * inter, hidden, seed=inter)
+    qw, qs, qblock, q_deq = weight(kind, 6144, hidden, seed=6144)
+    scales = torch.tensor([3.0, 0.2, 30.0, 1.0], device="cuda")[:m, None]
+    x = torch.randn(m, hidden, device="cuda").bfloat16()
+    residual = (torch.randn(m, hidden, device="cuda") * 5 * scales).bfloat16()
+    g = (torch.rand(hidden, device="cuda") + 0.5).bfloat16()
+    bk = 128 if block else 256
+    o_cfg = sm.GemmConfig(BLOCK_N=8, BLOCK_K=2 * bk, GEMV=True, num_stages=3)
+    paired_cfg = sm.GemmConfig(BLOCK_N=4, BLOCK_K=bk, GEMV=True, num_stages=4)
+
+    def fused():
+        row, h = sm.small_m_linear_add_rmsnorm(x, w, s, None, block, residual, g, 1e-5, config=o_cfg)
+        return (sm.small_m_silu_and_mul(row, gw, gs, gblock, config=paired_cfg),
+                sm.small_m_prenormed_linear(row, qw, qs, None, qblock, config=o_cfg), h)
+
+    act, qkv, h = fused()
+    assert torch.equal(h, sm.small_m_linear(x, w, s, None, block, config=o_cfg) + residual)
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * g.float()
+    ref = normed @ g_deq.t()
+    ref = torch.nn.functional.silu(ref[:, :inter]) * ref[:, inter:]
+    torch.testing.assert_close(act.float(), ref, rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())
+    ref_qkv = normed @ q_deq.t()
+    torch.testing.assert_close(qkv.float(), ref_qkv, rtol=2.0**-5, atol=2.0**-6 * ref_qkv.abs().max().item())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, fused()))
+
+
 def assert_pdl_step_gives_the_same_bits(step) -> None:
     """step(pdl) returns tensors: launched with PDL, eagerly (twice) and over 20 replays of a graph of it, they
     have the bits of step(False), which holds no NaN."""

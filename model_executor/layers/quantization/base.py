@@ -160,16 +160,17 @@ def _rows_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] |
 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None,
                          block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The fused gate/up GEMV + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for one row x [..., K] (or
-    a PrenormedRow) where the small-M kernel runs this weight; None otherwise (and with a bias, which it
-    does not add)."""
+    """The fused gate/up GEMV + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for up to SMALL_M_GEMV_ROWS
+    rows x [..., K] (or a PrenormedRow) where the small-M kernel runs this weight; None otherwise (and with a
+    bias, which it does not add)."""
     prenormed = isinstance(x, PrenormedRow)
-    kernel = _rows_kernel(x.weighted if prenormed else x, weight, block) if bias is None else None
+    rows = x.weighted if prenormed else x
+    kernel = _rows_kernel(rows, weight, block, rows=SMALL_M_GEMV_ROWS) if bias is None else None
     if kernel is None:
         return None
-    if prenormed:  # (its row is already [1, K], and so is the output's)
+    if prenormed:  # (its rows are already [M, K], and so are the output's)
         return kernel.small_m_silu_and_mul(x, weight, scale, block)
-    out = kernel.small_m_silu_and_mul(x.reshape(1, -1), weight, scale, block)
+    out = kernel.small_m_silu_and_mul(x.reshape(-1, x.shape[-1]), weight, scale, block)
     return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -182,7 +183,7 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     otherwise. x may be a PrenormedRow (residual is then its h, returned as it is): the GEMM scales the row
     the kernel before prepared."""
     if isinstance(x, PrenormedRow):
-        kernel = _rows_kernel(x.weighted, weight, block)
+        kernel = _rows_kernel(x.weighted, weight, block, rows=SMALL_M_GEMV_ROWS)
         y = None if kernel is None else kernel.small_m_prenormed_linear(x, weight, scale, bias, block, rope=rope)
         return None if y is None else (y, residual)
     kernel = _rows_kernel(x, weight, block, rows=SMALL_M_GEMV_ROWS)
@@ -204,16 +205,19 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
                                norm_weight: torch.Tensor, eps: float, consumer: torch.Tensor,
                                consumer_block: tuple[int, int] | None,
                                after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
-    """(row, h) for h = x @ weight^T (+ bias) + residual at one row x [..., K], from the GEMV's epilogue
-    (small_m_gemm.small_m_linear_add_rmsnorm), where the small-M kernel runs this weight as a single-split
-    GEMV and can feed `row` to the GEMM of `consumer` (the weight norm(h) goes into); None otherwise.
-    after_attention: x is decode attention's output (where all of K fits one tile, the GEMV loads its weights
-    while attention runs)."""
-    kernel = _rows_kernel(x, weight, block)
+    """(rows, h) for h = x @ weight^T (+ bias) + residual at up to SMALL_M_GEMV_ROWS rows x [..., K], from the
+    GEMV's epilogue (small_m_gemm.small_m_linear_add_rmsnorm), where the small-M kernel runs this weight as a
+    single-split GEMV and can feed `rows` to the GEMM of `consumer` (the weight norm(h) goes into); None
+    otherwise. after_attention: x is decode attention's output (at one row, where all of K fits one tile, the
+    GEMV loads its weights while attention runs)."""
+    kernel = _rows_kernel(x, weight, block, rows=SMALL_M_GEMV_ROWS)
     if kernel is None or residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype \
-            or not residual.is_contiguous() or not kernel.takes_prenormed(residual, consumer, consumer_block):
+            or not residual.is_contiguous():
         return None
-    out = kernel.small_m_linear_add_rmsnorm(x.reshape(1, -1), weight, scale, bias, block, residual.reshape(1, -1),
+    residual2 = residual.reshape(-1, weight.shape[0])
+    if not kernel.takes_prenormed(residual2, consumer, consumer_block):
+        return None
+    out = kernel.small_m_linear_add_rmsnorm(x.reshape(-1, x.shape[-1]), weight, scale, bias, block, residual2,
                                             norm_weight, eps, after_attention=after_attention)
     return None if out is None else (out[0], out[1].reshape(residual.shape))
 

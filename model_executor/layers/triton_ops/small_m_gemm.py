@@ -29,16 +29,16 @@ For up to MAX_GEMV_ROWS rows a config may instead ask for GEMV: CUDA-core produc
 weight tile and each x row, summed over K at the end (no padding to 16 rows, narrower column tiles; with
 several rows the tile is converted once and each row has its own float32 sums); the tuner picks whichever
 is faster at M = 1, 2 and 4. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
-loads of a loop without tl.dot only then. `small_m_silu_and_mul` runs a decode row's [gate; up] GEMV and the
-SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add) that feeds
-the qkv projection of up to MAX_GEMV_ROWS decode tokens into its GEMV and, given a RopeStore, runs their
-rotary and KV store in the epilogue (rows paired within each head, as the SiLU pairs gate and up rows). The
-other fusions take one row. A norm between two
-GEMVs can also go in pieces: `small_m_linear_add_rmsnorm` adds the residual in its epilogue and writes
-norm weight * h and the sums of h^2 per program (a PrenormedRow), and the next GEMV (`small_m_silu_and_mul`,
-`small_m_prenormed_linear`, with the rotary epilogue too) takes that row and scales by 1 / rms at the end:
-a decode layer's post-attention norm between o_proj and gate/up, and the next layer's input norm between
-down and qkv.
+loads of a loop without tl.dot only then. Each fusion below takes up to MAX_GEMV_ROWS rows, where the table
+gives the weight a single-split GEMV at that row count. `small_m_silu_and_mul` runs decode rows' [gate; up]
+GEMV and the SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add)
+that feeds the qkv projection of decode tokens into its GEMV and, given a RopeStore, runs their rotary and
+KV store in the epilogue (rows paired within each head, as the SiLU pairs gate and up rows). A norm between
+two GEMVs can also go in pieces: `small_m_linear_add_rmsnorm` adds the residual in its epilogue and writes
+norm weight * h and the sums of h^2 per row and program (a PrenormedRow), and the next GEMV
+(`small_m_silu_and_mul`, `small_m_prenormed_linear`, with the rotary epilogue too) takes those rows and
+scales each by its 1 / rms at the end: a decode layer's post-attention norm between o_proj and gate/up, and
+the next layer's input norm between down and qkv.
 
 Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
 writes its fp32 partial to a workspace [splits, M, N], and the splits are added in order 0..S-1, the bias
@@ -235,7 +235,7 @@ def _small_m_gemm_kernel(
     to 0 (split K's reduce without a second launch; without REDUCE, _split_k_reduce_kernel does it).
     Otherwise add the bias and store in Y's dtype. GEMV (ROWS = M <= 4 rows): no tensor cores, the
     products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile per row summed over K once at the end
-    (NORM and ROPE take every row; SILU_MUL, ADD_NORM and PRENORMED one row only).
+    (every fusion below takes every row; one row has a loop of its own).
     SILU_MUL (GEMV, one split, no bias): W is [gate; up] with 2N rows; the program also sums the up rows
     n + N and stores silu(gate) * up, rounded as the linear followed by SiluAndMul would round them.
     NORM (GEMV, one split, not with SILU_MUL): each input row is G * rmsnorm(h) for h = x (+ R, rounded to
@@ -248,11 +248,11 @@ def _small_m_gemm_kernel(
     r's position POS[r] from COS), and writes the rotated k heads and the v heads into the KV pool KB / VB
     at slot LOC[r] (divided by k_scale / v_scale), rounded as the rotary_store_kv kernel rounds them.
     ADD_NORM (GEMV, one split, not paired; a decode token's o_proj or down, whose output feeds an RMSNorm):
-    h = y + R (y rounded to its dtype first, as the linear's output; h rounded as torch adds) goes to H, the
-    program's sum of h^2 over its columns to P[pid_n], and Y receives G * h (rounded): the next GEMV's input
-    before the 1 / rms(h) that only the sum of all of P gives. PRENORMED (GEMV, one split): x is such a G * h
-    row and P its num_p partial sums (NUM_P: a power of two >= num_p); the sums are scaled by
-    1 / sqrt(sum(P) / K + eps) at the end, as NORM scales them. X_FP8 (tl.dot): x holds FP8 codes and XS
+    h = y + R (y rounded to its dtype first, as the linear's output; h rounded as torch adds) goes to H, each
+    row's sum of h^2 over the program's columns to P[row * programs + pid_n], and Y receives G * h (rounded):
+    the next GEMV's input before the 1 / rms(h) that only the sum of the row's P gives. PRENORMED (GEMV, one
+    split): x holds such G * h rows and P their partial sums, num_p a row (NUM_P: a power of two >= num_p);
+    each row's sums are scaled by 1 / sqrt(sum(its P) / K + eps) at the end, as NORM scales them. X_FP8 (tl.dot): x holds FP8 codes and XS
     their float32 scales, one per row (per-channel or no weight scales: the sums are scaled by it at the end)
     or one per row and 1 x SCALE_BK group (block scales: each step's dot is scaled by its column); the dot
     runs on FP8 operands (the W8A8 GEMM's math).
@@ -392,7 +392,7 @@ def _small_m_gemm_kernel(
             acc = acc * rstd
             if PAIRED:
                 acc_up = acc_up * rstd
-    elif GEMV:  # 2-4 rows (nothing fused but the RMSNorm and the rotary + KV store)
+    elif GEMV:  # 2-4 rows
         # Row r of x (and of the residual and h: contiguous [M, K] with NORM) at the K step: ptrs + r * stride.
         x_ptrs = X + (k_start + offs_k)[None, :]
         r_ptrs = R + (k_start + offs_k)[None, :]
@@ -409,6 +409,13 @@ def _small_m_gemm_kernel(
             up_ptrs = W + rows_b[:, None] * stride_wn + (k_start + offs_k)[None, :]
             if SCALE == 2:
                 s_up_ptrs = S + (rows_b // SCALE_BN) * stride_sn
+        if ADD_NORM:  # the rows' residual [BLOCK_N, BLOCK_M] (R and H: contiguous [M, N]) and the norm weight
+            r_n = tl.load(R + rows_m[None, :] * N + rows_n[:, None]).to(tl.float32)
+            g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
+        if PRENORMED:  # each row's partial sums of h^2 [BLOCK_M, NUM_P], summed after the loop
+            offs_p = tl.arange(0, NUM_P)
+            p_sums = tl.load(P + rows_m[:, None] * num_p + offs_p[None, :], mask=(offs_p < num_p)[None, :],
+                             other=0.0)
         # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
         # or when the loop itself asks for stages; without it each step waits for its own loads.
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -458,6 +465,10 @@ def _small_m_gemm_kernel(
         if ROWS > 3:
             acc = tl.where(offs_m[None, :] == 3, _gemv_column(acc2_3, sq_3, K, eps, NORM), acc)
             acc_up = tl.where(offs_m[None, :] == 3, _gemv_column(up2_3, sq_3, K, eps, NORM), acc_up)
+        if PRENORMED:
+            rstd = (1.0 / tl.sqrt(tl.sum(p_sums, axis=1) / K + eps))[None, :]
+            acc = acc * rstd
+            acc_up = acc_up * rstd
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
@@ -544,11 +555,12 @@ def _small_m_gemm_kernel(
             gate = acc.to(Y.dtype.element_ty).to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32)
             acc = silu * acc_up.to(Y.dtype.element_ty).to(tl.float32)
-        if ADD_NORM:  # (one row: y_ptrs index columns; H and Y have its layout)
+        if ADD_NORM:  # (H has Y's layout: contiguous [M, N])
             h = (acc.to(Y.dtype.element_ty).to(tl.float32) + r_n).to(Y.dtype.element_ty)
             tl.store(H + y_ptrs, h, mask=out_mask)
             hf = h.to(tl.float32)
-            tl.store(P + pid_n, tl.sum(tl.where(out_mask, hf * hf, 0.0)))
+            tl.store(P + offs_m * tl.num_programs(0) + pid_n, tl.sum(tl.where(out_mask, hf * hf, 0.0), axis=0),
+                     mask=offs_m < M)
             acc = hf * g_n
         tl.store(Y + y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
 
@@ -638,10 +650,10 @@ class RmsNormInput:
 class AddRmsNormOutput:
     """The ADD_NORM epilogue's operands: h = y + residual goes to `h`, its sums of h^2 per program to
     `partials`, and the kernel's own output becomes norm_weight * h."""
-    residual: torch.Tensor  # [1, N], x's dtype
+    residual: torch.Tensor  # [M, N], x's dtype
     norm_weight: torch.Tensor  # [N]
-    h: torch.Tensor  # [1, N], x's dtype
-    partials: torch.Tensor  # [programs] float32
+    h: torch.Tensor  # [M, N], x's dtype
+    partials: torch.Tensor  # [M * programs] float32, row by row
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -676,8 +688,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     _check(x, weight, scale, bias, block, x_scale)
     if cfg.GEMV and x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"a GEMV config runs at most {MAX_GEMV_ROWS} rows, got {x.shape[0]}")
-    if silu_mul and x.shape[0] > 1:  # (the add + RMSNorm epilogue and a pre-normed input: their checks below)
-        raise ValueError(f"a fused SiLU-and-mul must take one row, got {x.shape[0]}")
     if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
         raise ValueError(f"SiLU-and-mul runs in a single-split GEMV without bias on an even row count, got {cfg}")
     if norm is not None:
@@ -726,6 +736,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         h_out = norm.sum_out if residual is not None else x
         partials = prenormed.partials if prenormed is not None else x
     eps = norm.eps if norm is not None else prenormed.eps if prenormed is not None else 0.0
+    num_p = partials.numel() // m if prenormed is not None else 0  # (a pre-normed row's partial sums)
     tiles = triton.cdiv(n, cfg.BLOCK_N)
     reduce_in_kernel = partial and m <= IN_KERNEL_REDUCE_MAX_ROWS and tiles <= MAX_SPLIT_TILES
     counters = split_counters(x.device) if reduce_in_kernel else x
@@ -733,7 +744,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         x, weight, scale if scale is not None else x, bias if bias is not None else x, out, y, counters,
         residual if residual is not None else x, norm_weight, h_out, partials, *rope_ptrs,
         x_scale if x_scale is not None else x,
-        m, n, k, k_per_split, eps, partials.numel() if prenormed is not None else 0,
+        m, n, k, k_per_split, eps, num_p,
         x.stride(0), weight.stride(0), out.stride(-2),  # (y's row stride: 2N with the rotary's paired rows)
         scale.stride(0) if scale_mode == 2 else 0, m * n, *rope_scalars,
         SCALE=scale_mode, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
@@ -744,7 +755,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         NORM=norm is not None, HAS_RESIDUAL=norm is not None and residual is not None,
         ROPE=rope is not None, HALF=rope.cos_sin_cache.shape[-1] // 2 if rope is not None else 1,
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,
-        NUM_P=triton.next_power_of_2(partials.numel()) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
+        NUM_P=triton.next_power_of_2(num_p) if prenormed is not None else 1, X_FP8=cfg.X_FP8,
         ROWS=m if cfg.GEMV else 1, PRELOAD=preload, ONE_STEP=preload and k_per_split <= block_k,
         PDL=pdl, PDL_SIGNAL=rope is not None and has_pdl,
         X_PRESCALE=X_PRESCALE if f16_dot and x.dtype == torch.bfloat16 else 1.0,
@@ -805,26 +816,26 @@ def _check_norm(x: torch.Tensor, norm: RmsNormInput, cfg: GemmConfig) -> None:
 
 
 def _check_add_norm(x: torch.Tensor, weight: torch.Tensor, add_norm: AddRmsNormOutput, cfg: GemmConfig) -> None:
-    n = weight.shape[0]
-    if x.shape[0] != 1:
-        raise ValueError(f"the add + RMSNorm epilogue runs one row, got {x.shape[0]}")
+    m, n = x.shape[0], weight.shape[0]
     if add_norm.norm_weight.shape != (n,) or add_norm.norm_weight.stride(-1) != 1:
         raise ValueError(f"RMSNorm weight must be [{n}] with unit stride, got {tuple(add_norm.norm_weight.shape)}")
     for name in ("residual", "h"):
         t = getattr(add_norm, name)
-        if t.shape != (1, n) or t.dtype != x.dtype or not t.is_contiguous():
-            raise ValueError(f"RMSNorm {name} must be a contiguous (1, {n}) {x.dtype} tensor, got "
+        if t.shape != (m, n) or t.dtype != x.dtype or not t.is_contiguous():
+            raise ValueError(f"RMSNorm {name} must be a contiguous ({m}, {n}) {x.dtype} tensor, got "
                              f"{tuple(t.shape)} {t.dtype}")
-    if add_norm.partials.shape != (triton.cdiv(n, cfg.BLOCK_N),) or add_norm.partials.dtype != torch.float32:
-        raise ValueError(f"the partial sums must be [{triton.cdiv(n, cfg.BLOCK_N)}] float32 (one per program)")
+    want = m * triton.cdiv(n, cfg.BLOCK_N)
+    if add_norm.partials.shape != (want,) or add_norm.partials.dtype != torch.float32:
+        raise ValueError(f"the partial sums must be [{want}] float32 (one per row and program)")
 
 
 def _check_prenormed(x: torch.Tensor, row: PrenormedRow) -> None:
-    if x is not row.weighted or x.shape[0] != 1 or not x.is_contiguous():
-        raise ValueError("a pre-normed input is its weighted row: one contiguous row")
+    if x is not row.weighted or not x.is_contiguous():
+        raise ValueError("a pre-normed input is its weighted rows, contiguous")
     p = row.partials
-    if p.dim() != 1 or p.dtype != torch.float32 or not p.is_contiguous() or p.numel() == 0:
-        raise ValueError(f"pre-normed partial sums must be a contiguous 1-d float32 tensor, got {tuple(p.shape)}")
+    if p.dim() != 1 or p.dtype != torch.float32 or not p.is_contiguous() or p.numel() == 0 or p.numel() % x.shape[0]:
+        raise ValueError(f"pre-normed partial sums must be a contiguous 1-d float32 tensor, the same number a row, "
+                         f"got {tuple(p.shape)} for {x.shape[0]} rows")
 
 
 # ---------------------------------------------------------------- configs
@@ -1016,10 +1027,10 @@ def silu_and_mul_config(n2: int, k: int, kind: str, device: str) -> GemmConfig |
 
 
 def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
-                  config: GemmConfig | None, paired: bool, rows: int = 1) -> GemmConfig | None:
-    """`config`, else the table's fused_gemv_config; None for more than `rows` rows (what the fusion takes) or
-    while something traces."""
-    if not 0 < x.shape[0] <= rows or _tracing():
+                  config: GemmConfig | None, paired: bool) -> GemmConfig | None:
+    """`config`, else the table's fused_gemv_config for x's rows; None above MAX_GEMV_ROWS rows or while
+    something traces."""
+    if not 0 < x.shape[0] <= MAX_GEMV_ROWS or _tracing():
         return None
     if config is not None:
         return config
@@ -1030,10 +1041,10 @@ def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
                          block: tuple[int, int] | None = None,
                          config: GemmConfig | None = None) -> torch.Tensor | None:
-    """silu(x @ gate^T) * (x @ up^T) for one row x [1, K] (or a PrenormedRow: the row it stands for) and a
-    [gate; up] weight [2I, K] (FP8: with its scales, as small_m_linear) -> [1, I], in one kernel: a decode
-    step's MLP without the activation's own launch. None where no single-split GEMV config applies, or while
-    something traces: the caller then runs the linear and SiluAndMul."""
+    """silu(x @ gate^T) * (x @ up^T) for up to MAX_GEMV_ROWS rows x [M, K] (or a PrenormedRow: the rows it
+    stands for) and a [gate; up] weight [2I, K] (FP8: with its scales, as small_m_linear) -> [M, I], in one
+    kernel: a decode step's MLP without the activation's own launch. None where the table has no single-split
+    GEMV for M rows, or while something traces: the caller then runs the linear and SiluAndMul."""
     prenormed = x if isinstance(x, PrenormedRow) else None
     row = x.weighted if prenormed is not None else x
     config = _fused_config(row, weight, block, config, paired=True)
@@ -1046,25 +1057,26 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
                                bias: torch.Tensor | None, block: tuple[int, int] | None, residual: torch.Tensor,
                                norm_weight: torch.Tensor, eps: float, config: GemmConfig | None = None,
                                after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
-    """(row, h) for one row x [1, K]: h = x @ W^T (+ bias) + residual, and `row`, the PrenormedRow of
-    norm_weight * rmsnorm(h) for the GEMV that h's norm feeds, in one kernel: a decode token's o_proj with
-    the residual add and the post-attention RMSNorm's work in its epilogue (the norm's own launch goes).
-    after_attention: x is decode attention's output; where preload_config gives a config (all of K in one
-    preloaded tile) the GEMV is launched with PDL and loads its weights while attention runs (pdl.py); an
-    explicit config is launched so as given (its first step preloaded). None where no single-split GEMV
-    config applies, or while something traces."""
+    """(rows, h) for up to MAX_GEMV_ROWS rows x [M, K]: h = x @ W^T (+ bias) + residual, and `rows`, the
+    PrenormedRow of norm_weight * rmsnorm(h) for the GEMV that h's norm feeds, in one kernel: decode tokens'
+    o_proj with the residual add and the post-attention RMSNorm's work in its epilogue (the norm's own launch
+    goes). after_attention (one row): x is decode attention's output; where preload_config gives a config (all
+    of K in one preloaded tile) the GEMV is launched with PDL and loads its weights while attention runs
+    (pdl.py); an explicit config is launched so as given (its first step preloaded). None where the table has
+    no single-split GEMV for M rows, or while something traces."""
     explicit = config is not None
     config = _fused_config(x, weight, block, config, paired=False)
     if config is None:
         return None
     pdl = False
-    if after_attention:  # PDL where all of K is loaded before the wait (an explicit config: as given)
+    if after_attention and x.shape[0] == 1:  # PDL where all of K is loaded before the wait (explicit: as given)
         preloaded = config if explicit else preload_config(config, weight, block)
         pdl = preloaded is not None
         config = preloaded or config
     n = weight.shape[0]
     out = AddRmsNormOutput(residual, norm_weight, torch.empty_like(residual),
-                           torch.empty(triton.cdiv(n, config.BLOCK_N), dtype=torch.float32, device=x.device))
+                           torch.empty(x.shape[0] * triton.cdiv(n, config.BLOCK_N), dtype=torch.float32,
+                                       device=x.device))
     weighted = _launch(x, weight, scale, bias, block, config, add_norm=out, pdl=pdl)
     return PrenormedRow(weighted, out.partials, eps), out.h
 
@@ -1087,8 +1099,8 @@ def preload_config(cfg: GemmConfig, weight: torch.Tensor, block: tuple[int, int]
 
 
 def takes_prenormed(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether a GEMM of this weight at x's one row can take a PrenormedRow (a single-split GEMV in the
-    table, paired or not: the SiLU-and-mul and the rotary epilogue take half the column tile)."""
+    """Whether a GEMM of this weight at x's rows can take a PrenormedRow (a single-split GEMV in the table
+    for that many rows, paired or not: the SiLU-and-mul and the rotary epilogue take half the column tile)."""
     return _fused_config(x, weight, block, None, paired=True) is not None
 
 
@@ -1097,10 +1109,10 @@ def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: tor
                              rope: RopeStore | None = None, config: GemmConfig | None = None,
                              out_dtype: torch.dtype | None = None,
                              y_out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (one row): small_m_rmsnorm_linear's y with
-    the norm's work already done by the kernel that made h, in out_dtype (default: the row's; into y_out if
-    given). With `rope`, the qkv projection's rotary and KV store run in the same kernel. None where no
-    single-split GEMV config applies, or while something traces."""
+    """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (up to MAX_GEMV_ROWS rows):
+    small_m_rmsnorm_linear's y with the norm's work already done by the kernel that made h, in out_dtype
+    (default: the row's; into y_out if given). With `rope`, the qkv projection's rotary and KV store run in the
+    same kernel. None where the table has no single-split GEMV for that many rows, or while something traces."""
     config = _fused_config(row.weighted, weight, block, config, paired=rope is not None)
     if config is None:
         return None
@@ -1120,7 +1132,7 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     or while something traces (the caller then runs RMSNorm, the linear and the attention's own rotary and
     store). Not offered with the fused SiLU-and-mul: measured slower there than the two kernels (H200,
     docs/benchmarks.md)."""
-    config = _fused_config(x, weight, block, config, paired=rope is not None, rows=MAX_GEMV_ROWS)
+    config = _fused_config(x, weight, block, config, paired=rope is not None)
     if config is None:
         return None
     norm = RmsNormInput(norm_weight, eps, residual, None if residual is None else torch.empty_like(x))
