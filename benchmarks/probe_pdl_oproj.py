@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     plan = (req_to_token, req_rows, seq_lens, ws, splits)
     x0 = (torch.randn(1, HIDDEN, device=DEVICE, generator=gen) * 0.5).bfloat16()
     r0 = torch.randn(1, HIDDEN, device=DEVICE, generator=gen).bfloat16()
-    table = sm.fused_gemv_config(HIDDEN, HEADS * HEAD_DIM, args.kind, sm.device_name("cuda"))
+    table = sm.fused_config(HIDDEN, HEADS * HEAD_DIM, args.kind, sm.device_name("cuda"))
     derived = sm.preload_config(table, layers[0].o[0], None) or table  # (None: all of K does not fit)
     print(f"{torch.cuda.get_device_name(0)}; PDL supported: {pdl_supported(x0.device)}; {args.model} {args.kind}, "
           f"{args.layers} layers, {args.context} tokens, {splits} kv splits; o_proj's table config {table}, "

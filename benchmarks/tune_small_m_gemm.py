@@ -110,8 +110,10 @@ def fused_shapes(cfgs: list[ModelConfig], tps: list[int]) -> dict[tuple[int, int
 
 
 def fusable(cfg) -> bool:
-    """Whether the fused paths can run this config (small_m_gemm.fused_gemv_config): a single-split GEMV."""
-    return cfg.GEMV and cfg.SPLIT_K == 1
+    """Whether a fused layer's paths can run this config fused (small_m_gemm.fused_config): one split,
+    weight-only and, as both fused layers pair their rows, a GEMV or a tl.dot tile of at least 32 columns; and
+    not marked plain (FUSE False)."""
+    return cfg.FUSE is not False and cfg.SPLIT_K == 1 and not cfg.X_FP8 and (cfg.GEMV or cfg.BLOCK_N >= 32)
 
 
 def best_of(results: list, neighbour_us: float = 0.0) -> tuple[float, object]:
@@ -193,7 +195,7 @@ def rope_store(fusion: Fusion, m: int):
 def fused_calls(sm, fusion: Fusion, x: torch.Tensor, wts: Weights, cfg) -> list[Callable[[], object]]:
     """A fusable config's calls as the fused layer runs it: on a PrenormedRow of x's rows, with the SiLU-and-mul
     (gate_up) or the rotary and KV store (qkv) in its epilogue, at half the column tile (paired rows, as
-    small_m_gemm.fused_gemv_config gives it)."""
+    small_m_gemm.fused_config gives it)."""
     from model_executor.layers.norm import PrenormedRow
 
     row = PrenormedRow(x, torch.rand(x.shape[0] * 16, device=DEVICE) + 0.5, 1e-5)
@@ -382,10 +384,20 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
             log.append([round(us, 2), sm.config_to_json(cfg)])
         return us
 
+    def measure_forms(cfg) -> list:
+        """[(us, cfg)]; where the layer can fuse this config, its fused form (FUSE True) and its plain one (FUSE
+        False, the neighbours' kernels run apart): the table entry says which the step runs."""
+        if fusion is None or not fusable(cfg):
+            return [(measure(cfg), cfg)]
+        forms = [dataclasses.replace(cfg, FUSE=True), dataclasses.replace(cfg, FUSE=False)]
+        return [(measure(c), c) for c in forms]
+
 
     results = []
     joint = act is not None and not quick  # the X_FP8 variant: the joint grid
     tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick, m)]
+    if fusion is not None and not kind.startswith("fp8"):  # a paired tile of 64 + 64 rows (each dot as plain 64's)
+        tiles += [(128, bk, False) for bk in (128, 256) if (128, bk) not in tile_grid(kind, quick, m)]
     if m <= sm.MAX_GEMV_ROWS:
         tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick, m)]
     if act is not None and not joint:
@@ -393,20 +405,20 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     for bn, bk, gemv in tiles:
         cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sm.split_for(n, k, bn, bk, sms), num_warps=4, num_stages=4,
                             GEMV=bool(gemv), X_FP8=gemv is None)
-        results.append((measure(cfg), cfg))
+        results += measure_forms(cfg)
     for x_fp8 in (False, True) if act is not None and not joint else (False,):  # the split pass for the best of each
         best_us, best = min((r for r in results if r[1].X_FP8 == x_fp8), key=lambda r: r[0])
         for split in (1, 2, 4, 8, 16):
             if split != best.SPLIT_K and k // split >= best.BLOCK_K:
-                cfg = dataclasses.replace(best, SPLIT_K=split)
-                results.append((measure(cfg), cfg))
+                cfg = dataclasses.replace(best, SPLIT_K=split, FUSE=None)
+                results += measure_forms(cfg)
     if joint:
         results += [(measure(cfg), cfg) for cfg in xfp8_joint_grid(k, kind)]
     neighbour_us = time_calls(neighbour_calls(fusion, x, n)) if fusion is not None else 0.0
     best_us, best = best_of(results, neighbour_us)
     if not quick and not (joint and best.X_FP8):  # (the joint grid has its warps and stages)
         for warps, stages in GEMV_WARPS_STAGES if best.GEMV else DOT_WARPS_STAGES:
-            cfg = dataclasses.replace(best, num_warps=warps, num_stages=stages)
+            cfg = dataclasses.replace(best, num_warps=warps, num_stages=stages)  # (in best's form, FUSE as it is)
             results.append((measure(cfg), cfg))
         best_us, best = best_of(results, neighbour_us)
     default = sm.default_config(m, n, k, kind)

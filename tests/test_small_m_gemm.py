@@ -517,11 +517,14 @@ def test_fp8_linear_traced_once_picks_its_path_per_row_count(quant, table, monke
 # by its 32-wide scale blocks, so 4 1/2 steps) and an even K.
 FUSED_GEMV_CASES = [(144, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),
                     (128, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True})]
+# ... and a single-split tl.dot tile (16 gate and 16 up rows a program), which runs the epilogue fusions and
+# takes pre-normed rows too (the RMSNorm inside the K loop is the GEMV's alone)
+FUSED_CASES = [*FUSED_GEMV_CASES, (144, {"BLOCK_N": 16, "BLOCK_K": 32})]
 
 
 @in_process
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
-@pytest.mark.parametrize("k,cfg", FUSED_GEMV_CASES)
+@pytest.mark.parametrize("k,cfg", FUSED_CASES)
 @pytest.mark.parametrize("m", [1, 3])
 def test_fused_silu_and_mul_equals_linear_then_silu_and_mul(kind, k, cfg, m):
     """m rows through a [gate; up] weight: the fused GEMV's silu(gate) * up has the bits of the GEMV with
@@ -547,7 +550,7 @@ def test_fused_silu_and_mul_config_and_refusals(table):
                     "80,64": {"1": "cublas"}}})
     assert sm.silu_and_mul_config(32, 64, "bf16", "cpu") == sm.GemmConfig(4, 64, GEMV=True)  # half the rows
     assert sm.silu_and_mul_config(48, 64, "bf16", "cpu") is None  # split K: the partial sums need a reduce
-    assert sm.silu_and_mul_config(64, 64, "bf16", "cpu") is None  # a tl.dot tile
+    assert sm.silu_and_mul_config(64, 64, "bf16", "cpu") is None  # split K (a tl.dot tile)
     assert sm.silu_and_mul_config(80, 64, "bf16", "cpu") is None  # cuBLAS
     assert sm.silu_and_mul_config(31, 64, "bf16", "cpu") is None  # no [gate; up] halves
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
@@ -556,7 +559,15 @@ def test_fused_silu_and_mul_config_and_refusals(table):
     table({"bf16": {"32,64": {"1": gemv, "2": gemv, "8": gemv}}})
     assert sm.small_m_silu_and_mul(torch.zeros(2, 64, dtype=torch.bfloat16), w).shape == (2, 16)
     assert sm.small_m_silu_and_mul(torch.zeros(5, 64, dtype=torch.bfloat16), w) is None  # above the GEMV's rows
-    with pytest.raises(ValueError, match="single-split GEMV"):
+    dot = {"BLOCK_N": 32, "BLOCK_K": 64, "FUSE": True}  # a single-split tl.dot tile: 16 gate + 16 up rows a program
+    table({"bf16": {"32,64": {"1": dot}, "64,64": {"1": {**dot, "BLOCK_N": 16}}}})
+    assert sm.silu_and_mul_config(32, 64, "bf16", "cpu") == sm.GemmConfig(16, 64, FUSE=True)
+    assert sm.silu_and_mul_config(64, 64, "bf16", "cpu") is None  # 8 rows a block: below tl.dot's 16
+    table({"bf16": {"32,64": {"1": {**dot, "FUSE": False}}}})  # the tuner measured it faster unfused
+    assert sm.silu_and_mul_config(32, 64, "bf16", "cpu") is None
+    table({"bf16": {"32,64": {"1": {"BLOCK_N": 32, "BLOCK_K": 64}}}})  # FUSE not given (a table from before)
+    assert sm.silu_and_mul_config(32, 64, "bf16", "cpu") is None  # a dot tile does not fuse; a GEMV does (above)
+    with pytest.raises(ValueError, match="single-split config"):
         sm.small_m_silu_and_mul(torch.zeros(1, 64, dtype=torch.bfloat16), w,
                                 config=sm.GemmConfig(8, 64, SPLIT_K=2, GEMV=True))
 
@@ -604,10 +615,15 @@ def test_fused_rmsnorm_refusals(table):
     gemv = {"BLOCK_N": 8, "BLOCK_K": 64, "GEMV": True}
     table({"bf16": {"32,64": {"1": gemv}, "48,64": {"1": {**gemv, "SPLIT_K": 2}}, "64,64": {"1": TUNED},
                     "80,64": {"1": "cublas"}}})
-    assert sm.fused_gemv_config(32, 64, "bf16", "cpu") == sm.GemmConfig(8, 64, GEMV=True)  # every row
-    assert sm.fused_gemv_config(48, 64, "bf16", "cpu") is None  # split K
-    assert sm.fused_gemv_config(64, 64, "bf16", "cpu") is None  # a tl.dot tile
-    assert sm.fused_gemv_config(80, 64, "bf16", "cpu") is None  # cuBLAS
+    assert sm.fused_config(32, 64, "bf16", "cpu", gemv=True) == sm.GemmConfig(8, 64, GEMV=True)  # every row
+    assert sm.fused_config(48, 64, "bf16", "cpu", gemv=True) is None  # split K
+    assert sm.fused_config(64, 64, "bf16", "cpu", gemv=True) is None  # split K (a tl.dot tile)
+    assert sm.fused_config(80, 64, "bf16", "cpu", gemv=True) is None  # cuBLAS
+    table({"bf16": {"32,64": {"1": {**TUNED, "SPLIT_K": 1, "FUSE": True}}}})  # a single-split tl.dot: no norm in it
+    assert sm.fused_config(32, 64, "bf16", "cpu", gemv=True) is None
+    assert sm.fused_config(32, 64, "bf16", "cpu") == sm.GemmConfig(**{**TUNED, "SPLIT_K": 1, "FUSE": True})
+    table({"bf16": {"32,64": {"1": gemv}, "48,64": {"1": {**gemv, "SPLIT_K": 2}}, "64,64": {"1": TUNED},
+                    "80,64": {"1": "cublas"}}})
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     g = torch.ones(64, dtype=torch.bfloat16)
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
@@ -836,7 +852,7 @@ def test_fused_qkv_rope_store_refusals():
     rope = sm.RopeStore(torch.tensor([1]), cache, torch.tensor([0]), pool, pool.clone(), 4, 2)
     gemv = sm.GemmConfig(4, 64, GEMV=True)
     assert sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w, rope=rope, config=gemv) is not None
-    with pytest.raises(ValueError, match="single-split GEMV"):
+    with pytest.raises(ValueError, match="single-split"):
         sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w, rope=rope, config=sm.GemmConfig(4, 32, SPLIT_K=2, GEMV=True))
     with pytest.raises(ValueError, match="a qkv weight of 8 heads of 16 rows"):
         sm.small_m_rmsnorm_linear(x, g, 1e-6, None, w[:112], rope=rope, config=gemv)
@@ -904,9 +920,10 @@ def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(ti
 
 
 O_PROJ_GEMV = {"BLOCK_N": 32, "BLOCK_K": 32, "GEMV": True}  # (N = 144: a partial last column tile)
+O_PROJ_DOT = {"BLOCK_N": 32, "BLOCK_K": 32}  # (the epilogue after a single-split tl.dot tile)
 
 
-def _add_norm_case(kind, k, cfg, seed=0, m=1):
+def _add_norm_case(kind, k, cfg, seed=0, m=1, o_cfg=O_PROJ_GEMV):
     """m decode rows x [m, 80] through o_proj [k, 80] (+ bias) + residual, RMSNorm (weight g) over its k
     columns, and a [gate; up] weight [80, k]: operands on the device, the fused pair's outputs, and the
     dequantized gate/up weight. Row r's residual is scaled by 1 + 2r: each row has its own 1 / rms."""
@@ -922,25 +939,26 @@ def _add_norm_case(kind, k, cfg, seed=0, m=1):
     ops = {"x": dev(x), "w_o": dev(w_o), "s_o": dev(s_o), "bias": dev(bias), "block": block,
            "residual": dev(residual), "g": dev(g), "w_gu": dev(w_gu), "s_gu": dev(s_gu)}
     row, h = sm.small_m_linear_add_rmsnorm(ops["x"], ops["w_o"], ops["s_o"], ops["bias"], block, ops["residual"],
-                                           ops["g"], 1e-5, config=sm.GemmConfig(**O_PROJ_GEMV))
+                                           ops["g"], 1e-5, config=sm.GemmConfig(**o_cfg))
     act = sm.small_m_silu_and_mul(row, ops["w_gu"], ops["s_gu"], block, config=sm.GemmConfig(**cfg))
     return ops, row, h, act, w_gu_deq
 
 
 @in_process
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
-@pytest.mark.parametrize("k,cfg", FUSED_GEMV_CASES)
+@pytest.mark.parametrize("k,cfg", FUSED_CASES)
 @pytest.mark.parametrize("m", [1, 3])
-def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg, m):
+@pytest.mark.parametrize("o_cfg", [O_PROJ_GEMV, O_PROJ_DOT])
+def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg, m, o_cfg):
     """m decode rows: o_proj's GEMV with the residual add and the norm's sums in its epilogue, then the
     [gate; up] GEMV + SiLU-and-mul on those pre-normed rows. h is the plain GEMV's output (same config) plus
     the residual as torch adds them; the weighted rows are g * h; each row's partial sums (one per program,
     the last column tile partial) add up to its sum(h^2); the activation is silu(gate) * up of the float32
     reference of RMSNorm(h) within the roundings of the unfused path (1 / rms is far from 1 and differs by
     row: h's values are ~4, ~12, ~20)."""
-    ops, row, h, act, w_gu_deq = _add_norm_case(kind, k, cfg, m=m)
+    ops, row, h, act, w_gu_deq = _add_norm_case(kind, k, cfg, m=m, o_cfg=o_cfg)
     o = sm.small_m_linear(ops["x"], ops["w_o"], ops["s_o"], ops["bias"], ops["block"],
-                          config=sm.GemmConfig(**O_PROJ_GEMV))
+                          config=sm.GemmConfig(**o_cfg))
     h_ref = (o + ops["residual"]).cpu()
     weighted_ref = (h.float() * ops["g"].float()).to(torch.bfloat16).cpu()
     if triton_mode.interpreting():  # (the interpreter truncates float32 -> bfloat16: within an ulp)
@@ -948,7 +966,7 @@ def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg, m):
         torch.testing.assert_close(row.weighted.float().cpu(), weighted_ref.float(), rtol=2.0**-7, atol=0)
     else:
         assert torch.equal(h.cpu(), h_ref) and torch.equal(row.weighted.cpu(), weighted_ref)
-    programs = -(-k // O_PROJ_GEMV["BLOCK_N"])
+    programs = -(-k // o_cfg["BLOCK_N"])
     assert row.partials.shape == (m * programs,) and row.eps == 1e-5
     torch.testing.assert_close(row.partials.view(m, programs).sum(1).cpu(), h.float().pow(2).sum(1).cpu(),
                                rtol=1e-5, atol=0)
@@ -1024,7 +1042,7 @@ def test_add_rmsnorm_refusals(table, monkeypatch):
     r = torch.randn(1, 48).to(torch.bfloat16)
     g = torch.ones(48, dtype=torch.bfloat16)
     gemv = sm.GemmConfig(8, 32, GEMV=True)
-    with pytest.raises(ValueError, match="single-split GEMV"):
+    with pytest.raises(ValueError, match="single-split config"):
         sm.small_m_linear_add_rmsnorm(x, w, None, None, None, r, g, 1e-6, config=sm.GemmConfig(8, 32, SPLIT_K=2,
                                                                                                 GEMV=True))
     with pytest.raises(ValueError, match="RMSNorm residual"):
@@ -1033,7 +1051,7 @@ def test_add_rmsnorm_refusals(table, monkeypatch):
         sm.small_m_linear_add_rmsnorm(x, w, None, None, None, r, g[:40], 1e-6, config=gemv)
     row, _ = sm.small_m_linear_add_rmsnorm(x, w, None, None, None, r, g, 1e-6, config=gemv)
     gu = torch.randn(32, 48).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="single-split GEMV"):
+    with pytest.raises(ValueError, match="single-split config"):
         sm.small_m_silu_and_mul(row, gu, config=sm.GemmConfig(8, 32, SPLIT_K=2, GEMV=True))
     with pytest.raises(ValueError, match="either pre-normed or normed"):
         sm._launch(row.weighted, gu, None, None, None, gemv, norm=sm.RmsNormInput(g, 1e-6), prenormed=row)
@@ -1063,7 +1081,8 @@ def test_add_rmsnorm_refusals(table, monkeypatch):
 @in_process
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("head_dim,cfg", [(16, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),
-                                          (24, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True})])
+                                          (24, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}),
+                                          (16, {"BLOCK_N": 16, "BLOCK_K": 32})])  # (a tl.dot tile)
 @pytest.mark.parametrize("m", [1, 3])
 def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, cfg, m):
     """The next layer's qkv GEMV on a PrenormedRow of m rows (a down projection's epilogue made it, each row

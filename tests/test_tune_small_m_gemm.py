@@ -20,8 +20,18 @@ def test_linear_shapes_are_one_ranks_gemms(tp, expected):
     assert tune.linear_shapes(ModelConfig.from_pretrained(shape_path("llama-3.1-8b")), tp) == expected
 
 
-GEMV = SimpleNamespace(GEMV=True, SPLIT_K=1)  # a fusable config: a single-split GEMV
-SPLIT_DOT = SimpleNamespace(GEMV=False, SPLIT_K=2)
+GEMV = SimpleNamespace(GEMV=True, SPLIT_K=1, X_FP8=False, BLOCK_N=8, FUSE=True)  # fusable: a single-split GEMV
+SPLIT_DOT = SimpleNamespace(GEMV=False, SPLIT_K=2, X_FP8=False, BLOCK_N=32, FUSE=True)
+
+
+def test_fusable_configs_run_one_split_weight_only_and_paired():
+    assert tune.fusable(GEMV) and not tune.fusable(SPLIT_DOT)
+    dot = SimpleNamespace(GEMV=False, SPLIT_K=1, X_FP8=False, BLOCK_N=32, FUSE=True)
+    assert tune.fusable(dot)  # 16 gate (or first-half) rows and 16 paired ones a program
+    assert tune.fusable(SimpleNamespace(**{**vars(dot), "FUSE": None}))  # (not yet timed: both forms will be)
+    assert not tune.fusable(SimpleNamespace(**{**vars(dot), "FUSE": False}))  # the tuner measured it faster plain
+    assert not tune.fusable(SimpleNamespace(**{**vars(dot), "BLOCK_N": 16}))  # 8 a block: below tl.dot's 16
+    assert not tune.fusable(SimpleNamespace(**{**vars(dot), "X_FP8": True}))  # the W8A8 path's
 
 
 def test_table_entry_keeps_the_other_path_only_where_it_measured_faster():
@@ -41,7 +51,7 @@ def test_fused_shapes_are_the_norm_fed_layers_of_each_tp_with_their_heads():
 
 
 def test_a_fused_layers_other_configs_pay_for_the_kernels_its_fusion_saves():
-    gemv_2 = SimpleNamespace(GEMV=True, SPLIT_K=2)  # a GEMV, but split: not fusable
+    gemv_2 = SimpleNamespace(GEMV=True, SPLIT_K=2, X_FP8=False, BLOCK_N=8, FUSE=True)  # a GEMV, but split
     results = [(18.2, GEMV), (17.6, SPLIT_DOT), (17.0, gemv_2)]
     assert tune.best_of(results) == (17.0, gemv_2)  # a layer that fuses nothing
     assert tune.best_of(results, neighbour_us=1.0) == (18.0, gemv_2)  # 17.0 + 1.0 < 18.2
@@ -155,12 +165,15 @@ def test_x_fp8_is_searched_over_the_joint_grid(monkeypatch, m, quick):
         assert all(c.num_warps == 4 for c in x_fp8)  # (no warps pass with --quick)
 
 
-@pytest.mark.parametrize("neighbour_us", [None, 0.5, 3.0])
-def test_tune_one_times_a_fused_layers_gemv_fused_and_its_neighbours(monkeypatch, neighbour_us):
-    """tune_one with the timing faked, bf16 at two rows: a split tl.dot tile takes 17 us, the single-split GEMVs
-    18-18.5 us timed fused (what the plain GEMV takes is not asked), cuBLAS 30. A layer that fuses nothing
-    (None) gets the dot; a fused layer whose neighbours' kernels take 0.5 us the dot too (17.5 us), and at 3 us
-    the fastest fused GEMV (its warps / stages pass run fused); the baseline pays the neighbours too."""
+@pytest.mark.parametrize("neighbour_us,plain_gemv_us", [(None, 18.5), (0.5, 18.5), (3.0, 18.5), (3.0, 14.0)])
+def test_tune_one_times_a_fused_layers_configs_fused_and_plain_with_its_neighbours(monkeypatch, neighbour_us,
+                                                                                   plain_gemv_us):
+    """tune_one with the timing faked, bf16 at two rows: tl.dot tiles take 17 us plain and 25 fused, single-split
+    GEMVs 18 us fused (8 warps; 18.5 at 4) and plain_gemv_us plain, cuBLAS 30. A layer that fuses nothing
+    (neighbour_us None) gets a dot; a fused layer whose neighbours' kernels take 0.5 us a plain dot (17.5: a
+    single-split one with FUSE off); at 3 us the fastest fused GEMV (its warps / stages pass run fused), unless
+    the plain GEMV with the neighbours is faster (14 + 3): then that GEMV with FUSE off. The baseline pays the
+    neighbours too."""
     import torch
 
     from model_executor.layers.triton_ops import small_m_gemm as sm
@@ -179,18 +192,23 @@ def test_tune_one_times_a_fused_layers_gemv_fused_and_its_neighbours(monkeypatch
         cfg = called[-1]
         if cfg in ("base", "neighbours"):
             return 30.0 if cfg == "base" else neighbour_us
-        if isinstance(cfg, tuple):  # fused: a single-split GEMV
-            return 18.0 if cfg[1].num_warps == 8 else 18.5
-        assert not tune.fusable(cfg) or neighbour_us is None  # (a fused layer's GEMVs are timed fused)
-        return 18.5 if tune.fusable(cfg) else 17.0
+        if isinstance(cfg, tuple):  # fused (only a fused layer's fusable configs)
+            assert neighbour_us is not None and tune.fusable(cfg[1])
+            return (18.0 if cfg[1].num_warps == 8 else 18.5) if cfg[1].GEMV else 25.0
+        return plain_gemv_us if cfg.GEMV and cfg.SPLIT_K == 1 else 17.0
 
     monkeypatch.setattr(tune, "time_calls", fake_time)
     n, k = 6144, 4096
     fusion = None if neighbour_us is None else tune.Fusion("qkv", (32, 8, 128))
     result = tune.tune_one(sm, "bf16", n, k, 2, tune.Weights("bf16", n, k, torch.Generator()), torch.Generator(),
                            quick=False, log=[], fusion=fusion)
+    best = result["best"]
     if neighbour_us == 3.0:
-        assert result["best"].GEMV and result["best"].SPLIT_K == 1 and result["best"].num_warps == 8
-        assert result["best_us"] == 18.0 and result["base_us"] == 33.0
+        assert best.GEMV and best.SPLIT_K == 1 and result["base_us"] == 33.0
+        if plain_gemv_us == 14.0:
+            assert not best.FUSE and result["best_us"] == 17.0
+        else:
+            assert best.FUSE and best.num_warps == 8 and result["best_us"] == 18.0
     else:
-        assert not tune.fusable(result["best"]) and result["best_us"] == 17.0 + (neighbour_us or 0.0)
+        assert not best.GEMV and result["best_us"] == 17.0 + (neighbour_us or 0.0)
+        assert neighbour_us is None or not tune.fusable(best)  # (a single-split dot: FUSE off)

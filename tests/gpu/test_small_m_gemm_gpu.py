@@ -231,9 +231,11 @@ def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(kind
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("m", [2, 3, 4])
-def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay(kind, m):
-    """2-4 decode rows, each with its own scale, at the 8B's shapes and GEMV configs given here (the table's
-    may be other kernels at these rows): o_proj with the residual add and each row's sums of h^2 in its
+@pytest.mark.parametrize("tiles", ["gemv", "dot"])
+def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay(kind, m, tiles):
+    """2-4 decode rows, each with its own scale, at the 8B's shapes and single-split configs given here (GEMVs,
+    or tl.dot tiles; the table's may be others at these rows): o_proj with the residual add and each row's sums
+    of h^2 in its
     epilogue, then the gate/up + SiLU GEMV and the qkv GEMV on those pre-normed rows, against a float32
     reference of RMSNorm(h) from the kernel's h (h itself: the plain GEMV plus the residual, torch's bits);
     a graph replay has eager's bits."""
@@ -246,8 +248,11 @@ def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay
     residual = (torch.randn(m, hidden, device="cuda") * 5 * scales).bfloat16()
     g = (torch.rand(hidden, device="cuda") + 0.5).bfloat16()
     bk = 128 if block else 256
-    o_cfg = sm.GemmConfig(BLOCK_N=8, BLOCK_K=2 * bk, GEMV=True, num_stages=3)
-    paired_cfg = sm.GemmConfig(BLOCK_N=4, BLOCK_K=bk, GEMV=True, num_stages=4)
+    if tiles == "gemv":
+        o_cfg = sm.GemmConfig(BLOCK_N=8, BLOCK_K=2 * bk, GEMV=True, num_stages=3)
+        paired_cfg = sm.GemmConfig(BLOCK_N=4, BLOCK_K=bk, GEMV=True, num_stages=4)
+    else:
+        o_cfg = paired_cfg = sm.GemmConfig(BLOCK_N=32, BLOCK_K=128, num_stages=4)
 
     def fused():
         row, h = sm.small_m_linear_add_rmsnorm(x, w, s, None, block, residual, g, 1e-5, config=o_cfg)

@@ -114,6 +114,10 @@ class GemmConfig:
     # entry with it is a config of the W8A8 path (fp8_linear._w8a8), which quantizes x anyway, not of this
     # weight-only one.
     X_FP8: bool = False
+    # Whether the layer's fused paths (fused_config) take this config where it is single_split: True / False as
+    # the tuner measured the fused form against the plain kernel plus the neighbours' own kernels; None (entries
+    # tuned before tl.dot tiles could fuse, layers not timed fused): a GEMV does, a tl.dot tile does not.
+    FUSE: bool | None = None
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -293,6 +297,14 @@ def _small_m_gemm_kernel(
             scale_b = tl.load(S + rows_b)[:, None]
     if ROPE:
         rope_slot, rope_cos, rope_sin = _rope_operands(offs_n, rows_m, POS, LOC, COS, stride_cos, HALF)
+    if not (GEMV and ROWS == 1):  # (the one-row GEMV loads them after its PDL wait, below)
+        if ADD_NORM:  # the rows' residual [BLOCK_N, BLOCK_M] (R and H: contiguous [M, N]) and the norm weight
+            r_n = tl.load(R + rows_m[None, :] * N + rows_n[:, None]).to(tl.float32)
+            g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
+        if PRENORMED:  # each row's partial sums of h^2 [BLOCK_M, NUM_P], summed after the loop
+            offs_p = tl.arange(0, NUM_P)
+            p_sums = tl.load(P + rows_m[:, None] * num_p + offs_p[None, :], mask=(offs_p < num_p)[None, :],
+                             other=0.0)
     if GEMV and ROWS == 1:  # (its own loop: the multi-row form below measured 0.9% slower at 8B FP8 bs 1)
         x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -409,13 +421,6 @@ def _small_m_gemm_kernel(
             up_ptrs = W + rows_b[:, None] * stride_wn + (k_start + offs_k)[None, :]
             if SCALE == 2:
                 s_up_ptrs = S + (rows_b // SCALE_BN) * stride_sn
-        if ADD_NORM:  # the rows' residual [BLOCK_N, BLOCK_M] (R and H: contiguous [M, N]) and the norm weight
-            r_n = tl.load(R + rows_m[None, :] * N + rows_n[:, None]).to(tl.float32)
-            g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
-        if PRENORMED:  # each row's partial sums of h^2 [BLOCK_M, NUM_P], summed after the loop
-            offs_p = tl.arange(0, NUM_P)
-            p_sums = tl.load(P + rows_m[:, None] * num_p + offs_p[None, :], mask=(offs_p < num_p)[None, :],
-                             other=0.0)
         # An explicit stage count: Triton software-pipelines a loop's loads only when they feed a tl.dot,
         # or when the loop itself asks for stages; without it each step waits for its own loads.
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -465,10 +470,6 @@ def _small_m_gemm_kernel(
         if ROWS > 3:
             acc = tl.where(offs_m[None, :] == 3, _gemv_column(acc2_3, sq_3, K, eps, NORM), acc)
             acc_up = tl.where(offs_m[None, :] == 3, _gemv_column(up2_3, sq_3, K, eps, NORM), acc_up)
-        if PRENORMED:
-            rstd = (1.0 / tl.sqrt(tl.sum(p_sums, axis=1) / K + eps))[None, :]
-            acc = acc * rstd
-            acc_up = acc_up * rstd
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
@@ -477,9 +478,16 @@ def _small_m_gemm_kernel(
         # gate/up took 1.6x the time of 64 on the H200, docs/benchmarks.md.)
         x_rows = (offs_m < M)[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if PAIRED:  # (not with X_FP8) the paired rows' tile and sums, as the GEMVs pair them
+            up_ptrs = W + rows_b[:, None] * stride_wn + (k_start + offs_k)[None, :]
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            if SCALE == 2:
+                s_up_ptrs = S + (rows_b // SCALE_BN) * stride_sn
         for k in range(k_start, k_end, BLOCK_K):  # (loads feeding tl.dot: pipelined with num_stages)
             if EVEN_K:
                 w = tl.load(w_ptrs)
+                if PAIRED:
+                    w_up = tl.load(up_ptrs)
                 if ONE_ROW:
                     xt = tl.load(x1_ptrs)
                 else:
@@ -487,12 +495,16 @@ def _small_m_gemm_kernel(
             else:
                 k_mask = (k + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+                if PAIRED:
+                    w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
                 if ONE_ROW:
                     xt = tl.load(x1_ptrs, mask=k_mask, other=0.0)
                 else:
                     xt = tl.load(x_ptrs, mask=k_mask[:, None] & x_rows, other=0.0)
             if F16_DOT and not X_FP8:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16: another)
                 w = w.to(tl.float16)
+                if PAIRED:
+                    w_up = w_up.to(tl.float16)
                 if xt.dtype != tl.float16:  # bf16 x, scaled by a power of two into fp16's range: exact there
                     xt = to_f16_scaled(xt, X_PRESCALE)
             if ONE_ROW:  # converted once, then the same column BLOCK_M times (padding columns: never stored)
@@ -500,6 +512,15 @@ def _small_m_gemm_kernel(
             if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; float32 operands give the same products
                 w = w.to(tl.float32)
                 xt = xt.to(tl.float32)
+                if PAIRED:
+                    w_up = w_up.to(tl.float32)
+            if PAIRED:
+                if SCALE == 2:
+                    acc_up += (tl.dot(w_up, xt, input_precision=DOT_PRECISION)
+                               * tl.load(s_up_ptrs + k // SCALE_BK)[:, None])
+                else:
+                    acc_up = tl.dot(w_up, xt, acc_up, input_precision=DOT_PRECISION)
+                up_ptrs += BLOCK_K
             if SCALE == 2:  # BLOCK_K divides SCALE_BK and steps are aligned: one scale column per step
                 part = tl.dot(w, xt, input_precision=DOT_PRECISION) * tl.load(s_ptrs + k // SCALE_BK)[:, None]
                 if X_FP8:  # x's scales per 1 x SCALE_BK group: the step's column of them
@@ -516,8 +537,15 @@ def _small_m_gemm_kernel(
             x1_ptrs += BLOCK_K
         if F16_DOT and X_PRESCALE != 1.0:
             acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
+            if PAIRED:
+                acc_up = acc_up * (1.0 / X_PRESCALE)
         if X_FP8 and SCALE != 2:
             acc = acc * tl.load(XS + rows_m)[None, :]
+    if PRENORMED and not (GEMV and ROWS == 1):  # each row (column of acc) by its 1 / rms
+        rstd = (1.0 / tl.sqrt(tl.sum(p_sums, axis=1) / K + eps))[None, :]
+        acc = acc * rstd
+        if PAIRED:
+            acc_up = acc_up * rstd
     if SCALE == 1:
         acc = acc * scale_n
         if PAIRED:
@@ -673,8 +701,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     y_out: y goes there (contiguous [M, N] in out_dtype, not with the rotary's paired rows) and is returned."""
     if cfg.X_FP8 != (x_scale is not None):
         raise ValueError(f"FP8 activations (x_scale) go with an X_FP8 config and only with one, got {cfg}")
-    if (add_norm is not None or prenormed is not None) and (not cfg.GEMV or cfg.SPLIT_K != 1):
-        raise ValueError(f"a pre-normed input or an add + RMSNorm epilogue runs in a single-split GEMV, got {cfg}")
+    if (add_norm is not None or prenormed is not None) and not single_split(cfg):
+        raise ValueError(f"a pre-normed input or an add + RMSNorm epilogue runs in a single-split config, got {cfg}")
     if add_norm is not None and (silu_mul or norm is not None or rope is not None or prenormed is not None):
         raise ValueError("the add + RMSNorm epilogue goes with a plain GEMV only")
     if prenormed is not None and norm is not None:
@@ -688,8 +716,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     _check(x, weight, scale, bias, block, x_scale)
     if cfg.GEMV and x.shape[0] > MAX_GEMV_ROWS:
         raise ValueError(f"a GEMV config runs at most {MAX_GEMV_ROWS} rows, got {x.shape[0]}")
-    if silu_mul and (not cfg.GEMV or cfg.SPLIT_K != 1 or bias is not None or weight.shape[0] % 2):
-        raise ValueError(f"SiLU-and-mul runs in a single-split GEMV without bias on an even row count, got {cfg}")
+    if silu_mul and (not single_split(cfg) or bias is not None or weight.shape[0] % 2):
+        raise ValueError(f"SiLU-and-mul runs in a single-split config without bias on an even row count, got {cfg}")
     if norm is not None:
         if silu_mul:
             raise ValueError("a fused RMSNorm does not go with the fused SiLU-and-mul")
@@ -772,6 +800,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     return y
 
 
+def single_split(cfg: GemmConfig) -> bool:
+    """Whether a config can run the epilogue fusions (the SiLU-and-mul, the rotary + KV store, the add +
+    RMSNorm) and take pre-normed rows: one split (each program sees all of K), weight-only (no X_FP8)."""
+    return cfg.SPLIT_K == 1 and not cfg.X_FP8
+
+
+def fuses(cfg: GemmConfig) -> bool:
+    """Whether the layers' fused paths take this table config: single_split, and FUSE (None: a GEMV)."""
+    return single_split(cfg) and (cfg.FUSE if cfg.FUSE is not None else cfg.GEMV)
+
+
 def _rope_args(rope: RopeStore | None, x: torch.Tensor) -> tuple[tuple, tuple]:
     """The kernel's ROPE arguments: (POS, LOC, COS, KB, VB), then the strides, head counts and scales;
     placeholders (never read) without a rope."""
@@ -784,8 +823,8 @@ def _rope_args(rope: RopeStore | None, x: torch.Tensor) -> tuple[tuple, tuple]:
 
 
 def _check_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, cfg: GemmConfig, silu_mul: bool) -> None:
-    if not cfg.GEMV or cfg.SPLIT_K != 1 or silu_mul:
-        raise ValueError(f"the rotary + KV store epilogue runs in a single-split GEMV, got {cfg}")
+    if not single_split(cfg) or silu_mul:
+        raise ValueError(f"the rotary + KV store epilogue runs in a single-split config, got {cfg}")
     d = rope.cos_sin_cache.shape[-1]
     heads = rope.num_q_heads + 2 * rope.num_kv_heads
     if d % 2 or weight.shape[0] != heads * d or rope.cos_sin_cache.stride(-1) != 1:
@@ -1008,34 +1047,39 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return _run(x, weight, scale, bias, block_n, block_k, out_dtype, y_out)
 
 
-def fused_gemv_config(n: int, k: int, kind: str, device: str, paired: bool = False, m: int = 1) -> GemmConfig | None:
-    """The config of an m-row GEMV with something fused into it (a SiLU-and-mul, an RMSNorm, the rotary
-    and KV store): the table's choice for the weight at m rows when it is a single-split GEMV, else None.
+def fused_config(n: int, k: int, kind: str, device: str, paired: bool = False, m: int = 1,
+                 gemv: bool = False) -> GemmConfig | None:
+    """The config of an m-row GEMM with something fused into it (a SiLU-and-mul, the rotary and KV store, an
+    add + RMSNorm epilogue, pre-normed rows; `gemv`: an RMSNorm inside its K loop, which only the GEMV runs):
+    the table's choice for the weight at m rows where it fuses() (and is a GEMV with `gemv`), else None.
     paired (the SiLU-and-mul, the rotary): each program takes half its rows from one block (gate; a head's
-    first half) and half from the other (up; the second half): the same bytes per program, the same grid."""
+    first half) and half from the other (up; the second half): the same bytes per program, the same grid (a
+    tl.dot tile keeps at least 16 rows a block)."""
     if paired and n % 2:
         return None
     cfg = choose_config(m, n, k, kind, device)
-    if cfg is None or not cfg.GEMV or cfg.SPLIT_K != 1 or (paired and cfg.BLOCK_N < 2):
+    if cfg is None or not fuses(cfg) or (gemv and not cfg.GEMV):
+        return None
+    if paired and cfg.BLOCK_N < (2 if cfg.GEMV else 32):
         return None
     return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2) if paired else cfg
 
 
 def silu_and_mul_config(n2: int, k: int, kind: str, device: str) -> GemmConfig | None:
-    """The fused [gate; up] GEMV + SiLU-and-mul's config (fused_gemv_config, paired)."""
-    return fused_gemv_config(n2, k, kind, device, paired=True)
+    """The fused [gate; up] GEMM + SiLU-and-mul's config at one row (fused_config, paired)."""
+    return fused_config(n2, k, kind, device, paired=True)
 
 
 def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
-                  config: GemmConfig | None, paired: bool) -> GemmConfig | None:
-    """`config`, else the table's fused_gemv_config for x's rows; None above MAX_GEMV_ROWS rows or while
+                  config: GemmConfig | None, paired: bool, gemv: bool = False) -> GemmConfig | None:
+    """`config`, else the table's fused_config for x's rows; None above MAX_GEMV_ROWS rows or while
     something traces."""
     if not 0 < x.shape[0] <= MAX_GEMV_ROWS or _tracing():
         return None
     if config is not None:
         return config
-    return fused_gemv_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), paired,
-                             x.shape[0])
+    return fused_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), paired,
+                        x.shape[0], gemv)
 
 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -1132,7 +1176,7 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     or while something traces (the caller then runs RMSNorm, the linear and the attention's own rotary and
     store). Not offered with the fused SiLU-and-mul: measured slower there than the two kernels (H200,
     docs/benchmarks.md)."""
-    config = _fused_config(x, weight, block, config, paired=rope is not None)
+    config = _fused_config(x, weight, block, config, paired=rope is not None, gemv=True)
     if config is None:
         return None
     norm = RmsNormInput(norm_weight, eps, residual, None if residual is None else torch.empty_like(x))
