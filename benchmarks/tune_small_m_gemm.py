@@ -15,10 +15,12 @@ time: three of a layer's four linears quantize inside the RMSNorm or SiLU-and-mu
 Timing: every call of a measurement reads its own copy of the weight, enough copies that together they
 exceed the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode
 step is a graph replay: no launch overhead); the median of a few replays over the number of calls.
-A layer that fuses its neighbours' work at up to 4 rows (qkv, gate_up: Fusion) has its single-split GEMVs timed
-in the fused form it runs, and its other configs and the baseline pay the time of the neighbours' own kernels,
-measured at the same rows (the RMSNorm, and the rotary + KV store or the SiLU-and-mul): what each choice costs
-the step.
+A layer that fuses its neighbours' work at up to 4 rows (qkv, gate_up: Fusion) has each config it can fuse (a
+single-split GEMV, a paired tl.dot tile) timed in both forms: fused, as it runs (FUSE true in the table), and
+plain (FUSE false). The plain forms, the other configs and the baseline pay the time of the neighbours' own
+kernels, measured at the same rows (the RMSNorm, and the rotary + KV store or the SiLU-and-mul): what each
+choice costs the step. (Kernel times apart are not the step: docs/benchmarks.md, thirty-seventh session, has a
+tie that the step split by 2.4 us a layer; a table change is kept on the step's measurement.)
 Search, per (kind, N, K, M): column/K tiles (up to 4 rows also the GEMV variant's; for both FP8 kinds
 above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
 _scaled_mm or the block GEMM)
@@ -81,7 +83,7 @@ def router_shape(cfg: ModelConfig) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class Fusion:
-    """A linear whose single-split GEMV takes its neighbours' work at up to SMALL_M_GEMV_ROWS rows
+    """A linear whose single-split kernel takes its neighbours' work at up to SMALL_M_GEMV_ROWS rows
     (quantization/base.py, models/llama.py): "qkv" takes the input RMSNorm (a PrenormedRow from the down
     projection before it) and the rotary + KV store; "gate_up" the post-attention RMSNorm (from o_proj) and the
     SiLU-and-mul. heads: qkv's (q heads, kv heads, head dim) on one rank."""
@@ -118,8 +120,8 @@ def fusable(cfg) -> bool:
 
 def best_of(results: list, neighbour_us: float = 0.0) -> tuple[float, object]:
     """The fastest (us, config) of `results` by what the layer's step costs: a fusable config's time (measured
-    fused, where the layer fuses), any other's plus neighbour_us, the time of the kernels the fusion would
-    have saved (0 where the layer fuses nothing)."""
+    fused, where the layer fuses), any other's (FUSE false included) plus neighbour_us, the time of the kernels
+    the fusion would have saved (0 where the layer fuses nothing)."""
     us, cfg = min(results, key=lambda r: r[0] + (0.0 if fusable(r[1]) else neighbour_us))
     return us + (0.0 if fusable(cfg) else neighbour_us), cfg
 

@@ -29,8 +29,9 @@ For up to MAX_GEMV_ROWS rows a config may instead ask for GEMV: CUDA-core produc
 weight tile and each x row, summed over K at the end (no padding to 16 rows, narrower column tiles; with
 several rows the tile is converted once and each row has its own float32 sums); the tuner picks whichever
 is faster at M = 1, 2 and 4. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
-loads of a loop without tl.dot only then. Each fusion below takes up to MAX_GEMV_ROWS rows, where the table
-gives the weight a single-split GEMV at that row count. `small_m_silu_and_mul` runs decode rows' [gate; up]
+loads of a loop without tl.dot only then. Each fusion below takes up to MAX_GEMV_ROWS rows, where the table's
+config for the weight at that row count fuses() (a single-split GEMV; a single-split tl.dot tile where its
+FUSE says so; the RMSNorm inside the K loop: a GEMV only). `small_m_silu_and_mul` runs decode rows' [gate; up]
 GEMV and the SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add)
 that feeds the qkv projection of decode tokens into its GEMV and, given a RopeStore, runs their rotary and
 KV store in the epilogue (rows paired within each head, as the SiLU pairs gate and up rows). A norm between
@@ -239,27 +240,28 @@ def _small_m_gemm_kernel(
     to 0 (split K's reduce without a second launch; without REDUCE, _split_k_reduce_kernel does it).
     Otherwise add the bias and store in Y's dtype. GEMV (ROWS = M <= 4 rows): no tensor cores, the
     products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile per row summed over K once at the end
-    (every fusion below takes every row; one row has a loop of its own).
-    SILU_MUL (GEMV, one split, no bias): W is [gate; up] with 2N rows; the program also sums the up rows
+    (every fusion below takes every row; one row has a loop of its own). SILU_MUL, ROPE, ADD_NORM and
+    PRENORMED run in any single-split weight-only config, a GEMV or a tl.dot tile; NORM in a GEMV only.
+    SILU_MUL (one split, no bias): W is [gate; up] with 2N rows; the program also sums the up rows
     n + N and stores silu(gate) * up, rounded as the linear followed by SiluAndMul would round them.
     NORM (GEMV, one split, not with SILU_MUL): each input row is G * rmsnorm(h) for h = x (+ R, rounded to
     x's dtype, as torch adds them; program 0 stores h to H): each step multiplies h by G and sums h^2 as it
     goes, and the sums are scaled by 1 / rms(h) at the end (no pass over x before the weights stream, no
     normed row in memory; one rounding fewer than RMSNorm then the GEMM, which rounds the normed row).
-    ROPE (GEMV, one split; the qkv projection of decode tokens, a row each, heads of 2 * HALF rows): N
+    ROPE (one split; the qkv projection of decode tokens, a row each, heads of 2 * HALF rows): N
     counts half rows; index t is row j = t % HALF of head t // HALF, paired like the SiLU's up rows with row
     j + HALF of the same head. The epilogue stores y with the q heads rotated (NeoX halves, cos/sin of row
     r's position POS[r] from COS), and writes the rotated k heads and the v heads into the KV pool KB / VB
     at slot LOC[r] (divided by k_scale / v_scale), rounded as the rotary_store_kv kernel rounds them.
-    ADD_NORM (GEMV, one split, not paired; a decode token's o_proj or down, whose output feeds an RMSNorm):
+    ADD_NORM (one split, not paired; decode tokens' o_proj or down, whose output feeds an RMSNorm):
     h = y + R (y rounded to its dtype first, as the linear's output; h rounded as torch adds) goes to H, each
     row's sum of h^2 over the program's columns to P[row * programs + pid_n], and Y receives G * h (rounded):
-    the next GEMV's input before the 1 / rms(h) that only the sum of the row's P gives. PRENORMED (GEMV, one
-    split): x holds such G * h rows and P their partial sums, num_p a row (NUM_P: a power of two >= num_p);
-    each row's sums are scaled by 1 / sqrt(sum(its P) / K + eps) at the end, as NORM scales them. X_FP8 (tl.dot): x holds FP8 codes and XS
-    their float32 scales, one per row (per-channel or no weight scales: the sums are scaled by it at the end)
-    or one per row and 1 x SCALE_BK group (block scales: each step's dot is scaled by its column); the dot
-    runs on FP8 operands (the W8A8 GEMM's math).
+    the next GEMV's input before the 1 / rms(h) that only the sum of the row's P gives. PRENORMED (one split): x
+    holds such G * h rows and P their partial sums, num_p a row (NUM_P: a power of two >= num_p); each row's
+    sums are scaled by 1 / sqrt(sum(its P) / K + eps) at the end, as NORM scales them. X_FP8 (tl.dot): x holds
+    FP8 codes and XS their float32 scales, one per row (per-channel or no weight scales: the sums are scaled by
+    it at the end) or one per row and 1 x SCALE_BK group (block scales: each step's dot is scaled by its
+    column); the dot runs on FP8 operands (the W8A8 GEMM's math).
     PRELOAD (a one-row plain GEMV: not paired, x not normed in the kernel): the first K step's weight tile is
     loaded before anything else and the step taken outside the loop (the same sums in the same order). PDL
     (with PRELOAD; launched with programmatic dependent launch): the kernel may start while the kernel before
