@@ -398,16 +398,20 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     results = []
     joint = act is not None and not quick  # the X_FP8 variant: the joint grid
     tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick, m)]
-    if fusion is not None and not kind.startswith("fp8"):  # a paired tile of 64 + 64 rows (each dot as plain 64's)
+    if fusion is not None and not kind.startswith("fp8"):  # a paired tile of 64 + 64 rows (each dot on wgmma)
         tiles += [(128, bk, False) for bk in (128, 256) if (128, bk) not in tile_grid(kind, quick, m)]
     if m <= sm.MAX_GEMV_ROWS:
         tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick, m)]
     if act is not None and not joint:
         tiles += [(bn, bk, None) for bn, bk in tile_grid(kind, quick, m)]  # (None: X_FP8)
     for bn, bk, gemv in tiles:
-        cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sm.split_for(n, k, bn, bk, sms), num_warps=4, num_stages=4,
-                            GEMV=bool(gemv), X_FP8=gemv is None)
-        results += measure_forms(cfg)
+        split = sm.split_for(n, k, bn, bk, sms)
+        # A fused layer also times each weight-only tile at one split, the only split its fusions run (the paired
+        # 64 + 64-row tile is the one whose dots stay on sm_90's wgmma: docs/benchmarks.md, thirty-seventh session)
+        for s in sorted({split, 1}) if fusion is not None and gemv is not None else (split,):
+            cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=4, GEMV=bool(gemv),
+                                X_FP8=gemv is None)
+            results += measure_forms(cfg)
     for x_fp8 in (False, True) if act is not None and not joint else (False,):  # the split pass for the best of each
         best_us, best = min((r for r in results if r[1].X_FP8 == x_fp8), key=lambda r: r[0])
         for split in (1, 2, 4, 8, 16):

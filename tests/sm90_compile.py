@@ -119,6 +119,7 @@ def cases():
     gemm = (sm._small_m_gemm_kernel, sm._split_k_reduce_kernel)
 
     x3 = torch.randn(3, 512, dtype=bf16)
+    x2 = torch.randn(2, 512, dtype=bf16)
 
     def rope(tokens=1):
         heads, d = 4 + 2 * 2, 32
@@ -211,6 +212,21 @@ def cases():
          lambda: sm._launch(x, w, None, None, None, gemv, add_norm=sm.AddRmsNormOutput(
              torch.randn(1, 256, dtype=bf16), torch.ones(256, dtype=bf16), torch.empty(1, 256, dtype=bf16),
              torch.empty(64)))),
+        ("small-M GEMV bf16, 3 rows: add + RMSNorm epilogue; SiLU-and-mul on their PrenormedRow", gemm,
+         lambda: (sm._launch(x3, w, None, None, None, gemv, add_norm=sm.AddRmsNormOutput(
+             torch.randn(3, 256, dtype=bf16), torch.ones(256, dtype=bf16), torch.empty(3, 256, dtype=bf16),
+             torch.empty(3 * 64))), sm._launch(x3, w, None, None, None, gemv, silu_mul=True,
+                                               prenormed=PrenormedRow(x3, torch.rand(3 * 8), 1e-5)))),
+        ("small-M tl.dot FP8 block scales, single split, 3 rows: SiLU-and-mul on a PrenormedRow; add + RMSNorm",
+         gemm, lambda: (sm._launch(x3, w8, torch.rand(2, 4), None, (128, 128), sm.GemmConfig(BLOCK_N=32, BLOCK_K=128),
+                                   silu_mul=True, prenormed=PrenormedRow(x3, torch.rand(3 * 8), 1e-5)),
+                        sm._launch(x3, w8, torch.rand(2, 4), None, (128, 128), sm.GemmConfig(BLOCK_N=32, BLOCK_K=128),
+                                   add_norm=sm.AddRmsNormOutput(torch.randn(3, 256, dtype=bf16),
+                                                                torch.ones(256, dtype=bf16),
+                                                                torch.empty(3, 256, dtype=bf16), torch.empty(3 * 8))))),
+        ("small-M tl.dot bf16, single split, 2 rows: rotary + KV store on a PrenormedRow", gemm,
+         lambda: sm._launch(x2, rope(2)[1], None, None, None, sm.GemmConfig(BLOCK_N=32, BLOCK_K=128),
+                            rope=rope(2)[0], prenormed=PrenormedRow(x2, torch.rand(2 * 8), 1e-5))),
         ("small-M GEMV FP8 per channel", gemm, lambda: sm._launch(x, w8, s8, None, None, gemv)),
         ("small-M GEMV FP8, add + RMSNorm epilogue, PDL (its first weight tile before gdc_wait)", gemm,
          lambda: with_pdl(sm, lambda: sm._launch(x, w8, s8, None, None, gemv, pdl=True, add_norm=sm.AddRmsNormOutput(

@@ -203,6 +203,12 @@ def test_tune_one_times_a_fused_layers_configs_fused_and_plain_with_its_neighbou
     result = tune.tune_one(sm, "bf16", n, k, 2, tune.Weights("bf16", n, k, torch.Generator()), torch.Generator(),
                            quick=False, log=[], fusion=fusion)
     best = result["best"]
+    fused = [c[1] for c in called if isinstance(c, tuple)]
+    # a fused layer times every weight-only tile at one split too, fused and plain (the paired 128-wide tile too)
+    assert (neighbour_us is None) == (not fused)
+    if fused:
+        assert {(c.BLOCK_N, c.BLOCK_K) for c in fused if not c.GEMV} >= {(32, 128), (64, 256), (128, 128)}
+        assert all(c.SPLIT_K == 1 and c.FUSE is not False for c in fused)
     if neighbour_us == 3.0:
         assert best.GEMV and best.SPLIT_K == 1 and result["base_us"] == 33.0
         if plain_gemv_us == 14.0:
