@@ -213,12 +213,12 @@ def all_reduce_add_rmsnorm(linear: RowParallelLinear, x: torch.Tensor, residual:
 
 def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                        consumer, after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
-    """(row, h) for h = linear(x) + residual at one decode row: the residual add and the sums of h^2 for
+    """(row, h) for h = linear(x) + residual at up to 4 decode rows: the residual add and the sums of h^2 for
     norm(h) run in the epilogue of linear's GEMV, and `row` (a PrenormedRow) goes to `consumer`, the layer
     norm(h) feeds (a LinearBase, or the LM head: anything with small_m_operands(); it scales by 1 / rms in
     its GEMV: the norm's own launch goes). None where that cannot
     run: linear sharded over tensor-parallel ranks (its all-reduce comes before the add), a method with a
-    GEMM of its own, no single-split GEMV config for linear or consumer. The caller then runs linear and the
+    GEMM of its own, no fusing table config for linear or consumer. The caller then runs linear and the
     norm apart. after_attention: x is decode attention's output (o_proj: where all of K fits one tile, its GEMV
     loads its weights while attention runs, triton_ops/pdl.py)."""
     if linear.tp_size > 1:

@@ -79,8 +79,8 @@ class LinearMethod:
         return layer.weight, None, None
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of a [gate; up] layer in one kernel where the small-M kernel can (one decode row,
-        a GEMV in the table), else None: the caller runs apply and SiluAndMul."""
+        """silu(gate) * up of a [gate; up] layer in one kernel where the small-M kernel can (up to 4 decode rows,
+        a table config that fuses), else None: the caller runs apply and SiluAndMul."""
         operands = self.small_m_operands(layer)
         return None if operands is None else small_m_silu_and_mul(x, *operands, layer.bias)
 
@@ -99,7 +99,7 @@ class LinearMethod:
                       residual: torch.Tensor | None,
                       rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(apply(norm_weight * rmsnorm(h)), h) for h = x + residual (x without one) in one kernel where the
-        small-M kernel can (one decode row, a single-split GEMV in the table), else None: the caller runs
+        small-M kernel can (up to 4 decode rows, a table config that fuses), else None: the caller runs
         RMSNorm, then the layer. rope (a qkv layer): the same kernel also runs the rotary and KV store. x may
         be a PrenormedRow (residual: its h): the kernel before did the norm's sums."""
         operands = self.small_m_operands(layer)
@@ -206,8 +206,8 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
                                consumer_block: tuple[int, int] | None,
                                after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
     """(rows, h) for h = x @ weight^T (+ bias) + residual at up to SMALL_M_GEMV_ROWS rows x [..., K], from the
-    GEMV's epilogue (small_m_gemm.small_m_linear_add_rmsnorm), where the small-M kernel runs this weight as a
-    single-split GEMV and can feed `rows` to the GEMM of `consumer` (the weight norm(h) goes into); None
+    GEMM's epilogue (small_m_gemm.small_m_linear_add_rmsnorm), where the table's config for this weight fuses
+    (small_m_gemm.fused_config) and can feed `rows` to the GEMM of `consumer` (the weight norm(h) goes into); None
     otherwise. after_attention: x is decode attention's output (at one row, where all of K fits one tile, the
     GEMV loads its weights while attention runs)."""
     kernel = _rows_kernel(x, weight, block, rows=SMALL_M_GEMV_ROWS)

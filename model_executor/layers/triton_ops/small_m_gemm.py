@@ -1089,8 +1089,8 @@ def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, s
                          config: GemmConfig | None = None) -> torch.Tensor | None:
     """silu(x @ gate^T) * (x @ up^T) for up to MAX_GEMV_ROWS rows x [M, K] (or a PrenormedRow: the rows it
     stands for) and a [gate; up] weight [2I, K] (FP8: with its scales, as small_m_linear) -> [M, I], in one
-    kernel: a decode step's MLP without the activation's own launch. None where the table has no single-split
-    GEMV for M rows, or while something traces: the caller then runs the linear and SiluAndMul."""
+    kernel: a decode step's MLP without the activation's own launch. None where the table's config for M rows
+    does not fuse (fused_config), or while something traces: the caller then runs the linear and SiluAndMul."""
     prenormed = x if isinstance(x, PrenormedRow) else None
     row = x.weighted if prenormed is not None else x
     config = _fused_config(row, weight, block, config, paired=True)
@@ -1108,8 +1108,8 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
     o_proj with the residual add and the post-attention RMSNorm's work in its epilogue (the norm's own launch
     goes). after_attention (one row): x is decode attention's output; where preload_config gives a config (all
     of K in one preloaded tile) the GEMV is launched with PDL and loads its weights while attention runs
-    (pdl.py); an explicit config is launched so as given (its first step preloaded). None where the table has
-    no single-split GEMV for M rows, or while something traces."""
+    (pdl.py); an explicit config is launched so as given (its first step preloaded). None where the table's
+    config for M rows does not fuse (fused_config), or while something traces."""
     explicit = config is not None
     config = _fused_config(x, weight, block, config, paired=False)
     if config is None:
@@ -1145,8 +1145,8 @@ def preload_config(cfg: GemmConfig, weight: torch.Tensor, block: tuple[int, int]
 
 
 def takes_prenormed(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether a GEMM of this weight at x's rows can take a PrenormedRow (a single-split GEMV in the table
-    for that many rows, paired or not: the SiLU-and-mul and the rotary epilogue take half the column tile)."""
+    """Whether a GEMM of this weight at x's rows can take a PrenormedRow (the table's config for that many
+    rows fuses, paired or not: the SiLU-and-mul and the rotary epilogue take half the column tile)."""
     return _fused_config(x, weight, block, None, paired=True) is not None
 
 
@@ -1158,7 +1158,7 @@ def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: tor
     """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (up to MAX_GEMV_ROWS rows):
     small_m_rmsnorm_linear's y with the norm's work already done by the kernel that made h, in out_dtype
     (default: the row's; into y_out if given). With `rope`, the qkv projection's rotary and KV store run in the
-    same kernel. None where the table has no single-split GEMV for that many rows, or while something traces."""
+    same kernel. None where the table's config for that many rows does not fuse, or while something traces."""
     config = _fused_config(row.weighted, weight, block, config, paired=rope is not None)
     if config is None:
         return None
