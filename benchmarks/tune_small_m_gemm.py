@@ -112,10 +112,11 @@ def fused_shapes(cfgs: list[ModelConfig], tps: list[int]) -> dict[tuple[int, int
 
 
 def fusable(cfg) -> bool:
-    """Whether a fused layer's paths can run this config fused (small_m_gemm.fused_config): one split,
-    weight-only and, as both fused layers pair their rows, a GEMV or a tl.dot tile of at least 32 columns; and
-    not marked plain (FUSE False)."""
-    return cfg.FUSE is not False and cfg.SPLIT_K == 1 and not cfg.X_FP8 and (cfg.GEMV or cfg.BLOCK_N >= 32)
+    """Whether a fused layer's paths can run this config fused (small_m_gemm.fused_config): single_split and,
+    as both fused layers pair their rows, pairs(); and not marked plain (FUSE False)."""
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    return cfg.FUSE is not False and sm.single_split(cfg) and sm.pairs(cfg)
 
 
 def best_of(results: list, neighbour_us: float = 0.0) -> tuple[float, object]:

@@ -808,6 +808,12 @@ def single_split(cfg: GemmConfig) -> bool:
     return cfg.SPLIT_K == 1 and not cfg.X_FP8
 
 
+def pairs(cfg: GemmConfig) -> bool:
+    """Whether a config's column tile can be split into paired halves (the SiLU's gate and up rows, a head's two
+    halves): a GEMV's of 2 or more, a tl.dot tile's of 32 or more (16 rows a dot)."""
+    return cfg.BLOCK_N >= (2 if cfg.GEMV else 32)
+
+
 def fuses(cfg: GemmConfig) -> bool:
     """Whether the layers' fused paths take this table config: single_split, and FUSE (None: a GEMV)."""
     return single_split(cfg) and (cfg.FUSE if cfg.FUSE is not None else cfg.GEMV)
@@ -1062,7 +1068,7 @@ def fused_config(n: int, k: int, kind: str, device: str, paired: bool = False, m
     cfg = choose_config(m, n, k, kind, device)
     if cfg is None or not fuses(cfg) or (gemv and not cfg.GEMV):
         return None
-    if paired and cfg.BLOCK_N < (2 if cfg.GEMV else 32):
+    if paired and not pairs(cfg):
         return None
     return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2) if paired else cfg
 
