@@ -63,20 +63,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def table_in_use(path: str | Path) -> Iterator[None]:
     """While active, the small-M kernel reads its configs from `path`, whatever the device (the loader's caches
     cleared on entry and exit)."""
-    from model_executor.layers.triton_ops import small_m_gemm as sm
+    from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
-    def clear():
-        sm._table.cache_clear()
-        sm.tuned_configs.cache_clear()
-
-    saved = sm.table_path
-    sm.table_path = lambda device: Path(path)
-    clear()
+    saved = smc.table_path
+    smc.table_path = lambda device: Path(path)
+    smc.forget_tables()
     try:
         yield
     finally:
-        sm.table_path = saved
-        clear()
+        smc.table_path = saved
+        smc.forget_tables()
 
 
 def summarize(rows: list[dict], tables: list[str]) -> list[dict]:

@@ -96,8 +96,9 @@ def small_m_call(x: torch.Tensor, w: torch.Tensor, cfg):
     """The small-M kernel at M rows. Its row limit and in-kernel reduce limit are lifted for this probe's
     process (module globals: nothing else runs here)."""
     from model_executor.layers.triton_ops import small_m_gemm as sm
+    from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
-    sm.max_rows = lambda kind: max(256, x.shape[0])
+    sm.max_rows = smc.max_rows = lambda kind: max(256, x.shape[0])
     sm.IN_KERNEL_REDUCE_MAX_ROWS = max(256, x.shape[0])
     return lambda: sm._launch(x, w, None, None, None, cfg)
 

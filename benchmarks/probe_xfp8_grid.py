@@ -69,6 +69,7 @@ def main(argv=None) -> int:
         return 2
     from model_executor.layers.quantization import fp8_ops
     from model_executor.layers.triton_ops import small_m_gemm as sm
+    from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
     if any(not 1 < m <= sm.MAX_M_FP8 for m in args.m):
         p.error(f"--m: row counts from 2 up to {sm.MAX_M_FP8}")
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
         Path(args.json_out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "model": args.model,
                                                    "kind": args.kind, "results": results}, indent=1))
     if args.table_out:
-        table = json.loads(sm.table_path(dev).read_text())
+        table = json.loads(smc.table_path(dev).read_text())
         for (n, k, b), c in best_of.items():
             table[args.kind].setdefault(f"{n},{k}", {})[str(b)] = sm.config_to_json(c, args.kind)
         Path(args.table_out).write_text(json.dumps(table, indent=1) + "\n")

@@ -1,6 +1,6 @@
 """tune_small_m_gemm: time the small-M GEMM kernel's configs on this GPU for the linear layers of the model
 shapes (M = 1 .. 16 rows; FP8 weights also 32 and 64) and write the fastest per (weight kind, N, K, M bucket) as the table that
-model_executor/layers/triton_ops/small_m_gemm.py reads at start-up.
+model_executor/layers/triton_ops/small_m_gemm_config.py reads at start-up.
 
     python -m benchmarks.tune_small_m_gemm                      # all shapes, tp 1 and 2; writes the table
     python -m benchmarks.tune_small_m_gemm --quick --out $OUT/small_m_gemm_NVIDIA_H200.json
@@ -525,6 +525,7 @@ def main(argv=None) -> int:
         print("tune_small_m_gemm needs a CUDA device", file=sys.stderr)
         return 2
     from model_executor.layers.triton_ops import small_m_gemm as sm
+    from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
     ms = sorted(set(args.m))
     if "fp8" in "".join(args.kind) and torch.cuda.get_device_capability() < (8, 9):
@@ -540,7 +541,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             p.error(f"--shapes: {e}")
     dev = sm.device_name("cuda")
-    out = Path(args.out) if args.out else sm.table_path(dev)
+    out = Path(args.out) if args.out else smc.table_path(dev)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.perf_counter()
     print(f"{len(shapes)} (N, K) shapes x {args.kind} (+ {len(heads)} LM heads / routers, bf16) x M {ms} on "

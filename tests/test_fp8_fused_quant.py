@@ -152,14 +152,14 @@ def test_qkv_layer_runs_the_x_fp8_kernel_on_the_norm_kernels_codes(quant, fused_
 
     from model_executor.layers.norm import RMSNorm
     from model_executor.layers.triton_ops import small_m_gemm as sm
+    from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
     k, n = 96, 80
     layer, block = _layer(quant, "ColumnParallelLinear", k, n, bias=True)
-    monkeypatch.setattr(sm, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(smc, "CONFIG_DIR", tmp_path)
     entry = {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "X_FP8": True}
     (tmp_path / f"small_m_gemm_{sm.device_name('cpu')}.json").write_text(json.dumps({quant: {f"{n},{k}": {"32": entry}}}))
-    sm._table.cache_clear()
-    sm.tuned_configs.cache_clear()
+    sm.forget_tables()
     monkeypatch.setattr(sm, "_device_key", lambda x: sm.device_name("cpu"))  # (a CUDA host's name for its table)
     norm = RMSNorm(k, eps=1e-5).to(DEVICE, torch.bfloat16)
     x, res = _rows(20, k, 5), _rows(20, k, 6)
@@ -170,8 +170,7 @@ def test_qkv_layer_runs_the_x_fp8_kernel_on_the_norm_kernels_codes(quant, fused_
             y, _ = layer.forward_normed(norm, x, res)
             xq, xs, _ = fp8_ops.rmsnorm_quant_fp8(x, res, norm.weight, norm.eps, block[1] if block else k)
     finally:
-        sm._table.cache_clear()
-        sm.tuned_configs.cache_clear()
+        sm.forget_tables()
     assert calls.n == {"small_m_linear_fp8_act": 1}
     w_deq = fm.dequantize_fp8_block(layer.weight.cpu(), scale.cpu(), block) if block else \
         layer.weight.float().cpu() * scale.cpu()[:, None]

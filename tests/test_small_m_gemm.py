@@ -269,11 +269,10 @@ def test_refuses_bad_inputs():
 @pytest.fixture
 def table(tmp_path, monkeypatch):
     """write(dict) puts a config table for this device ("cpu" here) where the loader looks."""
-    monkeypatch.setattr(sm, "CONFIG_DIR", tmp_path)
+    from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
-    def clear():
-        sm._table.cache_clear()
-        sm.tuned_configs.cache_clear()
+    monkeypatch.setattr(smc, "CONFIG_DIR", tmp_path)
+    clear = sm.forget_tables
 
     def write(content: dict):
         (tmp_path / f"small_m_gemm_{sm.device_name('cpu')}.json").write_text(json.dumps(content))

@@ -12,6 +12,7 @@ import torch
 from model_executor.configs import shape_path
 from model_executor.layers.quantization import fp8_math as fm
 from model_executor.layers.triton_ops import small_m_gemm as sm
+from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
 pytestmark = pytest.mark.gpu
 
@@ -90,13 +91,11 @@ def kernel_table(tmp_path, monkeypatch):
     shapes = {*linear_shapes(model, 1).values(), lm_head_shape(model, 1)}
     table = {"bf16": {f"{n},{k}": {str(m): gemv if m <= sm.MAX_GEMV_ROWS else cfg for m in sm.M_BUCKETS}
                       for n, k in shapes}}
-    (tmp_path / sm.table_path(sm.device_name("cuda")).name).write_text(json.dumps(table))
-    monkeypatch.setattr(sm, "CONFIG_DIR", tmp_path)
-    sm._table.cache_clear()
-    sm.tuned_configs.cache_clear()
+    (tmp_path / smc.table_path(sm.device_name("cuda")).name).write_text(json.dumps(table))
+    monkeypatch.setattr(smc, "CONFIG_DIR", tmp_path)
+    sm.forget_tables()
     yield
-    sm._table.cache_clear()
-    sm.tuned_configs.cache_clear()
+    sm.forget_tables()
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
@@ -438,7 +437,7 @@ def test_fused_qkv_rope_store_matches_the_two_kernels_and_replays(kind, heads, h
 
 def table_x_fp8_cases(kind: str, shapes: list, ms: list) -> list:
     """(n, k, m) for each shape and row count whose M bucket the server's H200 table gives an X_FP8 config."""
-    table = json.loads(sm.table_path("NVIDIA_H200").read_text())[kind]
+    table = json.loads(smc.table_path("NVIDIA_H200").read_text())[kind]
     return [(n, k, m) for n, k in shapes for m in ms
             if isinstance(e := table[f"{n},{k}"].get(str(sm.m_bucket(m))), dict) and e.get("X_FP8")]
 
@@ -465,7 +464,7 @@ def test_fp8_activations_on_fp8_tensor_cores_match_the_w8a8_reference(n, k, m):
     zeros) give the bits of the full bucket's rows."""
     from model_executor.layers.quantization import fp8_ops
 
-    table = json.loads(sm.table_path(sm.device_name()).read_text())["fp8"][f"{n},{k}"]
+    table = json.loads(smc.table_path(sm.device_name()).read_text())["fp8"][f"{n},{k}"]
     cfg = sm.GemmConfig(**table[str(sm.m_bucket(m))])
     assert cfg.X_FP8
     w, s, _, w_deq = weight("fp8", n, k, seed=n + m)
@@ -497,7 +496,7 @@ def test_fp8_activations_with_block_scales_match_the_block_w8a8_reference(n, k, 
                                                                   (4096, 12288)], [2, 3, 4, 5, 8, 12, 16, 24, 64]))
 def test_the_tables_block_scale_configs_match_the_block_w8a8_reference(n, k, m):
     """As above at the server table's fp8_block configs (Qwen3-8B's shapes) from 2 rows."""
-    table = json.loads(sm.table_path(sm.device_name()).read_text())["fp8_block"][f"{n},{k}"]
+    table = json.loads(smc.table_path(sm.device_name()).read_text())["fp8_block"][f"{n},{k}"]
     check_block_x_fp8(n, k, m, sm.GemmConfig(**table[str(sm.m_bucket(m))]))
 
 
