@@ -114,9 +114,9 @@ def fused_shapes(cfgs: list[ModelConfig], tps: list[int]) -> dict[tuple[int, int
 def fusable(cfg) -> bool:
     """Whether a fused layer's paths can run this config fused (small_m_gemm.fused_config): single_split and,
     as both fused layers pair their rows, pairs(); and not marked plain (FUSE False)."""
-    from model_executor.layers.triton_ops import small_m_gemm as sm
+    from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
-    return cfg.FUSE is not False and sm.single_split(cfg) and sm.pairs(cfg)
+    return cfg.FUSE is not False and smc.single_split(cfg) and smc.pairs(cfg)
 
 
 def best_of(results: list, neighbour_us: float = 0.0) -> tuple[float, object]:
