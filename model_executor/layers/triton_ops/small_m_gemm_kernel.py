@@ -1,6 +1,7 @@
 """The small-M GEMM's Triton kernels: the GEMM (tl.dot tiles or CUDA-core GEMV rows, split K, the fused
-prologues and epilogues) and split K's second-kernel reduce. small_m_gemm.py's docstring describes the layouts
-and what each constexpr flag computes; its _launch is the only caller.
+prologues and epilogues) and split K's second-kernel reduce. small_m_gemm.py's docstring describes the layouts,
+the swapped dot, the fusions and split K; _small_m_gemm_kernel's says what each flag computes. small_m_gemm._launch
+is the only caller.
 """
 
 from __future__ import annotations
