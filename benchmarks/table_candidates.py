@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.tune_small_m_gemm import fusable
+from benchmarks.tune_small_m_gemm import Fusion, fusable
 from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
 DEFAULT_TABLE = Path(__file__).resolve().parents[1] / "model_executor/layers/triton_ops/configs/small_m_gemm_NVIDIA_H200.json"
@@ -46,12 +46,13 @@ def ranked(case: dict, kind: str) -> list[tuple[float, object]]:
     config dict or the other path's name. A config that runs fused (FUSE not false, in a form the layer fuses:
     the tuner measured it fused) costs its time; any other config costs its time plus the neighbours' kernels
     (neighbour_us); the other path costs base_us (the tuner adds the neighbours to it). A config timed more
-    than once counts its fastest time."""
+    than once counts its fastest time. (A case without "fusion", from before the tuner wrote it: a paired layer's.)"""
     neighbour_us = case.get("neighbour_us", 0.0)
+    paired = case.get("fusion") is None or Fusion(case["fusion"]).paired
     best: dict[str, tuple[float, dict]] = {}
     for us, entry in case["all"]:
         cfg = smc.GemmConfig(**entry)
-        cost = us + (0.0 if fusable(cfg) else neighbour_us)
+        cost = us + (0.0 if fusable(cfg, paired) else neighbour_us)
         key = json.dumps(entry, sort_keys=True)
         if key not in best or cost < best[key][0]:
             best[key] = (cost, entry)

@@ -86,12 +86,24 @@ class Fusion:
     """A linear whose single-split kernel takes its neighbours' work at up to SMALL_M_GEMV_ROWS rows
     (quantization/base.py, models/llama.py): "qkv" takes the input RMSNorm (a PrenormedRow from the down
     projection before it) and the rotary + KV store; "gate_up" the post-attention RMSNorm (from o_proj) and the
-    SiLU-and-mul. heads: qkv's (q heads, kv heads, head dim) on one rank."""
+    SiLU-and-mul; "o" and "down" (one rank: tp 1) the residual add and the sums of squares of the norm after
+    them (the add + RMSNorm epilogue, which makes that PrenormedRow). heads: qkv's (q heads, kv heads, head dim).
+
+    A norm's kernel goes only where both the layer before it and the one after fuse; each side's plain forms
+    pay for it (neighbour_calls), so each side is ranked as if the other fused. The step judges the pair
+    (benchmarks/table_candidates.py, ab_tables.py)."""
     layer: str
     heads: tuple[int, int, int] = (0, 0, 0)
 
+    @property
+    def paired(self) -> bool:
+        """Whether the fused kernel pairs its rows (the SiLU's gate and up, a head's two halves): half the tile."""
+        return self.layer in PAIRED_LAYERS
 
-FUSED_LAYERS = ("qkv", "gate_up")
+
+PAIRED_LAYERS = ("qkv", "gate_up")
+FUSED_LAYERS = (*PAIRED_LAYERS, "o", "down")
+EPILOGUE_LAYERS = ("o", "down")  # fused at tp 1 only: at tp 2 their all-reduce comes before the add
 # The unfused kernels' calls per measurement (small activations: no weight copies to rotate).
 NEIGHBOUR_CALLS = 32
 
@@ -104,27 +116,30 @@ def fused_shapes(cfgs: list[ModelConfig], tps: list[int]) -> dict[tuple[int, int
     for cfg in cfgs:
         for tp in tps:
             for name, shape in linear_shapes(cfg, tp).items():
-                if name in FUSED_LAYERS:
+                if name in FUSED_LAYERS and (tp == 1 or name not in EPILOGUE_LAYERS):
                     heads = (heads_per_rank(cfg.num_attention_heads, tp),
                              kv_heads_per_rank(cfg.num_key_value_heads, tp), cfg.head_dim)
                     fused.setdefault(shape, Fusion(name, heads if name == "qkv" else (0, 0, 0)))
     return fused
 
 
-def fusable(cfg) -> bool:
-    """Whether a fused layer's paths can run this config fused (small_m_gemm.fused_config): single_split and,
-    as both fused layers pair their rows, pairs(); and not marked plain (FUSE False)."""
+def fusable(cfg, paired: bool = True) -> bool:
+    """Whether a fused layer's paths can run this config fused (small_m_gemm.fused_config): single_split, not
+    marked plain (FUSE False), and for a layer that pairs its rows (Fusion.paired) pairs()."""
     from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
-    return cfg.FUSE is not False and smc.single_split(cfg) and smc.pairs(cfg)
+    return cfg.FUSE is not False and smc.single_split(cfg) and (smc.pairs(cfg) or not paired)
 
 
-def best_of(results: list, neighbour_us: float = 0.0) -> tuple[float, object]:
+def best_of(results: list, neighbour_us: float = 0.0, paired: bool = True) -> tuple[float, object]:
     """The fastest (us, config) of `results` by what the layer's step costs: a fusable config's time (measured
     fused, where the layer fuses), any other's (FUSE false included) plus neighbour_us, the time of the kernels
-    the fusion would have saved (0 where the layer fuses nothing)."""
-    us, cfg = min(results, key=lambda r: r[0] + (0.0 if fusable(r[1]) else neighbour_us))
-    return us + (0.0 if fusable(cfg) else neighbour_us), cfg
+    the fusion would have saved (0 where the layer fuses nothing). paired: the layer's Fusion.paired."""
+    def cost(r) -> float:
+        return r[0] + (0.0 if fusable(r[1], paired) else neighbour_us)
+
+    us, cfg = min(results, key=cost)
+    return cost((us, cfg)), cfg
 
 
 def lm_head_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
@@ -198,9 +213,17 @@ def rope_store(fusion: Fusion, m: int):
 def fused_calls(sm, fusion: Fusion, x: torch.Tensor, wts: Weights, cfg) -> list[Callable[[], object]]:
     """A fusable config's calls as the fused layer runs it: on a PrenormedRow of x's rows, with the SiLU-and-mul
     (gate_up) or the rotary and KV store (qkv) in its epilogue, at half the column tile (paired rows, as
-    small_m_gemm.fused_config gives it)."""
+    small_m_gemm.fused_config gives it); o and down on x, with the residual add and the norm's sums of squares
+    in the epilogue."""
     from model_executor.layers.norm import PrenormedRow
 
+    if not fusion.paired:
+        n = wts.w[0].shape[0]
+        residual = torch.randn(x.shape[0], n, device=DEVICE, dtype=x.dtype)
+        norm_weight = torch.rand(n, device=DEVICE, dtype=x.dtype) + 0.5
+        return [lambda w=w, s=s: sm.small_m_linear_add_rmsnorm(x, w, s, None, wts.block, residual, norm_weight, 1e-5,
+                                                               config=cfg)
+                for w, s in zip(wts.w, wts.s)]
     row = PrenormedRow(x, torch.rand(x.shape[0] * 16, device=DEVICE) + 0.5, 1e-5)
     paired = dataclasses.replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
     if fusion.layer == "gate_up":
@@ -214,15 +237,19 @@ def fused_calls(sm, fusion: Fusion, x: torch.Tensor, wts: Weights, cfg) -> list[
 def neighbour_calls(fusion: Fusion, x: torch.Tensor, n: int) -> list[Callable[[], object]]:
     """The kernels the layer runs besides its GEMM where it does not fuse (the fused GEMV does their work): the
     RMSNorm (with the residual add) of x's rows, then the SiLU-and-mul of the [gate; up] output, or the rotary
-    and KV store of the qkv output; NEIGHBOUR_CALLS calls."""
+    and KV store of the qkv output; o and down: the RMSNorm (with the residual add) of their output's rows.
+    NEIGHBOUR_CALLS calls."""
     from model_executor.layers.activation import SiluAndMul
     from model_executor.layers.norm import RMSNorm
     from model_executor.layers.rotary_store_kv import rotary_store_kv
 
     m, k = x.shape
+    y = torch.randn(m, n, device=DEVICE, dtype=x.dtype)
+    if not fusion.paired:
+        out_norm, out_residual = RMSNorm(n).to(device=DEVICE, dtype=x.dtype), torch.randn_like(y)
+        return [lambda: out_norm(y, out_residual)] * NEIGHBOUR_CALLS
     norm = RMSNorm(k).to(device=DEVICE, dtype=x.dtype)
     residual = torch.randn_like(x)
-    y = torch.randn(m, n, device=DEVICE, dtype=x.dtype)
     if fusion.layer == "gate_up":
         act = SiluAndMul()
         return [lambda: (norm(x, residual), act(y))] * NEIGHBOUR_CALLS
@@ -367,6 +394,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     the baseline's include the neighbours' kernels (neighbour_us, best_of)."""
     x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    paired = fusion is None or fusion.paired
 
     act = None
     if kind.startswith("fp8") and m > 1:  # the X_FP8 variant: x quantized beforehand, per token or per 1 x 128
@@ -377,7 +405,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     def calls(cfg):
         if cfg.X_FP8:
             return xfp8_calls(sm, act, wts, cfg, x.dtype)
-        if fusion is not None and fusable(cfg):
+        if fusion is not None and fusable(cfg, paired):
             return fused_calls(sm, fusion, x, wts, cfg)
         return kernel_calls(sm, x, wts, cfg)
 
@@ -390,7 +418,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     def measure_forms(cfg) -> list:
         """[(us, cfg)]; where the layer can fuse this config, its fused form (FUSE True) and its plain one (FUSE
         False, the neighbours' kernels run apart): the table entry says which the step runs."""
-        if fusion is None or not fusable(cfg):
+        if fusion is None or not fusable(cfg, paired):
             return [(measure(cfg), cfg)]
         forms = [dataclasses.replace(cfg, FUSE=True), dataclasses.replace(cfg, FUSE=False)]
         return [(measure(c), c) for c in forms]
@@ -399,7 +427,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     results = []
     joint = act is not None and not quick  # the X_FP8 variant: the joint grid
     tiles = [(bn, bk, False) for bn, bk in tile_grid(kind, quick, m)]
-    if fusion is not None and not kind.startswith("fp8"):  # a paired tile of 64 + 64 rows (each dot on wgmma)
+    if fusion is not None and fusion.paired and not kind.startswith("fp8"):  # a paired 64 + 64-row tile (wgmma)
         tiles += [(128, bk, False) for bk in (128, 256) if (128, bk) not in tile_grid(kind, quick, m)]
     if m <= sm.MAX_GEMV_ROWS:
         tiles += [(bn, bk, True) for bn, bk in gemv_grid(kind, quick, m)]
@@ -422,16 +450,16 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     if joint:
         results += [(measure(cfg), cfg) for cfg in xfp8_joint_grid(k, kind)]
     neighbour_us = time_calls(neighbour_calls(fusion, x, n)) if fusion is not None else 0.0
-    best_us, best = best_of(results, neighbour_us)
+    best_us, best = best_of(results, neighbour_us, paired)
     if not quick and not (joint and best.X_FP8):  # (the joint grid has its warps and stages)
         for warps, stages in GEMV_WARPS_STAGES if best.GEMV else DOT_WARPS_STAGES:
             cfg = dataclasses.replace(best, num_warps=warps, num_stages=stages)  # (in best's form, FUSE as it is)
             results.append((measure(cfg), cfg))
-        best_us, best = best_of(results, neighbour_us)
+        best_us, best = best_of(results, neighbour_us, paired)
     default = sm.default_config(m, n, k, kind)
     default_us = next((us for us, c in results if c == default), None) or measure(default)
     base_us = time_calls(baseline_calls(kind, x, wts)) + neighbour_us
-    return {"best": best, "best_us": best_us, "default_us": best_of([(default_us, default)], neighbour_us)[0],
+    return {"best": best, "best_us": best_us, "default_us": best_of([(default_us, default)], neighbour_us, paired)[0],
             "base_us": base_us, "neighbour_us": neighbour_us}
 
 
@@ -577,6 +605,7 @@ def main(argv=None) -> int:
                 timings[f"{kind},{n},{k},{m}"] = {key: round(r[key], 2)
                                                   for key in ("base_us", "best_us", "default_us", "neighbour_us")}
                 timings[f"{kind},{n},{k},{m}"]["all"] = log
+                timings[f"{kind},{n},{k},{m}"]["fusion"] = fusion.layer if fusion is not None else None
                 chosen = r["base_us"] if isinstance(entry, str) else r["best_us"]
                 print(f"{kind:>9} {n:>6} {k:>6} {m:>3} {r['base_us']:>9.1f} {r['default_us']:>8.1f} "
                       f"{r['best_us']:>8.1f} {r['base_us'] / chosen:>7.2f}x "

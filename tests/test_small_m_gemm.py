@@ -1189,3 +1189,33 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
         fb, rows, _ = make_decode_batch(runner, 1, seed=7, max_prompt=2, min_prompt=1)
     release(runner, rows, fb)
     assert calls["add_norm"] == [True, False] * (layers - 1) + [True] and len(calls["norm"]) == 1
+
+
+@in_process
+@pytest.mark.parametrize("layer", ["o", "down", "gate_up", "qkv"])
+def test_the_tuners_fused_calls_run_the_fusion_they_time(layer, monkeypatch):
+    """benchmarks/tune_small_m_gemm's fused_calls at three rows, in the kernel as the layer runs it: o and down
+    give (PrenormedRow, h), the row norm weight * h with each row's sums of h^2 in its partials; gate_up its
+    SiLU-and-mul's [M, N / 2]; qkv its rotated [M, N]. neighbour_calls run the kernels each replaces."""
+    from benchmarks import tune_small_m_gemm as tune
+
+    monkeypatch.setattr(tune, "DEVICE", DEVICE)
+    monkeypatch.setattr(tune, "ROTATE_BYTES", 1)
+    m, k, n = 3, 64, 128  # (qkv: 2 q heads and a k and a v head of 32 rows)
+    fusion = tune.Fusion(layer, (2, 1, 32) if layer == "qkv" else (0, 0, 0))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
+    wts = tune.Weights("bf16", n, k, torch.Generator(device=DEVICE).manual_seed(0))
+    cfg = sm.GemmConfig(16 if fusion.paired else 8, 32, GEMV=True)
+    calls = tune.fused_calls(sm, fusion, x, wts, cfg)
+    assert len(calls) == len(wts.w) >= 2
+    out = calls[1]()
+    if fusion.paired:
+        assert out.shape == (m, n // 2 if layer == "gate_up" else n)
+    else:
+        row, h = out
+        assert h.shape == (m, n) and row.weighted.shape == (m, n)
+        torch.testing.assert_close(row.partials.view(m, -1).sum(1), h.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+        ratio = row.weighted.float() / h.float()  # the norm weight, one per column, within bf16 rounding
+        torch.testing.assert_close(ratio[1:], ratio[:1].expand(m - 1, n), rtol=2.0**-7, atol=0)
+    for call in tune.neighbour_calls(fusion, x, n)[:1]:
+        call()

@@ -32,6 +32,14 @@ def test_fusable_configs_run_one_split_weight_only_and_paired():
     assert not tune.fusable(SimpleNamespace(**{**vars(dot), "FUSE": False}))  # the tuner measured it faster plain
     assert not tune.fusable(SimpleNamespace(**{**vars(dot), "BLOCK_N": 16}))  # 8 a block: below tl.dot's 16
     assert not tune.fusable(SimpleNamespace(**{**vars(dot), "X_FP8": True}))  # the W8A8 path's
+    # o and down pair nothing: a 16-row dot tile and a one-column GEMV fuse their add + RMSNorm epilogue
+    narrow = SimpleNamespace(**{**vars(dot), "BLOCK_N": 16})
+    assert tune.fusable(narrow, paired=False) and not tune.fusable(narrow, paired=True)
+    assert tune.fusable(SimpleNamespace(**{**vars(GEMV), "BLOCK_N": 1}), paired=False)
+    assert not tune.fusable(SimpleNamespace(**{**vars(SPLIT_DOT), "BLOCK_N": 16}), paired=False)
+    assert not tune.fusable(SimpleNamespace(**{**vars(narrow), "FUSE": False}), paired=False)
+    assert not tune.Fusion("o").paired and not tune.Fusion("down").paired
+    assert tune.Fusion("qkv", (32, 8, 128)).paired and tune.Fusion("gate_up").paired
 
 
 def test_table_entry_keeps_the_other_path_only_where_it_measured_faster():
@@ -45,8 +53,10 @@ def test_table_entry_keeps_the_other_path_only_where_it_measured_faster():
 
 def test_fused_shapes_are_the_norm_fed_layers_of_each_tp_with_their_heads():
     cfg = ModelConfig.from_pretrained(shape_path("llama-3.1-8b"))
+    # o and down only at tp 1: at tp 2 their all-reduce comes before the residual add
     assert tune.fused_shapes([cfg], [1, 2]) == {
         (6144, 4096): tune.Fusion("qkv", (32, 8, 128)), (28672, 4096): tune.Fusion("gate_up"),
+        (4096, 4096): tune.Fusion("o"), (4096, 14336): tune.Fusion("down"),
         (3072, 4096): tune.Fusion("qkv", (16, 4, 128)), (14336, 4096): tune.Fusion("gate_up")}
 
 
@@ -57,6 +67,9 @@ def test_a_fused_layers_other_configs_pay_for_the_kernels_its_fusion_saves():
     assert tune.best_of(results, neighbour_us=1.0) == (18.0, gemv_2)  # 17.0 + 1.0 < 18.2
     assert tune.best_of(results, neighbour_us=1.5) == (18.2, GEMV)  # the fused GEMV saves more than it loses
     assert tune.best_of([(17.7, SPLIT_DOT)], neighbour_us=4.0) == (21.7, SPLIT_DOT)  # nothing fusable measured
+    narrow_dot = SimpleNamespace(GEMV=False, SPLIT_K=1, X_FP8=False, BLOCK_N=16, FUSE=True)
+    assert tune.best_of([(17.0, narrow_dot), (16.5, SPLIT_DOT)], 1.0) == (17.5, SPLIT_DOT)  # paired: 16 rows don't pair
+    assert tune.best_of([(17.0, narrow_dot), (16.5, SPLIT_DOT)], 1.0, paired=False) == (17.0, narrow_dot)
 
 
 def test_refuses_without_cuda(monkeypatch, capsys):
@@ -165,19 +178,10 @@ def test_x_fp8_is_searched_over_the_joint_grid(monkeypatch, m, quick):
         assert all(c.num_warps == 4 for c in x_fp8)  # (no warps pass with --quick)
 
 
-@pytest.mark.parametrize("neighbour_us,plain_gemv_us", [(None, 18.5), (0.5, 18.5), (3.0, 18.5), (3.0, 14.0)])
-def test_tune_one_times_a_fused_layers_configs_fused_and_plain_with_its_neighbours(monkeypatch, neighbour_us,
-                                                                                   plain_gemv_us):
-    """tune_one with the timing faked, bf16 at two rows: tl.dot tiles take 17 us plain and 25 fused, single-split
-    GEMVs 18 us fused (8 warps; 18.5 at 4) and plain_gemv_us plain, cuBLAS 30. A layer that fuses nothing
-    (neighbour_us None) gets a dot; a fused layer whose neighbours' kernels take 0.5 us a plain dot (17.5: a
-    single-split one with FUSE off); at 3 us the fastest fused GEMV (its warps / stages pass run fused), unless
-    the plain GEMV with the neighbours is faster (14 + 3): then that GEMV with FUSE off. The baseline pays the
-    neighbours too."""
-    import torch
-
-    from model_executor.layers.triton_ops import small_m_gemm as sm
-
+@pytest.fixture
+def faked_tuner(monkeypatch):
+    """tune_one's calls faked on the CPU: each records what it stands for in the returned list (a config; a fused
+    one as ("fused", config); "neighbours"; "base"), for a fake time_calls to price."""
     monkeypatch.setattr(tune, "DEVICE", "cpu")
     monkeypatch.setattr(tune, "ROTATE_BYTES", 1)
     monkeypatch.setattr(tune.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132))
@@ -186,7 +190,28 @@ def test_tune_one_times_a_fused_layers_configs_fused_and_plain_with_its_neighbou
     monkeypatch.setattr(tune, "fused_calls", lambda sm_, fusion, x, wts, cfg: [lambda: called.append(("fused", cfg))])
     monkeypatch.setattr(tune, "neighbour_calls", lambda fusion, x, n: [lambda: called.append("neighbours")])
     monkeypatch.setattr(tune, "baseline_calls", lambda kind, x, wts: [lambda: called.append("base")])
+    return called
 
+
+def tune_fake(kind: str, n: int, k: int, m: int, fusion):
+    import torch
+
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    return tune.tune_one(sm, kind, n, k, m, tune.Weights(kind, n, k, torch.Generator()), torch.Generator(),
+                         quick=False, log=[], fusion=fusion)
+
+
+@pytest.mark.parametrize("neighbour_us,plain_gemv_us", [(None, 18.5), (0.5, 18.5), (3.0, 18.5), (3.0, 14.0)])
+def test_tune_one_times_a_fused_layers_configs_fused_and_plain_with_its_neighbours(faked_tuner, monkeypatch,
+                                                                                   neighbour_us, plain_gemv_us):
+    """tune_one with the timing faked, bf16 at two rows: tl.dot tiles take 17 us plain and 25 fused, single-split
+    GEMVs 18 us fused (8 warps; 18.5 at 4) and plain_gemv_us plain, cuBLAS 30. A layer that fuses nothing
+    (neighbour_us None) gets a dot; a fused layer whose neighbours' kernels take 0.5 us a plain dot (17.5: a
+    single-split one with FUSE off); at 3 us the fastest fused GEMV (its warps / stages pass run fused), unless
+    the plain GEMV with the neighbours is faster (14 + 3): then that GEMV with FUSE off. The baseline pays the
+    neighbours too."""
+    called = faked_tuner
     def fake_time(calls):
         calls[0]()
         cfg = called[-1]
@@ -198,10 +223,8 @@ def test_tune_one_times_a_fused_layers_configs_fused_and_plain_with_its_neighbou
         return plain_gemv_us if cfg.GEMV and cfg.SPLIT_K == 1 else 17.0
 
     monkeypatch.setattr(tune, "time_calls", fake_time)
-    n, k = 6144, 4096
     fusion = None if neighbour_us is None else tune.Fusion("qkv", (32, 8, 128))
-    result = tune.tune_one(sm, "bf16", n, k, 2, tune.Weights("bf16", n, k, torch.Generator()), torch.Generator(),
-                           quick=False, log=[], fusion=fusion)
+    result = tune_fake("bf16", 6144, 4096, 2, fusion)
     best = result["best"]
     fused = [c[1] for c in called if isinstance(c, tuple)]
     # a fused layer times every weight-only tile at one split too, fused and plain (the paired 128-wide tile too)
@@ -218,3 +241,30 @@ def test_tune_one_times_a_fused_layers_configs_fused_and_plain_with_its_neighbou
     else:
         assert not best.GEMV and result["best_us"] == 17.0 + (neighbour_us or 0.0)
         assert neighbour_us is None or not tune.fusable(best)  # (a single-split dot: FUSE off)
+
+
+def test_tune_one_fuses_o_and_downs_epilogue_in_any_single_split_tile(faked_tuner, monkeypatch):
+    """o_proj at four rows, the timing faked: split dots 17 us, single-split plain tiles 18, fused ones 16.5 (a
+    16-row dot: 15.5), the add + RMSNorm kernel 2, cuBLAS 30. An epilogue pairs nothing: every single-split tile
+    is timed fused, 16-row dots too, and no 64 + 64 paired tile is added; the fused 16-row dot wins (15.5 against
+    17 + 2)."""
+    called = faked_tuner
+
+    def fake_time(calls):
+        calls[0]()
+        cfg = called[-1]
+        if cfg in ("base", "neighbours"):
+            return 30.0 if cfg == "base" else 2.0
+        if isinstance(cfg, tuple):
+            assert tune.fusable(cfg[1], paired=False)
+            return 15.5 if cfg[1].BLOCK_N == 16 and not cfg[1].GEMV else 16.5
+        return 18.0 if cfg.SPLIT_K == 1 else 17.0
+
+    monkeypatch.setattr(tune, "time_calls", fake_time)
+    result = tune_fake("bf16", 4096, 4096, 4, tune.Fusion("o"))
+    fused = [c[1] for c in called if isinstance(c, tuple)]
+    assert {c.BLOCK_N for c in fused if not c.GEMV} == {16, 32, 64}  # tile_grid's, no 128-row paired tile
+    assert all(c.SPLIT_K == 1 for c in fused) and any(c.GEMV for c in fused)
+    best = result["best"]
+    assert (best.BLOCK_N, best.SPLIT_K, best.GEMV, best.FUSE) == (16, 1, False, True)
+    assert result["best_us"] == 15.5 and result["base_us"] == 32.0 and result["neighbour_us"] == 2.0
