@@ -188,6 +188,38 @@ def test_a_collective_with_a_silent_peer_fails_after_the_timeout(tmp_path):
     assert "timed out" in outcome.lower() or "timeout" in outcome.lower(), outcome
 
 
+@pytest.mark.parametrize("peer_leaves", [False, True])
+def test_a_gloo_group_is_left_once_every_rank_reaches_the_teardown(tmp_path, peer_leaves):
+    """destroy_tensor_parallel on CPU waits for the other ranks (no rank closes its connections while a peer is
+    still in a collective), and a peer that never comes bounds that wait: rank 0 leaves with a warning."""
+    import json
+    import time
+
+    import torch.multiprocessing as mp
+
+    from tests.tp_utils import _teardown_rank
+
+    ctx = mp.spawn(_teardown_rank, args=(f"file://{tmp_path}/init", str(tmp_path), peer_leaves), nprocs=2,
+                   join=False)
+    result = tmp_path / "rank0.json"
+    deadline = time.monotonic() + 60  # (the teardown waits 5 s at most: far less than this, unless it hangs)
+    try:
+        while not ctx.join(1) and time.monotonic() < deadline:
+            pass
+    except mp.ProcessExitedException:
+        pass  # (a rank whose group went away under it may exit non-zero: the outcome file says what happened)
+    if any(p.is_alive() for p in ctx.processes):
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("the ranks still run after 60 s: the teardown hangs")
+    outcome = json.loads(result.read_text())
+    assert outcome["initialized"] is False
+    if peer_leaves:
+        assert not outcome["peer_arrived"] and any("not every rank reached it" in w for w in outcome["warnings"])
+    else:
+        assert outcome["peer_arrived"] and outcome["warnings"] == []
+
+
 def test_gathered_logit_blocks_land_in_their_vocabulary_columns():
     """The NCCL path of the LM head's all-gather (gloo has no all_gather_into_tensor): rank-major rows
     become column blocks, as torch.cat(dim=-1) of the ranks' logits."""

@@ -3,7 +3,9 @@ ranks (torch.multiprocessing), and compare what rank 0 returns."""
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
+import json
 import os
 import sys
 import tempfile
@@ -170,3 +172,33 @@ def _silent_peer_rank(rank: int, init_method: str, out_dir: str) -> None:
         done.write_text("returned")
     except Exception as e:  # noqa: BLE001 - the test reads what happened
         done.write_text(f"{type(e).__name__}: {e}")
+
+
+def _teardown_rank(rank: int, init_method: str, out_dir: str, peer_leaves: bool) -> None:
+    """Both ranks join; rank 1 reaches the teardown half a second late (writing rank1_arrived first), or with
+    peer_leaves never (it returns without leaving the group). Rank 0 leaves at once, with a 5 s teardown wait,
+    and records what it saw when destroy_tensor_parallel returned: whether rank 1 had arrived, and the warning."""
+    import logging
+
+    from model_executor.distributed import parallel_state as ps
+
+    ps.init_tensor_parallel(rank, 2, init_method, torch.device("cpu"), timeout_s=30.0)
+    out = Path(out_dir)
+    if rank == 1:
+        time.sleep(0.5)
+        if peer_leaves:
+            while not (out / "rank0.json").exists():
+                time.sleep(0.1)
+            return
+        (out / "rank1_arrived").write_text("")
+        ps.destroy_tensor_parallel()
+        return
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("duet.parallel_state").addHandler(handler)
+    ps.TEARDOWN_BARRIER = datetime.timedelta(seconds=5)
+    ps.destroy_tensor_parallel()
+    (out / "rank0.json").write_text(json.dumps({"peer_arrived": (out / "rank1_arrived").exists(),
+                                                "initialized": torch.distributed.is_initialized(),
+                                                "warnings": warnings}))

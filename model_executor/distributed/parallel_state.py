@@ -85,13 +85,25 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     logger.info("tensor-parallel rank %d of %d (%s) joined at %s", rank, size, backend, init_method)
 
 
+TEARDOWN_BARRIER = datetime.timedelta(seconds=10)
+
+
 def destroy_tensor_parallel() -> None:
     """Leave the group. An NCCL group is left to the process's exit instead: destroying one whose
     collectives were captured in CUDA graphs hangs forever (pytorch/pytorch#115388, seen on two H200s even
     after the graphs were dropped), so a process that used NCCL cannot join another group; one that used
-    gloo (CPU) can."""
+    gloo (CPU) can. A gloo group is left once every rank has reached this point, so that no rank closes its
+    connections while a peer is still in a collective with it (a CPU tp 2 rank once aborted in its teardown,
+    "terminate called without an active exception"; issue 23's thirty-sixth-session note). The wait is bounded
+    (TEARDOWN_BARRIER): a rank that leaves on an error while its peers still step waits that long at most,
+    then leaves all the same, and the peers' next collective fails."""
     global _STATE
     if dist.is_initialized() and dist.get_backend(_STATE.device_group) != "nccl":
+        try:
+            dist.monitored_barrier(group=_STATE.cpu_group, timeout=TEARDOWN_BARRIER)
+        except RuntimeError as e:  # (a peer gone, or still stepping: nothing to wait for)
+            logger.warning("tensor-parallel teardown: not every rank reached it (%s); leaving the group",
+                           str(e).splitlines()[0])
         dist.destroy_process_group()
     _STATE = _GroupState(rank=0, size=1, device_group=None, cpu_group=None)
 
