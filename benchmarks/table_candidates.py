@@ -26,7 +26,8 @@ from pathlib import Path
 from benchmarks.tune_small_m_gemm import Fusion, fusable
 from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
-DEFAULT_TABLE = Path(__file__).resolve().parents[1] / "model_executor/layers/triton_ops/configs/small_m_gemm_NVIDIA_H200.json"
+DEFAULT_TABLE = (Path(__file__).resolve().parents[1]
+                 / "model_executor/layers/triton_ops/configs/small_m_gemm_NVIDIA_H200.json")
 
 
 def parse_case(spec: str) -> tuple[str, int, int, int]:
@@ -66,7 +67,8 @@ def same_entry(a, b) -> bool:
     return smc.GemmConfig(**a) == smc.GemmConfig(**b)
 
 
-def candidates(table: dict, timings: dict, case: tuple[str, int, int, int], top: int) -> list[tuple[str, object, float]]:
+def candidates(table: dict, timings: dict, case: tuple[str, int, int, int],
+               top: int) -> list[tuple[str, object, float]]:
     """Up to `top` (file stem, entry, tuner us) for one case: the tuner's best-ranked entries other than the
     table's own. KeyError naming the case where the timings lack it."""
     kind, n, k, m = case

@@ -19,8 +19,9 @@ A layer that fuses its neighbours' work at up to 4 rows (qkv, gate_up; at tp 1 o
 config it can fuse (a single-split GEMV or tl.dot tile; qkv and gate_up pair their rows) timed in both forms:
 fused, as it runs (FUSE true in the table), and plain (FUSE false). The plain forms, the other configs and the
 baseline pay the time of the neighbours' own kernels, measured at the same rows (the RMSNorm, and the rotary +
-KV store or the SiLU-and-mul; after o and down the add + RMSNorm): what each choice costs the step. (Kernel times apart are not the step: docs/benchmarks.md, thirty-seventh session, has a
-tie that the step split by 2.4 us a layer; a table change is kept on the step's measurement.)
+KV store or the SiLU-and-mul; after o and down the add + RMSNorm): what each choice costs the step. (Kernel
+times apart are not the step: docs/benchmarks.md, thirty-seventh session, has a tie that the step split by 2.4
+us a layer; a table change is kept on the step's measurement: benchmarks/table_candidates.py, ab_tables.py.)
 Search, per (kind, N, K, M): column/K tiles (up to 4 rows also the GEMV variant's; for both FP8 kinds
 above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
 _scaled_mm or the block GEMM)
