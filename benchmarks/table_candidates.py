@@ -26,8 +26,7 @@ from pathlib import Path
 from benchmarks.tune_small_m_gemm import Fusion, fusable
 from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
-DEFAULT_TABLE = (Path(__file__).resolve().parents[1]
-                 / "model_executor/layers/triton_ops/configs/small_m_gemm_NVIDIA_H200.json")
+DEFAULT_TABLE = smc.table_path("NVIDIA_H200")
 
 
 def parse_case(spec: str) -> tuple[str, int, int, int]:
