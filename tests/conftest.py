@@ -9,6 +9,12 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without CUDA every Triton kernel runs in the interpreter, chosen before anything imports triton (this file is
+# loaded first): the kernel test modules then run in this process instead of each re-running in a subprocess
+# (tests/triton_mode.py; the suite took 721 s instead of 874 s on the 2-core CI machine). tests/sm90_compile.py
+# drops it in its own subprocess to compile for sm_90.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

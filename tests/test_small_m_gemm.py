@@ -1201,6 +1201,7 @@ def test_the_tuners_fused_calls_run_the_fusion_they_time(layer, monkeypatch):
 
     monkeypatch.setattr(tune, "DEVICE", DEVICE)
     monkeypatch.setattr(tune, "ROTATE_BYTES", 1)
+    torch.manual_seed(0)  # (the tuner's residual and norm weight)
     m, k, n = 3, 64, 128  # (qkv: 2 q heads and a k and a v head of 32 rows)
     fusion = tune.Fusion(layer, (2, 1, 32) if layer == "qkv" else (0, 0, 0))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
@@ -1215,7 +1216,9 @@ def test_the_tuners_fused_calls_run_the_fusion_they_time(layer, monkeypatch):
         row, h = out
         assert h.shape == (m, n) and row.weighted.shape == (m, n)
         torch.testing.assert_close(row.partials.view(m, -1).sum(1), h.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
-        ratio = row.weighted.float() / h.float()  # the norm weight, one per column, within bf16 rounding
-        torch.testing.assert_close(ratio[1:], ratio[:1].expand(m - 1, n), rtol=2.0**-7, atol=0)
+        keep = h.float().abs().amin(0) > 1e-2  # (columns where no row's h is near 0: a ratio there is meaningful)
+        assert keep.sum() > n // 2
+        ratio = row.weighted.float()[:, keep] / h.float()[:, keep]  # the norm weight, a column's, in bf16 roundings
+        torch.testing.assert_close(ratio[1:], ratio[:1].expand_as(ratio[1:]), rtol=2.0**-6, atol=0)
     for call in tune.neighbour_calls(fusion, x, n)[:1]:
         call()

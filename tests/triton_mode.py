@@ -1,9 +1,10 @@
 """Triton kernels in tests: compiled on a CUDA device, in Triton's CPU interpreter otherwise.
 
-The interpreter must be chosen (TRITON_INTERPRET=1) before triton is first imported, so a test module
-imports this module before anything that imports triton. If an earlier-collected module already imported
-triton in compiled mode, the module's `in_process` tests skip and its `subprocess_test` re-runs them in a
-fresh interpreter process; otherwise that test skips. Exactly one of the pair runs, so both carry the
+The interpreter must be chosen (TRITON_INTERPRET=1) before triton is first imported: tests/conftest.py sets it
+on a machine without CUDA, and a test module imports this module before anything that imports triton. If
+triton was nevertheless imported in compiled mode first (TRITON_INTERPRET=0 given, or a test run outside this
+conftest), the module's `in_process` tests skip and its `subprocess_test` re-runs them in a fresh interpreter
+process; otherwise that test skips. Exactly one of the pair runs, so both carry the
 `triton_mode` mark, which is on the CI skip allowlist (tests/conftest.py).
 """
 
