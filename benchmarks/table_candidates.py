@@ -46,12 +46,17 @@ def ranked(case: dict, kind: str) -> list[tuple[float, object]]:
     config dict or the other path's name. A config that runs fused (FUSE not false, in a form the layer fuses:
     the tuner measured it fused) costs its time; any other config costs its time plus the neighbours' kernels
     (neighbour_us); the other path costs base_us (the tuner adds the neighbours to it). A config timed more
-    than once counts its fastest time. (A case without "fusion", from before the tuner wrote it: a paired layer's.)"""
+    than once counts its fastest time. (A case without "fusion", from before the tuner wrote it: a paired layer's.)
+    In a fused layer a fusable config the tuner timed with FUSE null (its default config) ran fused, so its entry
+    says FUSE true: the step runs a null tl.dot entry plain."""
     neighbour_us = case.get("neighbour_us", 0.0)
     paired = case.get("fusion") is None or Fusion(case["fusion"]).paired
+    fused_layer = case.get("fusion") is not None or neighbour_us > 0
     best: dict[str, tuple[float, dict]] = {}
     for us, entry in case["all"]:
         cfg = smc.GemmConfig(**entry)
+        if fused_layer and fusable(cfg, paired) and cfg.FUSE is None:
+            entry = {**entry, "FUSE": True}
         cost = us + (0.0 if fusable(cfg, paired) else neighbour_us)
         key = json.dumps(entry, sort_keys=True)
         if key not in best or cost < best[key][0]:

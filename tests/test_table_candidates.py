@@ -28,6 +28,14 @@ def test_choices_are_ranked_by_what_they_cost_the_step():
                                        (11.4, SPLIT_DOT), (11.5, "cublas")]
 
 
+def test_a_fused_layers_default_config_timed_fused_is_proposed_as_fused():
+    default = {**PAIRED_DOT, "BLOCK_N": 32, "FUSE": None}  # (the tuner times its default as it runs: fused)
+    case = {**CASE, "fusion": "gate_up", "all": [[9.0, default]]}
+    assert tc.ranked(case, "bf16")[0] == (9.0, {**default, "FUSE": True})
+    plain_layer = {**case, "fusion": None, "neighbour_us": 0.0}  # a layer that fuses nothing: as timed
+    assert tc.ranked(plain_layer, "bf16")[0] == (9.0, default)
+
+
 def test_candidates_skip_the_tables_own_entry_and_stop_at_top():
     defaults_absent = {k: v for k, v in FUSED_GEMV.items() if k != "X_FP8"}  # (the same config, written shorter)
     table = {"bf16": {"28672,4096": {"2": defaults_absent}}}
