@@ -103,8 +103,8 @@ class Fusion:
 
 
 PAIRED_LAYERS = ("qkv", "gate_up")
-FUSED_LAYERS = (*PAIRED_LAYERS, "o", "down")
 EPILOGUE_LAYERS = ("o", "down")  # fused at tp 1 only: at tp 2 their all-reduce comes before the add
+FUSED_LAYERS = (*PAIRED_LAYERS, *EPILOGUE_LAYERS)
 # The unfused kernels' calls per measurement (small activations: no weight copies to rotate).
 NEIGHBOUR_CALLS = 32
 

@@ -150,10 +150,11 @@ def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
     return kernel if kernel.use_small_m(x.reshape(-1, x.shape[-1]), weight, block) else None
 
 
-def _rows_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, rows: int = 1):
-    """small_m_kernel for at most `rows` contiguous rows x [..., K] (the fused paths' limit), else None."""
-    # (compiling first: a symbolic token count compared with 1 would add a guard to the traced graph)
-    if torch.compiler.is_compiling() or x.numel() > rows * x.shape[-1] or not x.is_contiguous():
+def _rows_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None):
+    """small_m_kernel for at most SMALL_M_GEMV_ROWS contiguous rows x [..., K] (the fused paths' limit), else
+    None."""
+    # (compiling first: a symbolic token count compared with a constant would add a guard to the traced graph)
+    if torch.compiler.is_compiling() or x.numel() > SMALL_M_GEMV_ROWS * x.shape[-1] or not x.is_contiguous():
         return None
     return small_m_kernel(x, weight, block)
 
@@ -164,8 +165,7 @@ def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, s
     rows x [..., K] (or a PrenormedRow) where the small-M kernel runs this weight; None otherwise (and with a
     bias, which it does not add)."""
     prenormed = isinstance(x, PrenormedRow)
-    rows = x.weighted if prenormed else x
-    kernel = _rows_kernel(rows, weight, block, rows=SMALL_M_GEMV_ROWS) if bias is None else None
+    kernel = _rows_kernel(x.weighted if prenormed else x, weight, block) if bias is None else None
     if kernel is None:
         return None
     if prenormed:  # (its rows are already [M, K], and so are the output's)
@@ -183,10 +183,10 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     otherwise. x may be a PrenormedRow (residual is then its h, returned as it is): the GEMM scales the row
     the kernel before prepared."""
     if isinstance(x, PrenormedRow):
-        kernel = _rows_kernel(x.weighted, weight, block, rows=SMALL_M_GEMV_ROWS)
+        kernel = _rows_kernel(x.weighted, weight, block)
         y = None if kernel is None else kernel.small_m_prenormed_linear(x, weight, scale, bias, block, rope=rope)
         return None if y is None else (y, residual)
-    kernel = _rows_kernel(x, weight, block, rows=SMALL_M_GEMV_ROWS)
+    kernel = _rows_kernel(x, weight, block)
     if kernel is None or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                                     or not residual.is_contiguous())):
         return None
@@ -210,7 +210,7 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
     (small_m_gemm.fused_config) and can feed `rows` to the GEMM of `consumer` (the weight norm(h) goes into); None
     otherwise. after_attention: x is decode attention's output (at one row, where all of K fits one tile, the
     GEMV loads its weights while attention runs)."""
-    kernel = _rows_kernel(x, weight, block, rows=SMALL_M_GEMV_ROWS)
+    kernel = _rows_kernel(x, weight, block)
     if kernel is None or residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype \
             or not residual.is_contiguous():
         return None
