@@ -488,6 +488,13 @@ def merge_tables(kept: dict, tuned: dict) -> dict:
     return merged
 
 
+def merge_base(out: Path, server_table: Path) -> Path | None:
+    """The table a --merge run keeps entries from: --out where it exists, else the server's table (so a tuned
+    copy written elsewhere is whole: ab_tables would otherwise run its missing entries on the other path), or
+    None where neither exists."""
+    return next((p for p in (out, server_table) if p.exists()), None)
+
+
 def only_shapes(spec: list[str], shapes: list, heads: list) -> tuple[list, list]:
     """--shapes: the (N, K) of `shapes` and `heads` that `spec` ("N,K" strings) names; ValueError for a bad
     spec or a shape the models do not have."""
@@ -543,7 +550,8 @@ def main(argv=None) -> int:
                    help="past this many seconds the remaining cases are tuned as with --quick")
     p.add_argument("--out", help="the table file (default: the one the server reads, for this GPU)")
     p.add_argument("--merge", action="store_true",
-                   help="keep the --out table's entries for shapes this run does not tune (default: replace it)")
+                   help="keep the --out table's entries (where --out does not exist yet: the server's table's) for the "
+                        "cases this run does not tune (default: replace it)")
     p.add_argument("--json", dest="json_out", help="also write every timing here")
     p.add_argument("--shapes", nargs="+", metavar="N,K",
                    help="only these (N, K) of the models' linears (default: all of them)")
@@ -618,8 +626,9 @@ def main(argv=None) -> int:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "quick": args.quick,
             "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if args.merge and out.exists():  # (the kept table's _meta stays, with a line for this run)
-        kept = json.loads(out.read_text())
+    base = merge_base(out, smc.table_path(dev)) if args.merge else None
+    if base is not None:  # (the kept table's _meta stays, with a line for this run)
+        kept = json.loads(base.read_text())
         table = merge_tables(kept, table)
         meta = {**kept.get("_meta", {}), f"merged {meta['written']}": {
             **meta, "models": args.model, "tp": args.tp, "kinds": args.kind, "m": ms, "shapes": args.shapes}}

@@ -115,6 +115,15 @@ def test_merge_keeps_other_shapes_and_replaces_retuned_ones():
     assert kept["bf16"]["3,4"] == {"1": "cublas", "16": "cublas"}  # the input is not modified
 
 
+def test_a_merge_into_a_new_file_starts_from_the_servers_table(tmp_path):
+    out, server = tmp_path / "tuned.json", tmp_path / "server.json"
+    assert tune.merge_base(out, server) is None  # neither exists: the run's entries alone
+    server.write_text("{}")
+    assert tune.merge_base(out, server) == server  # a new --out: the server's table, so the copy is whole
+    out.write_text("{}")
+    assert tune.merge_base(out, server) == out  # an existing --out keeps its own entries
+
+
 def test_only_shapes_keeps_the_named_linears_and_refuses_others():
     shapes, heads = [(6144, 4096), (4096, 4096), (24576, 4096)], [(151936, 4096)]
     assert tune.only_shapes(["24576,4096", "151936,4096"], shapes, heads) == ([(24576, 4096)], [(151936, 4096)])
