@@ -55,9 +55,10 @@ def ranked(case: dict, kind: str) -> list[tuple[float, object]]:
     best: dict[str, tuple[float, dict]] = {}
     for us, entry in case["all"]:
         cfg = smc.GemmConfig(**entry)
-        if fused_layer and fusable(cfg, paired) and cfg.FUSE is None:
+        fused = fusable(cfg, paired)
+        if fused_layer and fused and cfg.FUSE is None:
             entry = {**entry, "FUSE": True}
-        cost = us + (0.0 if fusable(cfg, paired) else neighbour_us)
+        cost = us + (0.0 if fused else neighbour_us)
         key = json.dumps(entry, sort_keys=True)
         if key not in best or cost < best[key][0]:
             best[key] = (cost, entry)
