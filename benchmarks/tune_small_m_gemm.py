@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from model_executor.configs import SHAPES, shape_path
-from model_executor.layers.quantization.base import SMALL_M_GEMV_ROWS
+from model_executor.layers.quantization.base import SMALL_M_FUSED_ROWS
 from model_executor.model_config import ModelConfig
 
 DEFAULT_MODELS = ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
@@ -84,7 +84,7 @@ def router_shape(cfg: ModelConfig) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class Fusion:
-    """A linear whose single-split kernel takes its neighbours' work at up to SMALL_M_GEMV_ROWS rows
+    """A linear whose single-split kernel takes its neighbours' work at up to SMALL_M_FUSED_ROWS rows
     (quantization/base.py, models/llama.py): "qkv" takes the input RMSNorm (a PrenormedRow from the down
     projection before it) and the rotary + KV store; "gate_up" the post-attention RMSNorm (from o_proj) and the
     SiLU-and-mul; "o" and "down" (one rank: tp 1) the residual add and the sums of squares of the norm after
@@ -606,7 +606,7 @@ def main(argv=None) -> int:
                     over_budget = True
                     print(f"  (past --budget-s {args.budget_s:.0f}: "
                           "the remaining cases get the --quick grid)")
-                fusion = fused.get((n, k)) if m <= SMALL_M_GEMV_ROWS else None
+                fusion = fused.get((n, k)) if m <= SMALL_M_FUSED_ROWS else None
                 r = tune_one(sm, kind, n, k, m, wts, gen, quick, log, fusion=fusion)
                 results[(kind, n, k, m)] = r
                 entry = table_entry(kind, r)

@@ -519,12 +519,14 @@ FUSED_GEMV_CASES = [(144, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),
 # ... and a single-split tl.dot tile (16 gate and 16 up rows a program), which runs the epilogue fusions and
 # takes pre-normed rows too (the RMSNorm inside the K loop is the GEMV's alone)
 FUSED_CASES = [*FUSED_GEMV_CASES, (144, {"BLOCK_N": 16, "BLOCK_K": 32})]
+# (k, cfg, m): each at one and three rows, the tl.dot tile also at 13 (a batch of the 16-row bucket: the fusions
+# take a tl.dot tile up to its 16 padded rows, a GEMV up to 4)
+FUSED_ROW_CASES = [(k, cfg, m) for k, cfg in FUSED_CASES for m in (1, 3) + (() if cfg.get("GEMV") else (13,))]
 
 
 @in_process
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
-@pytest.mark.parametrize("k,cfg", FUSED_CASES)
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("k,cfg,m", FUSED_ROW_CASES)
 def test_fused_silu_and_mul_equals_linear_then_silu_and_mul(kind, k, cfg, m):
     """m rows through a [gate; up] weight: the fused GEMV's silu(gate) * up has the bits of the GEMV with
     half the column tile (the rows each program sums) followed by the SiLU-and-mul kernel. I = 40 is not a
@@ -945,9 +947,8 @@ def _add_norm_case(kind, k, cfg, seed=0, m=1, o_cfg=O_PROJ_GEMV):
 
 @in_process
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
-@pytest.mark.parametrize("k,cfg", FUSED_CASES)
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("o_cfg", [O_PROJ_GEMV, O_PROJ_DOT])
+@pytest.mark.parametrize("k,cfg,m,o_cfg", [(k, cfg, m, o_cfg) for k, cfg, m in FUSED_ROW_CASES
+                                           for o_cfg in (O_PROJ_GEMV, O_PROJ_DOT) if m <= 4 or "GEMV" not in o_cfg])
 def test_linear_add_rmsnorm_then_prenormed_silu_and_mul(kind, k, cfg, m, o_cfg):
     """m decode rows: o_proj's GEMV with the residual add and the norm's sums in its epilogue, then the
     [gate; up] GEMV + SiLU-and-mul on those pre-normed rows. h is the plain GEMV's output (same config) plus
@@ -1079,13 +1080,14 @@ def test_add_rmsnorm_refusals(table, monkeypatch):
 
 @in_process
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
-@pytest.mark.parametrize("head_dim,cfg", [(16, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),
-                                          (24, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}),
-                                          (16, {"BLOCK_N": 16, "BLOCK_K": 32})])  # (a tl.dot tile)
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("head_dim,cfg,m", [
+    (head_dim, cfg, m) for head_dim, cfg in [(16, {"BLOCK_N": 4, "BLOCK_K": 64, "GEMV": True}),
+                                             (24, {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}),
+                                             (16, {"BLOCK_N": 16, "BLOCK_K": 32})]  # (a tl.dot tile)
+    for m in (1, 3) + (() if cfg.get("GEMV") else (13,))])  # (13: the 16-row bucket)
 def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, cfg, m):
-    """The next layer's qkv GEMV on a PrenormedRow of m rows (a down projection's epilogue made it, each row
-    with its own scale): y is the float32 reference of RMSNorm(h) @ W within the unfused roundings, and with
+    """The next layer's qkv GEMV on a PrenormedRow of m rows (a down projection's epilogue made it, a GEMV up to
+    4 rows and a tl.dot tile above, each row with its own scale): y is the float32 reference of RMSNorm(h) @ W within the unfused roundings, and with
     the rotary epilogue it has the bits of the same GEMV followed by rotary_store_kv (as the normed qkv
     kernel's test checks)."""
     from model_executor.layers.rotary import RotaryEmbedding
@@ -1101,14 +1103,15 @@ def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, c
     residual = (torch.randn(m, k, generator=gen) * 3 * (1 + 2 * torch.arange(m)[:, None])).to(torch.bfloat16)
     g = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
     row, h = sm.small_m_linear_add_rmsnorm(dev(x), dev(w_d), dev(s_d), None, block, dev(residual), dev(g), 1e-5,
-                                           config=sm.GemmConfig(**O_PROJ_GEMV))
+                                           config=sm.GemmConfig(**(O_PROJ_GEMV if m <= 4 else O_PROJ_DOT)))
     cfg = sm.GemmConfig(**cfg)
     y = sm.small_m_prenormed_linear(row, dev(w), dev(s), None, block, config=cfg)
     ref = rmsnorm_reference(h.cpu(), g, 1e-5) @ w_deq.t()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())
     cache = RotaryEmbedding(head_dim, 64, 10000.0).cos_sin_cache
-    positions, loc = torch.tensor([21, 5, 40][:m]), torch.tensor([3, 7, 0][:m])
-    pools = [torch.zeros(8, hkv, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    positions = torch.tensor([21, 5, 40, 63, 0, 17, 9, 33, 50, 2, 28, 44, 11][:m])
+    loc = torch.tensor([3, 7, 0, 12, 15, 1, 9, 4, 14, 6, 10, 2, 13][:m])  # (slots 5, 8 and 11 stay empty)
+    pools = [torch.zeros(16, hkv, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
     rope = sm.RopeStore(dev(positions), dev(cache), dev(loc), pools[0], pools[1], hq, hkv)
     y_rope = sm.small_m_prenormed_linear(row, dev(w), dev(s), None, block, rope=rope, config=cfg)
     q_ref, k_ref, v_ref = y.view(m, -1, head_dim).split([hq, hkv, hkv], dim=1)
@@ -1120,14 +1123,15 @@ def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, c
 
 @interpreter_only
 @pytest.mark.parametrize("lm_head_gemv", [False, True])
-@pytest.mark.parametrize("bs", [1, 2])
+@pytest.mark.parametrize("bs", [1, 2, 6])
 def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, table, monkeypatch, lm_head_gemv,
                                                                    bs):
     """A bf16 Llama decode step of bs requests on the triton backend: o_proj's and down's GEMVs add the
     residual and sum h^2 in their epilogues, gate/up + SiLU and the next layer's qkv (+ rotary + KV store)
     take the PrenormedRow. The last layer's down does so for the final norm where the LM head runs as a
     single-split GEMV (lm_head_gemv: the table says so), the LM head taking the row (float32 logits); else
-    the final RMSNorm runs as a norm. The logits and the K/V stored stay within bf16 rounding of the same
+    the final RMSNorm runs as a norm. At 6 requests the table's 8-row entries are fusing single-split tl.dot
+    tiles, which take every fusion but the RMSNorm inside the K loop: layer 0's input norm runs as a norm. The logits and the K/V stored stay within bf16 rounding of the same
     step with o_proj, down and the norms run apart (and the greedy token is the same)."""
     from test_cuda_graph_runner import make_decode_batch, release
 
@@ -1137,10 +1141,11 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     gemv = {key: {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True} for key in ("1", "2")}
+    gemv["8"] = {"BLOCK_N": 32, "BLOCK_K": 32, "FUSE": True}  # (3-8 rows: a tl.dot tile)
     entries = {"128,64": gemv, "64,64": gemv, "256,64": gemv, "64,128": gemv}  # qkv, o, gate/up, down
     table({"bf16": entries | ({"320,64": gemv} if lm_head_gemv else {})})  # (the LM head)
     runner = ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), device=DEVICE, dtype="bfloat16",
-                                      attention_backend="torch_native", max_running_requests=2, max_total_tokens=256,
+                                      attention_backend="torch_native", max_running_requests=6, max_total_tokens=256,
                                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
     runner.attn_backend = TritonAttnBackend(runner)  # (the product refuses triton without CUDA)
     calls = {"add_norm": [], "prenormed": [], "norm": []}
@@ -1168,12 +1173,15 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
             assert len(calls["prenormed"]) == layers - 1 + lm_head_gemv
             assert all(r is not None for r in calls["prenormed"][: layers - 1])
             assert calls["prenormed"][layers - 1:] == [None] * lm_head_gemv
-            # the final norm unless the LM head took it (layer 0's input norm runs in its qkv GEMV)
-            assert len(calls["norm"]) == 1 - lm_head_gemv
+            # the final norm unless the LM head took it; layer 0's input norm runs in its qkv GEMV (a tl.dot tile
+            # cannot run it: at 6 rows it runs as a norm)
+            dot = bs > 4
+            assert len(calls["norm"]) == 1 - lm_head_gemv + dot
             monkeypatch.setattr(llama, "linear_add_rmsnorm", lambda *a, **kw: None)
             calls["norm"].clear()
             unfused = runner.forward_eager(fb).float()
-            assert len(calls["norm"]) == 1 + layers  # the post-attention norms and the final one
+            # the post-attention norms and the final one (and, in tl.dot tiles, every input norm)
+            assert len(calls["norm"]) == 1 + layers + layers * dot
     finally:
         release(runner, rows, fb)
     torch.testing.assert_close(out, unfused, rtol=0.02, atol=0.02 * unfused.abs().max().item())

@@ -213,8 +213,8 @@ def all_reduce_add_rmsnorm(linear: RowParallelLinear, x: torch.Tensor, residual:
 
 def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                        consumer, after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
-    """(row, h) for h = linear(x) + residual at up to 4 decode rows: the residual add and the sums of h^2 for
-    norm(h) run in the epilogue of linear's GEMV, and `row` (a PrenormedRow) goes to `consumer`, the layer
+    """(row, h) for h = linear(x) + residual at up to 16 decode rows: the residual add and the sums of h^2 for
+    norm(h) run in the epilogue of linear's single-split GEMM, and `row` (a PrenormedRow) goes to `consumer`, the layer
     norm(h) feeds (a LinearBase, or the LM head: anything with small_m_operands(); it scales by 1 / rms in
     its GEMV: the norm's own launch goes). None where that cannot
     run: linear sharded over tensor-parallel ranks (its all-reduce comes before the add), a method with a

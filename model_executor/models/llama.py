@@ -159,7 +159,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
                 lm_head: ParallelLMHead | None = None) -> torch.Tensor | PrenormedRow:
-        """The final norm's output, [tokens, H]. With lm_head (a decode batch, for its logits only): at up to 4 rows
+        """The final norm's output, [tokens, H]. With lm_head (a decode batch, for its logits only): at up to 16 rows
         where the small-M kernels fuse, a PrenormedRow of it instead, made in the last down projection's epilogue
         (the norm's own launch goes; the LM head's GEMV scales by 1 / rms)."""
         hidden = self.embed_tokens(input_ids)

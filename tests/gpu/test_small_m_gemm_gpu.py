@@ -229,11 +229,11 @@ def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(kind
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
-@pytest.mark.parametrize("m", [2, 3, 4])
-@pytest.mark.parametrize("tiles", ["gemv", "dot"])
+@pytest.mark.parametrize("m,tiles", [(m, tiles) for tiles in ("gemv", "dot") for m in (2, 3, 4)]
+                         + [(8, "dot"), (13, "dot")])
 def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay(kind, m, tiles):
-    """2-4 decode rows, each with its own scale, at the 8B's shapes and single-split configs given here (GEMVs,
-    or tl.dot tiles; the table's may be others at these rows): o_proj with the residual add and each row's sums
+    """2-4 decode rows (tl.dot tiles: up to 13), each with its own scale, at the 8B's shapes and single-split
+    configs given here (GEMVs, or tl.dot tiles; the table's may be others at these rows): o_proj with the residual add and each row's sums
     of h^2 in its
     epilogue, then the gate/up + SiLU GEMV and the qkv GEMV on those pre-normed rows, against a float32
     reference of RMSNorm(h) from the kernel's h (h itself: the plain GEMV plus the residual, torch's bits);
@@ -242,7 +242,7 @@ def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay
     w, s, block, _ = weight(kind, hidden, hidden, seed=hidden)
     gw, gs, gblock, g_deq = weight(kind, 2 * inter, hidden, seed=inter)
     qw, qs, qblock, q_deq = weight(kind, 6144, hidden, seed=6144)
-    scales = torch.tensor([3.0, 0.2, 30.0, 1.0], device="cuda")[:m, None]
+    scales = torch.tensor([3.0, 0.2, 30.0, 1.0] * 4, device="cuda")[:m, None]
     x = torch.randn(m, hidden, device="cuda").bfloat16()
     residual = (torch.randn(m, hidden, device="cuda") * 5 * scales).bfloat16()
     g = (torch.rand(hidden, device="cuda") + 0.5).bfloat16()
@@ -267,6 +267,26 @@ def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay
     torch.testing.assert_close(act.float(), ref, rtol=2.0**-5, atol=2.0**-6 * ref.abs().max().item())
     ref_qkv = normed @ q_deq.t()
     torch.testing.assert_close(qkv.float(), ref_qkv, rtol=2.0**-5, atol=2.0**-6 * ref_qkv.abs().max().item())
+    # the qkv kernel with the rotary + KV store epilogue (32 q, 8 kv heads of 128) against the same kernel without
+    # it, then rotary_store_kv: within one bf16 rounding, nearly all equal (as the normed qkv kernel's test checks)
+    from model_executor.layers.rotary import RotaryEmbedding
+    from model_executor.layers.rotary_store_kv import RopeStore, rotary_store_kv
+
+    cache = RotaryEmbedding(128, 4096, 500000.0).cos_sin_cache.cuda()
+    positions = torch.randperm(4096, device="cuda")[:m]
+    loc = torch.randperm(64, device="cuda")[:m]
+    pools = [torch.zeros(64, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    row, _ = sm.small_m_linear_add_rmsnorm(x, w, s, None, block, residual, g, 1e-5, config=o_cfg)
+    plain = sm.small_m_prenormed_linear(row, qw, qs, None, qblock, config=o_cfg)
+    roped = sm.small_m_prenormed_linear(row, qw, qs, None, qblock, config=o_cfg,
+                                        rope=RopeStore(positions, cache, loc, pools[0], pools[1], 32, 8))
+    q_ref, k_ref, v_ref = plain.view(m, -1, 128).split([32, 8, 8], dim=1)
+    rotary_store_kv(positions, q_ref, k_ref, v_ref, cache, pools[2], pools[3], loc)  # (q rotated in place)
+    for got, want in ((roped, plain), (pools[0][loc], pools[2][loc]), (pools[1][loc], pools[3][loc])):
+        got, want = got.float(), want.float()
+        torch.testing.assert_close(got, want, rtol=2.0**-7, atol=1e-3 * want.abs().max().item())
+        assert (got != want).float().mean().item() < 0.02
+    assert (pools[0][loc].float().abs().sum((1, 2)) > 0).all()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -21,7 +21,7 @@ from model_executor.layers.attention import forward_context
 from model_executor.layers.attention.attention_op import unified_attention
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.qk_norm_rope import norm_and_rotate
-from model_executor.layers.quantization.base import SMALL_M_GEMV_ROWS
+from model_executor.layers.quantization.base import SMALL_M_FUSED_ROWS
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.layers.rotary_store_kv import RopeStore
 
@@ -43,14 +43,14 @@ class RadixAttention(nn.Module):
         self.qk_norm = qk_norm
 
     def rope_store(self, fb: ForwardBatch, positions: torch.Tensor) -> RopeStore | None:
-        """For a decode batch of up to SMALL_M_GEMV_ROWS tokens whose backend lets the qkv projection store
+        """For a decode batch of up to SMALL_M_FUSED_ROWS tokens whose backend lets the qkv projection store
         their K/V (kv_store_target): what that projection's kernel needs to run this layer's rotary and KV
         store itself (then forward_stored). None elsewhere, and for layers with q/k norms (they need whole
         heads)."""
         # (tracing first: a traced token count compared with 1 would add a guard to the graph)
         if forward_context.is_active() or torch.compiler.is_compiling():
             return None
-        if self.rotary_emb is None or self.qk_norm is not None or positions.shape[0] > SMALL_M_GEMV_ROWS:
+        if self.rotary_emb is None or self.qk_norm is not None or positions.shape[0] > SMALL_M_FUSED_ROWS:
             return None
         target = fb.attn_backend.kv_store_target(self, fb)
         if target is None:

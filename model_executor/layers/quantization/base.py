@@ -79,7 +79,7 @@ class LinearMethod:
         return layer.weight, None, None
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of a [gate; up] layer in one kernel where the small-M kernel can (up to 4 decode rows,
+        """silu(gate) * up of a [gate; up] layer in one kernel where the small-M kernel can (up to 16 decode rows,
         a table config that fuses), else None: the caller runs apply and SiluAndMul."""
         operands = self.small_m_operands(layer)
         return None if operands is None else small_m_silu_and_mul(x, *operands, layer.bias)
@@ -99,8 +99,8 @@ class LinearMethod:
                       residual: torch.Tensor | None,
                       rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(apply(norm_weight * rmsnorm(h)), h) for h = x + residual (x without one) in one kernel where the
-        small-M kernel can (up to 4 decode rows, a table config that fuses), else None: the caller runs
-        RMSNorm, then the layer. rope (a qkv layer): the same kernel also runs the rotary and KV store. x may
+        small-M kernel can (up to 4 decode rows, a table config that fuses; a PrenormedRow x up to 16), else
+        None: the caller runs RMSNorm, then the layer. rope (a qkv layer): the same kernel also runs the rotary and KV store. x may
         be a PrenormedRow (residual: its h): the kernel before did the norm's sums."""
         operands = self.small_m_operands(layer)
         if operands is None:
@@ -111,7 +111,10 @@ class LinearMethod:
 # Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
 SMALL_M_DEVICES = ("cuda",)
 SMALL_M_MAX = 64  # the kernel's largest row limit (small_m_gemm.MAX_M_FP8), checked before importing it
-SMALL_M_GEMV_ROWS = 4  # the rows its GEMVs take, a fused RMSNorm and rotary + KV store too
+SMALL_M_GEMV_ROWS = 4  # the rows its GEMVs take (and so the RMSNorm inside a GEMV's K loop)
+# The rows its other fusions take (the rotary + KV store, the SiLU-and-mul, the add + RMSNorm epilogue, pre-normed
+# rows): a GEMV up to SMALL_M_GEMV_ROWS, a single-split tl.dot tile up to its 16 padded rows (small_m_gemm.MAX_M).
+SMALL_M_FUSED_ROWS = 16
 # The row counts its config table is tuned at (small_m_gemm.M_BUCKETS): a batch takes the next one up's config,
 # so the bits of a row can change between two batch sizes only across one of these.
 SMALL_M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -151,17 +154,17 @@ def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
 
 
 def _rows_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None):
-    """small_m_kernel for at most SMALL_M_GEMV_ROWS contiguous rows x [..., K] (the fused paths' limit), else
+    """small_m_kernel for at most SMALL_M_FUSED_ROWS contiguous rows x [..., K] (the fused paths' limit), else
     None."""
     # (compiling first: a symbolic token count compared with a constant would add a guard to the traced graph)
-    if torch.compiler.is_compiling() or x.numel() > SMALL_M_GEMV_ROWS * x.shape[-1] or not x.is_contiguous():
+    if torch.compiler.is_compiling() or x.numel() > SMALL_M_FUSED_ROWS * x.shape[-1] or not x.is_contiguous():
         return None
     return small_m_kernel(x, weight, block)
 
 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None,
                          block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The fused gate/up GEMV + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for up to SMALL_M_GEMV_ROWS
+    """The fused gate/up GEMM + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for up to SMALL_M_FUSED_ROWS
     rows x [..., K] (or a PrenormedRow) where the small-M kernel runs this weight; None otherwise (and with a
     bias, which it does not add)."""
     prenormed = isinstance(x, PrenormedRow)
@@ -180,8 +183,8 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
                            rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm (and residual add) fused into the GEMV it feeds (small_m_gemm.small_m_rmsnorm_linear) for
     up to SMALL_M_GEMV_ROWS rows x [..., K] where the small-M kernel runs this weight as a GEMV; None
-    otherwise. x may be a PrenormedRow (residual is then its h, returned as it is): the GEMM scales the row
-    the kernel before prepared."""
+    otherwise. x may be a PrenormedRow (residual is then its h, returned as it is; up to SMALL_M_FUSED_ROWS rows,
+    a config that fuses): the GEMM scales the row the kernel before prepared."""
     if isinstance(x, PrenormedRow):
         kernel = _rows_kernel(x.weighted, weight, block)
         y = None if kernel is None else kernel.small_m_prenormed_linear(x, weight, scale, bias, block, rope=rope)
@@ -205,7 +208,7 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
                                norm_weight: torch.Tensor, eps: float, consumer: torch.Tensor,
                                consumer_block: tuple[int, int] | None,
                                after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
-    """(rows, h) for h = x @ weight^T (+ bias) + residual at up to SMALL_M_GEMV_ROWS rows x [..., K], from the
+    """(rows, h) for h = x @ weight^T (+ bias) + residual at up to SMALL_M_FUSED_ROWS rows x [..., K], from the
     GEMM's epilogue (small_m_gemm.small_m_linear_add_rmsnorm), where the table's config for this weight fuses
     (small_m_gemm.fused_config) and can feed `rows` to the GEMM of `consumer` (the weight norm(h) goes into); None
     otherwise. after_attention: x is decode attention's output (at one row, where all of K fits one tile, the

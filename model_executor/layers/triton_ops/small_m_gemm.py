@@ -29,9 +29,9 @@ For up to MAX_GEMV_ROWS rows a config may instead ask for GEMV: CUDA-core produc
 weight tile and each x row, summed over K at the end (no padding to 16 rows, narrower column tiles; with
 several rows the tile is converted once and each row has its own float32 sums); the tuner picks whichever
 is faster at M = 1, 2 and 4. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
-loads of a loop without tl.dot only then. Each fusion below takes up to MAX_GEMV_ROWS rows, where the table's
-config for the weight at that row count fuses() (a single-split GEMV; a single-split tl.dot tile where its
-FUSE says so; the RMSNorm inside the K loop: a GEMV only). `small_m_silu_and_mul` runs decode rows' [gate; up]
+loads of a loop without tl.dot only then. Each fusion below takes up to MAX_FUSED_ROWS rows, where the table's
+config for the weight at that row count fuses() (a single-split GEMV, up to MAX_GEMV_ROWS rows; a single-split
+tl.dot tile where its FUSE says so, up to its 16 padded rows; the RMSNorm inside the K loop: a GEMV only). `small_m_silu_and_mul` runs decode rows' [gate; up]
 GEMV and the SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add)
 that feeds the qkv projection of decode tokens into its GEMV and, given a RopeStore, runs their rotary and
 KV store in the epilogue (rows paired within each head, as the SiLU pairs gate and up rows). A norm between
@@ -73,6 +73,7 @@ from model_executor.layers.triton_ops.pdl import pdl_supported
 from model_executor.layers.triton_ops.small_m_gemm_config import (
     FP8,
     M_BUCKETS,
+    MAX_FUSED_ROWS,
     MAX_GEMV_ROWS,
     MAX_M,
     MAX_M_FP8,
@@ -109,6 +110,7 @@ X_PRESCALE = 2.0**-4
 __all__ = [
     "FP8",
     "IN_KERNEL_REDUCE_MAX_ROWS",
+    "MAX_FUSED_ROWS",
     "MAX_GEMV_ROWS",
     "MAX_M",
     "MAX_M_FP8",
@@ -470,9 +472,9 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
 
 def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
                   config: GemmConfig | None, paired: bool, gemv: bool = False) -> GemmConfig | None:
-    """`config`, else the table's fused_config for x's rows; None above MAX_GEMV_ROWS rows or while
+    """`config`, else the table's fused_config for x's rows; None above MAX_FUSED_ROWS rows or while
     something traces."""
-    if not 0 < x.shape[0] <= MAX_GEMV_ROWS or _tracing():
+    if not 0 < x.shape[0] <= MAX_FUSED_ROWS or _tracing():
         return None
     if config is not None:
         return config
@@ -483,7 +485,7 @@ def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
                          block: tuple[int, int] | None = None,
                          config: GemmConfig | None = None) -> torch.Tensor | None:
-    """silu(x @ gate^T) * (x @ up^T) for up to MAX_GEMV_ROWS rows x [M, K] (or a PrenormedRow: the rows it
+    """silu(x @ gate^T) * (x @ up^T) for up to MAX_FUSED_ROWS rows x [M, K] (or a PrenormedRow: the rows it
     stands for) and a [gate; up] weight [2I, K] (FP8: with its scales, as small_m_linear) -> [M, I], in one
     kernel: a decode step's MLP without the activation's own launch. None where the table's config for M rows
     does not fuse (fused_config), or while something traces: the caller then runs the linear and SiluAndMul."""
@@ -499,7 +501,7 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
                                bias: torch.Tensor | None, block: tuple[int, int] | None, residual: torch.Tensor,
                                norm_weight: torch.Tensor, eps: float, config: GemmConfig | None = None,
                                after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
-    """(rows, h) for up to MAX_GEMV_ROWS rows x [M, K]: h = x @ W^T (+ bias) + residual, and `rows`, the
+    """(rows, h) for up to MAX_FUSED_ROWS rows x [M, K]: h = x @ W^T (+ bias) + residual, and `rows`, the
     PrenormedRow of norm_weight * rmsnorm(h) for the GEMV that h's norm feeds, in one kernel: decode tokens'
     o_proj with the residual add and the post-attention RMSNorm's work in its epilogue (the norm's own launch
     goes). after_attention (one row): x is decode attention's output; where preload_config gives a config (all
@@ -551,7 +553,7 @@ def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: tor
                              rope: RopeStore | None = None, config: GemmConfig | None = None,
                              out_dtype: torch.dtype | None = None,
                              y_out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (up to MAX_GEMV_ROWS rows):
+    """The GEMM of rmsnorm(h) for the h a PrenormedRow stands for (up to MAX_FUSED_ROWS rows):
     small_m_rmsnorm_linear's y with the norm's work already done by the kernel that made h, in out_dtype
     (default: the row's; into y_out if given). With `rope`, the qkv projection's rotary and KV store run in the
     same kernel. None where the table's config for that many rows does not fuse, or while something traces."""

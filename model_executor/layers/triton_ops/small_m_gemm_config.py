@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from model_executor.layers.quantization.base import SMALL_M_BUCKETS, SMALL_M_GEMV_ROWS
+from model_executor.layers.quantization.base import SMALL_M_BUCKETS, SMALL_M_FUSED_ROWS, SMALL_M_GEMV_ROWS
 
 logger = logging.getLogger("duet.small_m_gemm")
 
@@ -36,6 +36,10 @@ MAX_M_FP8 = 64
 # and multiplied into each row's accumulator (a tile of float32 sums per row: registers bound the count).
 # Defined beside SMALL_M_MAX, where the layers check it without importing Triton.
 MAX_GEMV_ROWS = SMALL_M_GEMV_ROWS
+# The fusions (fused_config) take up to this many rows: a GEMV config up to MAX_GEMV_ROWS, a single-split tl.dot
+# tile up to its padded rows.
+MAX_FUSED_ROWS = SMALL_M_FUSED_ROWS
+assert MAX_GEMV_ROWS <= MAX_FUSED_ROWS <= MAX_M
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = SMALL_M_BUCKETS  # the row counts the tuner times; a batch uses the next bucket up
 FP8 = torch.float8_e4m3fn
