@@ -1116,9 +1116,51 @@ def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, c
     y_rope = sm.small_m_prenormed_linear(row, dev(w), dev(s), None, block, rope=rope, config=cfg)
     q_ref, k_ref, v_ref = y.view(m, -1, head_dim).split([hq, hkv, hkv], dim=1)
     rotary_store_kv(dev(positions), q_ref, k_ref, v_ref, dev(cache), pools[2], pools[3], dev(loc), 1.0, 1.0)
-    assert torch.equal(y_rope.cpu(), y.cpu())  # (y's q heads rotated in place by rotary_store_kv)
+    # (y's q heads rotated in place by rotary_store_kv; compiled, the two kernels' rotations may round one value
+    # of ~800 to the other bf16 neighbour: measured at 13 FP8 rows on the H200)
+    if triton_mode.interpreting():
+        assert torch.equal(y_rope.cpu(), y.cpu())
+    else:
+        torch.testing.assert_close(y_rope.float(), y.float(), rtol=2.0**-7, atol=0)
+        assert (y_rope != y).float().mean().item() < 0.02
     assert torch.equal(pools[0].cpu(), pools[2].cpu()) and torch.equal(pools[1].cpu(), pools[3].cpu())
     assert all(pools[0][slot].float().abs().sum() > 0 for slot in loc.tolist())
+
+
+@in_process
+@pytest.mark.parametrize("kind", ["bf16", "fp8_block"])
+@pytest.mark.parametrize("m", [3, 13])
+def test_rope_linear_of_normed_rows_equals_the_linear_then_rotary_store_kv(kind, m):
+    """Rows normed by their own kernel (a tl.dot tile cannot run the norm in its K loop) through the qkv GEMM with
+    the rotary + KV store epilogue: y with its q heads rotated and the pool's k and v have the bits of the same
+    tile's plain GEMM followed by rotary_store_kv (compiled: within a bf16 ulp, the rotation rounded by two
+    kernels), with a bias; the paired tile (16 + 16 half rows) is half the table's."""
+    from model_executor.layers.rotary import RotaryEmbedding
+    from model_executor.layers.rotary_store_kv import rotary_store_kv
+
+    hq, hkv, d, k = 4, 2, 16, 96
+    n = (hq + 2 * hkv) * d
+    w, s, block, _ = make_weight(kind, n, k, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    x = dev(torch.randn(m, k, generator=gen).to(torch.bfloat16))
+    bias = dev(torch.randn(n, generator=gen).to(torch.bfloat16))
+    cache = dev(RotaryEmbedding(d, 64, 10000.0).cos_sin_cache)
+    positions, loc = dev(torch.randperm(64, generator=gen)[:m]), dev(torch.randperm(16, generator=gen)[:m])
+    pools = [torch.zeros(16, hkv, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    rope = sm.RopeStore(positions, cache, loc, pools[0], pools[1], hq, hkv)
+    cfg = sm.GemmConfig(BLOCK_N=16, BLOCK_K=32)
+    y = sm.small_m_rope_linear(x, dev(w), rope, dev(s), bias, block, config=cfg)
+    ref = sm.small_m_linear(x, dev(w), dev(s), bias, block, config=sm.GemmConfig(BLOCK_N=16, BLOCK_K=32))
+    q, k_, v = ref.view(m, -1, d).split([hq, hkv, hkv], dim=1)
+    rotary_store_kv(positions, q, k_, v, cache, pools[2], pools[3], loc)  # (q rotated in place)
+    for got, want in ((y, ref), (pools[0], pools[2]), (pools[1], pools[3])):
+        if triton_mode.interpreting():
+            assert torch.equal(got.cpu(), want.cpu())
+        else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=0)
+            assert (got != want).float().mean().item() < 0.02
+    assert (pools[0][loc].float().abs().sum((1, 2)) > 0).all()
 
 
 @interpreter_only
@@ -1148,9 +1190,9 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
                                       attention_backend="torch_native", max_running_requests=6, max_total_tokens=256,
                                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
     runner.attn_backend = TritonAttnBackend(runner)  # (the product refuses triton without CUDA)
-    calls = {"add_norm": [], "prenormed": [], "norm": []}
+    calls = {"add_norm": [], "prenormed": [], "norm": [], "rope": []}
     for name, key, arg in (("small_m_linear_add_rmsnorm", "add_norm", "after_attention"),
-                           ("small_m_prenormed_linear", "prenormed", "rope")):
+                           ("small_m_prenormed_linear", "prenormed", "rope"), ("small_m_rope_linear", "rope", "")):
         real = getattr(sm, name)
         monkeypatch.setattr(sm, name, lambda *a, real=real, key=key, arg=arg, **kw: calls[key].append(kw.get(arg))
                             or real(*a, **kw))
@@ -1177,11 +1219,14 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
             # cannot run it: at 6 rows it runs as a norm)
             dot = bs > 4
             assert len(calls["norm"]) == 1 - lm_head_gemv + dot
+            assert len(calls["rope"]) == dot  # (there its qkv tile runs the rotary + KV store after the norm)
             monkeypatch.setattr(llama, "linear_add_rmsnorm", lambda *a, **kw: None)
             calls["norm"].clear()
+            calls["rope"].clear()
             unfused = runner.forward_eager(fb).float()
             # the post-attention norms and the final one (and, in tl.dot tiles, every input norm)
             assert len(calls["norm"]) == 1 + layers + layers * dot
+            assert len(calls["rope"]) == layers * dot
     finally:
         release(runner, rows, fb)
     torch.testing.assert_close(out, unfused, rtol=0.02, atol=0.02 * unfused.abs().max().item())

@@ -101,8 +101,14 @@ class LinearBase(nn.Module):
                             rope: RopeStore) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a qkv layer at a decode token: forward_normed's (y, h) with the rotary and the KV store run in
         the same kernel (y's q heads rotated; k and v in the pool, as `rope` says), or None where the method
-        cannot: the caller then runs forward_normed and attention's own rotary and store."""
-        return self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps, residual, rope)
+        cannot: the caller then runs forward_normed and attention's own rotary and store. Where the norm cannot
+        go into the kernel (a tl.dot tile: above 4 rows, or the table's choice) but the rotary can, the norm runs
+        as its own kernel first."""
+        fused = self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps, residual, rope)
+        if fused is not None or isinstance(x, PrenormedRow) or not self.quant_method.takes_rope(self, x):
+            return fused
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        return self.quant_method.apply_rope(self, h, rope), residual
 
 
 class ColumnParallelLinear(LinearBase):

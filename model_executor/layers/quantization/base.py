@@ -89,6 +89,21 @@ class LinearMethod:
         activation's kernel (FP8's activation quantization), else None: the caller runs SiluAndMul, then apply."""
         return None
 
+    def takes_rope(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether apply_rope runs for these rows (normed, a plain tensor) of a qkv layer."""
+        operands = self.small_m_operands(layer)
+        return operands is not None and small_m_takes_paired(x, operands[0], operands[2])
+
+    def apply_rope(self, layer: nn.Module, x: torch.Tensor, rope: RopeStore) -> torch.Tensor:
+        """apply(layer, x) for normed rows x of a qkv layer with the rotary and KV store in the same kernel
+        (small_m_gemm.small_m_rope_linear), where takes_rope(layer, x): the rows' norm ran as its own kernel."""
+        weight, scale, block = self.small_m_operands(layer)
+        k = x.shape[-1]
+        y = _small_m().small_m_rope_linear(x.reshape(-1, k), weight, rope, scale, layer.bias, block)
+        if y is None:
+            raise RuntimeError("the small-M kernel refused a rotary epilogue that takes_rope offered")
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
     def apply_rmsnorm_quant(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """apply_rmsnorm's (y, h) where the method makes the GEMM's input in the norm's kernel (FP8's activation
@@ -160,6 +175,13 @@ def _rows_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] |
     if torch.compiler.is_compiling() or x.numel() > SMALL_M_FUSED_ROWS * x.shape[-1] or not x.is_contiguous():
         return None
     return small_m_kernel(x, weight, block)
+
+
+def small_m_takes_paired(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether the small-M kernel runs these rows x [..., K] of this weight in a config that fuses and pairs its
+    rows (the rotary epilogue's; small_m_gemm.takes_prenormed)."""
+    kernel = _rows_kernel(x, weight, block)
+    return kernel is not None and kernel.takes_prenormed(x.reshape(-1, x.shape[-1]), weight, block)
 
 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None,

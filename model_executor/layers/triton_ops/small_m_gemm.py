@@ -564,6 +564,19 @@ def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: tor
                    y_out=y_out)
 
 
+def small_m_rope_linear(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, scale: torch.Tensor | None = None,
+                        bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                        config: GemmConfig | None = None) -> torch.Tensor | None:
+    """The qkv GEMM of normed rows x [M, K] with the rotary and KV store in its epilogue: small_m_rmsnorm_linear's
+    rope for rows whose RMSNorm ran as its own kernel (above MAX_GEMV_ROWS rows, or where the table's config is a
+    tl.dot tile: only a GEMV runs the norm in its K loop). None where the table's config for M rows does not fuse
+    (takes_prenormed says so beforehand), or while something traces."""
+    config = _fused_config(x, weight, block, config, paired=True)
+    if config is None:
+        return None
+    return _launch(x, weight, scale, bias, block, config, rope=rope)
+
+
 def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                            weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                            block: tuple[int, int] | None = None, rope: RopeStore | None = None,
