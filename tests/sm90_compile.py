@@ -7,7 +7,9 @@ records its arguments, then compiles every recorded launch for GPUTarget("cuda",
 specializations a GPU launch would give (16-byte aligned pointers, integers divisible by 16 marked so, an
 integer 1 a constant), down
 to a cubin through the ptxas that Triton's wheel carries. It prints one line per case and exits non-zero if
-any case does not compile, or has fp16 arithmetic in its PTX (FP16_MATH). tests/test_sm90_compile.py runs it in a subprocess with Triton in compiled mode.
+any case does not compile, has fp16 arithmetic in its PTX (FP16_MATH), or is a small-M GEMM whose wgmma chain
+ptxas serialized (WGMMA_SERIALIZED). tests/test_sm90_compile.py runs it in a subprocess with Triton in compiled
+mode.
 
     python tests/sm90_compile.py
 """
@@ -17,7 +19,9 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -27,6 +31,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas  # (the one Triton compiles sm_90 with)
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -37,6 +42,9 @@ OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 # LLVM narrows fptrunc(fpext(bf16 x) * 2^-4) to an fp16 multiply after the conversion, which overflows for
 # |x| > 65504 (kernels.to_f16_scaled avoids it).
 FP16_MATH = re.compile(r"\b(?:mul|fma|add|sub)(?:\.rn)?(?:\.ftz)?\.f16(?:x2)?\b")
+# ptxas's advisory that it serialized a kernel's wgmma chain (a wait after every wgmma): a small-M tl.dot tile whose
+# ADD_NORM residual was held in registers across its loop ran 1.5x slower on the H200 (docs/benchmarks.md).
+WGMMA_SERIALIZED = "C7514"
 
 
 class Recorder:
@@ -85,6 +93,18 @@ def compile_launch(kernel, args, kwargs):
             raise TypeError(f"{kernel.fn.__name__}: argument {name} of type {type(value).__name__}")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options=options)
+
+
+def wgmma_serialized(compiled) -> bool:
+    """Whether ptxas, assembling the kernel's PTX for sm_90a, says it serialized the kernel's wgmma chain."""
+    if "warp_group_dot" not in compiled.asm["ttgir"]:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        out = subprocess.run([get_ptxas(TARGET.arch).path, "--gpu-name", "sm_90a", "-v", str(ptx), "-o",
+                              str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
+    return WGMMA_SERIALIZED in out.stdout + out.stderr
 
 
 def with_pdl(module, launch):
@@ -227,6 +247,10 @@ def cases():
         ("small-M tl.dot bf16, single split, 2 rows: rotary + KV store on a PrenormedRow", gemm,
          lambda: sm._launch(x2, rope(2)[1], None, None, None, sm.GemmConfig(BLOCK_N=32, BLOCK_K=128),
                             rope=rope(2)[0], prenormed=PrenormedRow(x2, torch.rand(2 * 8), 1e-5))),
+        ("small-M tl.dot bf16, a 64-wide wgmma tile, 8 rows: add + RMSNorm epilogue", gemm,
+         lambda: sm.small_m_linear_add_rmsnorm(torch.randn(8, 512, dtype=bf16), w, None, None, None,
+                                               torch.randn(8, 256, dtype=bf16), torch.ones(256, dtype=bf16), 1e-5,
+                                               config=sm.GemmConfig(BLOCK_N=64, BLOCK_K=256))),
         ("small-M GEMV FP8 per channel", gemm, lambda: sm._launch(x, w8, s8, None, None, gemv)),
         ("small-M GEMV FP8, add + RMSNorm epilogue, PDL (its first weight tile before gdc_wait)", gemm,
          lambda: with_pdl(sm, lambda: sm._launch(x, w8, s8, None, None, gemv, pdl=True, add_norm=sm.AddRmsNormOutput(
@@ -303,6 +327,8 @@ def main() -> int:
                 if FP16_MATH.search(c.asm["ptx"]):  # no kernel means to: the compiler narrowed a float32 op
                     raise RuntimeError(f"{k.fn.__name__}: fp16 arithmetic in the PTX "
                                        f"({sorted(set(FP16_MATH.findall(c.asm['ptx'])))})")
+                if k.fn.__name__ == "_small_m_gemm_kernel" and wgmma_serialized(c):
+                    raise RuntimeError(f"{k.fn.__name__}: ptxas serialized its wgmma chain ({WGMMA_SERIALIZED})")
             print(f"ok {name}: " + ", ".join(f"{k.fn.__name__} ({len(c.asm['cubin'])} B cubin)"
                                              for (k, _, _), c in zip(rec.launches, built)), flush=True)
         except Exception:  # noqa: BLE001 (report every case, then fail)

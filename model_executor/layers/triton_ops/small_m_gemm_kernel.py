@@ -178,9 +178,13 @@ def _small_m_gemm_kernel(
             scale_b = tl.load(S + rows_b)[:, None]
     if ROPE:
         rope_slot, rope_cos, rope_sin = _rope_operands(offs_n, rows_m, POS, LOC, COS, stride_cos, HALF)
+    # A wgmma tile (tl.dot, 64 or more rows a warpgroup) loads ADD_NORM's residual after its loop: held in registers
+    # across it, ptxas serialized the tile's wgmma chain (C7514, "non wgmma instructions reading accumulator
+    # registers"): the Llama-3.1-8B down at 8 rows took 50.7 us fused against 33.2 plain (docs/benchmarks.md).
+    LATE_ADD_NORM: tl.constexpr = ADD_NORM and not GEMV and BLOCK_N >= 64
     if not (GEMV and ROWS == 1):  # (the one-row GEMV loads them after its PDL wait, below)
-        if ADD_NORM:  # the rows' residual [BLOCK_N, BLOCK_M] (R and H: contiguous [M, N]) and the norm weight
-            r_n = tl.load(R + rows_m[None, :] * N + rows_n[:, None]).to(tl.float32)
+        if ADD_NORM and not LATE_ADD_NORM:  # the rows' residual [BLOCK_N, BLOCK_M] (R and H: contiguous [M, N])
+            r_n = tl.load(R + rows_m[None, :] * N + rows_n[:, None]).to(tl.float32)  # and the norm weight
             g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
         if PRENORMED:  # each row's partial sums of h^2 [BLOCK_M, NUM_P], summed after the loop
             offs_p = tl.arange(0, NUM_P)
@@ -465,6 +469,9 @@ def _small_m_gemm_kernel(
             silu = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32)
             acc = silu * acc_up.to(Y.dtype.element_ty).to(tl.float32)
         if ADD_NORM:  # (H has Y's layout: contiguous [M, N])
+            if LATE_ADD_NORM:
+                r_n = tl.load(R + rows_m[None, :] * N + rows_n[:, None]).to(tl.float32)
+                g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
             h = (acc.to(Y.dtype.element_ty).to(tl.float32) + r_n).to(Y.dtype.element_ty)
             tl.store(H + y_ptrs, h, mask=out_mask)
             hf = h.to(tl.float32)
