@@ -1087,9 +1087,9 @@ def test_add_rmsnorm_refusals(table, monkeypatch):
     for m in (1, 3) + (() if cfg.get("GEMV") else (13,))])  # (13: the 16-row bucket)
 def test_prenormed_qkv_matches_reference_and_its_rope_epilogue(kind, head_dim, cfg, m):
     """The next layer's qkv GEMV on a PrenormedRow of m rows (a down projection's epilogue made it, a GEMV up to
-    4 rows and a tl.dot tile above, each row with its own scale): y is the float32 reference of RMSNorm(h) @ W within the unfused roundings, and with
-    the rotary epilogue it has the bits of the same GEMV followed by rotary_store_kv (as the normed qkv
-    kernel's test checks)."""
+    4 rows and a tl.dot tile above, each row with its own scale): y is the float32 reference of RMSNorm(h) @ W
+    within the unfused roundings, and with the rotary epilogue it has the bits of the same GEMV followed by
+    rotary_store_kv (as the normed qkv kernel's test checks)."""
     from model_executor.layers.rotary import RotaryEmbedding
     from model_executor.layers.rotary_store_kv import rotary_store_kv
 
@@ -1134,7 +1134,7 @@ def test_rope_linear_of_normed_rows_equals_the_linear_then_rotary_store_kv(kind,
     """Rows normed by their own kernel (a tl.dot tile cannot run the norm in its K loop) through the qkv GEMM with
     the rotary + KV store epilogue: y with its q heads rotated and the pool's k and v have the bits of the same
     tile's plain GEMM followed by rotary_store_kv (compiled: within a bf16 ulp, the rotation rounded by two
-    kernels), with a bias; the paired tile (16 + 16 half rows) is half the table's."""
+    kernels), with a bias. (A config given explicitly is the paired tile itself: 16 + 16 half rows a program.)"""
     from model_executor.layers.rotary import RotaryEmbedding
     from model_executor.layers.rotary_store_kv import rotary_store_kv
 
@@ -1151,7 +1151,7 @@ def test_rope_linear_of_normed_rows_equals_the_linear_then_rotary_store_kv(kind,
     rope = sm.RopeStore(positions, cache, loc, pools[0], pools[1], hq, hkv)
     cfg = sm.GemmConfig(BLOCK_N=16, BLOCK_K=32)
     y = sm.small_m_rope_linear(x, dev(w), rope, dev(s), bias, block, config=cfg)
-    ref = sm.small_m_linear(x, dev(w), dev(s), bias, block, config=sm.GemmConfig(BLOCK_N=16, BLOCK_K=32))
+    ref = sm.small_m_linear(x, dev(w), dev(s), bias, block, config=cfg)
     q, k_, v = ref.view(m, -1, d).split([hq, hkv, hkv], dim=1)
     rotary_store_kv(positions, q, k_, v, cache, pools[2], pools[3], loc)  # (q rotated in place)
     for got, want in ((y, ref), (pools[0], pools[2]), (pools[1], pools[3])):
@@ -1173,8 +1173,9 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
     take the PrenormedRow. The last layer's down does so for the final norm where the LM head runs as a
     single-split GEMV (lm_head_gemv: the table says so), the LM head taking the row (float32 logits); else
     the final RMSNorm runs as a norm. At 6 requests the table's 8-row entries are fusing single-split tl.dot
-    tiles, which take every fusion but the RMSNorm inside the K loop: layer 0's input norm runs as a norm. The logits and the K/V stored stay within bf16 rounding of the same
-    step with o_proj, down and the norms run apart (and the greedy token is the same)."""
+    tiles, which take every fusion but the RMSNorm inside the K loop: layer 0's input norm runs as a norm. The
+    logits and the K/V stored stay within bf16 rounding of the same step with o_proj, down and the norms run
+    apart (and the greedy token is the same)."""
     from test_cuda_graph_runner import make_decode_batch, release
 
     from model_executor.layers.attention.triton_backend import TritonAttnBackend

@@ -233,11 +233,11 @@ def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(kind
                          + [(8, "dot"), (13, "dot")])
 def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay(kind, m, tiles):
     """2-4 decode rows (tl.dot tiles: up to 13), each with its own scale, at the 8B's shapes and single-split
-    configs given here (GEMVs, or tl.dot tiles; the table's may be others at these rows): o_proj with the residual add and each row's sums
-    of h^2 in its
-    epilogue, then the gate/up + SiLU GEMV and the qkv GEMV on those pre-normed rows, against a float32
-    reference of RMSNorm(h) from the kernel's h (h itself: the plain GEMV plus the residual, torch's bits);
-    a graph replay has eager's bits."""
+    configs given here (GEMVs, or tl.dot tiles; the table's may be others at these rows): o_proj with the
+    residual add and each row's sums of h^2 in its epilogue, then the gate/up + SiLU GEMV and the qkv GEMV on
+    those pre-normed rows, against a float32 reference of RMSNorm(h) from the kernel's h (h itself: the plain
+    GEMV plus the residual, torch's bits); the qkv GEMV with the rotary + KV store epilogue against it followed
+    by rotary_store_kv; a graph replay has eager's bits."""
     hidden, inter = 4096, 14336
     w, s, block, _ = weight(kind, hidden, hidden, seed=hidden)
     gw, gs, gblock, g_deq = weight(kind, 2 * inter, hidden, seed=inter)

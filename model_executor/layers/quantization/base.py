@@ -115,8 +115,8 @@ class LinearMethod:
                       rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(apply(norm_weight * rmsnorm(h)), h) for h = x + residual (x without one) in one kernel where the
         small-M kernel can (up to 4 decode rows, a table config that fuses; a PrenormedRow x up to 16), else
-        None: the caller runs RMSNorm, then the layer. rope (a qkv layer): the same kernel also runs the rotary and KV store. x may
-        be a PrenormedRow (residual: its h): the kernel before did the norm's sums."""
+        None: the caller runs RMSNorm, then the layer. rope (a qkv layer): the same kernel also runs the rotary
+        and KV store. x may be a PrenormedRow (residual: its h): the kernel before did the norm's sums."""
         operands = self.small_m_operands(layer)
         if operands is None:
             return None

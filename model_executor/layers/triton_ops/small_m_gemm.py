@@ -31,15 +31,16 @@ several rows the tile is converted once and each row has its own float32 sums); 
 is faster at M = 1, 2 and 4. Its K loop names its pipeline depth (num_stages) itself: Triton pipelines the
 loads of a loop without tl.dot only then. Each fusion below takes up to MAX_FUSED_ROWS rows, where the table's
 config for the weight at that row count fuses() (a single-split GEMV, up to MAX_GEMV_ROWS rows; a single-split
-tl.dot tile where its FUSE says so, up to its 16 padded rows; the RMSNorm inside the K loop: a GEMV only). `small_m_silu_and_mul` runs decode rows' [gate; up]
-GEMV and the SiLU-and-mul in one such kernel; `small_m_rmsnorm_linear` folds the RMSNorm (and residual add)
-that feeds the qkv projection of decode tokens into its GEMV and, given a RopeStore, runs their rotary and
-KV store in the epilogue (rows paired within each head, as the SiLU pairs gate and up rows). A norm between
-two GEMVs can also go in pieces: `small_m_linear_add_rmsnorm` adds the residual in its epilogue and writes
-norm weight * h and the sums of h^2 per row and program (a PrenormedRow), and the next GEMV
-(`small_m_silu_and_mul`, `small_m_prenormed_linear`, with the rotary epilogue too) takes those rows and
-scales each by its 1 / rms at the end: a decode layer's post-attention norm between o_proj and gate/up, and
-the next layer's input norm between down and qkv.
+tl.dot tile where its FUSE says so, up to its 16 padded rows; the RMSNorm inside the K loop: a GEMV only).
+`small_m_silu_and_mul` runs decode rows' [gate; up] GEMV and the SiLU-and-mul in one such kernel;
+`small_m_rmsnorm_linear` folds the RMSNorm (and residual add) that feeds the qkv projection of decode tokens into
+its GEMV and, given a RopeStore, runs their rotary and KV store in the epilogue (rows paired within each head, as
+the SiLU pairs gate and up rows; `small_m_rope_linear`: the same epilogue for rows normed by their own kernel). A
+norm between two GEMVs can also go in pieces: `small_m_linear_add_rmsnorm` adds the residual in its epilogue and
+writes norm weight * h and the sums of h^2 per row and program (a PrenormedRow), and the next GEMV
+(`small_m_silu_and_mul`, `small_m_prenormed_linear`, with the rotary epilogue too) takes those rows and scales each
+by its 1 / rms at the end: a decode layer's post-attention norm between o_proj and gate/up, and the next layer's
+input norm between down and qkv.
 
 Split-K (SPLIT_K > 1) gives small-N layers enough programs to fill the GPU. It is deterministic: each split
 writes its fp32 partial to a workspace [splits, M, N], and the splits are added in order 0..S-1, the bias
