@@ -418,10 +418,13 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
 
     def measure_forms(cfg) -> list:
         """[(us, cfg)]; where the layer can fuse this config, its fused form (FUSE True) and its plain one (FUSE
-        False, the neighbours' kernels run apart): the table entry says which the step runs."""
+        False, the neighbours' kernels run apart): the table entry says which the step runs. A tl.dot tile of a
+        layer that pairs its rows is also timed fused with PAIR_DOT (its two halves as one dot)."""
         if fusion is None or not fusable(cfg, paired):
             return [(measure(cfg), cfg)]
         forms = [dataclasses.replace(cfg, FUSE=True), dataclasses.replace(cfg, FUSE=False)]
+        if fusion.paired and not cfg.GEMV:
+            forms.append(dataclasses.replace(cfg, FUSE=True, PAIR_DOT=True))
         return [(measure(c), c) for c in forms]
 
 
@@ -446,7 +449,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
         best_us, best = min((r for r in results if r[1].X_FP8 == x_fp8), key=lambda r: r[0])
         for split in (1, 2, 4, 8, 16):
             if split != best.SPLIT_K and k // split >= best.BLOCK_K:
-                cfg = dataclasses.replace(best, SPLIT_K=split, FUSE=None)
+                cfg = dataclasses.replace(best, SPLIT_K=split, FUSE=None, PAIR_DOT=False)
                 results += measure_forms(cfg)
     if joint:
         results += [(measure(cfg), cfg) for cfg in xfp8_joint_grid(k, kind)]

@@ -8,7 +8,7 @@ specializations a GPU launch would give (16-byte aligned pointers, integers divi
 integer 1 a constant), down
 to a cubin through the ptxas that Triton's wheel carries. It prints one line per case and exits non-zero if
 any case does not compile, has fp16 arithmetic in its PTX (FP16_MATH), or is a small-M GEMM whose wgmma chain
-ptxas serialized (WGMMA_SERIALIZED). tests/test_sm90_compile.py runs it in a subprocess with Triton in compiled
+ptxas serialized (WGMMA_SERIALIZED) or, in a case whose name says wgmma, that has none. tests/test_sm90_compile.py runs it in a subprocess with Triton in compiled
 mode.
 
     python tests/sm90_compile.py
@@ -140,6 +140,7 @@ def cases():
 
     x3 = torch.randn(3, 512, dtype=bf16)
     x2 = torch.randn(2, 512, dtype=bf16)
+    x8 = torch.randn(8, 512, dtype=bf16)
 
     def rope(tokens=1):
         heads, d = 4 + 2 * 2, 32
@@ -251,6 +252,10 @@ def cases():
          lambda: sm.small_m_linear_add_rmsnorm(torch.randn(8, 512, dtype=bf16), w, None, None, None,
                                                torch.randn(8, 256, dtype=bf16), torch.ones(256, dtype=bf16), 1e-5,
                                                config=sm.GemmConfig(BLOCK_N=64, BLOCK_K=256))),
+        ("small-M tl.dot bf16, paired halves as one 64-row wgmma dot, 8 rows: rotary + KV store on a PrenormedRow",
+         gemm, lambda: sm._launch(x8, rope(8)[1], None, None, None,
+                                  sm.GemmConfig(BLOCK_N=32, BLOCK_K=256, PAIR_DOT=True), rope=rope(8)[0],
+                                  prenormed=PrenormedRow(x8, torch.rand(8 * 8), 1e-5))),
         ("small-M GEMV FP8 per channel", gemm, lambda: sm._launch(x, w8, s8, None, None, gemv)),
         ("small-M GEMV FP8, add + RMSNorm epilogue, PDL (its first weight tile before gdc_wait)", gemm,
          lambda: with_pdl(sm, lambda: sm._launch(x, w8, s8, None, None, gemv, pdl=True, add_norm=sm.AddRmsNormOutput(
@@ -329,6 +334,9 @@ def main() -> int:
                                        f"({sorted(set(FP16_MATH.findall(c.asm['ptx'])))})")
                 if k.fn.__name__ == "_small_m_gemm_kernel" and wgmma_serialized(c):
                     raise RuntimeError(f"{k.fn.__name__}: ptxas serialized its wgmma chain ({WGMMA_SERIALIZED})")
+                if "wgmma" in name and k.fn.__name__ == "_small_m_gemm_kernel" \
+                        and "warp_group_dot" not in c.asm["ttgir"]:  # (a case named so must run one)
+                    raise RuntimeError(f"{k.fn.__name__}: no wgmma (warp_group_dot) in its TTGIR")
             print(f"ok {name}: " + ", ".join(f"{k.fn.__name__} ({len(c.asm['cubin'])} B cubin)"
                                              for (k, _, _), c in zip(rec.launches, built)), flush=True)
         except Exception:  # noqa: BLE001 (report every case, then fail)

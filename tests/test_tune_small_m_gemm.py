@@ -241,6 +241,10 @@ def test_tune_one_times_a_fused_layers_configs_fused_and_plain_with_its_neighbou
     if fused:
         assert {(c.BLOCK_N, c.BLOCK_K) for c in fused if not c.GEMV} >= {(32, 128), (64, 256), (128, 128)}
         assert all(c.SPLIT_K == 1 and c.FUSE is not False for c in fused)
+        # and each single-split dot's halves as one dot too (qkv pairs its rows); a GEMV has no dot to join
+        assert {(c.BLOCK_N, c.BLOCK_K) for c in fused if c.PAIR_DOT} == {(c.BLOCK_N, c.BLOCK_K) for c in fused
+                                                                            if not c.GEMV}
+        assert not any(c.PAIR_DOT for c in fused if c.GEMV)
     if neighbour_us == 3.0:
         assert best.GEMV and best.SPLIT_K == 1 and result["base_us"] == 33.0
         if plain_gemv_us == 14.0:
@@ -274,6 +278,7 @@ def test_tune_one_fuses_o_and_downs_epilogue_in_any_single_split_tile(faked_tune
     fused = [c[1] for c in called if isinstance(c, tuple)]
     assert {c.BLOCK_N for c in fused if not c.GEMV} == {16, 32, 64}  # tile_grid's, no 128-row paired tile
     assert all(c.SPLIT_K == 1 for c in fused) and any(c.GEMV for c in fused)
+    assert not any(c.PAIR_DOT for c in fused)  # (an epilogue has no paired halves)
     best = result["best"]
     assert (best.BLOCK_N, best.SPLIT_K, best.GEMV, best.FUSE) == (16, 1, False, True)
     assert result["best_us"] == 15.5 and result["base_us"] == 32.0 and result["neighbour_us"] == 2.0

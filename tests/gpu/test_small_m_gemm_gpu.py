@@ -4,6 +4,7 @@ against eager with the kernel in every linear (bf16 through a table that selects
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -230,7 +231,7 @@ def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(kind
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("m,tiles", [(m, tiles) for tiles in ("gemv", "dot") for m in (2, 3, 4)]
-                         + [(8, "dot"), (13, "dot")])
+                         + [(m, tiles) for tiles in ("dot", "pair_dot") for m in (8, 13)])
 def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay(kind, m, tiles):
     """2-4 decode rows (tl.dot tiles: up to 13), each with its own scale, at the 8B's shapes and single-split
     configs given here (GEMVs, or tl.dot tiles; the table's may be others at these rows): o_proj with the
@@ -250,8 +251,9 @@ def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay
     if tiles == "gemv":
         o_cfg = sm.GemmConfig(BLOCK_N=8, BLOCK_K=2 * bk, GEMV=True, num_stages=3)
         paired_cfg = sm.GemmConfig(BLOCK_N=4, BLOCK_K=bk, GEMV=True, num_stages=4)
-    else:
-        o_cfg = paired_cfg = sm.GemmConfig(BLOCK_N=32, BLOCK_K=128, num_stages=4)
+    else:  # (pair_dot: the paired kernels' 32 + 32 rows as one 64-row dot)
+        o_cfg = sm.GemmConfig(BLOCK_N=32, BLOCK_K=128, num_stages=4)
+        paired_cfg = dataclasses.replace(o_cfg, PAIR_DOT=tiles == "pair_dot")
 
     def fused():
         row, h = sm.small_m_linear_add_rmsnorm(x, w, s, None, block, residual, g, 1e-5, config=o_cfg)
@@ -278,7 +280,7 @@ def test_rows_add_rmsnorm_then_prenormed_silu_and_qkv_match_reference_and_replay
     pools = [torch.zeros(64, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
     row, _ = sm.small_m_linear_add_rmsnorm(x, w, s, None, block, residual, g, 1e-5, config=o_cfg)
     plain = sm.small_m_prenormed_linear(row, qw, qs, None, qblock, config=o_cfg)
-    roped = sm.small_m_prenormed_linear(row, qw, qs, None, qblock, config=o_cfg,
+    roped = sm.small_m_prenormed_linear(row, qw, qs, None, qblock, config=o_cfg if tiles == "gemv" else paired_cfg,
                                         rope=RopeStore(positions, cache, loc, pools[0], pools[1], 32, 8))
     q_ref, k_ref, v_ref = plain.view(m, -1, 128).split([32, 8, 8], dim=1)
     rotary_store_kv(positions, q_ref, k_ref, v_ref, cache, pools[2], pools[3], loc)  # (q rotated in place)

@@ -309,7 +309,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
         HAS_BIAS=bias is not None, PARTIAL=partial, SPLITS=splits, REDUCE=reduce_in_kernel,
         EVEN_K=k % k_per_split == 0,  # every split a whole number of full K steps: no K mask
         DOT_F32=dot_f32, DOT_PRECISION="ieee" if dot_f32 else "tf32",  # (tf32: the default; bf16 ignores it)
-        GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1, SILU_MUL=silu_mul,
+        GEMV=cfg.GEMV, F16_DOT=f16_dot, ONE_ROW=m == 1, SILU_MUL=silu_mul, PAIR_DOT=cfg.PAIR_DOT,
         NORM=norm is not None, HAS_RESIDUAL=norm is not None and residual is not None,
         ROPE=rope is not None, HALF=rope.cos_sin_cache.shape[-1] // 2 if rope is not None else 1,
         ADD_NORM=add_norm is not None, PRENORMED=prenormed is not None,

@@ -61,6 +61,11 @@ class GemmConfig:
     # the tuner measured the fused form against the plain kernel plus the neighbours' own kernels; None (entries
     # tuned before tl.dot tiles could fuse, layers not timed fused): a GEMV does, a tl.dot tile does not.
     FUSE: bool | None = None
+    # A tl.dot tile's paired fusions (the SiLU-and-mul, the rotary: half the tile's rows from each of two blocks)
+    # as one dot over the tile gathered from both blocks, split after the loop, instead of a dot per half: a
+    # 64-row tile keeps sm_90's wgmma, where its 32-row halves run on mma.sync (docs/benchmarks.md, thirty-seventh
+    # and fortieth sessions).
+    PAIR_DOT: bool = False
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -68,7 +73,8 @@ class GemmConfig:
             least = 1 if name == "BLOCK_N" and self.GEMV else 16
             if v < least or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
-        if self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1 or (self.X_FP8 and self.GEMV):
+        if (self.SPLIT_K < 1 or self.num_warps < 1 or self.num_stages < 1 or (self.X_FP8 and self.GEMV)
+                or (self.PAIR_DOT and (self.GEMV or self.X_FP8))):
             raise ValueError(f"bad small-M GEMM config {self}")
 
 

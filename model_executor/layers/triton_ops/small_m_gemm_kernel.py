@@ -107,6 +107,7 @@ def _small_m_gemm_kernel(
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, GEMV: tl.constexpr,
     F16_DOT: tl.constexpr, X_PRESCALE: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
+    PAIR_DOT: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
     ADD_NORM: tl.constexpr, PRENORMED: tl.constexpr, NUM_P: tl.constexpr, X_FP8: tl.constexpr, ROWS: tl.constexpr,
     PRELOAD: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr, PDL_SIGNAL: tl.constexpr,
@@ -141,6 +142,9 @@ def _small_m_gemm_kernel(
     FP8 codes and XS their float32 scales, one per row (per-channel or no weight scales: the sums are scaled by
     it at the end) or one per row and 1 x SCALE_BK group (block scales: each step's dot is scaled by its
     column); the dot runs on FP8 operands (the W8A8 GEMM's math).
+    PAIR_DOT (a tl.dot tile with SILU_MUL or ROPE): the BLOCK_N rows and their BLOCK_N paired rows are one
+    [2 * BLOCK_N, BLOCK_K] weight tile and one dot, whose sums are split into the two after the loop (the same
+    products; a 64-row dot stays on sm_90's wgmma where two 32-row dots do not).
     PRELOAD (a one-row plain GEMV: not paired, x not normed in the kernel): the first K step's weight tile is
     loaded before anything else and the step taken outside the loop (the same sums in the same order). PDL
     (with PRELOAD; launched with programmatic dependent launch): the kernel may start while the kernel before
@@ -362,8 +366,24 @@ def _small_m_gemm_kernel(
         # BLOCK_M - M requests a step on the same L2 lines from every program at once: 48 rows of the 8B's
         # gate/up took 1.6x the time of 64 on the H200, docs/benchmarks.md.)
         x_rows = (offs_m < M)[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if PAIRED:  # (not with X_FP8) the paired rows' tile and sums, as the GEMVs pair them
+        ONE_DOT: tl.constexpr = PAIRED and PAIR_DOT
+        TWO_DOTS: tl.constexpr = PAIRED and not PAIR_DOT
+        if ONE_DOT:  # the tile's rows: rows_n, then rows_b (as above, for 2 * BLOCK_N gathered rows)
+            second = tl.arange(0, 2 * BLOCK_N) >= BLOCK_N
+            offs_2 = pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N) % BLOCK_N
+            if ROPE:
+                rows_2 = tl.where(offs_2 < N, (offs_2 // HALF) * (2 * HALF) + offs_2 % HALF, 0)
+                rows_2 += tl.where(second, HALF, 0)
+            else:
+                rows_2 = tl.where(offs_2 < N, offs_2, 0) + tl.where(second, N, 0)
+            rows_2 = rows_2.to(tl.int64)
+            w_ptrs = W + rows_2[:, None] * stride_wn + (k_start + offs_k)[None, :]
+            if SCALE == 2:
+                s_ptrs = S + (rows_2 // SCALE_BN) * stride_sn
+            acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if TWO_DOTS:  # (not with X_FP8) the paired rows' tile and sums, as the GEMVs pair them
             up_ptrs = W + rows_b[:, None] * stride_wn + (k_start + offs_k)[None, :]
             acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             if SCALE == 2:
@@ -371,7 +391,7 @@ def _small_m_gemm_kernel(
         for k in range(k_start, k_end, BLOCK_K):  # (loads feeding tl.dot: pipelined with num_stages)
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                if PAIRED:
+                if TWO_DOTS:
                     w_up = tl.load(up_ptrs)
                 if ONE_ROW:
                     xt = tl.load(x1_ptrs)
@@ -380,7 +400,7 @@ def _small_m_gemm_kernel(
             else:
                 k_mask = (k + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-                if PAIRED:
+                if TWO_DOTS:
                     w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
                 if ONE_ROW:
                     xt = tl.load(x1_ptrs, mask=k_mask, other=0.0)
@@ -388,7 +408,7 @@ def _small_m_gemm_kernel(
                     xt = tl.load(x_ptrs, mask=k_mask[:, None] & x_rows, other=0.0)
             if F16_DOT and not X_FP8:  # FP8 weights: float8 -> fp16 is one packed conversion (-> bf16: another)
                 w = w.to(tl.float16)
-                if PAIRED:
+                if TWO_DOTS:
                     w_up = w_up.to(tl.float16)
                 if xt.dtype != tl.float16:  # bf16 x, scaled by a power of two into fp16's range: exact there
                     xt = to_f16_scaled(xt, X_PRESCALE)
@@ -397,9 +417,9 @@ def _small_m_gemm_kernel(
             if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; float32 operands give the same products
                 w = w.to(tl.float32)
                 xt = xt.to(tl.float32)
-                if PAIRED:
+                if TWO_DOTS:
                     w_up = w_up.to(tl.float32)
-            if PAIRED:
+            if TWO_DOTS:
                 if SCALE == 2:
                     acc_up += (tl.dot(w_up, xt, input_precision=DOT_PRECISION)
                                * tl.load(s_up_ptrs + k // SCALE_BK)[:, None])
@@ -420,6 +440,8 @@ def _small_m_gemm_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             x1_ptrs += BLOCK_K
+        if ONE_DOT:  # [2 * BLOCK_N, BLOCK_M] -> the rows_n sums and the rows_b sums
+            acc, acc_up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N, BLOCK_M]), (1, 2, 0)))
         if F16_DOT and X_PRESCALE != 1.0:
             acc = acc * (1.0 / X_PRESCALE)  # a power of two: exact
             if PAIRED:
