@@ -88,7 +88,7 @@ class LinearBase(nn.Module):
             return fused
         if isinstance(x, PrenormedRow):
             return self(norm(residual)), residual
-        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        h, residual = _add_norm(norm, x, residual)
         return self(h), residual
 
     def forward_normed_quantized(self, norm: RMSNorm, x: torch.Tensor,
@@ -105,10 +105,18 @@ class LinearBase(nn.Module):
         go into the kernel (a tl.dot tile: above 4 rows, or the table's choice) but the rotary can, the norm runs
         as its own kernel first."""
         fused = self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps, residual, rope)
-        if fused is not None or isinstance(x, PrenormedRow) or not self.quant_method.takes_rope(self, x):
+        if fused is not None or isinstance(x, PrenormedRow):
             return fused
-        h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        return self.quant_method.apply_rope(self, h, rope), residual
+        config = self.quant_method.rope_config(self, x)
+        if config is None:
+            return None
+        h, residual = _add_norm(norm, x, residual)
+        return self.quant_method.apply_rope(self, h, rope, config), residual
+
+
+def _add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h), h) for h = x + residual (x without one)."""
+    return (norm(x), x) if residual is None else norm(x, residual)
 
 
 class ColumnParallelLinear(LinearBase):

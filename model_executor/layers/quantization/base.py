@@ -89,19 +89,17 @@ class LinearMethod:
         activation's kernel (FP8's activation quantization), else None: the caller runs SiluAndMul, then apply."""
         return None
 
-    def takes_rope(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Whether apply_rope runs for these rows (normed, a plain tensor) of a qkv layer."""
+    def rope_config(self, layer: nn.Module, x: torch.Tensor):
+        """The small-M kernel's config for apply_rope at these rows (a plain tensor) of a qkv layer, or None."""
         operands = self.small_m_operands(layer)
-        return operands is not None and small_m_takes_paired(x, operands[0], operands[2])
+        return None if operands is None else small_m_paired_config(x, operands[0], operands[2])
 
-    def apply_rope(self, layer: nn.Module, x: torch.Tensor, rope: RopeStore) -> torch.Tensor:
+    def apply_rope(self, layer: nn.Module, x: torch.Tensor, rope: RopeStore, config) -> torch.Tensor:
         """apply(layer, x) for normed rows x of a qkv layer with the rotary and KV store in the same kernel
-        (small_m_gemm.small_m_rope_linear), where takes_rope(layer, x): the rows' norm ran as its own kernel."""
+        (small_m_gemm.small_m_rope_linear), at rope_config(layer, x): the rows' norm ran as its own kernel."""
         weight, scale, block = self.small_m_operands(layer)
         k = x.shape[-1]
-        y = _small_m().small_m_rope_linear(x.reshape(-1, k), weight, rope, scale, layer.bias, block)
-        if y is None:
-            raise RuntimeError("the small-M kernel refused a rotary epilogue that takes_rope offered")
+        y = _small_m().small_m_rope_linear(x.reshape(-1, k), weight, rope, scale, layer.bias, block, config)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def apply_rmsnorm_quant(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -177,11 +175,11 @@ def _rows_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] |
     return small_m_kernel(x, weight, block)
 
 
-def small_m_takes_paired(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether the small-M kernel runs these rows x [..., K] of this weight in a config that fuses and pairs its
-    rows (the rotary epilogue's; small_m_gemm.takes_prenormed)."""
+def small_m_paired_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None):
+    """The small-M kernel's config for these rows x [..., K] of this weight where it fuses and pairs its rows
+    (the rotary epilogue's; small_m_gemm.paired_config), else None."""
     kernel = _rows_kernel(x, weight, block)
-    return kernel is not None and kernel.takes_prenormed(x.reshape(-1, x.shape[-1]), weight, block)
+    return None if kernel is None else kernel.paired_config(x.reshape(-1, x.shape[-1]), weight, block)
 
 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None,

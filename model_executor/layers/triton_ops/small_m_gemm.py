@@ -131,6 +131,7 @@ __all__ = [
     "fuses",
     "m_bucket",
     "max_rows",
+    "paired_config",
     "pairs",
     "parse_entry",
     "preload_config",
@@ -543,10 +544,16 @@ def preload_config(cfg: GemmConfig, weight: torch.Tensor, block: tuple[int, int]
     return replace(cfg, BLOCK_K=k_p2, num_stages=1)
 
 
+def paired_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> GemmConfig | None:
+    """The table's fused config for a GEMM of this weight at x's rows whose epilogue pairs its rows (the
+    SiLU-and-mul, the rotary: half the column tile), or None (fused_config)."""
+    return _fused_config(x, weight, block, None, paired=True)
+
+
 def takes_prenormed(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """Whether a GEMM of this weight at x's rows can take a PrenormedRow (the table's config for that many
     rows fuses, paired or not: the SiLU-and-mul and the rotary epilogue take half the column tile)."""
-    return _fused_config(x, weight, block, None, paired=True) is not None
+    return paired_config(x, weight, block) is not None
 
 
 def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -570,8 +577,8 @@ def small_m_rope_linear(x: torch.Tensor, weight: torch.Tensor, rope: RopeStore, 
                         config: GemmConfig | None = None) -> torch.Tensor | None:
     """The qkv GEMM of normed rows x [M, K] with the rotary and KV store in its epilogue: small_m_rmsnorm_linear's
     rope for rows whose RMSNorm ran as its own kernel (above MAX_GEMV_ROWS rows, or where the table's config is a
-    tl.dot tile: only a GEMV runs the norm in its K loop). None where the table's config for M rows does not fuse
-    (takes_prenormed says so beforehand), or while something traces."""
+    tl.dot tile: only a GEMV runs the norm in its K loop). `config`: paired_config's, got beforehand (the norm
+    runs between). None where the table's config for M rows does not fuse, or while something traces."""
     config = _fused_config(x, weight, block, config, paired=True)
     if config is None:
         return None

@@ -26,6 +26,14 @@ def _rope_operands(offs_n, rows_m, POS, LOC, COS, stride_cos, HALF: tl.constexpr
 
 
 @triton.jit
+def _add_norm_operands(R, G, rows_m, rows_n, N):
+    """ADD_NORM's operands for rows rows_m and columns rows_n: the residual [BLOCK_N, BLOCK_M] (R: contiguous
+    [M, N]) and the norm weight [BLOCK_N, 1], float32."""
+    r_n = tl.load(R + rows_m[None, :] * N + rows_n[:, None]).to(tl.float32)
+    return r_n, tl.load(G + rows_n).to(tl.float32)[:, None]
+
+
+@triton.jit
 def _rope_store(a, b, offs_n, rows_n, rows_b, offs_m, N, M, Y, stride_ym, slot, cos, sin, KB, VB,
                 stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, num_q_heads,
                 num_kv_heads, k_scale, v_scale, HALF: tl.constexpr):
@@ -187,9 +195,8 @@ def _small_m_gemm_kernel(
     # registers"): the Llama-3.1-8B down at 8 rows took 50.7 us fused against 33.2 plain (docs/benchmarks.md).
     LATE_ADD_NORM: tl.constexpr = ADD_NORM and not GEMV and BLOCK_N >= 64
     if not (GEMV and ROWS == 1):  # (the one-row GEMV loads them after its PDL wait, below)
-        if ADD_NORM and not LATE_ADD_NORM:  # the rows' residual [BLOCK_N, BLOCK_M] (R and H: contiguous [M, N])
-            r_n = tl.load(R + rows_m[None, :] * N + rows_n[:, None]).to(tl.float32)  # and the norm weight
-            g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
+        if ADD_NORM and not LATE_ADD_NORM:
+            r_n, g_n = _add_norm_operands(R, G, rows_m, rows_n, N)
         if PRENORMED:  # each row's partial sums of h^2 [BLOCK_M, NUM_P], summed after the loop
             offs_p = tl.arange(0, NUM_P)
             p_sums = tl.load(P + rows_m[:, None] * num_p + offs_p[None, :], mask=(offs_p < num_p)[None, :],
@@ -492,8 +499,7 @@ def _small_m_gemm_kernel(
             acc = silu * acc_up.to(Y.dtype.element_ty).to(tl.float32)
         if ADD_NORM:  # (H has Y's layout: contiguous [M, N])
             if LATE_ADD_NORM:
-                r_n = tl.load(R + rows_m[None, :] * N + rows_n[:, None]).to(tl.float32)
-                g_n = tl.load(G + rows_n).to(tl.float32)[:, None]
+                r_n, g_n = _add_norm_operands(R, G, rows_m, rows_n, N)
             h = (acc.to(Y.dtype.element_ty).to(tl.float32) + r_n).to(Y.dtype.element_ty)
             tl.store(H + y_ptrs, h, mask=out_mask)
             hf = h.to(tl.float32)
