@@ -88,7 +88,8 @@ class Fusion:
     (quantization/base.py, models/llama.py): "qkv" takes the input RMSNorm (a PrenormedRow from the down
     projection before it) and the rotary + KV store; "gate_up" the post-attention RMSNorm (from o_proj) and the
     SiLU-and-mul; "o" and "down" (one rank: tp 1) the residual add and the sums of squares of the norm after
-    them (the add + RMSNorm epilogue, which makes that PrenormedRow). heads: qkv's (q heads, kv heads, head dim).
+    them (the add + RMSNorm epilogue, which makes that PrenormedRow); "head" (the LM head, one rank: tp 1) the final
+    RMSNorm, as a PrenormedRow from the last down projection. heads: qkv's (q heads, kv heads, head dim).
 
     A norm's kernel goes only where both the layer before it and the one after fuse; each side's plain forms
     pay for it (neighbour_calls), so each side is ranked as if the other fused. The step judges the pair
@@ -100,6 +101,13 @@ class Fusion:
     def paired(self) -> bool:
         """Whether the fused kernel pairs its rows (the SiLU's gate and up, a head's two halves): half the tile."""
         return self.layer in PAIRED_LAYERS
+
+    @property
+    def needs_pairs(self) -> bool:
+        """Whether only a config whose tile pairs (smc.pairs) runs fused: a paired layer's, and the LM head's (the
+        down projection before it makes a PrenormedRow only for a consumer whose config pairs:
+        small_m_gemm.takes_prenormed)."""
+        return self.paired or self.layer == "head"
 
 
 PAIRED_LAYERS = ("qkv", "gate_up")
@@ -121,12 +129,14 @@ def fused_shapes(cfgs: list[ModelConfig], tps: list[int]) -> dict[tuple[int, int
                     heads = (heads_per_rank(cfg.num_attention_heads, tp),
                              kv_heads_per_rank(cfg.num_key_value_heads, tp), cfg.head_dim)
                     fused.setdefault(shape, Fusion(name, heads if name == "qkv" else (0, 0, 0)))
+            if tp == 1:
+                fused.setdefault(lm_head_shape(cfg, tp), Fusion("head"))
     return fused
 
 
 def fusable(cfg, paired: bool = True) -> bool:
     """Whether a fused layer's paths can run this config fused (small_m_gemm.fused_config): single_split, not
-    marked plain (FUSE False), and for a layer that pairs its rows (Fusion.paired) pairs()."""
+    marked plain (FUSE False), and for a layer that pairs its rows (Fusion.needs_pairs) pairs()."""
     from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
     return cfg.FUSE is not False and smc.single_split(cfg) and (smc.pairs(cfg) or not paired)
@@ -214,11 +224,11 @@ def rope_store(fusion: Fusion, m: int):
 def fused_calls(sm, fusion: Fusion, x: torch.Tensor, wts: Weights, cfg) -> list[Callable[[], object]]:
     """A fusable config's calls as the fused layer runs it: on a PrenormedRow of x's rows, with the SiLU-and-mul
     (gate_up) or the rotary and KV store (qkv) in its epilogue, at half the column tile (paired rows, as
-    small_m_gemm.fused_config gives it); o and down on x, with the residual add and the norm's sums of squares
-    in the epilogue."""
+    small_m_gemm.fused_config gives it), or nothing more (the LM head); o and down on x, with the residual add
+    and the norm's sums of squares in the epilogue."""
     from model_executor.layers.norm import PrenormedRow
 
-    if not fusion.paired:
+    if fusion.layer in EPILOGUE_LAYERS:
         n = wts.w[0].shape[0]
         residual = torch.randn(x.shape[0], n, device=DEVICE, dtype=x.dtype)
         norm_weight = torch.rand(n, device=DEVICE, dtype=x.dtype) + 0.5
@@ -226,6 +236,9 @@ def fused_calls(sm, fusion: Fusion, x: torch.Tensor, wts: Weights, cfg) -> list[
                                                                config=cfg)
                 for w, s in zip(wts.w, wts.s)]
     row = PrenormedRow(x, torch.rand(x.shape[0] * 16, device=DEVICE) + 0.5, 1e-5)
+    if fusion.layer == "head":
+        return [lambda w=w, s=s: sm.small_m_prenormed_linear(row, w, s, None, wts.block, config=cfg)
+                for w, s in zip(wts.w, wts.s)]
     paired = dataclasses.replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
     if fusion.layer == "gate_up":
         return [lambda w=w, s=s: sm.small_m_silu_and_mul(row, w, s, wts.block, config=paired)
@@ -238,19 +251,21 @@ def fused_calls(sm, fusion: Fusion, x: torch.Tensor, wts: Weights, cfg) -> list[
 def neighbour_calls(fusion: Fusion, x: torch.Tensor, n: int) -> list[Callable[[], object]]:
     """The kernels the layer runs besides its GEMM where it does not fuse (the fused GEMV does their work): the
     RMSNorm (with the residual add) of x's rows, then the SiLU-and-mul of the [gate; up] output, or the rotary
-    and KV store of the qkv output; o and down: the RMSNorm (with the residual add) of their output's rows.
-    NEIGHBOUR_CALLS calls."""
+    and KV store of the qkv output (the LM head: nothing more); o and down: the RMSNorm (with the residual add) of
+    their output's rows. NEIGHBOUR_CALLS calls."""
     from model_executor.layers.activation import SiluAndMul
     from model_executor.layers.norm import RMSNorm
     from model_executor.layers.rotary_store_kv import rotary_store_kv
 
     m, k = x.shape
     y = torch.randn(m, n, device=DEVICE, dtype=x.dtype)
-    if not fusion.paired:
+    if fusion.layer in EPILOGUE_LAYERS:
         out_norm, out_residual = RMSNorm(n).to(device=DEVICE, dtype=x.dtype), torch.randn_like(y)
         return [lambda: out_norm(y, out_residual)] * NEIGHBOUR_CALLS
     norm = RMSNorm(k).to(device=DEVICE, dtype=x.dtype)
     residual = torch.randn_like(x)
+    if fusion.layer == "head":
+        return [lambda: norm(x, residual)] * NEIGHBOUR_CALLS
     if fusion.layer == "gate_up":
         act = SiluAndMul()
         return [lambda: (norm(x, residual), act(y))] * NEIGHBOUR_CALLS
@@ -395,7 +410,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     the baseline's include the neighbours' kernels (neighbour_us, best_of)."""
     x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    paired = fusion is None or fusion.paired
+    paired = fusion is None or fusion.needs_pairs
 
     act = None
     if kind.startswith("fp8") and m > 1:  # the X_FP8 variant: x quantized beforehand, per token or per 1 x 128

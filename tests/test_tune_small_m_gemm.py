@@ -53,11 +53,14 @@ def test_table_entry_keeps_the_other_path_only_where_it_measured_faster():
 
 def test_fused_shapes_are_the_norm_fed_layers_of_each_tp_with_their_heads():
     cfg = ModelConfig.from_pretrained(shape_path("llama-3.1-8b"))
-    # o and down only at tp 1: at tp 2 their all-reduce comes before the residual add
+    # o and down only at tp 1: at tp 2 their all-reduce comes before the residual add; so the LM head takes the
+    # final norm from the last down only at tp 1
     assert tune.fused_shapes([cfg], [1, 2]) == {
         (6144, 4096): tune.Fusion("qkv", (32, 8, 128)), (28672, 4096): tune.Fusion("gate_up"),
-        (4096, 4096): tune.Fusion("o"), (4096, 14336): tune.Fusion("down"),
+        (4096, 4096): tune.Fusion("o"), (4096, 14336): tune.Fusion("down"), (128256, 4096): tune.Fusion("head"),
         (3072, 4096): tune.Fusion("qkv", (16, 4, 128)), (14336, 4096): tune.Fusion("gate_up")}
+    assert not tune.Fusion("head").paired and tune.Fusion("head").needs_pairs
+    assert tune.Fusion("gate_up").needs_pairs and not tune.Fusion("down").needs_pairs
 
 
 def test_a_fused_layers_other_configs_pay_for_the_kernels_its_fusion_saves():
@@ -282,3 +285,58 @@ def test_tune_one_fuses_o_and_downs_epilogue_in_any_single_split_tile(faked_tune
     best = result["best"]
     assert (best.BLOCK_N, best.SPLIT_K, best.GEMV, best.FUSE) == (16, 1, False, True)
     assert result["best_us"] == 15.5 and result["base_us"] == 32.0 and result["neighbour_us"] == 2.0
+
+
+def test_tune_one_times_the_lm_heads_configs_on_prenormed_rows_with_the_final_norm_as_its_neighbour(faked_tuner,
+                                                                                                 monkeypatch):
+    """The LM head at eight rows, the timing faked: single-split tiles 20 us plain and 20.5 fused (on the last down's
+    PrenormedRow: no rotary, no pairs), split tiles 19.8, the final norm's kernel 2, cuBLAS 30. Only tiles that
+    pair are timed fused (the down before the head hands it a PrenormedRow only for those:
+    small_m_gemm.takes_prenormed), without PAIR_DOT; a fused tile wins (20.5 against 19.8 + 2)."""
+    called = faked_tuner
+
+    def fake_time(calls):
+        calls[0]()
+        cfg = called[-1]
+        if cfg in ("base", "neighbours"):
+            return 30.0 if cfg == "base" else 2.0
+        if isinstance(cfg, tuple):
+            return 20.5
+        return 20.0 if cfg.SPLIT_K == 1 else 19.8
+
+    monkeypatch.setattr(tune, "time_calls", fake_time)
+    result = tune_fake("bf16", 128256, 2048, 8, tune.Fusion("head"))
+    fused = [c[1] for c in called if isinstance(c, tuple)]
+    assert {c.BLOCK_N for c in fused} == {32, 64}  # tile_grid's that pair; not 16, no 128-wide paired tile
+    assert all(c.SPLIT_K == 1 and not c.PAIR_DOT and not c.GEMV for c in fused)
+    best = result["best"]
+    assert best.FUSE and best.SPLIT_K == 1 and best.BLOCK_N in (32, 64)
+    assert result["best_us"] == 20.5 and result["base_us"] == 32.0 and result["neighbour_us"] == 2.0
+
+
+def test_the_lm_heads_timed_calls_are_its_gemm_of_the_normed_rows_and_its_plain_forms_neighbour_the_norm(monkeypatch):
+    """What the tuner times for the head (Triton's interpreter): its fused calls are the GEMM of a PrenormedRow of
+    its rows with each weight copy (x @ W^T, each row scaled by 1 / rms), and its neighbour is the final RMSNorm of
+    its input (with the residual add)."""
+    import torch
+
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+
+    monkeypatch.setattr(tune, "DEVICE", "cpu")
+    monkeypatch.setattr(tune, "ROTATE_BYTES", 1)
+    gen = torch.Generator().manual_seed(0)
+    n, k, m = 64, 32, 3
+    wts = tune.Weights("bf16", n, k, gen)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    cfg = sm.GemmConfig(BLOCK_N=32, BLOCK_K=32, FUSE=True)
+    calls = tune.fused_calls(sm, tune.Fusion("head"), x, wts, cfg)
+    assert len(calls) == len(wts.w)
+    for call, w in zip(calls, wts.w):  # x @ W^T scaled per row by 1 / rms (of the faked row's random sums)
+        out, ref = call().float(), x.float() @ w.float().t()
+        scale = (out * ref).sum(-1, keepdim=True) / ref.pow(2).sum(-1, keepdim=True)
+        assert bool((scale > 0.5).all())
+        torch.testing.assert_close(out, scale * ref, rtol=2e-2, atol=2e-3)
+    neighbours = tune.neighbour_calls(tune.Fusion("head"), x, n)
+    assert len(neighbours) == tune.NEIGHBOUR_CALLS
+    out, _ = neighbours[0]()
+    assert out.shape == (m, k)  # the norm of the head's input, not of its output
