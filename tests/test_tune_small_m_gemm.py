@@ -214,6 +214,18 @@ def tune_fake(kind: str, n: int, k: int, m: int, fusion):
                          quick=False, log=[], fusion=fusion)
 
 
+def priced(called: list, fused_us, plain_us, neighbour_us: float, base_us: float = 30.0):
+    """A fake time_calls for faked_tuner: the last recorded call's price (cuBLAS base_us, the neighbours'
+    kernels neighbour_us, a fused config fused_us(cfg), any other plain_us(cfg))."""
+    def fake_time(calls):
+        calls[0]()
+        cfg = called[-1]
+        if cfg in ("base", "neighbours"):
+            return base_us if cfg == "base" else neighbour_us
+        return fused_us(cfg[1]) if isinstance(cfg, tuple) else plain_us(cfg)
+    return fake_time
+
+
 @pytest.mark.parametrize("neighbour_us,plain_gemv_us", [(None, 18.5), (0.5, 18.5), (3.0, 18.5), (3.0, 14.0)])
 def test_tune_one_times_a_fused_layers_configs_fused_and_plain_with_its_neighbours(faked_tuner, monkeypatch,
                                                                                    neighbour_us, plain_gemv_us):
@@ -266,17 +278,11 @@ def test_tune_one_fuses_o_and_downs_epilogue_in_any_single_split_tile(faked_tune
     17 + 2)."""
     called = faked_tuner
 
-    def fake_time(calls):
-        calls[0]()
-        cfg = called[-1]
-        if cfg in ("base", "neighbours"):
-            return 30.0 if cfg == "base" else 2.0
-        if isinstance(cfg, tuple):
-            assert tune.fusable(cfg[1], paired=False)
-            return 15.5 if cfg[1].BLOCK_N == 16 and not cfg[1].GEMV else 16.5
-        return 18.0 if cfg.SPLIT_K == 1 else 17.0
+    def fused_us(cfg):
+        assert tune.fusable(cfg, paired=False)
+        return 15.5 if cfg.BLOCK_N == 16 and not cfg.GEMV else 16.5
 
-    monkeypatch.setattr(tune, "time_calls", fake_time)
+    monkeypatch.setattr(tune, "time_calls", priced(called, fused_us, lambda c: 18.0 if c.SPLIT_K == 1 else 17.0, 2.0))
     result = tune_fake("bf16", 4096, 4096, 4, tune.Fusion("o"))
     fused = [c[1] for c in called if isinstance(c, tuple)]
     assert {c.BLOCK_N for c in fused if not c.GEMV} == {16, 32, 64}  # tile_grid's, no 128-row paired tile
@@ -294,17 +300,8 @@ def test_tune_one_times_the_lm_heads_configs_on_prenormed_rows_with_the_final_no
     pair are timed fused (the down before the head hands it a PrenormedRow only for those:
     small_m_gemm.takes_prenormed), without PAIR_DOT; a fused tile wins (20.5 against 19.8 + 2)."""
     called = faked_tuner
-
-    def fake_time(calls):
-        calls[0]()
-        cfg = called[-1]
-        if cfg in ("base", "neighbours"):
-            return 30.0 if cfg == "base" else 2.0
-        if isinstance(cfg, tuple):
-            return 20.5
-        return 20.0 if cfg.SPLIT_K == 1 else 19.8
-
-    monkeypatch.setattr(tune, "time_calls", fake_time)
+    monkeypatch.setattr(tune, "time_calls", priced(called, lambda c: 20.5, lambda c: 20.0 if c.SPLIT_K == 1 else 19.8,
+                                                   2.0))
     result = tune_fake("bf16", 128256, 2048, 8, tune.Fusion("head"))
     fused = [c[1] for c in called if isinstance(c, tuple)]
     assert {c.BLOCK_N for c in fused} == {32, 64}  # tile_grid's that pair; not 16, no 128-wide paired tile
