@@ -12,10 +12,17 @@ ptxas serialized (WGMMA_SERIALIZED) or, in a case whose name says wgmma, that ha
 mode.
 
     python tests/sm90_compile.py
+    python tests/sm90_compile.py --table PATH --model llama-3.1-8b llama-3.2-1b
+
+--table: each bf16 entry of a small-M table for the models' linears (tp 1), compiled plain and, where the layer
+fuses it, in the fused form it runs (benchmarks/tune_small_m_gemm.py: fused_calls, at the paired layers' half
+tile): a line each with the tile the kernel ran, whether it uses wgmma, ptxas's registers and spill bytes, and
+SERIALIZED where ptxas serialized its wgmma chain. It exits non-zero if any does not compile or is serialized.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -95,16 +102,19 @@ def compile_launch(kernel, args, kwargs):
     return triton.compile(src, target=TARGET, options=options)
 
 
-def wgmma_serialized(compiled) -> bool:
-    """Whether ptxas, assembling the kernel's PTX for sm_90a, says it serialized the kernel's wgmma chain."""
-    if "warp_group_dot" not in compiled.asm["ttgir"]:
-        return False
+def ptxas_report(compiled) -> str:
+    """What ptxas -v says assembling the kernel's PTX for sm_90a (registers, spills, advisories)."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
         out = subprocess.run([get_ptxas(TARGET.arch).path, "--gpu-name", "sm_90a", "-v", str(ptx), "-o",
                               str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
-    return WGMMA_SERIALIZED in out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def wgmma_serialized(compiled) -> bool:
+    """Whether ptxas, assembling the kernel's PTX for sm_90a, says it serialized the kernel's wgmma chain."""
+    return "warp_group_dot" in compiled.asm["ttgir"] and WGMMA_SERIALIZED in ptxas_report(compiled)
 
 
 def with_pdl(module, launch):
@@ -319,6 +329,57 @@ def cases():
     ]
 
 
+def table_main(path: str, models: list[str]) -> int:
+    """--table: the table's bf16 entries for the models' linears, plain and fused, as the module docstring says."""
+    import types
+
+    import benchmarks.tune_small_m_gemm as tune
+    from model_executor.configs import shape_path
+    from model_executor.layers.triton_ops import small_m_gemm as sm
+    from model_executor.layers.triton_ops import small_m_gemm_config as smc
+    from model_executor.model_config import ModelConfig
+
+    tune.DEVICE = "cpu"
+    table = json.loads(Path(path).read_text())["bf16"]
+    cfgs = [ModelConfig.from_pretrained(shape_path(name)) for name in models]
+    fused = tune.fused_shapes(cfgs, [1])
+    shapes = sorted({s for c in cfgs for s in tune.linear_shapes(c, 1).values()}
+                    | {tune.lm_head_shape(c, 1) for c in cfgs})
+    failed = 0
+    for n, k in shapes:
+        fusion = fused.get((n, k))
+        wts = types.SimpleNamespace(w=[torch.randn(n, k, dtype=torch.bfloat16)], s=[None], block=None)
+        for m_key, entry in table.get(f"{n},{k}", {}).items():
+            if entry == "cublas":
+                continue
+            cfg, m = smc.GemmConfig(**entry), int(m_key)
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            forms = {"plain": tune.kernel_calls(sm, x, wts, cfg)}
+            if fusion and m <= smc.MAX_FUSED_ROWS and smc.fuses(cfg) and tune.fusable(cfg, fusion.needs_pairs):
+                forms[f"fused {fusion.layer}"] = tune.fused_calls(sm, fusion, x, wts, cfg)
+            for form, calls in forms.items():
+                case = f"{n},{k} m={m} {form}"
+                try:
+                    with Recorder(sm._small_m_gemm_kernel, sm._split_k_reduce_kernel) as rec:
+                        calls[0]()
+                    kernel, args, kwargs = next(r for r in rec.launches if r[0] is sm._small_m_gemm_kernel)
+                    compiled = compile_launch(kernel, args, kwargs)
+                    report = ptxas_report(compiled)
+                    regs = re.search(r"Used (\d+) registers", report)
+                    spill = re.search(r"(\d+) bytes spill stores", report)
+                    serialized = "warp_group_dot" in compiled.asm["ttgir"] and WGMMA_SERIALIZED in report
+                    failed += serialized
+                    print(f"{case}: {'gemv' if cfg.GEMV else 'dot'} BLOCK_N {kwargs['BLOCK_N']} of {cfg.BLOCK_N}, "
+                          f"BLOCK_K {cfg.BLOCK_K}, split {cfg.SPLIT_K}, {cfg.num_warps} warps, {cfg.num_stages} stages"
+                          f"{', PAIR_DOT' if cfg.PAIR_DOT else ''}: wgmma {'warp_group_dot' in compiled.asm['ttgir']}, "
+                          f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else 0} B spilled"
+                          f"{', SERIALIZED' if serialized else ''}", flush=True)
+                except Exception:  # noqa: BLE001 (report every case, then fail)
+                    failed += 1
+                    print(f"FAILED {case}:\n{traceback.format_exc(limit=-3)}", flush=True)
+    return 1 if failed else 0
+
+
 def main() -> int:
     failed = 0
     for name, kernels_, launch in cases():
@@ -346,4 +407,12 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--table" in sys.argv:
+        import argparse
+
+        parser = argparse.ArgumentParser(description="compile a small-M table's bf16 entries for sm_90")
+        parser.add_argument("--table", required=True)
+        parser.add_argument("--model", nargs="+", default=["llama-3.1-8b", "llama-3.2-1b"])
+        opts = parser.parse_args()
+        sys.exit(table_main(opts.table, opts.model))
     sys.exit(main())
