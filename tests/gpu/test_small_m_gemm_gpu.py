@@ -534,3 +534,42 @@ def check_block_x_fp8(n: int, k: int, m: int, cfg: sm.GemmConfig) -> None:
     bucket = sm.m_bucket(m)
     full = sm.small_m_linear_fp8_act(xq[:bucket], xs[:bucket], w, s, None, torch.bfloat16, cfg, block)
     assert torch.equal(out, full[:m])
+
+
+def table_bf16_cases(models: list[str]) -> list:
+    """(layer, n, k, bucket) for each Triton entry (not cuBLAS) of the server's H200 table at the models' bf16
+    linears and LM heads (tp 1)."""
+    from benchmarks.tune_small_m_gemm import linear_shapes, lm_head_shape
+    from model_executor.model_config import ModelConfig
+
+    table = json.loads(smc.table_path("NVIDIA_H200").read_text())["bf16"]
+    cases = set()
+    for name in models:
+        model = ModelConfig.from_pretrained(shape_path(name))
+        for layer, (n, k) in {**linear_shapes(model, 1), "head": lm_head_shape(model, 1)}.items():
+            cases |= {(layer, n, k, int(m)) for m, e in table.get(f"{n},{k}", {}).items() if isinstance(e, dict)}
+    return sorted(cases)
+
+
+@pytest.mark.parametrize("layer,n,k,bucket", table_bf16_cases(["llama-3.1-8b", "llama-3.2-1b"]))
+def test_the_h200_tables_bf16_configs_match_the_reference(layer, n, k, bucket):
+    """Each Triton entry of the server's H200 table at the Llama models' bf16 shapes (read by name: an H100 runs
+    them too), at its bucket's rows and one fewer (a padded batch), against a float32 reference; where an o_proj
+    or down entry fuses (fuses), its residual add epilogue gives the plain kernel's rows plus the residual, with
+    torch's bits. (The paired layers' fused forms at half the tile: the fixed-tile tests above.)"""
+    cfg = sm.GemmConfig(**json.loads(smc.table_path("NVIDIA_H200").read_text())["bf16"][f"{n},{k}"][str(bucket)])
+    w, _, _, w_deq = weight("bf16", n, k, seed=n + bucket)
+    for m in sorted({max(bucket - 1, 1), bucket}):
+        x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
+        out = sm.small_m_linear(x, w, None, None, None, config=cfg)
+        check(out, x.float() @ w_deq.t())
+        if layer in ("o", "down") and smc.fuses(cfg):
+            residual = (torch.randn(m, n, device="cuda") * 5).bfloat16()
+            g = (torch.rand(n, device="cuda") + 0.5).bfloat16()
+            _, h = sm.small_m_linear_add_rmsnorm(x, w, None, None, None, residual, g, 1e-5, config=cfg)
+            assert torch.equal(h, out + residual)
+
+
+def test_the_h200_table_cases_cover_both_models_linears():
+    cases = table_bf16_cases(["llama-3.1-8b", "llama-3.2-1b"])
+    assert {layer for layer, *_ in cases} == {"qkv", "o", "gate_up", "down", "head"} and len(cases) >= 40
