@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 ROOT = SCRIPT.parents[1]
 
@@ -25,11 +27,12 @@ def test_kernels_compile_for_sm90():
     assert len(ok) == 40 and "FAILED" not in proc.stdout, out
 
 
-def test_shipped_h200_table_compiles_for_sm90_unserialized():
-    """Each bf16 entry of the shipped H200 small-M table for the Llama shapes it was tuned on compiles for sm_90,
-    plain and in its layer's fused form, and none has a wgmma chain ptxas serialized (the 8B down fused at 8
-    rows ran 1.5x slower so: docs/benchmarks.md, fortieth session)."""
-    table = ROOT / "model_executor/layers/triton_ops/configs/small_m_gemm_NVIDIA_H200.json"
+@pytest.mark.parametrize("gpu", ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"])
+def test_shipped_table_compiles_for_sm90_unserialized(gpu):
+    """Each bf16 entry of a shipped small-M table (H200, H100) for the Llama shapes it was tuned on compiles for
+    sm_90, plain and in its layer's fused form, and none has a wgmma chain ptxas serialized (the 8B down fused at
+    8 rows ran 1.5x slower so: docs/benchmarks.md, fortieth session)."""
+    table = ROOT / f"model_executor/layers/triton_ops/configs/small_m_gemm_{gpu}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--table", str(table), "--model", "llama-3.1-8b",
                            "llama-3.2-1b"], env=env, capture_output=True, text=True, timeout=900, check=False)

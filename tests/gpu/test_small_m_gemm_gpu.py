@@ -99,6 +99,17 @@ def kernel_table(tmp_path, monkeypatch):
     sm.forget_tables()
 
 
+@pytest.fixture
+def h200_table(tmp_path, monkeypatch):
+    """The server's H200 table under this GPU's name (a no-op on an H200): for the tests that take the table's
+    configs at shapes where it gives single-split GEMVs (another card's table may not, or have no FP8 entries)."""
+    (tmp_path / smc.table_path(sm.device_name("cuda")).name).write_text(smc.table_path("NVIDIA_H200").read_text())
+    monkeypatch.setattr(smc, "CONFIG_DIR", tmp_path)
+    sm.forget_tables()
+    yield
+    sm.forget_tables()
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_decode_graph_replay_equals_eager_with_the_kernel(kernel_table, quantization, monkeypatch):
     from runners.cuda_graph_runner import CudaGraphRunner
@@ -190,7 +201,7 @@ def test_fused_rmsnorm_matches_float32_reference_and_replays(kind, n, k, m):
 # 1B and 8B (o_proj square: q heads x head_dim = hidden); the shapes whose table configs are single-split
 # GEMVs for both weights (1B FP8's gate/up is a tl.dot tile, fp8_block has no entries: they keep three kernels)
 @pytest.mark.parametrize("kind,hidden,inter", [("bf16", 2048, 8192), ("bf16", 4096, 14336), ("fp8", 4096, 14336)])
-def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(kind, hidden, inter):
+def test_o_proj_add_rmsnorm_then_gate_up_silu_matches_reference_and_replays(h200_table, kind, hidden, inter):
     """One decode row: o_proj with the residual add and the norm's sums in its epilogue, then the gate/up
     + SiLU GEMV on the pre-normed row (the table's configs). h is the plain GEMV plus the residual (torch's
     bits); the activation is silu(gate) * up of a float32 reference of RMSNorm(h) from the kernel's h within
@@ -319,7 +330,7 @@ def assert_pdl_step_gives_the_same_bits(step) -> None:
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("cfg", [None, sm.GemmConfig(BLOCK_N=8, BLOCK_K=4096, num_warps=4, num_stages=1, GEMV=True),
                                  sm.GemmConfig(BLOCK_N=4, BLOCK_K=2048, num_warps=4, num_stages=2, GEMV=True)])
-def test_o_proj_launched_with_pdl_after_decode_attention_waits_for_its_output(kind, cfg):
+def test_o_proj_launched_with_pdl_after_decode_attention_waits_for_its_output(h200_table, kind, cfg):
     """Decode attention (one request, 512 tokens, Llama-3.1-8B heads) then o_proj's GEMV launched with PDL
     (after_attention: its first weight tile loaded before gdc_wait; None: preload_config's choice from the table,
     all of K for FP8 and none for bf16 at this size, which then runs without PDL; all of K; half of it),
@@ -358,7 +369,8 @@ def test_o_proj_launched_with_pdl_after_decode_attention_waits_for_its_output(ki
 @pytest.mark.parametrize("kind,pool", [("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8")])
 @pytest.mark.parametrize("context", [100, 512, 4096])
 @pytest.mark.parametrize("bs", [1, 2])
-def test_decode_attention_launched_with_pdl_after_the_qkv_kernel_waits_for_its_kv(kind, pool, context, bs):
+def test_decode_attention_launched_with_pdl_after_the_qkv_kernel_waits_for_its_kv(h200_table, kind, pool, context,
+                                                                                   bs):
     """The qkv GEMV with the rotary and KV store (Llama-3.1-8B shapes, one token a request) then decode attention
     launched with PDL (after_qkv: the first step's older K/V loaded before gdc_wait), eagerly and in a CUDA graph
     whose replay first fills the newest slots' K and V with NaN: the same bits as attention launched without PDL.
@@ -486,7 +498,7 @@ def test_fp8_activations_on_fp8_tensor_cores_match_the_w8a8_reference(n, k, m):
     zeros) give the bits of the full bucket's rows."""
     from model_executor.layers.quantization import fp8_ops
 
-    table = json.loads(smc.table_path(sm.device_name()).read_text())["fp8"][f"{n},{k}"]
+    table = json.loads(smc.table_path("NVIDIA_H200").read_text())["fp8"][f"{n},{k}"]
     cfg = sm.GemmConfig(**table[str(sm.m_bucket(m))])
     assert cfg.X_FP8
     w, s, _, w_deq = weight("fp8", n, k, seed=n + m)
@@ -518,7 +530,7 @@ def test_fp8_activations_with_block_scales_match_the_block_w8a8_reference(n, k, 
                                                                   (4096, 12288)], [2, 3, 4, 5, 8, 12, 16, 24, 64]))
 def test_the_tables_block_scale_configs_match_the_block_w8a8_reference(n, k, m):
     """As above at the server table's fp8_block configs (Qwen3-8B's shapes) from 2 rows."""
-    table = json.loads(smc.table_path(sm.device_name()).read_text())["fp8_block"][f"{n},{k}"]
+    table = json.loads(smc.table_path("NVIDIA_H200").read_text())["fp8_block"][f"{n},{k}"]
     check_block_x_fp8(n, k, m, sm.GemmConfig(**table[str(sm.m_bucket(m))]))
 
 
@@ -536,28 +548,33 @@ def check_block_x_fp8(n: int, k: int, m: int, cfg: sm.GemmConfig) -> None:
     assert torch.equal(out, full[:m])
 
 
+TABLE_GPUS = ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"]
+
+
 def table_bf16_cases(models: list[str]) -> list:
-    """(layer, n, k, bucket) for each Triton entry (not cuBLAS) of the server's H200 table at the models' bf16
-    linears and LM heads (tp 1)."""
+    """(gpu, layer, n, k, bucket) for each Triton entry (not cuBLAS) of the server's H200 and H100 tables at the
+    models' bf16 linears and LM heads (tp 1)."""
     from benchmarks.tune_small_m_gemm import linear_shapes, lm_head_shape
     from model_executor.model_config import ModelConfig
 
-    table = json.loads(smc.table_path("NVIDIA_H200").read_text())["bf16"]
     cases = set()
-    for name in models:
-        model = ModelConfig.from_pretrained(shape_path(name))
-        for layer, (n, k) in {**linear_shapes(model, 1), "head": lm_head_shape(model, 1)}.items():
-            cases |= {(layer, n, k, int(m)) for m, e in table.get(f"{n},{k}", {}).items() if isinstance(e, dict)}
+    for gpu in TABLE_GPUS:
+        table = json.loads(smc.table_path(gpu).read_text())["bf16"]
+        for name in models:
+            model = ModelConfig.from_pretrained(shape_path(name))
+            for layer, (n, k) in {**linear_shapes(model, 1), "head": lm_head_shape(model, 1)}.items():
+                cases |= {(gpu, layer, n, k, int(m)) for m, e in table.get(f"{n},{k}", {}).items()
+                          if isinstance(e, dict)}
     return sorted(cases)
 
 
-@pytest.mark.parametrize("layer,n,k,bucket", table_bf16_cases(["llama-3.1-8b", "llama-3.2-1b"]))
-def test_the_h200_tables_bf16_configs_match_the_reference(layer, n, k, bucket):
-    """Each Triton entry of the server's H200 table at the Llama models' bf16 shapes (read by name: an H100 runs
-    them too), at its bucket's rows and one fewer (a padded batch), against a float32 reference; where an o_proj
-    or down entry fuses (fuses), its residual add epilogue gives the plain kernel's rows plus the residual, with
-    torch's bits. (The paired layers' fused forms at half the tile: the fixed-tile tests above.)"""
-    cfg = sm.GemmConfig(**json.loads(smc.table_path("NVIDIA_H200").read_text())["bf16"][f"{n},{k}"][str(bucket)])
+@pytest.mark.parametrize("gpu,layer,n,k,bucket", table_bf16_cases(["llama-3.1-8b", "llama-3.2-1b"]))
+def test_the_shipped_tables_bf16_configs_match_the_reference(gpu, layer, n, k, bucket):
+    """Each Triton entry of the server's H200 and H100 tables at the Llama models' bf16 shapes (read by name: either
+    card runs both), at its bucket's rows and one fewer (a padded batch), against a float32 reference; where an
+    o_proj or down entry fuses (fuses), its residual add epilogue gives the plain kernel's rows plus the residual,
+    with torch's bits. (The paired layers' fused forms at half the tile: the fixed-tile tests above.)"""
+    cfg = sm.GemmConfig(**json.loads(smc.table_path(gpu).read_text())["bf16"][f"{n},{k}"][str(bucket)])
     w, _, _, w_deq = weight("bf16", n, k, seed=n + bucket)
     for m in sorted({max(bucket - 1, 1), bucket}):
         x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
@@ -570,6 +587,8 @@ def test_the_h200_tables_bf16_configs_match_the_reference(layer, n, k, bucket):
             assert torch.equal(h, out + residual)
 
 
-def test_the_h200_table_cases_cover_both_models_linears():
+def test_the_shipped_table_cases_cover_both_models_linears_on_both_gpus():
     cases = table_bf16_cases(["llama-3.1-8b", "llama-3.2-1b"])
-    assert {layer for layer, *_ in cases} == {"qkv", "o", "gate_up", "down", "head"} and len(cases) >= 40
+    for gpu in TABLE_GPUS:
+        layers = {layer for g, layer, *_ in cases if g == gpu}
+        assert layers == {"qkv", "o", "gate_up", "down", "head"} and sum(c[0] == gpu for c in cases) >= 40
