@@ -78,6 +78,13 @@ def test_deterministic_and_graph_replay_is_bitwise_eager(kind):
     assert torch.equal(captured, sm.small_m_linear(x, w, s, None, block, config=SPLIT_CFG))
 
 
+def install_table(tmp_path, monkeypatch, text: str) -> None:
+    """Make `text` the small-M table the loader reads for this GPU (until monkeypatch undoes it)."""
+    (tmp_path / smc.table_path(sm.device_name("cuda")).name).write_text(text)
+    monkeypatch.setattr(smc, "CONFIG_DIR", tmp_path)
+    sm.forget_tables()
+
+
 @pytest.fixture
 def kernel_table(tmp_path, monkeypatch):
     """A table that puts every bf16 GEMM of llama-3.2-1b (the LM head too) on the kernel at every M bucket,
@@ -92,9 +99,7 @@ def kernel_table(tmp_path, monkeypatch):
     shapes = {*linear_shapes(model, 1).values(), lm_head_shape(model, 1)}
     table = {"bf16": {f"{n},{k}": {str(m): gemv if m <= sm.MAX_GEMV_ROWS else cfg for m in sm.M_BUCKETS}
                       for n, k in shapes}}
-    (tmp_path / smc.table_path(sm.device_name("cuda")).name).write_text(json.dumps(table))
-    monkeypatch.setattr(smc, "CONFIG_DIR", tmp_path)
-    sm.forget_tables()
+    install_table(tmp_path, monkeypatch, json.dumps(table))
     yield
     sm.forget_tables()
 
@@ -103,9 +108,7 @@ def kernel_table(tmp_path, monkeypatch):
 def h200_table(tmp_path, monkeypatch):
     """The server's H200 table under this GPU's name (a no-op on an H200): for the tests that take the table's
     configs at shapes where it gives single-split GEMVs (another card's table may not, or have no FP8 entries)."""
-    (tmp_path / smc.table_path(sm.device_name("cuda")).name).write_text(smc.table_path("NVIDIA_H200").read_text())
-    monkeypatch.setattr(smc, "CONFIG_DIR", tmp_path)
-    sm.forget_tables()
+    install_table(tmp_path, monkeypatch, smc.table_path("NVIDIA_H200").read_text())
     yield
     sm.forget_tables()
 
