@@ -130,7 +130,6 @@ def with_pdl(module, launch):
 
 def cases():
     """(name, the kernels it launches, a function that launches them with CPU tensors)."""
-    from benchmarks import probe_l2_prefetch as l2_prefetch
     from model_executor.layers.attention.triton_ops import decode_attention as dec
     from model_executor.layers.attention.triton_ops import extend_attention as ext
     from model_executor.layers.moe import kernels as moe
@@ -212,10 +211,6 @@ def cases():
         kernels.rotary_fwd(pos, q, k, cache)
         qk_norm_rope.qk_norm_rope_fwd(pos, q, k, torch.ones(64, dtype=bf16), torch.ones(64, dtype=bf16), 1e-6, cache)
         kernels.store_kv_fwd(pool, pool.clone(), torch.arange(5), k, k.clone())
-
-    def prefetch():  # the rows of a weight (as the probe's l2_prefetch plans and launches this on a GPU)
-        w = torch.zeros(64, 4096, dtype=torch.uint8)
-        l2_prefetch._launch(w, *l2_prefetch.plan(w, 1024, chunk=512))
 
     def router():
         router_kernel.topk_softmax(torch.randn(3, 64, dtype=bf16), 4, True)
@@ -326,7 +321,6 @@ def cases():
          (kernels._rotary_kernel, qk_norm_rope._qk_norm_rope_kernel, kernels._store_kv_kernel),
          extend_rotary_and_store),
         ("q/k norm + rotary + KV store", (rotary_store_kv._rotary_store_kv_kernel,), lambda: rotary_store(True)),
-        ("L2 prefetch of a weight's rows", (l2_prefetch._l2_prefetch_kernel,), prefetch),
     ]
 
 
