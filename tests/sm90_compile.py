@@ -15,7 +15,7 @@ mode.
     python tests/sm90_compile.py --table PATH --model llama-3.1-8b llama-3.2-1b
 
 --table: each bf16 entry of a small-M table for the models' linears (tp 1), compiled plain and, where the layer
-fuses it, in the fused form it runs (benchmarks/tune_small_m_gemm.py: fused_calls, at the paired layers' half
+fuses it, in the fused form it runs (benchmarks/tuning/tune_small_m_gemm.py: fused_calls, at the paired layers' half
 tile): a line each with the tile the kernel ran, whether it uses wgmma, ptxas's registers and spill bytes, and
 SERIALIZED where ptxas serialized its wgmma chain. It exits non-zero if any does not compile or is serialized.
 """
@@ -328,7 +328,7 @@ def table_main(path: str, models: list[str]) -> int:
     """--table: the table's bf16 entries for the models' linears, plain and fused, as the module docstring says."""
     import types
 
-    import benchmarks.tune_small_m_gemm as tune
+    import benchmarks.tuning.tune_small_m_gemm as tune
     from model_executor.configs import shape_path
     from model_executor.layers.triton_ops import small_m_gemm as sm
     from model_executor.layers.triton_ops import small_m_gemm_config as smc

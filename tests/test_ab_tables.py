@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import ab_tables
+from benchmarks.tuning import ab_tables
 
 
 def test_table_in_use_points_the_loader_at_the_file(tmp_path):

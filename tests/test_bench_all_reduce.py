@@ -1,11 +1,11 @@
-"""benchmarks/bench_all_reduce.py without GPUs: its arguments are checked in one line, and it refuses to run
+"""benchmarks/kernels/bench_all_reduce.py without GPUs: its arguments are checked in one line, and it refuses to run
 without enough CUDA devices (exit 2, one line) instead of timing anything on the CPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import bench_all_reduce as bar
+from benchmarks.kernels import bench_all_reduce as bar
 
 
 def test_tiles_parse():

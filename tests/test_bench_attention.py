@@ -1,4 +1,4 @@
-"""benchmarks/bench_attention.py without a GPU: its arguments are checked in one line, and it refuses to run
+"""benchmarks/kernels/bench_attention.py without a GPU: its arguments are checked in one line, and it refuses to run
 without CUDA (exit 2, one line) instead of timing anything on the CPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from benchmarks import bench_attention as ba
+from benchmarks.kernels import bench_attention as ba
 
 
 def test_points_and_heads_parse_or_are_refused():

@@ -1,11 +1,11 @@
-"""benchmarks/bench_fused_ops.py without a GPU: unknown shapes and token counts are refused in one line, and
+"""benchmarks/kernels/bench_fused_ops.py without a GPU: unknown shapes and token counts are refused in one line, and
 it refuses to run without CUDA (exit 2) instead of timing anything on the CPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import bench_fused_ops as bf
+from benchmarks.kernels import bench_fused_ops as bf
 
 
 def test_shapes_parse_or_are_refused(capsys):

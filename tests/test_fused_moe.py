@@ -269,7 +269,7 @@ def test_tuner_writes_the_tables_tuning_reads(tmp_path, monkeypatch):
     count mapped to its fastest config (the default when nothing beats it). Timing is stubbed: no GPU here."""
     import json
 
-    from benchmarks import tune_fused_moe as tuner
+    from benchmarks.tuning import tune_fused_moe as tuner
     from model_executor.layers.moe import tuning
 
     _tiny_moe_for_the_tuner(tuner, monkeypatch)
@@ -307,7 +307,7 @@ def test_compare_paths_times_both_paths_per_token_count(tmp_path, monkeypatch):
     import json
 
     from benchmarks import bench_one_batch
-    from benchmarks import tune_fused_moe as tuner
+    from benchmarks.tuning import tune_fused_moe as tuner
     from model_executor.layers.moe import tuning
 
     _tiny_moe_for_the_tuner(tuner, monkeypatch)

@@ -211,7 +211,7 @@ def test_quantized_default_model_logits(model_dir, default_model_fp32, method):
     stay within the measured bounds (bench_quant reports the free-running 64-token greedy agreement)."""
     from tokenizers import Tokenizer
 
-    from benchmarks.bench_quant import logits_error, teacher_forced_logits
+    from benchmarks.kernels.bench_quant import logits_error, teacher_forced_logits
     from runners.model_runner import ModelRunner, RunnerConfig
 
     quant = ModelRunner(RunnerConfig(model_path=str(model_dir), max_running_requests=2, max_total_tokens=256,

@@ -1259,10 +1259,10 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
 @in_process
 @pytest.mark.parametrize("layer", ["o", "down", "gate_up", "qkv"])
 def test_the_tuners_fused_calls_run_the_fusion_they_time(layer, monkeypatch):
-    """benchmarks/tune_small_m_gemm's fused_calls at three rows, in the kernel as the layer runs it: o and down
+    """benchmarks/tuning/tune_small_m_gemm's fused_calls at three rows, in the kernel as the layer runs it: o and down
     give (PrenormedRow, h), the row norm weight * h with each row's sums of h^2 in its partials; gate_up its
     SiLU-and-mul's [M, N / 2]; qkv its rotated [M, N]. neighbour_calls run the kernels each replaces."""
-    from benchmarks import tune_small_m_gemm as tune
+    from benchmarks.tuning import tune_small_m_gemm as tune
 
     monkeypatch.setattr(tune, "DEVICE", DEVICE)
     monkeypatch.setattr(tune, "ROTATE_BYTES", 1)

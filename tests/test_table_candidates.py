@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import table_candidates as tc
+from benchmarks.tuning import table_candidates as tc
 from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
 FUSED_GEMV = {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 4, "GEMV": True,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import tune_small_m_gemm as tune
+from benchmarks.tuning import tune_small_m_gemm as tune
 from model_executor.configs import shape_path
 from model_executor.model_config import ModelConfig
 

@@ -1,6 +1,6 @@
 """The fused Triton ops on a CUDA device, in bfloat16 at serving shapes: against the plain PyTorch path (the
 layers' forward_native), one kernel per layer call, CUDA-graph capture and replay. Their timings are
-benchmarks/bench_fused_ops.py's (which also builds the inputs used here).
+benchmarks/kernels/bench_fused_ops.py's (which also builds the inputs used here).
 
 Run: pytest -m gpu tests/gpu/test_fused_ops_gpu.py
 """
@@ -17,7 +17,16 @@ if not torch.cuda.is_available():
     # tests/test_fused_ops.py from switching on the interpreter in the same process.
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from benchmarks.bench_fused_ops import BF16, DEV, QWEN3_SHAPES, SHAPES, make_norm, make_qkv, make_rope, randn
+from benchmarks.kernels.bench_fused_ops import (
+    BF16,
+    DEV,
+    QWEN3_SHAPES,
+    SHAPES,
+    make_norm,
+    make_qkv,
+    make_rope,
+    randn,
+)
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.qk_norm_rope import qk_norm_rope
 from model_executor.layers.rotary_store_kv import rotary_store_kv

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from benchmarks.bench_quant import checkpoint_tensors, compare
+from benchmarks.kernels.bench_quant import checkpoint_tensors, compare
 from model_executor.configs import shape_path
 from model_executor.layers.quantization import QuantConfig
 from model_executor.layers.quantization import fp8_math as fm

@@ -90,7 +90,7 @@ def kernel_table(tmp_path, monkeypatch):
     """A table that puts every bf16 GEMM of llama-3.2-1b (the LM head too) on the kernel at every M bucket,
     with split-K, so the decode graphs run it (no tuned table needed): GEMVs up to 4 rows (split: nothing
     fused into them), tl.dot tiles above."""
-    from benchmarks.tune_small_m_gemm import linear_shapes, lm_head_shape
+    from benchmarks.tuning.tune_small_m_gemm import linear_shapes, lm_head_shape
     from model_executor.model_config import ModelConfig
 
     cfg = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}
@@ -557,7 +557,7 @@ TABLE_GPUS = ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"]
 def table_bf16_cases(models: list[str]) -> list:
     """(gpu, layer, n, k, bucket) for each Triton entry (not cuBLAS) of the server's H200 and H100 tables at the
     models' bf16 linears and LM heads (tp 1)."""
-    from benchmarks.tune_small_m_gemm import linear_shapes, lm_head_shape
+    from benchmarks.tuning.tune_small_m_gemm import linear_shapes, lm_head_shape
     from model_executor.model_config import ModelConfig
 
     cases = set()

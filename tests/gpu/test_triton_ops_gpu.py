@@ -1,5 +1,5 @@
 """Triton attention kernels on a CUDA device: bf16 accuracy against an fp32 reference, CUDA-graph replay of
-decode. Their timings and tile sweeps: python -m benchmarks.bench_attention.
+decode. Their timings and tile sweeps: python -m benchmarks.kernels.bench_attention.
 
 Run: pytest -m gpu tests/gpu/test_triton_ops_gpu.py
 """

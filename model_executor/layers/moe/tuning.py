@@ -3,7 +3,7 @@
 Tables are JSON files in moe/configs/ named `E=<experts>,N=<2*I>,K=<H>,device=<GPU name>.json` (N, K: the
 w13 GEMM's shape; the GPU name as torch.cuda.get_device_name gives it, spaces as underscores: `NVIDIA_H200`),
 with `,dtype=fp8_w8` before `.json` for FP8 expert weights, mapping a token count to the kernel config
-measured fastest at it (written by benchmarks/tune_fused_moe.py). A lookup takes the entry of the smallest
+measured fastest at it (written by benchmarks/tuning/tune_fused_moe.py). A lookup takes the entry of the smallest
 token count at or above its own (the largest past the table), as a CUDA graph pads a batch up to its size: a
 batch run eagerly and the padded graph of it then take the same tiles, so their float32 sums (and the
 routing near-ties that follow them in the next layer) agree. FP8 weights without a table of their own use the
@@ -101,7 +101,7 @@ def _entry(cfg: dict, path: Path) -> dict:
 @functools.cache
 def _no_table(num_experts: int, n: int, k: int, device: str, dtype: str | None) -> None:
     if device != "cpu":  # said once per shape: the kernels run untuned block sizes
-        logger.warning("no tuned fused MoE table %s: default block sizes (benchmarks/tune_fused_moe.py makes "
+        logger.warning("no tuned fused MoE table %s: default block sizes (benchmarks/tuning/tune_fused_moe.py makes "
                        "one)", table_path(num_experts, n, k, device, dtype).name)
 
 

@@ -1,7 +1,7 @@
 """Small-M GEMM configs: what the kernel runs for a weight at a row count, from a table tuned per GPU.
 
 Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, GEMV) come from a table tuned per GPU by
-benchmarks/tune_small_m_gemm.py (configs/small_m_gemm_<GPU>.json, read once, at the first decode-sized
+benchmarks/tuning/tune_small_m_gemm.py (configs/small_m_gemm_<GPU>.json, read once, at the first decode-sized
 GEMM: the warm-up before graph capture; never tuned while serving): per weight kind
 ("bf16", "fp16", "fp8", "fp8_block"), (N, K) and M bucket, a config, or the name of the path the layer
 takes otherwise where that measured faster: "cublas" (F.linear) for bf16/fp16, "w8a8" (activation
@@ -142,7 +142,7 @@ def _table(device: str) -> dict:
 
 def forget_tables() -> None:
     """Drop the tables read so far: the next lookup reads table_path's file again (tests and
-    benchmarks/ab_tables.py point the loader at another file)."""
+    benchmarks/tuning/ab_tables.py point the loader at another file)."""
     _table.cache_clear()
     tuned_configs.cache_clear()
 

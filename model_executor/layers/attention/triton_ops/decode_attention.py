@@ -98,7 +98,7 @@ def _on_or_below(batch_size: int, programs: int, num_kv_heads: int) -> bool:
 def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool = False) -> Stage1Tile:
     """Stage 1's tile for a batch of this size (num_kv_heads: the pool's, per rank): a function of what a
     graph is captured for (never of the lengths, which change between replays). From the tile sweeps of
-    benchmarks/bench_attention.py on the H200 (docs/benchmarks.md); "programs" are requests x kv heads, the
+    benchmarks/kernels/bench_attention.py on the H200 (docs/benchmarks.md); "programs" are requests x kv heads, the
     stage-1 programs a split (the requests at Llama's 8 kv heads in brackets).
 
     Warp splits (twenty-fifth session, against the shared-step tiles of the time in the same run, Llama-3.1-8B
@@ -137,7 +137,7 @@ def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool 
     return Stage1Tile(64, 4, 3)
 
 
-# The split plan (decode_split_plan). Tunables, measured on the H200 with benchmarks/bench_attention.py (it
+# The split plan (decode_split_plan). Tunables, measured on the H200 with benchmarks/kernels/bench_attention.py (it
 # also sweeps the stage-1 tile above): the fewest positions a split is given; the most splits a request may use (the workspace
 # size); the stage-1 programs per SM at which splitting stops paying (the GPU is full without it); the
 # longest request that still takes the single-stage kernel at a batch size where splits would be used.
@@ -218,7 +218,7 @@ def fused_combine_default(batch_size: int) -> bool:
     """Whether stage 1 merges the chunks itself (no stage-2 launch) for a batch of this size: a function of
     what a graph is captured for, never of the lengths. Both paths give the same bits.
 
-    From benchmarks/bench_attention.py --combine on the H200 (docs/benchmarks.md, eighth session): at one
+    From benchmarks/kernels/bench_attention.py --combine on the H200 (docs/benchmarks.md, eighth session): at one
     request the fused merge saves 0.3-0.6 us per call (1B, 8B and Qwen3-30B heads at 520 tokens); at 4 and 8
     requests it is mixed (-0.9 to +0.9 us); from 32 requests slower (8B heads at 256 requests by 20 us: the last
     program of each block merges alone while the rest of the GPU idles)."""
@@ -236,7 +236,7 @@ def v_words_default(batch_size: int, tile: Stage1Tile) -> bool:
 
     With warp splits, always: their loops have 22-30% fewer instructions with words at every tile swept (sm_90
     SASS, twenty-fifth session), and the tile sweep that chose them ran with words. With shared steps, from
-    benchmarks/bench_attention.py --decode-only --kv-dtype fp8_e4m3 on the H200 (docs/benchmarks.md,
+    benchmarks/kernels/bench_attention.py --decode-only --kv-dtype fp8_e4m3 on the H200 (docs/benchmarks.md,
     thirteenth session; Llama-3.1-8B heads at 4k): 5-7% faster at 32, 64 and 128 requests; at 4, 8 and 16 with
     (64, 4, 2) 37%, 30% and 33% faster than bytes with it; at one request as fast at 4k and 4% slower at 512 (2
     and 3 requests: not measured, words as from 4). Only with tiles of 64 positions or more: with 32 words were

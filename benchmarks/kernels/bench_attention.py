@@ -1,10 +1,10 @@
 """bench_attention: the Triton attention kernels alone, for tuning their constants (was a print-only GPU test).
 
-    python -m benchmarks.bench_attention --json out.json                      # decode plans + tiles, extend tiles
-    python -m benchmarks.bench_attention --decode-only --heads 32,8,128 --points 256x520 64x520
-    python -m benchmarks.bench_attention --combine --json combine.json       # two-stage vs fused combine
-    python -m benchmarks.bench_attention --decode-only --kv-dtype fp8_e4m3 --points 128x4096   # an FP8 pool
-    python -m benchmarks.bench_attention --decode-only --kv-dtype fp8_e4m3 --splits 1 2 --points 64x528  # splits only
+    python -m benchmarks.kernels.bench_attention --json out.json                      # decode plans + tiles, extend tiles
+    python -m benchmarks.kernels.bench_attention --decode-only --heads 32,8,128 --points 256x520 64x520
+    python -m benchmarks.kernels.bench_attention --combine --json combine.json       # two-stage vs fused combine
+    python -m benchmarks.kernels.bench_attention --decode-only --kv-dtype fp8_e4m3 --points 128x4096   # an FP8 pool
+    python -m benchmarks.kernels.bench_attention --decode-only --kv-dtype fp8_e4m3 --splits 1 2 --points 64x528  # splits only
 
 Decode: for each head shape (num_heads, num_kv_heads, head_dim) and (batch, context) point, both stages of
 `decode_attention_fwd` captured in one CUDA graph (no launch overhead, as in the decode graphs): the split plan
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.tune_small_m_gemm import time_calls
+from benchmarks.tuning.tune_small_m_gemm import time_calls
 
 GRAPH_CALLS = 20
 # (num_heads, num_kv_heads, head_dim): Llama-3.1-8B, Llama-3.2-1B, SmolLM2-135M
@@ -235,7 +235,7 @@ def extend_rows(heads, n_tok: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_attention", description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=parse_heads, nargs="+", help="NUM_HEADS,NUM_KV_HEADS,HEAD_DIM")
     p.add_argument("--points", type=parse_point, nargs="+", help="decode BATCHxCONTEXT")
     p.add_argument("--extend-tokens", type=int, nargs="+", default=[128, 512, 2048])

@@ -1,6 +1,6 @@
 """Sampler time per call, pytorch against flashinfer (`--sampling-backend`), by batch size and filter.
 
-    python -m benchmarks.bench_sampler --out out/bench_sampler.json
+    python -m benchmarks.kernels.bench_sampler --out out/bench_sampler.json
 
 For each batch size (--bs) and case (greedy, top-k 50, top-p 0.9, top-p 0.9 with top-k 50, min-p 0.05; every
 row alike, temperature 0.8, no seed), it times `Sampler(logits, info)` on float32 logits [bs, --vocab] of

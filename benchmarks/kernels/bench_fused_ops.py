@@ -1,9 +1,9 @@
 """bench_fused_ops: the fused Triton ops of a decode layer against what they replace, per call inside a CUDA
 graph (was two print-only GPU tests).
 
-    python -m benchmarks.bench_fused_ops --json out.json
-    python -m benchmarks.bench_fused_ops --shapes 8b qwen3-30b-a3b --tokens 1
-    python -m benchmarks.bench_fused_ops --gemv --shapes 1b 8b
+    python -m benchmarks.kernels.bench_fused_ops --json out.json
+    python -m benchmarks.kernels.bench_fused_ops --shapes 8b qwen3-30b-a3b --tokens 1
+    python -m benchmarks.kernels.bench_fused_ops --gemv --shapes 1b 8b
 
 For each shape and token count: add+RMSNorm, rotary, SiLU-and-mul and the KV store against their PyTorch
 forward_native; the decode rotary + KV store kernel against the rotary kernel then the store kernel; for Qwen3
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.tune_small_m_gemm import time_calls
+from benchmarks.tuning.tune_small_m_gemm import time_calls
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -124,7 +124,7 @@ def gemv_pairs(shape, kind, gen) -> dict:
     """{op: (fused calls, the calls they replace)} at one decode row: the input RMSNorm (with its residual
     add) folded into the qkv GEMV, against the add+RMSNorm kernel and then the GEMV; each list walks copies
     of the weight (Weights: more bytes than the L2 holds), as a step does."""
-    from benchmarks.tune_small_m_gemm import Weights
+    from benchmarks.tuning.tune_small_m_gemm import Weights
     from model_executor.layers.triton_ops import small_m_gemm as sm
 
     hidden, _, num_heads, num_kv_heads, head_dim = SHAPES[shape]
@@ -143,7 +143,7 @@ def gemv_pairs(shape, kind, gen) -> dict:
 def post_norm_pairs(shape, kind, gen) -> dict:
     """At one decode row: o_proj with the residual add and the norm's sums in its epilogue, then the gate/up
     + SiLU GEMV on the pre-normed row (two kernels), against o_proj, add+RMSNorm, gate/up + SiLU (three)."""
-    from benchmarks.tune_small_m_gemm import Weights
+    from benchmarks.tuning.tune_small_m_gemm import Weights
     from model_executor.layers.triton_ops import small_m_gemm as sm
 
     hidden, inter, num_heads, _, head_dim = SHAPES[shape]
@@ -173,7 +173,7 @@ def parse_shape(text: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_fused_ops", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_fused_ops", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=["1b", "8b", "qwen3-30b-a3b"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     p.add_argument("--gemv", action="store_true",

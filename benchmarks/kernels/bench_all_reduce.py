@@ -1,7 +1,7 @@
 """bench_all_reduce: the tensor-parallel sum, NCCL against the one-shot kernels over peer memory, per size.
 
-    python -m benchmarks.bench_all_reduce --json out.json                 # 2 GPUs, [rows, 4096] bf16
-    python -m benchmarks.bench_all_reduce --rows 1 32 256 --hidden 2048 --dtype float32
+    python -m benchmarks.kernels.bench_all_reduce --json out.json                 # 2 GPUs, [rows, 4096] bf16
+    python -m benchmarks.kernels.bench_all_reduce --rows 1 32 256 --hidden 2048 --dtype float32
 
 Spawns one rank per GPU (NCCL). For each size, the paths as the model calls them
 (`parallel_state._all_reduce_impl`): NCCL is a copy and an in-place `all_reduce`; one-shot is
@@ -31,7 +31,7 @@ ROWS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_all_reduce", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_all_reduce", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2, help="ranks, one GPU each")
     p.add_argument("--rows", type=int, nargs="+", default=ROWS, help="sizes: [rows, hidden] tensors")
     p.add_argument("--hidden", type=int, default=4096)

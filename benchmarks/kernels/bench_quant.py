@@ -2,8 +2,8 @@
 over N decode steps (each run follows its own greedy tokens), the logits' relative error at each step of
 the reference's sequence (teacher-forced), and decode tok/s at batch size 1.
 
-    python -m benchmarks.bench_quant --quantization int8                       # CPU, the default model vs fp32
-    python -m benchmarks.bench_quant --quantization fp8 --model llama-3.2-1b   # GPU, random weights vs bf16
+    python -m benchmarks.kernels.bench_quant --quantization int8                       # CPU, the default model vs fp32
+    python -m benchmarks.kernels.bench_quant --quantization fp8 --model llama-3.2-1b   # GPU, random weights vs bf16
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from runners.model_runner import ModelRunner, RunnerConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_quant", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_quant", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", choices=SHAPES, help="a model shape with random weights (GPU benchmarks)")
     src.add_argument("--model-path", help="an HF folder (default: the converted default model)")

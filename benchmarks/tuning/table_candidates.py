@@ -1,11 +1,11 @@
 """table_candidates: from a tuner run's timings, small-M config tables that each change one entry of a table to
-one of the tuner's runners-up, for benchmarks/ab_tables.py to judge in the decode step.
+one of the tuner's runners-up, for benchmarks/tuning/ab_tables.py to judge in the decode step.
 
-    python -m benchmarks.tune_small_m_gemm --model llama-3.1-8b --tp 1 --kind bf16 --m 2 4 \\
+    python -m benchmarks.tuning.tune_small_m_gemm --model llama-3.1-8b --tp 1 --kind bf16 --m 2 4 \\
         --shapes 28672,4096 --out /tmp/tuned.json --json /tmp/tune.json
-    python -m benchmarks.table_candidates --timings /tmp/tune.json --case bf16,28672,4096,2 --top 3 \\
+    python -m benchmarks.tuning.table_candidates --timings /tmp/tune.json --case bf16,28672,4096,2 --top 3 \\
         --out-dir /tmp/cands
-    python -m benchmarks.ab_tables --model llama-3.1-8b --batch-size 2 --tables \\
+    python -m benchmarks.tuning.ab_tables --model llama-3.1-8b --batch-size 2 --tables \\
         model_executor/layers/triton_ops/configs/small_m_gemm_NVIDIA_H200.json /tmp/cands/*.json
 
 The tuner times a layer's kernel (and, where the layer fuses, its neighbours' kernels) alone; the step has
@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.tune_small_m_gemm import Fusion, fusable
+from benchmarks.tuning.tune_small_m_gemm import Fusion, fusable
 from model_executor.layers.triton_ops import small_m_gemm_config as smc
 
 DEFAULT_TABLE = smc.table_path("NVIDIA_H200")
@@ -102,7 +102,7 @@ def with_entry(table: dict, case: tuple[str, int, int, int], entry) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.table_candidates", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.table_candidates", description=__doc__.splitlines()[0])
     p.add_argument("--timings", required=True, help="tune_small_m_gemm's --json file")
     p.add_argument("--table", default=str(DEFAULT_TABLE), help="the base table (default: the H200's)")
     p.add_argument("--case", nargs="+", required=True, metavar="KIND,N,K,M", help="the entries to vary")

@@ -2,8 +2,8 @@
 shapes (M = 1 .. 16 rows; FP8 weights also 32 and 64) and write the fastest per (weight kind, N, K, M bucket) as the table that
 model_executor/layers/triton_ops/small_m_gemm_config.py reads at start-up.
 
-    python -m benchmarks.tune_small_m_gemm                      # all shapes, tp 1 and 2; writes the table
-    python -m benchmarks.tune_small_m_gemm --quick --out $OUT/small_m_gemm_NVIDIA_H200.json
+    python -m benchmarks.tuning.tune_small_m_gemm                      # all shapes, tp 1 and 2; writes the table
+    python -m benchmarks.tuning.tune_small_m_gemm --quick --out $OUT/small_m_gemm_NVIDIA_H200.json
 
 Weight kinds: "bf16" (against F.linear, i.e. cuBLAS: the table says "cublas" where that is faster), "fp8"
 (per-channel scales, against the W8A8 path it replaces: _scaled_mm on activations quantized beforehand) and
@@ -21,7 +21,7 @@ fused, as it runs (FUSE true in the table), and plain (FUSE false). The plain fo
 baseline pay the time of the neighbours' own kernels, measured at the same rows (the RMSNorm, and the rotary +
 KV store or the SiLU-and-mul; after o and down the add + RMSNorm): what each choice costs the step. (Kernel
 times apart are not the step: docs/benchmarks.md, thirty-seventh session, has a tie that the step split by 2.4
-us a layer; a table change is kept on the step's measurement: benchmarks/table_candidates.py, ab_tables.py.)
+us a layer; a table change is kept on the step's measurement: benchmarks/tuning/table_candidates.py, ab_tables.py.)
 Search, per (kind, N, K, M): column/K tiles (up to 4 rows also the GEMV variant's; for both FP8 kinds
 above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
 _scaled_mm or the block GEMM)
@@ -93,7 +93,7 @@ class Fusion:
 
     A norm's kernel goes only where both the layer before it and the one after fuse; each side's plain forms
     pay for it (neighbour_calls), so each side is ranked as if the other fused. The step judges the pair
-    (benchmarks/table_candidates.py, ab_tables.py)."""
+    (benchmarks/tuning/table_candidates.py, ab_tables.py)."""
     layer: str
     heads: tuple[int, int, int] = (0, 0, 0)
 
@@ -553,7 +553,7 @@ def model_summary(models, tps, kinds, ms, results) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tune_small_m_gemm",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.tune_small_m_gemm",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", nargs="+", default=list(DEFAULT_MODELS), choices=SHAPES, help="model shapes")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2],

@@ -2,9 +2,9 @@
 fastest as a table per model shape and weight dtype (moe/tuning.py reads it at start-up from
 model_executor/layers/moe/configs/: `E=..,N=..,K=..,device=<GPU>[,dtype=fp8_w8].json`).
 
-    python -m benchmarks.tune_fused_moe --model qwen3-30b-a3b mixtral-8x7b --dtype bf16 fp8 --quick --out $OUT \
+    python -m benchmarks.tuning.tune_fused_moe --model qwen3-30b-a3b mixtral-8x7b --dtype bf16 fp8 --quick --out $OUT \
         --json $OUT/tune.json
-    python -m benchmarks.tune_fused_moe --install tune.json   # elsewhere: its tables into moe/configs/
+    python -m benchmarks.tuning.tune_fused_moe --install tune.json   # elsewhere: its tables into moe/configs/
 
 --out is a folder: the tables are written there under the names tuning.py looks for (default: the configs
 folder itself), so they can be copied into model_executor/layers/moe/configs/ and committed. --quick
@@ -21,7 +21,7 @@ Up to tuning.SMALL_BATCH_MAX_TOKENS tokens the small-batch path (moe/small_batch
 gate-up kernel's tiles, then its down kernel's) and the table entry records the faster path ("path") and the
 small kernels' best config ("small_batch"), which fused_experts_triton then follows.
 
-    python -m benchmarks.tune_fused_moe --model qwen3-30b-a3b --compare-paths --json $OUT/paths.json
+    python -m benchmarks.tuning.tune_fused_moe --model qwen3-30b-a3b --compare-paths --json $OUT/paths.json
 
 --compare-paths tunes nothing: it times one MoE layer (router GEMM, top-k kernel, experts) on both paths
 with the configs the installed tables (else the defaults) give, at --batch-size (default 1..16), and
@@ -292,7 +292,7 @@ def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tune_fused_moe", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.tune_fused_moe", description=__doc__.splitlines()[0])
     p.add_argument("--model", nargs="+", default=["qwen3-30b-a3b"], choices=SHAPES, help="MoE model shapes")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES),
                    help="expert weight dtypes to tune (fp8: the FP8 weight-only experts of --quantization fp8)")

@@ -1,7 +1,7 @@
 """ab_tables: the decode step with each of several small-M GEMM config tables, in one process, the tables
 alternating round by round: b2b ms per table and batch size, their medians, and the change against the first.
 
-    python -m benchmarks.ab_tables --model llama-3.2-1b --batch-size 1 2 3 4 --rounds 2 \\
+    python -m benchmarks.tuning.ab_tables --model llama-3.2-1b --batch-size 1 2 3 4 --rounds 2 \\
         --tables model_executor/layers/triton_ops/configs/small_m_gemm_NVIDIA_H200.json new.json --json out.json
 
 A table change is kept on the step's time, not on the tuner's per-kernel times: the two disagreed twice in the
@@ -32,7 +32,7 @@ from runners.model_runner import ModelRunner, RunnerConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ab_tables", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.ab_tables", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama-3.2-1b", choices=SHAPES, help="a model shape, random weights")
     src.add_argument("--model-path", help="an HF folder (its weights)")

@@ -1,0 +1,1 @@
+"""Kernel micro-benchmarks: attention, fused ops, quantization, sampler, all-reduce."""
