@@ -5,8 +5,7 @@ The floor counts the bytes a step really reads (step_read_bytes): every weight b
 the MoE experts (attention, MLPs, norms, routers, the LM head); of an embedding table that the head does not
 share, the rows of the batch's tokens (bs at most: a lookup reads nothing else); in each MoE layer, the
 experts the batch's tokens route to: top_k of them at bs=1, and E * (1 - (1 - top_k/E)^bs) at bs (the
-expected number of distinct experts under uniform routing), each expert's w13 and w2. (Until 2026-12-01 the
-floor counted an untied embedding table whole: Llama-3.1-8B's 1.05 GB, 6.5% of its bytes.)
+expected number of distinct experts under uniform routing), each expert's w13 and w2.
 
     python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
     python -m benchmarks.bench_one_batch --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 ...
@@ -19,7 +18,7 @@ With --quantization fp8 the floor is the FP8 weights' read time (FP8 linears and
 scales; the embedding, LM head and MoE routers' gates in bf16).
 
 Graph rows time each step on its own (host launch, replay, sync: the latency a synchronous loop sees; the
-"graph ms" column, the one the issues' targets are stated in) and the same steps launched back to back with
+"graph ms" column) and the same steps launched back to back with
 one sync at the end ("b2b ms": the GPU's time per step, as the overlap scheduler keeps it busy). "host ms"
 is the part of a graph step before the replay call returns (input copies and the graph launch queued): of
 graph ms minus b2b ms, what the host spends launching rather than what the sync's wake-up adds.
@@ -87,7 +86,7 @@ def sync(device: torch.device) -> None:
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (DESIGN.md §8's figure)."""
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
     if device.type != "cuda":
         nbytes, iters = 64 << 20, 5
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -1,11 +1,11 @@
-"""Overlap scheduling and mixed chunks through HTTP: one server per configuration, in one session.
+"""Overlap scheduling and mixed chunks through HTTP: one server per configuration, in one run.
 
     python -m benchmarks.bench_overlap --shape llama-3.2-1b --out out/overlap
 
 For each configuration (overlap on = the default, --disable-overlap-schedule) it measures, with random
 prompts of --input-len tokens and --output-len output tokens:
   - C=1: median TPOT of one stream at a time (--c1-prompts requests); compare it with bench_one_batch's
-    bs=1 graph step, run by --one-batch first in the same session (its JSON is read back);
+    bs=1 graph step, run by --one-batch first in the same run (its JSON is read back);
   - C=64: output tokens/s of --c64-prompts requests with 64 in flight.
 Then, with --itl, for mixed chunks off and on (overlap on): 16 streams decode --itl-output-len tokens and
 one --long-prompt-len-token prompt (max_tokens 1) arrives after --long-after seconds; the 16 streams'
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-dir", type=Path, help="also run C=1 / C=64 against a server started from this "
                    "checkout (e.g. the code before overlap scheduling), labelled 'baseline'")
     p.add_argument("--json-schema-ratio", type=float, default=0.0,
-                   help="also run each config's C=1 and C=64 with this share of json_schema requests (issue 16)")
+                   help="also run each config's C=1 and C=64 with this share of json_schema requests")
     p.add_argument("--http-client", choices=("raw", "httpx"), default="raw",
                    help="bench_serving's client (httpx: the client of the measurements before it had raw)")
     p.add_argument("--port", type=int, default=30200)

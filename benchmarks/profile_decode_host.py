@@ -3,8 +3,8 @@
     python -m benchmarks.profile_decode_host --model llama-3.2-1b --batch-size 1 --json out.json
 
 bench_one_batch's graph ms (each step from the call until its sync returns) is the GPU's step plus the host
-time before the graph is queued; on the lent H200s that host part ("host ms") has ranged 0.02-0.16 ms, up to
-a sixth of a Llama-3.2-1B step. Each row here runs one part of `CudaGraphRunner.replay` on its own, back to
+time before the graph is queued (its "host ms", which can be a sizeable share of a small model's step:
+docs/benchmarks.md). Each row here runs one part of `CudaGraphRunner.replay` on its own, back to
 back, and reports the host microseconds per call (median of `--rounds` rounds of `--iters` calls, synchronized
 between rounds) and per call made right after a synchronize, as bench_one_batch's per-step loop makes them,
 beside two references: a one-element kernel launch and a tensor view. Then bench_one_batch's own step loop

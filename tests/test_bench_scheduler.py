@@ -1,4 +1,4 @@
-"""bench_scheduler's json_schema mode (issue 16): the constrained share of the running requests really decodes
+"""bench_scheduler's json_schema mode: the constrained share of the running requests really decodes
 under the grammar, with the full vocabulary, and the breakdown names the grammar's phases and the host time."""
 
 from __future__ import annotations

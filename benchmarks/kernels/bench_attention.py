@@ -1,4 +1,4 @@
-"""bench_attention: the Triton attention kernels alone, for tuning their constants (was a print-only GPU test).
+"""bench_attention: the Triton attention kernels alone, for tuning their constants.
 
     python -m benchmarks.kernels.bench_attention --json out.json                      # decode plans + tiles, extend tiles
     python -m benchmarks.kernels.bench_attention --decode-only --heads 32,8,128 --points 256x520 64x520

@@ -1,5 +1,5 @@
 """bench_fused_ops: the fused Triton ops of a decode layer against what they replace, per call inside a CUDA
-graph (was two print-only GPU tests).
+graph.
 
     python -m benchmarks.kernels.bench_fused_ops --json out.json
     python -m benchmarks.kernels.bench_fused_ops --shapes 8b qwen3-30b-a3b --tokens 1

@@ -9,7 +9,7 @@ one of the tuner's runners-up, for benchmarks/tuning/ab_tables.py to judge in th
         model_executor/layers/triton_ops/configs/small_m_gemm_NVIDIA_H200.json /tmp/cands/*.json
 
 The tuner times a layer's kernel (and, where the layer fuses, its neighbours' kernels) alone; the step has
-disagreed with it by more than the gaps between its top configs (docs/benchmarks.md, thirty-seventh session).
+disagreed with it by more than the gaps between its top configs (docs/benchmarks.md).
 So the tuner's ranking only proposes: per case (kind, N, K, M bucket) this takes the `--top` configs (or the
 other path: "cublas", "w8a8") the tuner ranked best by what they cost the step (best_of's measure), skips the
 table's own entry, and writes one table per candidate: the base table with that one entry replaced (the file

@@ -2,7 +2,7 @@
 fastest as a table per model shape and weight dtype (moe/tuning.py reads it at start-up from
 model_executor/layers/moe/configs/: `E=..,N=..,K=..,device=<GPU>[,dtype=fp8_w8].json`).
 
-    python -m benchmarks.tuning.tune_fused_moe --model qwen3-30b-a3b mixtral-8x7b --dtype bf16 fp8 --quick --out $OUT \
+    python -m benchmarks.tuning.tune_fused_moe --model qwen3-30b-a3b mixtral-8x7b --dtype bf16 fp8 --quick --out $OUT \\
         --json $OUT/tune.json
     python -m benchmarks.tuning.tune_fused_moe --install tune.json   # elsewhere: its tables into moe/configs/
 

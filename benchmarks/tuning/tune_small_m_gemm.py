@@ -20,8 +20,8 @@ config it can fuse (a single-split GEMV or tl.dot tile; qkv and gate_up pair the
 fused, as it runs (FUSE true in the table), and plain (FUSE false). The plain forms, the other configs and the
 baseline pay the time of the neighbours' own kernels, measured at the same rows (the RMSNorm, and the rotary +
 KV store or the SiLU-and-mul; after o and down the add + RMSNorm): what each choice costs the step. (Kernel
-times apart are not the step: docs/benchmarks.md, thirty-seventh session, has a tie that the step split by 2.4
-us a layer; a table change is kept on the step's measurement: benchmarks/tuning/table_candidates.py, ab_tables.py.)
+times apart are not the step: a table change is kept on the step's measurement, benchmarks/tuning/table_candidates.py
+and ab_tables.py; see README.md here.)
 Search, per (kind, N, K, M): column/K tiles (up to 4 rows also the GEMV variant's; for both FP8 kinds
 above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
 _scaled_mm or the block GEMM)
@@ -336,16 +336,15 @@ def gemv_grid(kind: str, quick: bool, m: int = 1) -> list[tuple[int, int]]:
 # The warps / stages pass (not with --quick): for the tl.dot tiles, and wider for GEMV configs (their
 # pipelining depth is the main knob of a one-row read). 2 warps: at 4 a 32-row tile's mma is split 2 x 2 over
 # the warps and each weight is loaded and converted twice (FP8 32 x 256: 5.1 -> 4.3 instructions a weight in
-# the sm_90 SASS; not yet measured).
+# the sm_90 SASS).
 DOT_WARPS_STAGES = ((4, 3), (8, 4), (2, 4))
 GEMV_WARPS_STAGES = ((4, 2), (4, 3), (4, 6), (8, 2), (8, 3), (8, 4))
 
 
 # The X_FP8 configs (not with --quick): every (BLOCK_N, BLOCK_K, num_warps, num_stages) here at every split of
-# XFP8_SPLITS, timed jointly. The greedy search (tiles at 4 warps, then splits, then warps) had missed the fastest of
-# them for most Llama-3.1-8B shapes at 8-64 rows, by 2-35% (benchmarks/probe_xfp8_grid.py, docs/benchmarks.md,
-# twenty-seventh session): 32-wide tiles on 2 warps (fp16 mma.sync), 64 on one warpgroup, 128 on one or two, 256 on
-# two (FP8 wgmma).
+# XFP8_SPLITS, timed jointly: a greedy search (tiles at 4 warps, then splits, then warps) misses the fastest of
+# them for most Llama-3.1-8B shapes at 8-64 rows, by 2-35% (docs/benchmarks.md): 32-wide tiles on 2 warps (fp16
+# mma.sync), 64 on one warpgroup, 128 on one or two, 256 on two (FP8 wgmma).
 XFP8_JOINT_TILES = ([(32, 128, 2, s) for s in (3, 4)] + [(64, bk, 4, s) for bk in (128, 256) for s in (3, 4)]
                     + [(128, bk, w, s) for bk in (128, 256) for w in (4, 8) for s in (3, 4)]
                     + [(256, 128, 8, s) for s in (2, 3)])
@@ -455,7 +454,7 @@ def tune_one(sm, kind: str, n: int, k: int, m: int, wts: Weights, gen, quick: bo
     for bn, bk, gemv in tiles:
         split = sm.split_for(n, k, bn, bk, sms)
         # A fused layer also times each weight-only tile at one split, the only split its fusions run (the paired
-        # 64 + 64-row tile is the one whose dots stay on sm_90's wgmma: docs/benchmarks.md, thirty-seventh session)
+        # 64 + 64-row tile is the one whose dots stay on sm_90's wgmma: docs/benchmarks.md)
         for s in sorted({split, 1}) if fusion is not None and gemv is not None else (split,):
             cfg = sm.GemmConfig(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=4, GEMV=bool(gemv),
                                 X_FP8=gemv is None)
