@@ -37,7 +37,8 @@ BANDWIDTH_BYTES = 500 * 10**6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_cpu_step", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_cpu_step",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--model-path", help="HF folder (default: the converted default model)")
     p.add_argument("--quantization", nargs="+", default=["none", "int8", "int4"], choices=("none", "int8", "int4"))
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16])

@@ -205,7 +205,8 @@ def format_table(med: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_frontend", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_frontend",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.2-1b")
     p.add_argument("--model-path", type=Path, help="a servable folder (default: make_dummy_model --shape)")
     p.add_argument("--streams", type=int, default=64, help="requests in flight (client and stand-in)")

@@ -47,7 +47,8 @@ from runners.model_runner import ModelRunner, RunnerConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_one_batch", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_one_batch",
+                                description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama-3.2-1b", choices=SHAPES, help="a model shape, random weights")
     src.add_argument("--model-path", help="an HF folder with real weights")

@@ -104,7 +104,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_overlap", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_overlap",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--input-len", type=int, default=256)

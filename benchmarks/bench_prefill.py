@@ -34,7 +34,8 @@ from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_prefill", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_prefill",
+                                description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama-3.2-1b", choices=SHAPES, help="a model shape, random weights")
     src.add_argument("--model-path", help="an HF folder (config.json; real weights unless --random-weights)")

@@ -52,7 +52,8 @@ ADMIT_TIMEOUT_S = 300  # the requests' admission, the grammar's compilation incl
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_scheduler", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_scheduler",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--running", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)

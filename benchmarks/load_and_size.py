@@ -127,7 +127,8 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.load_and_size", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.load_and_size",
+                                description=__doc__.splitlines()[0])
     p.add_argument("shape", choices=SHAPES)
     p.add_argument("--folder", type=Path, required=True, help="where the random checkpoint is (or goes)")
     p.add_argument("--shard-gib", type=float, default=5.0)

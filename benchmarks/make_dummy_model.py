@@ -44,7 +44,8 @@ def make_dummy_model(shape: str, out: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.make_dummy_model", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.make_dummy_model",
+                                description=__doc__.splitlines()[0])
     p.add_argument("shape", choices=SHAPES)
     p.add_argument("out", type=Path)
     args = p.parse_args(argv)

@@ -61,7 +61,7 @@ def synced_host_us(fn, calls: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode_host", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b", choices=SHAPES)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--input-len", type=int, default=512)

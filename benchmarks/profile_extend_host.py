@@ -48,7 +48,8 @@ def _empty_kernel(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, BL
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_extend_host", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_extend_host",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b", choices=SHAPES, help="a model shape, random weights")
     p.add_argument("--tokens", type=int, default=128, help="tokens of the extend batch (one request)")
     p.add_argument("--iters", type=int, default=200)

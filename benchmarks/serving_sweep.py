@@ -53,7 +53,8 @@ def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout_s: float)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serving_sweep", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving_sweep",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES)
     p.add_argument("--rates", nargs="+", default=["8", "32", "inf"])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))

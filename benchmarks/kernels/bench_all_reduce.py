@@ -31,7 +31,8 @@ ROWS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_all_reduce", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_all_reduce",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2, help="ranks, one GPU each")
     p.add_argument("--rows", type=int, nargs="+", default=ROWS, help="sizes: [rows, hidden] tensors")
     p.add_argument("--hidden", type=int, default=4096)

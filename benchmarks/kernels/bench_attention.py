@@ -1,9 +1,9 @@
 """bench_attention: the Triton attention kernels alone, for tuning their constants.
 
-    python -m benchmarks.kernels.bench_attention --json out.json                      # decode plans + tiles, extend tiles
+    python -m benchmarks.kernels.bench_attention --json out.json  # decode plans + tiles, extend tiles
     python -m benchmarks.kernels.bench_attention --decode-only --heads 32,8,128 --points 256x520 64x520
-    python -m benchmarks.kernels.bench_attention --combine --json combine.json       # two-stage vs fused combine
-    python -m benchmarks.kernels.bench_attention --decode-only --kv-dtype fp8_e4m3 --points 128x4096   # an FP8 pool
+    python -m benchmarks.kernels.bench_attention --combine --json combine.json  # two-stage vs fused combine
+    python -m benchmarks.kernels.bench_attention --decode-only --kv-dtype fp8_e4m3 --points 128x4096  # an FP8 pool
     python -m benchmarks.kernels.bench_attention --decode-only --kv-dtype fp8_e4m3 --splits 1 2 --points 64x528  # splits only
 
 Decode: for each head shape (num_heads, num_kv_heads, head_dim) and (batch, context) point, both stages of
@@ -235,7 +235,8 @@ def extend_rows(heads, n_tok: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_attention", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_attention",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=parse_heads, nargs="+", help="NUM_HEADS,NUM_KV_HEADS,HEAD_DIM")
     p.add_argument("--points", type=parse_point, nargs="+", help="decode BATCHxCONTEXT")
     p.add_argument("--extend-tokens", type=int, nargs="+", default=[128, 512, 2048])

@@ -173,7 +173,8 @@ def parse_shape(text: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_fused_ops", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_fused_ops",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=["1b", "8b", "qwen3-30b-a3b"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     p.add_argument("--gemv", action="store_true",

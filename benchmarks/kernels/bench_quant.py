@@ -22,7 +22,8 @@ from runners.model_runner import ModelRunner, RunnerConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_quant", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_quant",
+                                description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", choices=SHAPES, help="a model shape with random weights (GPU benchmarks)")
     src.add_argument("--model-path", help="an HF folder (default: the converted default model)")

@@ -4,12 +4,12 @@ alternating round by round: b2b ms per table and batch size, their medians, and 
     python -m benchmarks.tuning.ab_tables --model llama-3.2-1b --batch-size 1 2 3 4 --rounds 2 \\
         --tables model_executor/layers/triton_ops/configs/small_m_gemm_NVIDIA_H200.json new.json --json out.json
 
-A table change is kept on the step's time, not on the tuner's per-kernel times: the two can disagree by more than
-the gaps between the tuner's top configs (docs/benchmarks.md). The model is loaded and each batch size prefilled once; every
-(round, table) then points the table loader at that file and captures fresh decode graphs (a graph bakes in
-the kernels and configs the table chooses), checks the graph against eager on the first step, and times the
-steps back to back as bench_one_batch's "b2b ms" does. On a CPU the steps run eagerly and no table is read
-(the small-M kernel is CUDA's): that checks the plumbing only.
+A table change is kept on the step's time, not on the tuner's per-kernel times: the two can disagree by more
+than the gaps between the tuner's top configs (docs/benchmarks.md). The model is loaded and each batch size
+prefilled once; every (round, table) then points the table loader at that file and captures fresh decode graphs
+(a graph bakes in the kernels and configs the table chooses), checks the graph against eager on the first step,
+and times the steps back to back as bench_one_batch's "b2b ms" does. On a CPU the steps run eagerly and no table
+is read (the small-M kernel is CUDA's): that checks the plumbing only.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from runners.model_runner import ModelRunner, RunnerConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.ab_tables", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.ab_tables",
+                                description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama-3.2-1b", choices=SHAPES, help="a model shape, random weights")
     src.add_argument("--model-path", help="an HF folder (its weights)")

@@ -102,7 +102,8 @@ def with_entry(table: dict, case: tuple[str, int, int, int], entry) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.table_candidates", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.table_candidates",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--timings", required=True, help="tune_small_m_gemm's --json file")
     p.add_argument("--table", default=str(DEFAULT_TABLE), help="the base table (default: the H200's)")
     p.add_argument("--case", nargs="+", required=True, metavar="KIND,N,K,M", help="the entries to vary")

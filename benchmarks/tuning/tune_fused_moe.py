@@ -2,8 +2,8 @@
 fastest as a table per model shape and weight dtype (moe/tuning.py reads it at start-up from
 model_executor/layers/moe/configs/: `E=..,N=..,K=..,device=<GPU>[,dtype=fp8_w8].json`).
 
-    python -m benchmarks.tuning.tune_fused_moe --model qwen3-30b-a3b mixtral-8x7b --dtype bf16 fp8 --quick --out $OUT \\
-        --json $OUT/tune.json
+    python -m benchmarks.tuning.tune_fused_moe --model qwen3-30b-a3b mixtral-8x7b --dtype bf16 fp8 --quick \\
+        --out $OUT --json $OUT/tune.json
     python -m benchmarks.tuning.tune_fused_moe --install tune.json   # elsewhere: its tables into moe/configs/
 
 --out is a folder: the tables are written there under the names tuning.py looks for (default: the configs
@@ -292,7 +292,8 @@ def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.tune_fused_moe", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tuning.tune_fused_moe",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--model", nargs="+", default=["qwen3-30b-a3b"], choices=SHAPES, help="MoE model shapes")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES),
                    help="expert weight dtypes to tune (fp8: the FP8 weight-only experts of --quantization fp8)")

@@ -12,16 +12,16 @@ Weight kinds: "bf16" (against F.linear, i.e. cuBLAS: the table says "cublas" whe
 time: three of a layer's four linears quantize inside the RMSNorm or SiLU-and-mul kernel before them
 (quantization/fp8_linear.py), so their GEMM is what the kernel has to beat.
 
-Timing: every call of a measurement reads its own copy of the weight, enough copies that together they
-exceed the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode
-step is a graph replay: no launch overhead); the median of a few replays over the number of calls.
-A layer that fuses its neighbours' work at up to 4 rows (qkv, gate_up; at tp 1 o and down: Fusion) has each
-config it can fuse (a single-split GEMV or tl.dot tile; qkv and gate_up pair their rows) timed in both forms:
-fused, as it runs (FUSE true in the table), and plain (FUSE false). The plain forms, the other configs and the
-baseline pay the time of the neighbours' own kernels, measured at the same rows (the RMSNorm, and the rotary +
-KV store or the SiLU-and-mul; after o and down the add + RMSNorm): what each choice costs the step. (Kernel
-times apart are not the step: a table change is kept on the step's measurement, benchmarks/tuning/table_candidates.py
-and ab_tables.py; see README.md here.)
+Timing: every call of a measurement reads its own copy of the weight, enough copies that together they exceed
+the L2 cache (a decode step reads each weight once, cold), all captured in one CUDA graph (a decode step is a
+graph replay: no launch overhead); the median of a few replays over the number of calls. A layer that fuses its
+neighbours' work at up to 4 rows (qkv, gate_up; at tp 1 o and down: Fusion) has each config it can fuse (a
+single-split GEMV or tl.dot tile; qkv and gate_up pair their rows) timed in both forms: fused, as it runs (FUSE
+true in the table), and plain (FUSE false). The plain forms, the other configs and the baseline pay the time of
+the neighbours' own kernels, measured at the same rows (the RMSNorm, and the rotary + KV store or the
+SiLU-and-mul; after o and down the add + RMSNorm): what each choice costs the step. (Kernel times apart are not
+the step: a table change is kept on the step's measurement, benchmarks/tuning/table_candidates.py and
+ab_tables.py; see README.md here.)
 Search, per (kind, N, K, M): column/K tiles (up to 4 rows also the GEMV variant's; for both FP8 kinds
 above one row also the X_FP8 variant's, FP8 x on FP8 tensor cores, an entry the W8A8 path runs instead of
 _scaled_mm or the block GEMM)
