@@ -59,7 +59,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_sampler", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench_sampler",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--bs", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--logit-scale", type=float, default=3.0)
