@@ -31,7 +31,7 @@ def test_kernels_compile_for_sm90():
 def test_shipped_table_compiles_for_sm90_unserialized(gpu):
     """Each bf16 entry of a shipped small-M table (H200, H100) for the Llama shapes it was tuned on compiles for
     sm_90, plain and in its layer's fused form, and none has a wgmma chain ptxas serialized (the 8B down fused at
-    8 rows ran 1.5x slower so: docs/benchmarks.md, fortieth session)."""
+    8 rows ran 1.5x slower so: docs/benchmarks.md)."""
     table = ROOT / f"model_executor/layers/triton_ops/configs/small_m_gemm_{gpu}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--table", str(table), "--model", "llama-3.1-8b",
