@@ -1,4 +1,5 @@
-"""The ZMQ sockets between the HTTP process, the scheduler and the detokenizer (messages: scheduler/io_struct.py).
+"""The ZMQ sockets between the HTTP process, the scheduler and the detokenizer (the messages they carry:
+scheduler/io_struct.py).
 
 Sockets are `ipc://` paths inside a private 0700 folder, never TCP: whoever can write to the scheduler's
 socket runs the server.

@@ -84,7 +84,8 @@ def scheduler_config(args: ServerArgs) -> SchedulerConfig:
     )
 
 
-def scheduler_process_config(args: ServerArgs, rank: SchedulerRank | None = None) -> scheduler_process.SchedulerProcessConfig:
+def scheduler_process_config(args: ServerArgs,
+                             rank: SchedulerRank | None = None) -> scheduler_process.SchedulerProcessConfig:
     """rank: this process's place among the data/tensor-parallel ranks (None: the only scheduler)."""
     return scheduler_process.SchedulerProcessConfig(
         runner=runner_config(args, rank),
