@@ -76,12 +76,14 @@ def test_the_checker_sees_lazy_relative_and_submodule_imports(tmp_path):
         "model_executor/a.py": "def f():\n    from server import c  # lazy, and a submodule by from-import\n",
         "model_executor/b.py": "from . import a\nfrom .a import f\n",
         "server/__init__.py": "",
-        "server/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from model_executor import b\n"
-                       "else:\n    import model_executor.b.f\n",
+        "server/c.py": ("from typing import TYPE_CHECKING\n"
+                        "if TYPE_CHECKING:\n    from model_executor import a\n"
+                        "else:\n    import model_executor.b.f\n"),
     })
     graph = project_import_graph(tmp_path, ["model_executor", "server"])
     assert graph == {"model_executor": set(), "model_executor.a": {"server.c"},
-                     "model_executor.b": {"model_executor.a"}, "server": set(), "server.c": {"model_executor.b"}}
+                     "model_executor.b": {"model_executor.a"},
+                     "server": set(), "server.c": {"model_executor.b"}}  # (not .a: TYPE_CHECKING only)
     assert upward_imports(graph) == {"model_executor.a": ["server.c"]}
     assert cycles(graph) == [["model_executor.a", "model_executor.b", "server.c"]]
 
