@@ -40,19 +40,18 @@ OPTIONAL_SPEEDUPS = ("uvloop", "httptools", "orjson")
 
 
 def run_standin_scheduler(args, ipc, ready_conn) -> None:
-    """launch_server's scheduler contract (see scheduler/scheduler_process.py) without a model."""
+    """launch_server's scheduler contract (see server/scheduler_entry.py) without a model."""
     import zmq
 
-    from server.ipc import (
+    from scheduler.io_struct import (
         DETOKENIZER_CONTEXT_TOKENS,
         AbortReq,
         BatchTokenOut,
         ControlReply,
         FinishReason,
         TokenizedGenerateReq,
-        bind_pull,
-        connect_push,
     )
+    from scheduler.ipc import bind_pull, connect_push
 
     config = json.loads((Path(args.model_path) / "config.json").read_text())
     vocab = int(config["vocab_size"])

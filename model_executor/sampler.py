@@ -307,7 +307,9 @@ class Sampler:
         if info.seeded_rows:  # the race among the seeded rows alone, first: flashinfer overwrites `scaled`
             index = torch.tensor(info.seeded_rows, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
             seeded = self._race(scaled[index], info.seeded_subset(index))
-        tokens = self.flashinfer.sample(scaled, info, argmax_ids)
+        tokens = self.flashinfer.sample(scaled, argmax_ids, top_ks=info.top_ks if info.need_top_k else None,
+                                        top_ps=info.top_ps if info.need_top_p else None,
+                                        min_ps=info.min_ps if info.need_min_p else None)
         if info.seeded_rows:
             tokens[index] = seeded
         return tokens

@@ -19,12 +19,8 @@ import importlib.util
 import logging
 import time
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from model_executor.sampler import SamplingBatchInfo
 
 logger = logging.getLogger("duet.sampler")
 
@@ -70,29 +66,32 @@ class FlashInferSampler:
         fs.sampling_from_probs(torch.full((1, 8), 1 / 8, device=device), generator=sampler.generator)
         return sampler
 
-    def sample(self, scaled: torch.Tensor, info: SamplingBatchInfo, fallback: torch.Tensor) -> torch.Tensor:
+    def sample(self, scaled: torch.Tensor, fallback: torch.Tensor, top_ks: torch.Tensor | None = None,
+               top_ps: torch.Tensor | None = None, min_ps: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [bs] int64 for every row (the caller keeps those of its unseeded random rows); `scaled` is
-        overwritten. Rows without a finite best logit (all -inf, or +inf/NaN) get `fallback` (the argmax, as on
-        the torch path): their softmax is NaN, on which the kernels' answer is undefined (they may read out of
-        the row), so they are sampled as zeros first."""
+        overwritten. top_ks [bs] int, top_ps and min_ps [bs] float32: the per-row filters, each given only
+        when some row uses it (the sampler's SamplingBatchInfo.need_*). Rows without a finite best logit (all -inf,
+        or +inf/NaN) get `fallback` (the argmax, as on the torch path): their softmax is NaN, on which the
+        kernels' answer is undefined (they may read out of the row), so they are sampled as zeros first."""
         rows = torch.arange(scaled.shape[0], device=scaled.device)
         bad = ~torch.isfinite(scaled[rows, fallback])  # the best logit of the row: -inf only if all are
         probs = torch.softmax(scaled.masked_fill_(bad.unsqueeze(1), 0.0), dim=-1)
         fs, gen = self.fs, self.generator
-        top_ks = info.top_ks.clamp(max=scaled.shape[1])  # disabled top-k may be int32 max: k >= vocab is off
-        if info.need_min_p:
-            if info.need_top_k:
+        if top_ks is not None:
+            top_ks = top_ks.clamp(max=scaled.shape[1])  # disabled top-k may be int32 max: k >= vocab is off
+        if min_ps is not None:
+            if top_ks is not None:
                 probs = fs.top_k_renorm_probs(probs, top_ks)
-            if info.need_top_p:
-                probs = fs.top_p_renorm_probs(probs, info.top_ps)
-            tokens = fs.min_p_sampling_from_probs(probs, info.min_ps.clamp(min=MIN_P_FLOOR), generator=gen)
-        elif info.need_top_k and info.need_top_p:
-            tokens = fs.top_k_top_p_sampling_from_probs(probs, top_ks, info.top_ps,
+            if top_ps is not None:
+                probs = fs.top_p_renorm_probs(probs, top_ps)
+            tokens = fs.min_p_sampling_from_probs(probs, min_ps.clamp(min=MIN_P_FLOOR), generator=gen)
+        elif top_ks is not None and top_ps is not None:
+            tokens = fs.top_k_top_p_sampling_from_probs(probs, top_ks, top_ps,
                                                         filter_apply_order="top_k_first", generator=gen)
-        elif info.need_top_k:
+        elif top_ks is not None:
             tokens = fs.top_k_sampling_from_probs(probs, top_ks, generator=gen)
-        elif info.need_top_p:
-            tokens = fs.top_p_sampling_from_probs(probs, info.top_ps, generator=gen)
+        elif top_ps is not None:
+            tokens = fs.top_p_sampling_from_probs(probs, top_ps, generator=gen)
         else:
             tokens = fs.sampling_from_probs(probs, generator=gen)
         return torch.where(bad, fallback, tokens.long())

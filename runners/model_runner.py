@@ -33,7 +33,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """What the model runner needs; derived once from ServerArgs (or built directly by tests/benchmarks)."""
+    """What the model runner needs; the server builds it once from its flags (server/scheduler_entry.py),
+    tests and benchmarks directly."""
 
     model_path: str
     device: str = "cpu"

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from model_executor.sampling_params import GrammarSpec
-from server.ipc import FinishReason
+from scheduler.io_struct import FinishReason
 
 logger = logging.getLogger("duet.grammar")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model_executor.prompt_logprobs import HostPromptLogprobs, PromptLogprobPlan, PromptLogprobsOutput
+from scheduler.io_struct import PromptLogprobs
 from scheduler.req import Req
-from server.ipc import PromptLogprobs
 
 
 @dataclass

@@ -9,7 +9,7 @@ from enum import Enum, auto
 import torch
 
 from model_executor.sampling_params import SamplingParams
-from server.ipc import FinishReason, PromptLogprobs, TokenLogprob
+from scheduler.io_struct import FinishReason, PromptLogprobs, TokenLogprob
 
 
 class ReqStatus(Enum):

@@ -38,11 +38,11 @@ from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
 from scheduler.batch_facts import BatchFacts
 from scheduler.grammar import GrammarCompilerPool, GrammarDeadEnd, GrammarManager
+from scheduler.io_struct import DETOKENIZER_CONTEXT_TOKENS, FinishReason, PromptLogprobs, TokenLogprob
 from scheduler.policy import order_waiting
 from scheduler.prompt_logprobs import LaunchedPromptLogprobs, plan_prompt_logprobs
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req, ReqStatus
-from server.ipc import DETOKENIZER_CONTEXT_TOKENS, FinishReason, PromptLogprobs, TokenLogprob
 
 logger = logging.getLogger("duet.scheduler")
 

@@ -2,107 +2,55 @@
 
 Receives TokenizedGenerateReq / AbortReq / FlushCacheReq / GetStatsReq from the HTTP process, sends one
 BatchTokenOut per step to the detokenizer and ControlReply messages straight back to the HTTP process.
-While requests run it logs a status line every --status-interval seconds (StatusLine).
+While requests run it logs a status line every `status_interval` seconds (StatusLine).
+
+Its input is a SchedulerProcessConfig: the launcher's entry point (server/scheduler_entry.py) builds it
+from the server's flags inside this process, so nothing here knows the server's arguments.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import zmq
 
 from model_executor.distributed import parallel_state as ps
 from runners.model_runner import ModelRunner, RunnerConfig
-from scheduler.scheduler import ReqOutput, Scheduler, SchedulerConfig
-from server.args import ServerArgs
-from server.cpu_threads import configure_scheduler_threads
-from server.ipc import (
+from scheduler.cpu_threads import configure_scheduler_threads
+from scheduler.io_struct import (
     AbortReq,
     BatchTokenOut,
     ControlReply,
     FlushCacheReq,
     GetStatsReq,
-    IpcPaths,
     TokenizedGenerateReq,
-    bind_pull,
-    connect_push,
 )
-from server.parallel import SchedulerRank
+from scheduler.ipc import IpcPaths, bind_pull, connect_push
+from scheduler.scheduler import ReqOutput, Scheduler, SchedulerConfig
 
 logger = logging.getLogger("duet.scheduler")
 
 IDLE_POLL_MS = 50
 
 
-def default_max_running_requests(args: ServerArgs) -> int:
-    return args.max_running_requests or (256 if args.device == "cuda" else 64)
+@dataclass(frozen=True)
+class SchedulerProcessConfig:
+    """Everything one scheduler process (one rank) needs, resolved and validated by the launcher."""
 
+    runner: RunnerConfig  # its tp_rank / tp_size / device place this process in its replica's TP group
+    scheduler: SchedulerConfig
+    tokenizer_path: str
+    dp_rank: int = 0  # the data-parallel replica: which scheduler socket its TP rank 0 binds
+    status_interval: float = 0.0  # seconds between status lines while requests run; 0: none
 
-def default_chunked_prefill_size(args: ServerArgs) -> int | None:
-    if args.chunked_prefill_size == -1:
-        return None
-    return args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
-
-
-def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> RunnerConfig:
-    from runners.capture_lists import (
-        resolve_decode_capture_list,
-        resolve_extend_token_levels,
-        resolve_full_extend_max_tokens,
-    )
-
-    device = args.device
-    max_running = default_max_running_requests(args)
-    graphs = device == "cuda"
-    chunk = default_chunked_prefill_size(args)
-    config = RunnerConfig(
-        model_path=args.model_path,
-        device=device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        context_length=args.context_length,
-        max_running_requests=max_running,
-        max_total_tokens=args.max_total_tokens,
-        mem_fraction_static=args.mem_fraction_static,
-        # The largest extend batch the scheduler builds: its activation peak is what the profile measures.
-        max_prefill_tokens=min(args.max_prefill_tokens, chunk or args.max_prefill_tokens),
-        random_weights=args.load_format == "dummy",
-        seed=args.random_seed,
-        # CPU: --enable-torch-compile compiles the decode list with inductor (runners/cpu_graph_runner.py);
-        # off by default, eager measured faster end to end (docs/benchmarks.md).
-        disable_cuda_graph=args.disable_cuda_graph or not (graphs or args.enable_torch_compile),
-        cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs or args.enable_torch_compile else (),
-        disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
-        piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
-        full_extend_graph_max_tokens=resolve_full_extend_max_tokens(args) if graphs else 0,
-        enable_torch_compile=args.enable_torch_compile,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        sampling_backend=args.sampling_backend,
-    )
-    if rank is None:
-        return config
-    return dataclasses.replace(config, device=rank.device, tp_rank=rank.tp_rank, tp_size=rank.tp_size,
-                               dist_init_method=rank.dist_init_method, dist_timeout_s=args.dist_timeout,
-                               # peer memory reaches only this host's GPUs
-                               custom_all_reduce=not args.disable_custom_all_reduce and args.nnodes == 1)
-
-
-def scheduler_config(args: ServerArgs) -> SchedulerConfig:
-    return SchedulerConfig(
-        max_running_requests=default_max_running_requests(args),
-        max_prefill_tokens=args.max_prefill_tokens,
-        chunked_prefill_size=default_chunked_prefill_size(args),
-        schedule_policy=args.schedule_policy,
-        disable_radix_cache=args.disable_radix_cache,
-        enable_overlap=not args.disable_overlap_schedule,
-        enable_mixed_chunk=args.enable_mixed_chunk,
-        grammar_backend=args.grammar_backend,
-    )
+    @property
+    def talks_to_clients(self) -> bool:
+        """TP rank 0 receives the requests and sends the outputs of its replica; the others follow it."""
+        return self.runner.tp_rank == 0
 
 
 def _exit_with_parent() -> None:
@@ -133,10 +81,10 @@ def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
     )
 
 
-def ready_info(args: ServerArgs, runner: ModelRunner) -> dict:
+def ready_info(config: SchedulerProcessConfig, runner: ModelRunner) -> dict:
     graph = runner.graph_info()
     return {
-        "model_path": args.model_path,
+        "model_path": config.runner.model_path,
         "context_len": runner.context_len,
         "num_kv_slots": runner.num_kv_slots,
         "max_running_requests": runner.req_to_token_pool.size,
@@ -153,35 +101,33 @@ def ready_info(args: ServerArgs, runner: ModelRunner) -> dict:
     }
 
 
-def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: SchedulerRank | None = None,
-                          heartbeat=None) -> None:
-    """rank: this process's place among the data/tensor-parallel ranks (None: the only scheduler).
-    heartbeat: a shared double the loop sets to time.monotonic() after every iteration (the launcher's
-    watchdog for hung tensor-parallel ranks)."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
+def run_scheduler_process(config: SchedulerProcessConfig, ipc: IpcPaths, ready_conn, heartbeat=None) -> None:
+    """Start the engine, report {"ok": True, "info": ...} (or {"ok": False, "error": ...}) on ready_conn, then
+    serve until the process is stopped. heartbeat: a shared double the loop sets to time.monotonic() after
+    every iteration (the launcher's watchdog for hung tensor-parallel ranks)."""
     _exit_with_parent()
     try:
         from transformers import AutoTokenizer
 
-        configure_scheduler_threads(args.device)
-        runner = ModelRunner(runner_config(args, rank))
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-        scheduler = Scheduler(runner, scheduler_config(args), tokenizer=tokenizer)
+        configure_scheduler_threads(config.runner.device)
+        runner = ModelRunner(config.runner)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
+        scheduler = Scheduler(runner, config.scheduler, tokenizer=tokenizer)
     except Exception as e:  # report start-up failures as one line to the launcher
         logger.exception("scheduler start-up failed")
         ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return
-    if rank is not None and not rank.talks_to_clients:  # a TP follower: rank 0 relays its messages
-        ready_conn.send({"ok": True, "info": ready_info(args, runner)})
+    if not config.talks_to_clients:  # a TP follower: rank 0 relays its messages
+        ready_conn.send({"ok": True, "info": ready_info(config, runner)})
         SchedulerLoop(scheduler, BroadcastInbox(None), _NullSink(), _NullSink(), heartbeat=heartbeat).run()
         return
     ctx = zmq.Context()
-    recv = bind_pull(ctx, ipc.scheduler_input_of(rank.dp_rank if rank else 0))
+    recv = bind_pull(ctx, ipc.scheduler_input_of(config.dp_rank))
     to_detokenizer = connect_push(ctx, ipc.detokenizer_input)
     to_http = connect_push(ctx, ipc.http_input)
-    ready_conn.send({"ok": True, "info": ready_info(args, runner)})
+    ready_conn.send({"ok": True, "info": ready_info(config, runner)})
     inbox = ZmqInbox(recv) if ps.get_tp_size() == 1 else BroadcastInbox(ZmqInbox(recv))
-    SchedulerLoop(scheduler, inbox, to_detokenizer, to_http, StatusLine(args.status_interval),
+    SchedulerLoop(scheduler, inbox, to_detokenizer, to_http, StatusLine(config.status_interval),
                   heartbeat=heartbeat).run()
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import zmq
 from tokenizers.decoders import DecodeStream
 
-from server.ipc import BatchStrOut, BatchTokenOut, FinishReason, IpcPaths, bind_pull, connect_push
+from scheduler.io_struct import BatchStrOut, BatchTokenOut, FinishReason
+from scheduler.ipc import IpcPaths, bind_pull, connect_push
 
 logger = logging.getLogger("duet.detokenizer")
 

@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model_executor.generation_defaults import sampling_defaults
+from scheduler.io_struct import FlushCacheReq, GetStatsReq
 from server.args import ServerArgs
-from server.ipc import FlushCacheReq, GetStatsReq
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from server.protocol import (
     UNSUPPORTED_HINTS,

@@ -32,12 +32,12 @@ import sys
 import threading
 import time
 
+from scheduler.ipc import IpcPaths
 from server.args import ArgsError, ServerArgs, parse_args
-from server.ipc import IpcPaths
 
 logger = logging.getLogger("duet.launch_server")
 
-DEFAULT_SCHEDULER_ENTRYPOINT = "scheduler.scheduler_process:run_scheduler_process"
+DEFAULT_SCHEDULER_ENTRYPOINT = "server.scheduler_entry:run_scheduler_process"
 DETOKENIZER_ENTRYPOINT = "server.detokenizer:run_detokenizer_process"
 FATAL_GRACE_S = 1.0  # after the engine died: time for clients to receive their errors before exiting
 CHILD_STOP_TIMEOUT_S = 5.0

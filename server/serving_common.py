@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import Response
 
+from scheduler.io_struct import PromptLogprobs, TokenLogprob
 from server.args import ServerArgs
-from server.ipc import PromptLogprobs, TokenLogprob
 from server.protocol import ApiError
 from server.tokenizer_manager import GenChunk, TokenizerManager
 

@@ -30,19 +30,17 @@ import zmq
 import zmq.asyncio
 
 from model_executor.sampling_params import SamplingParams
-from server.dp_router import DpRouter, merge_stats
-from server.ipc import (
+from scheduler.io_struct import (
     AbortReq,
     BatchStrOut,
     ControlReply,
     FinishReason,
-    IpcPaths,
     PromptLogprobs,
     TokenizedGenerateReq,
     TokenLogprob,
-    bind_pull,
-    connect_push,
 )
+from scheduler.ipc import IpcPaths, bind_pull, connect_push
+from server.dp_router import DpRouter, merge_stats
 from server.metrics import ServerMetrics
 from server.protocol import ApiError
 

@@ -1,7 +1,7 @@
 """A stand-in scheduler process for the server tests, and helpers to run a real server around it.
 
 `run_fake_scheduler_process(args, ipc, ready_conn)` has the contract of
-`scheduler.scheduler_process.run_scheduler_process` (see server/launch_server.py) but no model: it
+`server.scheduler_entry.run_scheduler_process` (see server/launch_server.py) but no model: it
 "generates" deterministic tokens so the HTTP, detokenizer and process-management code can be tested on
 CPU in seconds. `python -m tests.fake_server` runs the launcher with it (ServerProcess does so by default).
 
@@ -35,19 +35,17 @@ from pathlib import Path
 
 import zmq
 
-from server.ipc import (
+from scheduler.io_struct import (
     AbortReq,
     BatchTokenOut,
     ControlReply,
     FinishReason,
     FlushCacheReq,
     GetStatsReq,
-    IpcPaths,
     TokenizedGenerateReq,
     TokenLogprob,
-    bind_pull,
-    connect_push,
 )
+from scheduler.ipc import IpcPaths, bind_pull, connect_push
 
 STEP_S = float(os.environ.get("DUET_FAKE_STEP_S", "0.004"))
 UNICODE_TEXT = " naïve café 😀 日本語 ✓ Ω≈ç"
@@ -354,7 +352,8 @@ def tiny_model_dir() -> Path:
 
 
 def use_real_scheduler() -> bool:
-    """``DUET_TEST_REAL_SCHEDULER=1`` runs the server tests against scheduler/scheduler_process.py."""
+    """``DUET_TEST_REAL_SCHEDULER=1`` runs the server tests against the real scheduler
+    (server/scheduler_entry.py, scheduler/scheduler_process.py)."""
     return os.environ.get("DUET_TEST_REAL_SCHEDULER", "") not in ("", "0")
 
 

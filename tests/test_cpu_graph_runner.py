@@ -78,8 +78,8 @@ def test_disable_flag_runs_eager(tiny_llama):
 
 def test_server_flags_choose_the_cpu_decode_path(tiny_llama):
     """Eager by default on CPU; --enable-torch-compile compiles the decode list; --disable-cuda-graph wins."""
-    from scheduler.scheduler_process import runner_config
     from server.args import parse_args
+    from server.scheduler_entry import runner_config
 
     def config(*flags):
         return runner_config(parse_args(["--model-path", str(tiny_llama[0]), "--device", "cpu",

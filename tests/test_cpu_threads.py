@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from server import cpu_threads
+from scheduler import cpu_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

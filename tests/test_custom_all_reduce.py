@@ -154,9 +154,9 @@ def test_ranks_fall_back_together_when_one_cannot_set_up(fail_rank):
     (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "h:1"], False),  # peer memory is one host's
 ])
 def test_the_flag_reaches_the_runner(argv, expected):
-    from scheduler.scheduler_process import runner_config
     from server.args import ServerArgs, build_parser
     from server.parallel import plan_ranks
+    from server.scheduler_entry import runner_config
 
     args = ServerArgs(**vars(build_parser().parse_args(["--device", "cpu", "--tp-size", "2", *argv])))
     assert runner_config(args, plan_ranks(args)[0]).custom_all_reduce is expected

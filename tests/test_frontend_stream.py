@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from model_executor.sampling_params import SamplingParams
-from server.ipc import BatchStrOut, FinishReason, IpcPaths, PromptLogprobs, bind_pull
+from scheduler.io_struct import BatchStrOut, FinishReason, PromptLogprobs
+from scheduler.ipc import IpcPaths, bind_pull
 from server.metrics import ServerMetrics
 from server.serving_common import ChoiceChunks, sse
 from server.tokenizer_manager import GenRequest, TokenizerManager, _coalesce, _Fragment

@@ -170,8 +170,8 @@ def test_retraction_keeps_greedy_outputs(server, model_path):
 def run_faulty_scheduler_process(args, ipc, ready_conn) -> None:
     """The real scheduler process, except that a decode batch holding a request whose prompt starts with
     FAULT_MARKER raises in sampling."""
-    from scheduler import scheduler_process
     from scheduler.scheduler import Scheduler
+    from server import scheduler_entry
 
     sample = Scheduler._sample
 
@@ -181,7 +181,7 @@ def run_faulty_scheduler_process(args, ipc, ready_conn) -> None:
         return sample(self, logits, reqs, *args)
 
     Scheduler._sample = faulty_sample
-    scheduler_process.run_scheduler_process(args, ipc, ready_conn)
+    scheduler_entry.run_scheduler_process(args, ipc, ready_conn)
 
 
 @pytest.fixture(scope="module")

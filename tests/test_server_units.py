@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from model_executor.sampling_params import SamplingParams
+from scheduler.io_struct import AbortReq, BatchStrOut, BatchTokenOut, FinishReason
 from server.detokenizer import IncrementalDetokenizer, load_tokenizer
-from server.ipc import AbortReq, BatchStrOut, BatchTokenOut, FinishReason
 from server.metrics import ServerMetrics
 from server.protocol import ApiError
 from server.tokenizer_manager import TokenizerManager, _Fragment, _Inbox, _ReqState
@@ -254,7 +254,7 @@ def _out(rid: str, text: str, token: int, n: int, finish=None, logprob=None) -> 
 def test_fragments_queued_while_the_consumer_is_busy_stream_as_one_chunk():
     """An HTTP process behind the engine sends a stream's piled-up tokens as one chunk (texts, tokens and
     logprobs joined, the last counts), never joining across a finished fragment."""
-    from server.ipc import TokenLogprob
+    from scheduler.io_struct import TokenLogprob
     from server.tokenizer_manager import GenRequest
 
     async def main():

@@ -1,16 +1,30 @@
-"""The attention-backend interface, graph hooks included, so runners never branch on the backend."""
+"""The attention-backend interface, graph hooks included, so runners never branch on the backend, and
+AttentionLayer: what a backend reads of the layer it serves (RadixAttention, which calls the backend)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from model_executor.forward_batch import ForwardBatch
-    from model_executor.layers.attention.radix_attention import RadixAttention
+    from model_executor.layers.norm import RMSNorm
+    from model_executor.layers.rotary import RotaryEmbedding
+
+
+class AttentionLayer(Protocol):
+    """An attention layer's shape as the backends see it (RadixAttention implements it)."""
+
+    layer_id: int  # the KV pool's layer index
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    rotary_emb: RotaryEmbedding | None  # for backends that fuse the rotary into the KV store
+    qk_norm: tuple[RMSNorm, RMSNorm] | None  # Qwen3's per-head q/k norms, applied with the rotary
 
 
 class AttentionBackend(ABC):
@@ -29,7 +43,7 @@ class AttentionBackend(ABC):
         one kernel instead of two."""
         return False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: RadixAttention,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer,
                 fb: ForwardBatch, out: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 kv_stored: bool = False) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hk*D]. Stores the new K/V in the pool and attends into `out` [T, Hq*D]
@@ -62,29 +76,30 @@ class AttentionBackend(ABC):
         return out
 
     def rotary_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        layer: RadixAttention, fb: ForwardBatch) -> None:
+                        layer: AttentionLayer, fb: ForwardBatch) -> None:
         """q: [bs, Hq, D] rotated in place; k rotated and stored with v at fb.out_cache_loc; both normalised
         per head first where layer.qk_norm is set (backends whose fuses_rotary can be True)."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary into its KV store")
 
-    def kv_store_target(self, layer: RadixAttention, fb: ForwardBatch) -> tuple | None:
+    def kv_store_target(self, layer: AttentionLayer, fb: ForwardBatch) -> tuple | None:
         """(k_buffer, v_buffer, slots, k_scale, v_scale) where a decode batch's K/V may be stored by the
         qkv projection's kernel (with the rotary) before forward(..., kv_stored=True); None: forward stores
         them itself (the default)."""
         return None
 
-    def forward_decode_stored(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch,
+    def forward_decode_stored(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch,
                               out: torch.Tensor) -> None:
         """forward_decode right after the qkv projection's kernel stored the batch's K/V (kv_store_target) and
         wrote q: a backend may start its kernel before that one ends (the triton backend: PDL)."""
         self.forward_decode(q, layer, fb, out)
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch,
+                       out: torch.Tensor) -> None:
         """q, out: [bs, Hq, D]; all K/V (the new token's included) are in the pool. Writes `out`."""
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
         """q, out: [T, Hq, D], k, v: [T, Hk, D] for the new tokens. Stores k, v at fb.out_cache_loc and
         attends causally over the cached prefix + the new tokens. Writes `out`."""

@@ -20,8 +20,7 @@ import torch
 
 from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch
-from model_executor.layers.attention.base import AttentionBackend
-from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.layers.attention.base import AttentionBackend, AttentionLayer
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
@@ -85,11 +84,11 @@ class FlashInferAttnBackend(AttentionBackend):
                                   kv_data_type=self.kv_dtype)
 
     # ---- attention -------------------------------------------------------------------------------
-    def _paged(self, fb: ForwardBatch, layer: RadixAttention):
+    def _paged(self, fb: ForwardBatch, layer: AttentionLayer):
         k, v = fb.kv_cache.get_kv(layer.layer_id)
         return k.unsqueeze(1), v.unsqueeze(1)  # [slots, page_size=1, Hk, D]
 
-    def _scales(self, fb: ForwardBatch, layer: RadixAttention) -> dict:
+    def _scales(self, fb: ForwardBatch, layer: AttentionLayer) -> dict:
         """An FP8 pool's scales for this layer's run (v_scale costs flashinfer a multiply of the output: given
         only where it is not 1)."""
         if not self.fp8_kv:
@@ -97,10 +96,11 @@ class FlashInferAttnBackend(AttentionBackend):
         k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
         return {"k_scale": k_scale, "v_scale": v_scale if v_scale != 1.0 else None}
 
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch,
+                       out: torch.Tensor) -> None:
         self._decode.run(q, self._paged(fb, layer), out=out, **self._scales(fb, layer))
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
         fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         self.prefill_wrapper.run(q, self._paged(fb, layer), out=out, **self._scales(fb, layer))

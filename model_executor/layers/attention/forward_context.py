@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from model_executor.forward_batch import ForwardBatch
-    from model_executor.layers.attention.radix_attention import RadixAttention
+    from model_executor.layers.attention.base import AttentionLayer
 
 
 @dataclass
 class ForwardContext:
     forward_batch: ForwardBatch  # the real (unpadded) batch: lengths, KV slots, the attention backend
-    attention_layers: dict[int, RadixAttention]  # by layer_id: the op gets only the id
+    attention_layers: dict[int, AttentionLayer]  # by layer_id: the op gets only the id
 
 
 _current: ForwardContext | None = None
@@ -42,7 +42,8 @@ def is_active() -> bool:
 
 
 @contextlib.contextmanager
-def forward_context(fb: ForwardBatch, attention_layers: dict[int, RadixAttention]) -> Iterator[ForwardContext]:
+def forward_context(fb: ForwardBatch,
+                    attention_layers: dict[int, AttentionLayer]) -> Iterator[ForwardContext]:
     global _current
     previous, _current = _current, ForwardContext(fb, attention_layers)
     try:

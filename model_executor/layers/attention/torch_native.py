@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from model_executor.forward_batch import ForwardBatch
-from model_executor.layers.attention.base import AttentionBackend
-from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.layers.attention.base import AttentionBackend, AttentionLayer
 
 # Query rows per SDPA call when an extend has a cached prefix: the offset mask is rows x kv_len bools.
 PREFIX_QUERY_BLOCK = 1024
@@ -47,7 +46,8 @@ class TorchNativeBackend(AttentionBackend):
             mask = (positions[None, :] < fb.seq_lens[:, None])[:, None, None, :]
         self.decode_metadata = DecodeMetadata(fb, slots, mask)
 
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor) -> None:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch,
+                       out: torch.Tensor) -> None:
         if self.decode_metadata is None or self.decode_metadata.batch is not fb:
             self.init_forward_metadata(fb)  # a caller that runs the model directly (tests, references)
         meta = self.decode_metadata
@@ -61,7 +61,7 @@ class TorchNativeBackend(AttentionBackend):
                                            scale=layer.scaling)
         out.copy_(o.reshape(out.shape))
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
         fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)

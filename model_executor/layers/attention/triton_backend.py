@@ -17,8 +17,7 @@ import torch
 
 from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch
-from model_executor.layers.attention.base import AttentionBackend
-from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.layers.attention.base import AttentionBackend, AttentionLayer
 from model_executor.layers.attention.triton_ops import (
     alloc_decode_workspace,
     decode_attention_fwd,
@@ -85,13 +84,13 @@ class TritonAttnBackend(AttentionBackend):
     def fuses_rotary(self, fb: ForwardBatch) -> bool:
         return fb.mode.is_decode()
 
-    def kv_store_target(self, layer: RadixAttention, fb: ForwardBatch) -> tuple | None:
+    def kv_store_target(self, layer: AttentionLayer, fb: ForwardBatch) -> tuple | None:
         if not fb.mode.is_decode():
             return None
         return (*fb.kv_cache.get_kv(layer.layer_id), fb.out_cache_loc, *fb.kv_cache.get_scales(layer.layer_id))
 
     def rotary_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        layer: RadixAttention, fb: ForwardBatch) -> None:
+                        layer: AttentionLayer, fb: ForwardBatch) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
         k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)
         # (one eps: q_norm and k_norm are built with the model's rms_norm_eps, as qk_norm_rope assumes too)
@@ -101,7 +100,7 @@ class TritonAttnBackend(AttentionBackend):
         rotary_store_kv(positions, q, k, v, layer.rotary_emb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc,
                         k_scale, v_scale, **norms)
 
-    def forward_decode(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, out: torch.Tensor,
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch, out: torch.Tensor,
                        after_qkv: bool = False) -> None:
         if self._decode_splits is None or self._decode_splits[0] is not fb:
             self.init_forward_metadata(fb)  # a caller that runs the model directly (tests, references)
@@ -111,11 +110,11 @@ class TritonAttnBackend(AttentionBackend):
                              fb.seq_lens, self.attn_logits, self.attn_lse, self._decode_splits[1], layer.scaling,
                              k_scale=k_scale, v_scale=v_scale, counters=self.combine_counters, after_qkv=after_qkv)
 
-    def forward_decode_stored(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch,
+    def forward_decode_stored(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch,
                               out: torch.Tensor) -> None:
         self.forward_decode(q, layer, fb, out, after_qkv=True)
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
         k_buf, v_buf = fb.kv_cache.get_kv(layer.layer_id)
         k_scale, v_scale = fb.kv_cache.get_scales(layer.layer_id)

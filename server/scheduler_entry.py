@@ -1,0 +1,103 @@
+"""The scheduler process's entry point: the server's flags become the scheduler's and the runner's configs.
+
+launch_server spawns `run_scheduler_process(args, ipc, ready_conn)` (with `rank=` and `heartbeat=` for
+data/tensor-parallel ranks). The configs are built here, inside the spawned process: resolving the capture
+lists asks the GPU for its memory, and the HTTP process must never hold a CUDA context. Then
+scheduler/scheduler_process.py runs the engine; below this module nothing knows ServerArgs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runners.capture_lists import (
+    resolve_decode_capture_list,
+    resolve_extend_token_levels,
+    resolve_full_extend_max_tokens,
+)
+from runners.model_runner import RunnerConfig
+from scheduler import scheduler_process
+from scheduler.ipc import IpcPaths
+from scheduler.scheduler import SchedulerConfig
+from server.args import ServerArgs
+from server.parallel import SchedulerRank
+
+
+def default_max_running_requests(args: ServerArgs) -> int:
+    return args.max_running_requests or (256 if args.device == "cuda" else 64)
+
+
+def default_chunked_prefill_size(args: ServerArgs) -> int | None:
+    if args.chunked_prefill_size == -1:
+        return None
+    return args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
+
+
+def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> RunnerConfig:
+    device = args.device
+    max_running = default_max_running_requests(args)
+    graphs = device == "cuda"
+    chunk = default_chunked_prefill_size(args)
+    config = RunnerConfig(
+        model_path=args.model_path,
+        device=device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        context_length=args.context_length,
+        max_running_requests=max_running,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        # The largest extend batch the scheduler builds: its activation peak is what the profile measures.
+        max_prefill_tokens=min(args.max_prefill_tokens, chunk or args.max_prefill_tokens),
+        random_weights=args.load_format == "dummy",
+        seed=args.random_seed,
+        # CPU: --enable-torch-compile compiles the decode list with inductor (runners/cpu_graph_runner.py);
+        # off by default, eager measured faster end to end (docs/benchmarks.md).
+        disable_cuda_graph=args.disable_cuda_graph or not (graphs or args.enable_torch_compile),
+        cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs or args.enable_torch_compile else (),
+        disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
+        piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
+        full_extend_graph_max_tokens=resolve_full_extend_max_tokens(args) if graphs else 0,
+        enable_torch_compile=args.enable_torch_compile,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        sampling_backend=args.sampling_backend,
+    )
+    if rank is None:
+        return config
+    return dataclasses.replace(config, device=rank.device, tp_rank=rank.tp_rank, tp_size=rank.tp_size,
+                               dist_init_method=rank.dist_init_method, dist_timeout_s=args.dist_timeout,
+                               # peer memory reaches only this host's GPUs
+                               custom_all_reduce=not args.disable_custom_all_reduce and args.nnodes == 1)
+
+
+def scheduler_config(args: ServerArgs) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_running_requests=default_max_running_requests(args),
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=default_chunked_prefill_size(args),
+        schedule_policy=args.schedule_policy,
+        disable_radix_cache=args.disable_radix_cache,
+        enable_overlap=not args.disable_overlap_schedule,
+        enable_mixed_chunk=args.enable_mixed_chunk,
+        grammar_backend=args.grammar_backend,
+    )
+
+
+def scheduler_process_config(args: ServerArgs,
+                             rank: SchedulerRank | None = None) -> scheduler_process.SchedulerProcessConfig:
+    """rank: this process's place among the data/tensor-parallel ranks (None: the only scheduler)."""
+    return scheduler_process.SchedulerProcessConfig(
+        runner=runner_config(args, rank),
+        scheduler=scheduler_config(args),
+        tokenizer_path=args.tokenizer_path or args.model_path,
+        dp_rank=rank.dp_rank if rank is not None else 0,
+        status_interval=args.status_interval,
+    )
+
+
+def run_scheduler_process(args: ServerArgs, ipc: IpcPaths, ready_conn, rank: SchedulerRank | None = None,
+                          heartbeat=None) -> None:
+    """The spawned scheduler process's target (launch_server's scheduler entry point)."""
+    scheduler_process.run_scheduler_process(scheduler_process_config(args, rank), ipc, ready_conn,
+                                            heartbeat=heartbeat)
