@@ -280,7 +280,8 @@ def test_llama_mlp_after_attention_quantizes_in_the_norm_and_silu_kernels(tiny_l
         want = _w8a8_per_token(mlp.down_proj, triton_ops.silu_and_mul(gate_up))
         calls = _Calls(monkeypatch, fp8_ops, "_rmsnorm_quant_impl", "_silu_and_mul_quant_impl",
                        "_per_token_group_quant_impl")
-        got, h = mlp.forward_after(o_proj, x, res, norm)
+        hidden, residual = o_proj.forward_residual(x, res, (norm, mlp.gate_up_proj), after_attention=True)
+        got, h = mlp(hidden, residual, norm)
     o_proj_quant = int(DEVICE == "cuda")  # o_proj's input (on a CPU, _fp8_linear_impl's float32 reference)
     assert calls.n == {"_rmsnorm_quant_impl": 1, "_silu_and_mul_quant_impl": 1,
                        "_per_token_group_quant_impl": o_proj_quant}

@@ -739,14 +739,18 @@ def test_forward_normed_folds_the_norm_in_where_the_table_has_a_gemv(quant, with
 @interpreter_only
 @pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
 def test_llama_mlp_fuses_the_activation_where_the_table_has_a_gemv(quant, table, monkeypatch):
-    """LlamaMLP at a decode row runs gate/up + SiLU-and-mul as one kernel (the table's GEMV for the [2I, K]
-    weight) with the unfused path's bits; at two rows the linear and SiluAndMul run apart until the table
-    gives two rows a GEMV too, and then two rows fuse with the unfused bits."""
+    """LlamaMLP (norm -> gate_up -> SiLU-and-mul -> down) at a decode row runs gate/up + SiLU-and-mul as one
+    kernel (the table's GEMV for the [2I, K] weight) with the unfused path's bits; at two rows the linear and
+    SiluAndMul run apart until the table gives two rows a GEMV too, and then two rows fuse with the unfused
+    bits."""
+    from model_executor.layers.norm import RMSNorm
     from model_executor.layers.triton_ops import ops as triton_ops
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     mlp, gen = _tiny_mlp(quant, table)
     hidden = mlp.gate_up_proj.weight.shape[1]
+    norm = RMSNorm(hidden, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data.copy_(torch.rand(hidden, generator=gen) + 0.5)
     fused = []
     real = sm.small_m_silu_and_mul
 
@@ -757,15 +761,22 @@ def test_llama_mlp_fuses_the_activation_where_the_table_has_a_gemv(quant, table,
         return out
 
     monkeypatch.setattr(sm, "small_m_silu_and_mul", counted)
-    x = torch.randn(2, hidden, generator=gen).to(torch.bfloat16)
-    # (on a GPU SiluAndMul runs this Triton kernel; on a CPU tensor it would take torch's silu)
-    unfused = lambda mlp, rows: mlp.down_proj(triton_ops.silu_and_mul(mlp.gate_up_proj(rows)))
+    x, res = torch.randn(2, 2, hidden, generator=gen).to(torch.bfloat16)
+
+    def unfused(mlp, rows, residual):
+        normed, h = norm(rows, residual)
+        # (on a GPU SiluAndMul runs this Triton kernel; on a CPU tensor it would take torch's silu)
+        return mlp.down_proj(triton_ops.silu_and_mul(mlp.gate_up_proj(normed))), h
+
+    def same(got, want):
+        return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
     with torch.no_grad():
-        assert torch.equal(mlp(x[:1]), unfused(mlp, x[:1])) and fused == [1]
-        mlp(x)
+        assert same(mlp(x[:1], res[:1], norm), unfused(mlp, x[:1], res[:1])) and fused == [1]
+        mlp(x, res, norm)
         assert fused == [1]  # two rows: the linear and SiluAndMul
         mlp, _ = _tiny_mlp(quant, table, rows=("1", "2"))  # (the same weights; the table has a two-row GEMV)
-        assert torch.equal(mlp(x), unfused(mlp, x)) and fused == [1, 2]
+        assert same(mlp(x, res, norm), unfused(mlp, x, res)) and fused == [1, 2]
 
 
 @interpreter_only
@@ -1189,8 +1200,9 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
     apart (and the greedy token is the same)."""
     from test_cuda_graph_runner import make_decode_batch, release
 
+    from model_executor.layers import linear as linear_layers
     from model_executor.layers.attention.triton_backend import TritonAttnBackend
-    from model_executor.models import llama
+    from model_executor.layers.norm import RMSNorm
     from runners.model_runner import ModelRunner, RunnerConfig
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
@@ -1208,9 +1220,9 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
         real = getattr(sm, name)
         monkeypatch.setattr(sm, name, lambda *a, real=real, key=key, arg=arg, **kw: calls[key].append(kw.get(arg))
                             or real(*a, **kw))
-    real_norm = llama.RMSNorm.forward
-    monkeypatch.setattr(llama.RMSNorm, "forward", lambda self, *a: calls["norm"].append(1) or real_norm(self, *a))
-    linear_add_rmsnorm = llama.linear_add_rmsnorm
+    real_norm = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, *a: calls["norm"].append(1) or real_norm(self, *a))
+    linear_add_rmsnorm = linear_layers.linear_add_rmsnorm
     fb, rows, loc = make_decode_batch(runner, bs, seed=5, max_prompt=12)
     bufs = runner.kv_cache.k_buffers + runner.kv_cache.v_buffers
     layers = runner.model_config.num_hidden_layers
@@ -1232,7 +1244,7 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
             dot = bs > 4
             assert len(calls["norm"]) == 1 - lm_head_gemv + dot
             assert len(calls["rope"]) == dot  # (there its qkv tile runs the rotary + KV store after the norm)
-            monkeypatch.setattr(llama, "linear_add_rmsnorm", lambda *a, **kw: None)
+            monkeypatch.setattr(linear_layers, "linear_add_rmsnorm", lambda *a, **kw: None)
             calls["norm"].clear()
             calls["rope"].clear()
             unfused = runner.forward_eager(fb).float()
@@ -1247,7 +1259,7 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
         torch.testing.assert_close(buf[loc].float(), fused_kv.float(), rtol=2.0**-5, atol=2.0**-5)
     # A one-token prompt is an extend batch of one row: its final norm runs as a norm (its hidden states may
     # go to more than the LM head), where the row fusions around it still run.
-    monkeypatch.setattr(llama, "linear_add_rmsnorm", linear_add_rmsnorm)
+    monkeypatch.setattr(linear_layers, "linear_add_rmsnorm", linear_add_rmsnorm)
     for v in calls.values():
         v.clear()
     with torch.no_grad():
