@@ -82,6 +82,9 @@ class ServerArgs:
     full_extend_graph_max_tokens: int | None = _f(None, "extend levels up to this many tokens also get a graph "
                                                         "of the whole model, attention inside (triton backend; "
                                                         "up to 8 requests); 0: none; default 512")
+    disable_small_m_gemm: bool = _f(False, "GPU: run every linear layer on its plain path (cuBLAS for bf16, the "
+                                           "W8A8 GEMM for FP8) instead of the small-M GEMM kernel and its "
+                                           "fusions at decode-sized batches")
     enable_torch_compile: bool = _f(False, "GPU: compile the piecewise extend graphs' pieces with inductor "
                                            "(decode graphs are not compiled); CPU: compile decode with "
                                            "inductor; slower start-up")
