@@ -414,8 +414,7 @@ def _check_prenormed(x: torch.Tensor, row: PrenormedRow) -> None:
 # column tiles leaves its reduce to the second kernel).
 MAX_SPLIT_TILES = 1 << 16
 # Split K's reduce runs in the GEMM (the last split of a tile adds the partials) up to this many rows, and as
-# a second kernel above, where the 17-64-row X_FP8 tiles hold 2-4x the partial sums a tile (measured:
-# docs/kernels.md).
+# a second kernel above, where the 17-64-row X_FP8 tiles hold 2-4x the partial sums a tile (docs/kernels.md).
 IN_KERNEL_REDUCE_MAX_ROWS = MAX_M
 
 
@@ -536,8 +535,8 @@ def preload_config(cfg: GemmConfig, weight: torch.Tensor, block: tuple[int, int]
     """The config of a one-row GEMV launched with PDL after decode attention (pdl.py), from its table config:
     all of K in the one step loaded before the wait (BLOCK_K = K rounded up to a power of two, one stage), where
     that tile is at most PRELOAD_MAX_BYTES_PER_THREAD a thread; else None, and the GEMV runs its table config
-    without PDL (with only its first step preloaded, the Llama-3.1-8B bf16 step measured slower,
-    docs/benchmarks.md). Block scales keep their steps (one scale column a step): None."""
+    without PDL (PDL with only its first step preloaded is slower: docs/kernels.md). Block scales keep their
+    steps (one scale column a step): None."""
     k_p2 = triton.next_power_of_2(weight.shape[1])
     per_thread = cfg.BLOCK_N * k_p2 * weight.element_size() // (32 * cfg.num_warps)
     if block is not None or per_thread > PRELOAD_MAX_BYTES_PER_THREAD:
@@ -584,8 +583,7 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     rotary and the KV store of each row's token: y's q heads come out rotated, k and v go into the pool (a
     paired config: half the table's column tile). None where the table has no single-split GEMV for M rows,
     or while something traces (the caller then runs RMSNorm, the linear and the attention's own rotary and
-    store). Not offered with the fused SiLU-and-mul: measured slower there than the two kernels (H200,
-    docs/benchmarks.md)."""
+    store). Not offered with the fused SiLU-and-mul: there the two kernels are faster (docs/kernels.md)."""
     config = _fused_config(x, weight, block, config, paired=rope is not None, gemv=True)
     if config is None:
         return None
