@@ -186,14 +186,14 @@ class RowParallelLinear(LinearBase):
         return None if out is None else ps.tensor_model_parallel_all_reduce(out)
 
     def forward_residual(self, x: torch.Tensor | GateUp, residual: torch.Tensor,
-                         next_input: tuple[RMSNorm, LinearBase] | None = None,
+                         next_input: tuple[RMSNorm, nn.Module] | None = None,
                          after_attention: bool = False) -> tuple[torch.Tensor | PrenormedRow, torch.Tensor]:
         """(y, residual) for y = self(x) (x a GateUp: self(silu(gate) * up)), the residual stream the next norm
-        takes (h = y + residual). next_input, the (norm, linear) h goes into next: where the kernels can, the
-        residual add and the sums of h^2 run in this GEMM's epilogue (linear_add_rmsnorm) and the result is
-        (PrenormedRow of norm(h), h). after_attention (o_proj): x is decode attention's output; where all of K
-        fits one tile its GEMV loads its weights while attention runs, and with tensor parallelism the add and
-        the sums run in the all-reduce's kernel (all_reduce_add_rmsnorm)."""
+        takes (h = y + residual). next_input, the (norm, layer) h goes into next (a linear, or the LM head):
+        where the kernels can, the residual add and the sums of h^2 run in this GEMM's epilogue
+        (linear_add_rmsnorm) and the result is (PrenormedRow of norm(h), h). after_attention (o_proj): x is
+        decode attention's output; where all of K fits one tile its GEMV loads its weights while attention runs,
+        and with tensor parallelism the add and the sums run in the all-reduce's kernel (all_reduce_add_rmsnorm)."""
         if isinstance(x, GateUp):
             out = self.forward_gated(x.out)  # (FP8 W8A8 rows: the activation quantized in the SiLU's kernel)
             if out is not None:
