@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import bisect
 
-from model_executor.layers.quantization.base import SMALL_M_BUCKETS
-
 GiB = 1024**3
 DEFAULT_MAX_EXTEND_TOKENS = 2048
 # Whole-backbone extend graphs (runners/full_extend_graph_runner.py) up to this many tokens: below it a
@@ -27,16 +25,10 @@ def default_cuda_graph_max_bs(gpu_memory_bytes: int) -> int:
     return 512
 
 
-# Row counts where the small-M GEMM may change its config (its table's M buckets): an explicit list gets
-# those below its largest entry, so a graph never pads a batch across one and computes it as the same batch run
-# eagerly (with FP8 activations re-quantized at every layer, a last-bit difference grows through the model).
-# The default decode schedule and extend levels have them all (the piecewise runner's smallest level is 2: a
-# one-token extend takes the whole-backbone graph's level 1, where the backend has those graphs).
-GEMM_ROW_BOUNDARIES = SMALL_M_BUCKETS
-
-
-def _with_gemm_boundaries(sizes: list[int]) -> list[int]:
-    return sorted(set(sizes) | {b for b in GEMM_ROW_BOUNDARIES if b < sizes[-1]})
+# An explicit list is captured exactly as given. A batch padded up to a captured size runs each GEMM at the
+# padded row count, whose kernel config may differ from the one its own row count takes eagerly, so with FP8
+# activations a padded graph's output may differ from eager in the last bit (docs/cuda_graphs.md); the default
+# lists hold every row count where the small-M GEMM's config can change (its M buckets).
 
 
 def get_batch_sizes_to_capture(cuda_graph_max_bs: int | None, cuda_graph_bs: tuple[int, ...] | None = None,
@@ -44,12 +36,12 @@ def get_batch_sizes_to_capture(cuda_graph_max_bs: int | None, cuda_graph_bs: tup
                                gpu_memory_bytes: int | None = None) -> list[int]:
     """Ascending decode capture list.
 
-    The explicit list wins (and its largest entry is the max; GEMM_ROW_BOUNDARIES below it are added);
-    otherwise 1, 2, 4, 8, 12, 16..256 step 8, 272..496 step 16, 512.. step 32, up to max_bs. Sizes above
-    max_running_requests are dropped.
+    The explicit list wins, as given (sorted, each size once; its largest entry is the max); otherwise 1, 2, 4,
+    8, 12, 16..256 step 8, 272..496 step 16, 512.. step 32, up to max_bs. Sizes above max_running_requests are
+    dropped.
     """
     if cuda_graph_bs:
-        sizes = _with_gemm_boundaries(sorted(set(cuda_graph_bs)))
+        sizes = sorted(set(cuda_graph_bs))
     else:
         if cuda_graph_max_bs is None:
             cuda_graph_max_bs = default_cuda_graph_max_bs(gpu_memory_bytes or 0)
@@ -63,10 +55,10 @@ def get_batch_sizes_to_capture(cuda_graph_max_bs: int | None, cuda_graph_bs: tup
 
 def get_token_levels(max_tokens: int, explicit: tuple[int, ...] | None = None) -> list[int]:
     """Ascending extend token-count levels: 1, 2, 4..32 step 4, 48..256 step 16, 288..512 step 32,
-    576..1024 step 64, 1280..4096 step 256, 4608.. step 512, up to max_tokens (or the explicit list, with
-    GEMM_ROW_BOUNDARIES below its largest entry)."""
+    576..1024 step 64, 1280..4096 step 256, 4608.. step 512, up to max_tokens; or the explicit list, as given
+    (sorted, each level once)."""
     if explicit:
-        return _with_gemm_boundaries(sorted(set(explicit)))
+        return sorted(set(explicit))
     levels = ([1, 2] + list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 513, 32))
               + list(range(576, 1025, 64)) + list(range(1280, 4097, 256))
               + list(range(4608, max(max_tokens, 4608) + 1, 512)))

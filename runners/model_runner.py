@@ -18,6 +18,7 @@ from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.layers.attention import create_attention_backend, resolve_backend_name
 from model_executor.layers.quantization import QuantizationError, resolve_quant_config
 from model_executor.layers.quantization.config import FP8_KV_BACKENDS
+from model_executor.layers.triton_ops import small_m_gemm_dispatch
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
@@ -58,6 +59,9 @@ class RunnerConfig:
     # allows it (runners/full_extend_graph_runner.py); 0: none. Only with the piecewise levels.
     full_extend_graph_max_tokens: int = 0
     enable_torch_compile: bool = False
+    # Every linear on its plain path (cuBLAS / the W8A8 GEMM), never the small-M GEMM kernel
+    # (model_executor/layers/triton_ops/small_m_gemm_dispatch.py).
+    disable_small_m_gemm: bool = False
     # Tensor parallelism: this process is rank tp_rank of tp_size, joining at dist_init_method
     # (tcp://host:port); device is this rank's own GPU (cuda:N) on CUDA.
     tp_rank: int = 0
@@ -107,6 +111,8 @@ class ModelRunner:
             raise ValueError("tensor parallelism needs dist_init_method")
         ps.init_tensor_parallel(config.tp_rank, config.tp_size, config.dist_init_method or "", self.device,
                                 config.dist_timeout_s, config.custom_all_reduce)
+        # The small-M GEMM path on or off, and its start-up line: the table file this GPU uses, or a warning.
+        small_m_gemm_dispatch.configure(not config.disable_small_m_gemm, self.device)
         self.tp_rank, self.tp_size = config.tp_rank, config.tp_size
         cfg = self.model_config
         self.num_kv_heads = ps.kv_heads_per_rank(cfg.num_key_value_heads, config.tp_size)  # this rank's KV heads

@@ -70,19 +70,21 @@ class ServerArgs:
                                        "(rows with a seed always use pytorch)", choices=SAMPLING_BACKENDS)
     cuda_graph_max_bs: int | None = _f(None, "largest decode batch captured in a CUDA graph "
                                              "(default from GPU memory)")
-    cuda_graph_bs: tuple[int, ...] | None = _f(None, "explicit decode capture list; sets --cuda-graph-max-bs "
-                                                     "to its largest entry (the GEMM row buckets 1, 2, 4, .., 64 "
-                                                     "below it are added)", nargs="+")
+    cuda_graph_bs: tuple[int, ...] | None = _f(None, "explicit decode capture list, captured exactly as given; "
+                                                     "sets --cuda-graph-max-bs to its largest entry",
+                                               nargs="+")
     disable_cuda_graph: bool = _f(False, "run decode batches eagerly (no CUDA graphs)")
     piecewise_cuda_graph_max_tokens: int | None = _f(None, "largest extend token count captured "
                                                            "(default: the chunked-prefill size, at most 2048)")
-    piecewise_cuda_graph_tokens: tuple[int, ...] | None = _f(None, "explicit extend token levels (the GEMM row "
-                                                                   "buckets 1, 2, 4, .., 64 below the largest are "
-                                                                   "added)", nargs="+")
+    piecewise_cuda_graph_tokens: tuple[int, ...] | None = _f(None, "explicit extend token levels, captured "
+                                                                   "exactly as given", nargs="+")
     disable_piecewise_cuda_graph: bool = _f(False, "run extend batches eagerly (no piecewise graphs)")
     full_extend_graph_max_tokens: int | None = _f(None, "extend levels up to this many tokens also get a graph "
                                                         "of the whole model, attention inside (triton backend; "
                                                         "up to 8 requests); 0: none; default 512")
+    disable_small_m_gemm: bool = _f(False, "GPU: run every linear layer on its plain path (cuBLAS for bf16, the "
+                                           "W8A8 GEMM for FP8) instead of the small-M GEMM kernel and its "
+                                           "fusions at decode-sized batches")
     enable_torch_compile: bool = _f(False, "GPU: compile the piecewise extend graphs' pieces with inductor "
                                            "(decode graphs are not compiled); CPU: compile decode with "
                                            "inductor; slower start-up")

@@ -59,6 +59,7 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         full_extend_graph_max_tokens=resolve_full_extend_max_tokens(args) if graphs else 0,
         enable_torch_compile=args.enable_torch_compile,
+        disable_small_m_gemm=args.disable_small_m_gemm,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         sampling_backend=args.sampling_backend,

@@ -350,7 +350,7 @@ def table_main(path: str, models: list[str]) -> int:
             cfg, m = smc.GemmConfig(**entry), int(m_key)
             x = torch.randn(m, k, dtype=torch.bfloat16)
             forms = {"plain": tune.kernel_calls(sm, x, wts, cfg)}
-            if fusion and m <= smc.MAX_FUSED_ROWS and smc.fuses(cfg) and tune.fusable(cfg, fusion.needs_pairs):
+            if fusion and m <= sm.MAX_FUSED_ROWS and smc.fuses(cfg) and tune.fusable(cfg, fusion.needs_pairs):
                 forms[f"fused {fusion.layer}"] = tune.fused_calls(sm, fusion, x, wts, cfg)
             for form, calls in forms.items():
                 case = f"{n},{k} m={m} {form}"

@@ -45,6 +45,14 @@ def test_explicit_capture_list_parses():
     assert args.cuda_graph_bs == (1, 2, 8) and args.piecewise_cuda_graph_tokens == (16, 64)
 
 
+def test_disable_small_m_gemm_reaches_the_runner():
+    from server.scheduler_entry import runner_config
+
+    assert not runner_config(parse_args(["--device", "cpu"])).disable_small_m_gemm
+    args = parse_args(["--device", "cpu", "--disable-small-m-gemm"])
+    assert args.disable_small_m_gemm and runner_config(args).disable_small_m_gemm
+
+
 def test_whole_extend_graphs_default_to_512_tokens_and_go_with_the_pieces():
     from runners.capture_lists import resolve_full_extend_max_tokens
 

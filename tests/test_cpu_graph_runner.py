@@ -88,6 +88,6 @@ def test_server_flags_choose_the_cpu_decode_path(tiny_llama):
     assert config().cuda_graph_bs == () and config().disable_cuda_graph
     compiled = config("--enable-torch-compile")
     assert compiled.cuda_graph_bs == (1, 2, 4, 8, 12, 16) and not compiled.disable_cuda_graph
-    assert config("--enable-torch-compile", "--cuda-graph-bs", "1", "3").cuda_graph_bs == (1, 2, 3)
+    assert config("--enable-torch-compile", "--cuda-graph-bs", "1", "3").cuda_graph_bs == (1, 3)  # (as given)
     off = config("--enable-torch-compile", "--disable-cuda-graph")
     assert off.cuda_graph_bs == () and off.disable_cuda_graph

@@ -46,14 +46,31 @@ def test_default_max_bs_from_memory():
 
 def test_explicit_list_and_max_running_cut():
     assert get_batch_sizes_to_capture(256, (16, 1, 4, 2, 8)) == [1, 2, 4, 8, 16]
-    # the small-M GEMM's row boundaries (its table's M buckets) below the largest size join an explicit list, so
-    # that no graph pads a batch across one (capture_lists docstring)
-    assert get_batch_sizes_to_capture(None, (3, 1, 7)) == [1, 2, 3, 4, 7]
-    assert get_batch_sizes_to_capture(None, (20, 48)) == [1, 2, 4, 8, 16, 20, 32, 48]
-    assert get_token_levels(0, (16, 64, 128)) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert get_token_levels(0, (8, 16)) == [1, 2, 4, 8, 16]
+    # an explicit list is captured as given (sorted, each size once): no other size joins it
+    assert get_batch_sizes_to_capture(64, [1, 2, 4, 16]) == [1, 2, 4, 16]
+    assert get_batch_sizes_to_capture(None, (3, 1, 7, 3)) == [1, 3, 7]
+    assert get_batch_sizes_to_capture(None, (20, 48)) == [20, 48]
     assert get_batch_sizes_to_capture(256, None, max_running_requests=20) == [1, 2, 4, 8, 12, 16]
-    assert get_batch_sizes_to_capture(None, (1, 2, 64), max_running_requests=32) == [1, 2, 4, 8, 16, 32]
+    assert get_batch_sizes_to_capture(None, (1, 2, 64), max_running_requests=32) == [1, 2]
+
+
+def test_explicit_token_levels_are_captured_as_given():
+    assert get_token_levels(0, (16, 64, 128)) == [16, 64, 128]
+    assert get_token_levels(2048, (128, 8, 16, 8)) == [8, 16, 128]
+    assert get_token_levels(64)[:4] == [1, 2, 4, 8]  # (the default levels, without an explicit list)
+
+
+def test_the_server_captures_the_explicit_lists_exactly():
+    """--cuda-graph-bs and --piecewise-cuda-graph-tokens, through the runner config the server builds: the
+    sizes and levels given, and no others."""
+    from server.scheduler_entry import runner_config
+    from server.args import parse_args
+
+    args = parse_args(["--device", "cuda", "--cuda-graph-bs", "1", "2", "4", "16", "--piecewise-cuda-graph-tokens",
+                       "24", "256", "--max-running-requests", "64"])
+    config = runner_config(args)
+    assert config.cuda_graph_bs == (1, 2, 4, 16)
+    assert config.piecewise_cuda_graph_tokens == (24, 256)
 
 
 def test_pick_size_bisects():

@@ -16,10 +16,10 @@ from triton_mode import DEVICE, in_process
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers import triton_ops
-    from model_executor.layers.quantization import base as qbase
     from model_executor.layers.quantization import fp8_linear as fl
     from model_executor.layers.quantization import fp8_math as fm
     from model_executor.layers.quantization import fp8_ops
+    from model_executor.layers.triton_ops import small_m_gemm_dispatch as dispatch
 
 test_in_subprocess = triton_mode.subprocess_test(__file__)
 
@@ -112,7 +112,7 @@ class _Calls:
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(dispatch, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(fl, "FUSED_QUANT_DEVICES", ("cuda", "cpu"))
 
 
@@ -160,7 +160,7 @@ def test_qkv_layer_runs_the_x_fp8_kernel_on_the_norm_kernels_codes(quant, fused_
     entry = {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "X_FP8": True}
     (tmp_path / f"small_m_gemm_{sm.device_name('cpu')}.json").write_text(json.dumps({quant: {f"{n},{k}": {"32": entry}}}))
     sm.forget_tables()
-    monkeypatch.setattr(sm, "_device_key", lambda x: sm.device_name("cpu"))  # (a CUDA host's name for its table)
+    monkeypatch.setattr(dispatch, "device_key", lambda x: sm.device_name("cpu"))  # (a CUDA host's name for its table)
     norm = RMSNorm(k, eps=1e-5).to(DEVICE, torch.bfloat16)
     x, res = _rows(20, k, 5), _rows(20, k, 6)
     scale = layer.weight_scale_inv if block else layer.weight_scale
@@ -280,7 +280,8 @@ def test_llama_mlp_after_attention_quantizes_in_the_norm_and_silu_kernels(tiny_l
         want = _w8a8_per_token(mlp.down_proj, triton_ops.silu_and_mul(gate_up))
         calls = _Calls(monkeypatch, fp8_ops, "_rmsnorm_quant_impl", "_silu_and_mul_quant_impl",
                        "_per_token_group_quant_impl")
-        got, h = mlp.forward_after(o_proj, x, res, norm)
+        hidden, residual = o_proj.forward_residual(x, res, (norm, mlp.gate_up_proj), after_attention=True)
+        got, h = mlp(hidden, residual, norm)
     o_proj_quant = int(DEVICE == "cuda")  # o_proj's input (on a CPU, _fp8_linear_impl's float32 reference)
     assert calls.n == {"_rmsnorm_quant_impl": 1, "_silu_and_mul_quant_impl": 1,
                        "_per_token_group_quant_impl": o_proj_quant}

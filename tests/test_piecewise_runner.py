@@ -81,14 +81,14 @@ def kv_snapshot(runner: ModelRunner) -> list[torch.Tensor]:
 
 def test_default_token_levels():
     levels = get_token_levels(2048)
-    assert levels[:11] == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48]  # (1 and 2: the GEMM row buckets below 4)
+    assert levels[:11] == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48]  # (every small-M GEMM M bucket up to 64)
     assert levels[23:26] == [256, 288, 320] and levels[31:34] == [512, 576, 640]
     assert levels[-5:] == [1024, 1280, 1536, 1792, 2048] and len(levels) == 44
     big = get_token_levels(8192)
     assert big[:44] == levels and big[44:46] == [2304, 2560]
     assert big[-9:] == [4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192] and len(big) == 60
     assert get_token_levels(100) == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 80, 96]
-    assert get_token_levels(2048, (64, 8, 512, 8)) == [1, 2, 4, 8, 16, 32, 64, 512]  # (GEMM_ROW_BOUNDARIES added)
+    assert get_token_levels(2048, (64, 8, 512, 8)) == [8, 64, 512]  # (an explicit list: as given, sorted)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])

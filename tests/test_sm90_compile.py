@@ -30,8 +30,8 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.parametrize("gpu", ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"])
 def test_shipped_table_compiles_for_sm90_unserialized(gpu):
     """Each bf16 entry of a shipped small-M table (H200, H100) for the Llama shapes it was tuned on compiles for
-    sm_90, plain and in its layer's fused form, and none has a wgmma chain ptxas serialized (the 8B down fused at
-    8 rows ran 1.5x slower so: docs/benchmarks.md)."""
+    sm_90, plain and in its layer's fused form, and none has a wgmma chain ptxas serialized (a serialized chain
+    makes the kernel far slower: docs/kernels.md)."""
     table = ROOT / f"model_executor/layers/triton_ops/configs/small_m_gemm_{gpu}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--table", str(table), "--model", "llama-3.1-8b",

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from model_executor.configs import SHAPES, shape_path
-from model_executor.layers.quantization.base import SMALL_M_FUSED_ROWS
+from model_executor.layers.triton_ops.small_m_gemm_dispatch import MAX_FUSED_ROWS as SMALL_M_FUSED_ROWS
 from model_executor.model_config import ModelConfig
 
 DEFAULT_MODELS = ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")

@@ -5,14 +5,27 @@ gate/up tensors) load into the fused layers, each rank copying only its shard. `
 lazy safetensors slice (model_executor/lazy_slice.py): narrowing it reads nothing, so a rank reads only its
 part of the file. tp_rank/tp_size default to the process's tensor-parallel group
 (model_executor/distributed/parallel_state.py), so model code never passes them.
+
+A decoder block's norms, activation and residual adds go into the GEMMs around them where the kernels allow.
+Each fusion choice is one method here, so a model reads as its plain chain:
+
+    QKVParallelLinear.forward_qkv                  input norm -> qkv (-> rotary + KV store)
+    MergedColumnParallelLinear.forward_silu_and_mul  post-attention norm -> gate_up -> SiLU-and-mul
+    RowParallelLinear.forward_residual             o_proj / down -> + residual (-> the next norm's first step)
+
+Their inputs are a residual stream's (x, residual): h = x + residual, normed by the layer that takes it (x is
+a PrenormedRow where the GEMM before prepared the norm in its epilogue; residual is then h).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from model_executor.distributed import parallel_state as ps
+from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.norm import PrenormedRow, RMSNorm
 from model_executor.layers.quantization import current_linear_method
 from model_executor.layers.quantization.base import copy_into, small_m_kernel, small_m_linear_add_rmsnorm
@@ -43,6 +56,19 @@ def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
     """For parameters with no sharding (norms): a checked copy."""
     _copy_into(param, loaded)
+
+
+@dataclass(frozen=True)
+class GateUp:
+    """A [gate; up] GEMM's output whose SiLU-and-mul has not run: the down projection runs it, inside its FP8
+    activation quantization where it can (RowParallelLinear.forward_residual)."""
+    out: torch.Tensor
+    # The GEMM's input was quantized inside the norm's kernel (FP8 rows on the W8A8 path): down then runs
+    # without the next norm's epilogue.
+    quantized_input: bool = False
+
+
+_silu_and_mul = SiluAndMul()
 
 
 class LinearBase(nn.Module):
@@ -159,6 +185,31 @@ class RowParallelLinear(LinearBase):
         out = self.quant_method.apply_gated(self, gate_up)
         return None if out is None else ps.tensor_model_parallel_all_reduce(out)
 
+    def forward_residual(self, x: torch.Tensor | GateUp, residual: torch.Tensor,
+                         next_input: tuple[RMSNorm, nn.Module] | None = None,
+                         after_attention: bool = False) -> tuple[torch.Tensor | PrenormedRow, torch.Tensor]:
+        """(y, residual) for y = self(x) (x a GateUp: self(silu(gate) * up)), the residual stream the next norm
+        takes (h = y + residual). next_input, the (norm, layer) h goes into next (a linear, or the LM head):
+        where the kernels can, the residual add and the sums of h^2 run in this GEMM's epilogue
+        (linear_add_rmsnorm) and the result is (PrenormedRow of norm(h), h). after_attention (o_proj): x is
+        decode attention's output; where all of K fits one tile its GEMV loads its weights while attention runs,
+        and with tensor parallelism the add and the sums run in the all-reduce's kernel (all_reduce_add_rmsnorm)."""
+        if isinstance(x, GateUp):
+            out = self.forward_gated(x.out)  # (FP8 W8A8 rows: the activation quantized in the SiLU's kernel)
+            if out is not None:
+                return out, residual
+            act = _silu_and_mul(x.out)
+            if x.quantized_input:
+                return self(act), residual
+            x = act
+        if next_input is not None:
+            fused = linear_add_rmsnorm(self, x, residual, *next_input, after_attention=after_attention)
+            if fused is None and after_attention:
+                fused = all_reduce_add_rmsnorm(self, x, residual, *next_input)
+            if fused is not None:
+                return fused
+        return self(x), residual
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused into one matmul (gate_up_proj); shard_id is the index."""
@@ -173,6 +224,26 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
         self._load(param, _shard(loaded, 0, self.tp_rank, self.tp_size), offset, size)
+
+    def forward_silu_and_mul(self, norm: RMSNorm, x: torch.Tensor | PrenormedRow,
+                             residual: torch.Tensor | None) -> tuple[torch.Tensor | GateUp, torch.Tensor]:
+        """(silu(gate) * up, h) of this [gate; up] layer on norm(h), h = x + residual (residual when x is a
+        PrenormedRow of it), in the kernels that fit the rows: at decode rows where the small-M kernel fuses, the
+        GEMV and the SiLU-and-mul in one (after a PrenormedRow, the norm's 1 / rms too); FP8 rows on the W8A8
+        path quantize the GEMM's input inside the norm's kernel and leave the SiLU-and-mul to down's
+        quantization kernel (a GateUp); elsewhere norm, GEMM, then the SiLU-and-mul in down's call (a GateUp)."""
+        if not isinstance(x, PrenormedRow):
+            quantized = self.forward_normed_quantized(norm, x, residual)
+            if quantized is not None:
+                gate_up, residual = quantized
+                return GateUp(gate_up, quantized_input=True), residual
+            x, residual = _add_norm(norm, x, residual)
+        act = self.silu_and_mul(x)
+        if act is not None:
+            return act, residual
+        if isinstance(x, PrenormedRow):  # (not expected: the kernel before checked this layer's config)
+            x = norm(residual)
+        return GateUp(self(x)), residual
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -208,6 +279,18 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+    def forward_qkv(self, norm: RMSNorm, x: torch.Tensor | PrenormedRow, residual: torch.Tensor | None,
+                    rope: RopeStore | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(qkv, h, stored) for qkv = self(norm(h)), h = x + residual (forward_normed: the norm inside the GEMV
+        where the method can). rope (a decode batch whose attention backend lets this GEMM store its KV):
+        where the method can, the rotary and the KV store run in the same kernel (forward_normed_rope): qkv's q
+        heads come out rotated, k and v are in the pool, and stored is True."""
+        fused = None if rope is None else self.forward_normed_rope(norm, x, residual, rope)
+        if fused is not None:
+            return fused[0], fused[1], True
+        qkv, residual = self.forward_normed(norm, x, residual)
+        return qkv, residual, False
 
 
 def all_reduce_add_rmsnorm(linear: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,

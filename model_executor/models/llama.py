@@ -1,18 +1,19 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral), Qwen2/2.5 (the same block with q/k/v bias), Qwen3
-(RMSNorm over each q and k head before the rotary) and the MoE models on the same block, whose MLP is a
-router and fused experts (Qwen3-MoE, Mixtral)."""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral), Qwen2/2.5 (the same block with q/k/v bias) and Qwen3
+(RMSNorm over each q and k head before the rotary). The MoE models on this block are in moe.py.
+
+Each decoder layer is norm -> attention (qkv -> rotary + attention -> o_proj) -> norm -> MLP (gate_up -> SiLU-and-mul
+-> down) on a residual stream (hidden, residual): a norm runs in the linear that takes its output, a residual add
+in the linear before it where the kernels can (the fusions are the linear layers' own: layers/linear.py).
+"""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
-from typing import ClassVar
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from model_executor.forward_batch import ForwardBatch
-from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention.radix_attention import RadixAttention
 from model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_executor.layers.linear import (
@@ -20,15 +21,16 @@ from model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    all_reduce_add_rmsnorm,
     default_weight_loader,
-    linear_add_rmsnorm,
 )
 from model_executor.layers.logits import compute_logits
-from model_executor.layers.moe.layer import DOWN, GATE, UP, FusedMoE, SparseMoeBlock
 from model_executor.layers.norm import PrenormedRow, RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import CheckpointMismatchError, ModelConfig
+
+# The (norm, linear) a layer's output goes into next: the next layer's input norm and qkv_proj, or the final
+# norm and the LM head.
+NextInput = tuple[RMSNorm, LinearBase | ParallelLMHead]
 
 
 class LlamaMLP(nn.Module):
@@ -36,49 +38,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self.gate_up_proj.silu_and_mul(x)  # one kernel at a decode row where the small-M GEMV runs
-        return self.down_proj(act) if act is not None else self._down(self.gate_up_proj(x))
-
-    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(silu(gate) * up); FP8 rows above 16 quantize the activation in its kernel."""
-        out = self.down_proj.forward_gated(gate_up)
-        return out if out is not None else self.down_proj(self.act(gate_up))
-
-    def forward_after(self, o_proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                      next_input: tuple[RMSNorm, LinearBase | ParallelLMHead] | None = None
-                      ) -> tuple[torch.Tensor | PrenormedRow, torch.Tensor]:
-        """(self(norm(h)), h) for h = o_proj(x) + residual. At a decode row where the small-M GEMVs run, the
-        residual add and the norm's sums go into o_proj's epilogue and the 1 / rms into the gate/up GEMV (the
-        norm's own launch goes). With next_input, the (norm, linear) that the layer's output h' = mlp + h
-        feeds next, the down projection's epilogue likewise adds h and returns (PrenormedRow of h', h')."""
-        fused = linear_add_rmsnorm(o_proj, x, residual, norm, self.gate_up_proj, after_attention=True)
-        if fused is None:  # tensor parallel: the add and the norm's sums in the all-reduce's kernel instead
-            fused = all_reduce_add_rmsnorm(o_proj, x, residual, norm, self.gate_up_proj)
-        if fused is None:
-            h = o_proj(x)
-            quantized = self.gate_up_proj.forward_normed_quantized(norm, h, residual)  # (FP8 rows above 16)
-            if quantized is not None:
-                gate_up, residual = quantized
-                return self._down(gate_up), residual
-            fused = norm(h, residual)
-        hidden, residual = fused
-        act = self.gate_up_proj.silu_and_mul(hidden)
-        if act is None:
-            if isinstance(hidden, PrenormedRow):  # (not expected: linear_add_rmsnorm checked gate/up's config)
-                hidden = norm(residual)
-            gate_up = self.gate_up_proj(hidden)
-            out = self.down_proj.forward_gated(gate_up)
-            if out is not None:
-                return out, residual
-            act = self.act(gate_up)  # (then down's epilogue may still take the next layer's add and norm)
-        if next_input is not None:
-            fused = linear_add_rmsnorm(self.down_proj, act, residual, *next_input)
-            if fused is not None:
-                return fused
-        return self.down_proj(act), residual
+    def forward(self, x: torch.Tensor | PrenormedRow, residual: torch.Tensor, norm: RMSNorm,
+                next_input: NextInput | None = None) -> tuple[torch.Tensor | PrenormedRow, torch.Tensor]:
+        """norm -> gate_up -> SiLU-and-mul -> down on h = x + residual: (down's output, h), the stream the next
+        norm takes (with next_input, where down's epilogue adds h: a PrenormedRow of that norm, and the sum)."""
+        act, residual = self.gate_up_proj.forward_silu_and_mul(norm, x, residual)
+        return self.down_proj.forward_residual(act, residual, next_input)
 
 
 class LlamaAttention(nn.Module):
@@ -99,62 +65,47 @@ class LlamaAttention(nn.Module):
                                    qk_norm=(self.q_norm, self.k_norm) if cfg.qk_norm else None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | PrenormedRow, residual: torch.Tensor | None,
-                norm: RMSNorm, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention of norm(h), h) for h = x + residual (x when residual is None; residual when x is a
-        PrenormedRow of it), before o_proj (the decoder layer runs o_proj, with what follows it where it
-        can). At a decode token, where the small-M GEMV and the backend allow, the norm, qkv_proj, the rotary
-        and the KV store are one kernel; elsewhere the norm goes into qkv_proj's GEMV where it can."""
-        rope = self.attn.rope_store(fb, positions)
-        fused = None if rope is None else self.qkv_proj.forward_normed_rope(norm, x, residual, rope)
-        if fused is not None:
-            qkv, residual = fused
-            return self.attn.forward_stored(qkv[:, : self.qkv_proj.q_size], fb), residual
-        qkv, residual = self.qkv_proj.forward_normed(norm, x, residual)
+                norm: RMSNorm, fb: ForwardBatch,
+                next_input: NextInput | None = None) -> tuple[torch.Tensor | PrenormedRow, torch.Tensor]:
+        """norm -> qkv -> rotary + attention -> o_proj on h = x + residual: (o_proj's output, h), the stream the
+        next norm takes (with next_input, where o_proj's epilogue adds h: a PrenormedRow of that norm, and the
+        sum). Where the backend lets qkv_proj store the KV, its kernel runs the rotary and the store too."""
+        qkv, residual, stored = self.qkv_proj.forward_qkv(norm, x, residual, self.attn.rope_store(fb, positions))
         q, k, v = self.qkv_proj.split(qkv)
-        return self.attn(q, k, v, fb, positions), residual
+        out = self.attn.forward_stored(q, fb) if stored else self.attn(q, k, v, fb, positions)
+        return self.o_proj.forward_residual(out, residual, next_input, after_attention=True)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb)
-        if layer_id in cfg.moe_layers:
-            # Qwen3-MoE rounds the routing weights to the model dtype; Mixtral keeps them in float32.
-            self.mlp = SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
-                                      cfg.moe_intermediate_size, cfg.norm_topk_prob,
-                                      router_weights_in_model_dtype=cfg.architecture == "Qwen3MoeForCausalLM")
-        else:
-            self.mlp = LlamaMLP(cfg)
+        self.mlp = self.build_mlp(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, fb: ForwardBatch,
-                next_input: tuple[RMSNorm, LinearBase | ParallelLMHead] | None = None):
-        """(hidden, residual) for what follows: hidden is the MLP's output, or at a decode row (a dense MLP
-        and a next_input) a PrenormedRow of next_input's norm (residual then holds the sum). next_input is
-        the (norm, linear) the layer's output goes into next: the next layer's input norm and qkv_proj, or
-        the final norm and the LM head.
-        At a decode row the input norm goes into qkv_proj's GEMV (whole, or its 1 / rms after a
-        PrenormedRow); the post-attention norm into o_proj's epilogue (the add and the sums of squares) and
-        the gate/up GEMV (the 1 / rms). Computed whole inside the gate/up GEMV it measured slower."""
-        attn, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, fb)
-        if isinstance(self.mlp, LlamaMLP):
-            return self.mlp.forward_after(self.self_attn.o_proj, attn, residual, self.post_attention_layernorm,
-                                          next_input)
-        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
-        return self.mlp(hidden), residual
+    def build_mlp(self, cfg: ModelConfig) -> nn.Module:
+        return LlamaMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | PrenormedRow, residual: torch.Tensor | None,
+                fb: ForwardBatch, next_input: NextInput | None = None):
+        """(hidden, residual) of the stream after the layer: hidden is the MLP's output, or where the down
+        projection's epilogue took the add (decode rows), a PrenormedRow of next_input's norm."""
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, fb,
+                                          next_input=(self.post_attention_layernorm, self.mlp.gate_up_proj))
+        return self.mlp(hidden, residual, self.post_attention_layernorm, next_input)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig,
+                 decoder_layer: Callable[[ModelConfig, int, RotaryEmbedding], nn.Module] = LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         served = cfg.served_context_len
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, max(cfg.max_position_embeddings, served or 0),
                                           cfg.rope_theta, cfg.rope_scaling,
                                           original_max_position=cfg.max_position_embeddings, seq_len=served)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(decoder_layer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
@@ -188,19 +139,19 @@ class LlamaForCausalLM(nn.Module):
         (".gate_proj", ".gate_up_proj", 0),
         (".up_proj", ".gate_up_proj", 1),
     )
-    # MoE checkpoints keep one tensor per expert and projection: `<prefix>.experts.<e>.<proj>.weight` goes
-    # into `<prefix>.experts.w13_weight` (gate, up) or `.w2_weight` (down) with shard (e, projection).
-    expert_projections: ClassVar[dict[str, int]] = {}
     # Checkpoint name fragment -> ours, applied first (Mixtral's MLP is `block_sparse_moe` in its checkpoint).
     renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, self.decoder_layer)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:  # one tensor (weight_loader's materialization keeps the sharing)
             self.lm_head.tie(self.model.embed_tokens)
+
+    def decoder_layer(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> nn.Module:
+        return LlamaDecoderLayer(cfg, layer_id, rotary_emb)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits [bs, vocab] of each request's last token."""
@@ -236,19 +187,15 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if shard_id is None else f"{target}#{_shard_str(shard_id)}")
         return loaded
 
-    # `.weight`, and a block-quantized checkpoint's `.weight_scale_inv`
-    _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$")
-    _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(w13|w2)_(weight|weight_scale_inv)$")
-
     def _target(self, name: str) -> tuple[str, object]:
         """Our parameter and shard id for a checkpoint tensor name."""
         for hf_frag, our_frag in self.renames:
             name = name.replace(hf_frag, our_frag)
-        m = self._EXPERT.match(name)
-        if m is not None and m.group(3) in self.expert_projections:
-            proj = self.expert_projections[m.group(3)]
-            fused = "w2" if proj == DOWN else "w13"
-            return f"{m.group(1)}.{fused}_{m.group(4)}", (int(m.group(2)), proj)
+        return self._fused_target(name)
+
+    def _fused_target(self, name: str) -> tuple[str, object]:
+        """The fused parameter and shard id a (renamed) checkpoint tensor goes into (stacked_params), or the
+        name itself and None."""
         for hf_frag, our_frag, shard_id in self.stacked_params:
             if hf_frag in name:
                 return name.replace(hf_frag, our_frag), shard_id
@@ -258,25 +205,20 @@ class LlamaForCausalLM(nn.Module):
         names = set()
         modules = dict(self.named_modules())
         for name, _ in self.named_parameters():
-            owner = modules[name.rpartition(".")[0]]
-            if isinstance(owner, FusedMoE):
-                names |= {f"{name}#{shard}" for shard in owner.expected_shards(name)}
-            elif ".qkv_proj." in name:
-                names |= {f"{name}#q", f"{name}#k", f"{name}#v"}
-            elif ".gate_up_proj." in name:
-                names |= {f"{name}#0", f"{name}#1"}
-            else:
-                names.add(name)
+            names |= self._expected_shards(name, modules[name.rpartition(".")[0]])
         return names
+
+    def _expected_shards(self, name: str, owner: nn.Module) -> set[str]:
+        """The names a parameter is loaded under: name#shard for each shard of a fused one."""
+        if ".qkv_proj." in name:
+            return {f"{name}#q", f"{name}#k", f"{name}#v"}
+        if ".gate_up_proj." in name:
+            return {f"{name}#0", f"{name}#1"}
+        return {name}
 
     def checkpoint_name(self, name: str) -> str:
         """The HF tensor name behind one of expected_weight_names' names (for error messages)."""
         target, _, shard = name.partition("#")
-        m = self._FUSED_EXPERTS.match(target)
-        if m is not None:
-            expert, proj = shard.split("/")
-            hf_proj = next(k for k, v in self.expert_projections.items() if v == int(proj))
-            target = f"{m.group(1)}.{expert}.{hf_proj}.{m.group(3)}"
         for hf_frag, our_frag, shard_id in self.stacked_params:
             if our_frag in target and str(shard_id) == shard:
                 target = target.replace(our_frag, hf_frag)
@@ -287,25 +229,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _shard_str(shard_id) -> str:
+    """A shard id as loaded names spell it: "q", "0", or "3/1" for a tuple (an expert's projection)."""
     return "/".join(map(str, shard_id)) if isinstance(shard_id, tuple) else str(shard_id)
-
-
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    expert_projections: ClassVar[dict[str, int]] = {"gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
-
-
-class MixtralForCausalLM(LlamaForCausalLM):
-    expert_projections: ClassVar[dict[str, int]] = {"w1": GATE, "w3": UP, "w2": DOWN}
-    renames = ((".block_sparse_moe.", ".mlp."),)
-
-
-# Mistral, Qwen2 and Qwen3 share the Llama block; Qwen2's q/k/v bias comes from ModelConfig.attention_bias,
-# Qwen3's q/k norms from ModelConfig.qk_norm, the MoE layers from ModelConfig.moe_layers.
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-}

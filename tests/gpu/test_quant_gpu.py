@@ -178,7 +178,6 @@ def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
     tokens (eager and the graph of its level take the same small-M config: the traced `duet::fp8_linear` op
     picks its path on the real row count, as eager does, and no level pads across a GEMM row bucket); the
     5-token extend replays a whole graph of the 8-token level (the same kernels, attention inside)."""
-    from runners.capture_lists import get_token_levels
     from tests.test_piecewise_runner import make_extend_batch, release
 
     torch._dynamo.reset()
@@ -186,11 +185,10 @@ def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
     kw = {} if variant == "fp8_block" else {"quantization": "fp8"}
     if variant == "fp8_kv":
         kw["kv_cache_dtype"] = "fp8_e4m3"
-    # (with the levels at the small-M GEMM's row boundaries that capture_lists adds to a server's explicit list, a
-    # graph pads a batch within its GEMM config's rows, so it computes what eager computes)
+    # (levels at the small-M GEMM's M buckets: a graph pads a batch within its GEMM config's rows, so it computes
+    # what eager computes)
     runner = _runner(path, **kw, disable_piecewise_cuda_graph=False,
-                     piecewise_cuda_graph_tokens=tuple(get_token_levels(0, (16, 32, 64, 128))),
-                     full_extend_graph_max_tokens=16)
+                     piecewise_cuda_graph_tokens=(1, 2, 4, 8, 16, 32, 64, 128), full_extend_graph_max_tokens=16)
     assert runner.extend_graph_runner is not None and runner.full_extend_graph_runner is not None
     # A whole graph (5 tokens), pieces (20 tokens, and 47 in two requests).
     for ext, pre in (([5], [0]), ([20], [0]), ([7, 40], [30, 0])):

@@ -144,6 +144,34 @@ def test_decode_graph_replay_equals_eager_with_the_kernel(kernel_table, quantiza
     del graphs, runner
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_disable_small_m_gemm_keeps_every_linear_off_the_kernel(kernel_table, quantization, monkeypatch):
+    """--disable-small-m-gemm (RunnerConfig.disable_small_m_gemm) on the GPU: with a table that puts every bf16
+    GEMM on the kernel (FP8 takes it untuned up to 16 rows), decode steps of 1 and 8 rows launch no small-M
+    kernel: bf16 runs cuBLAS, FP8 the W8A8 GEMM."""
+    from model_executor.layers.triton_ops import small_m_gemm_dispatch as dispatch
+    from runners.model_runner import ModelRunner, RunnerConfig
+    from tests.test_cuda_graph_runner import make_decode_batch, release
+
+    monkeypatch.setattr(dispatch, "_switch", dispatch._Switch())  # (the runner sets it for the process)
+    runner = ModelRunner(RunnerConfig(
+        model_path=str(shape_path("llama-3.2-1b")), device="cuda", attention_backend="triton",
+        max_running_requests=8, max_total_tokens=8 * 64, context_length=128, random_weights=True,
+        disable_cuda_graph=True, disable_piecewise_cuda_graph=True, quantization=quantization,
+        disable_small_m_gemm=True))
+    launches = []
+    real = sm._launch
+    monkeypatch.setattr(sm, "_launch", lambda *a, **kw: launches.append(a[0].shape[0]) or real(*a, **kw))
+    for bs in (1, 8):
+        fb, rows, _ = make_decode_batch(runner, bs, seed=bs)
+        launches.clear()
+        with torch.inference_mode():
+            logits = runner.forward_eager(fb)
+        release(runner, rows, fb)
+        assert launches == [] and torch.isfinite(logits).all()
+    del runner
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_block"])
 @pytest.mark.parametrize("n2,k", [(16384, 2048), (28672, 4096)])  # 1B and 8B gate_up
 def test_fused_silu_and_mul_equals_the_gemv_then_silu_and_mul(kind, n2, k):

@@ -21,9 +21,9 @@ from model_executor.layers.attention import forward_context
 from model_executor.layers.attention.attention_op import unified_attention
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.qk_norm_rope import norm_and_rotate
-from model_executor.layers.quantization.base import SMALL_M_FUSED_ROWS
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.layers.rotary_store_kv import RopeStore
+from model_executor.layers.triton_ops.small_m_gemm_dispatch import MAX_FUSED_ROWS as SMALL_M_FUSED_ROWS
 
 
 class RadixAttention(nn.Module):

@@ -1,12 +1,14 @@
 """Weight quantization of the linear layers (FP8 on Hopper/Ada, weight-only int8 on CPU).
 
 config.py resolves one QuantConfig per model; base.py is the hook the linear layers call; methods.py the
-quantized methods; fp8_math.py the math in plain PyTorch (reference and CPU); fp8_ops.py the Triton kernels.
+quantized methods; fp8_linear.py their FP8 GEMMs; fp8_math.py the math in plain PyTorch (reference and CPU);
+fp8_ops.py the Triton kernels.
 """
 
 from model_executor.layers.quantization.base import (
+    UNQUANTIZED,
     LinearMethod,
-    current_linear_method,
+    current_quant_config,
     finish_loading,
     quantization_context,
     restore_kept_dtypes,
@@ -19,6 +21,19 @@ from model_executor.layers.quantization.config import (
     checkpoint_quant_config,
     resolve_quant_config,
 )
+
+
+def current_linear_method() -> LinearMethod:
+    """The method of a linear layer built now: that of the QuantConfig being built (quantization_context),
+    unquantized without one. The quantized methods (methods.py, and with FP8 its kernels and Triton) are
+    imported with the first quantized model."""
+    quant = current_quant_config()
+    if quant is None:
+        return UNQUANTIZED
+    from model_executor.layers.quantization.methods import method_for
+
+    return method_for(quant)
+
 
 __all__ = [
     "KV_CACHE_DTYPES",

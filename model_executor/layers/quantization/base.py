@@ -5,6 +5,10 @@ Parameters are what the checkpoint holds (each with the layer's `weight_loader`)
 time (online quantization's scales) is a buffer, so the checkpoint-completeness check never asks for it.
 `load_dtype` on a parameter is the dtype its checkpoint tensor is converted to before the loader sees it
 (online quantization gets the model dtype and quantizes itself).
+
+Decode-sized GEMMs run the small-M kernel (triton_ops/small_m_gemm.py) where small_m_gemm_dispatch.py says
+they do; the small_m_* functions below launch it for the methods and the layers. The quantized methods and the
+method a layer being built gets (current_linear_method) are in methods.py.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_executor.layers.norm import PrenormedRow
+from model_executor.layers.triton_ops import small_m_gemm_dispatch as dispatch
 
 if TYPE_CHECKING:
     from model_executor.layers.rotary_store_kv import RopeStore
@@ -121,20 +126,11 @@ class LinearMethod:
         return small_m_rmsnorm_linear(x, norm_weight, eps, residual, *operands, layer.bias, rope)
 
 
-# Devices whose small-M GEMMs may take the Triton kernel (tests add "cpu" to run it in the interpreter).
-SMALL_M_DEVICES = ("cuda",)
-SMALL_M_MAX = 64  # the kernel's largest row limit (small_m_gemm.MAX_M_FP8), checked before importing it
-SMALL_M_GEMV_ROWS = 4  # the rows its GEMVs take (and so the RMSNorm inside a GEMV's K loop)
-# The rows its other fusions take (the rotary + KV store, the SiLU-and-mul, the add + RMSNorm epilogue, pre-normed
-# rows): a GEMV up to SMALL_M_GEMV_ROWS, a single-split tl.dot tile up to its 16 padded rows (small_m_gemm.MAX_M).
-SMALL_M_FUSED_ROWS = 16
-# The row counts its config table is tuned at (small_m_gemm.M_BUCKETS): a batch takes the next one up's config,
-# so the bits of a row can change between two batch sizes only across one of these.
-SMALL_M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _small_m_module = None
 
 
 def _small_m():
+    """The small-M kernel's module, imported (with Triton) at the first GEMM that runs it, never on a CPU path."""
     global _small_m_module
     if _small_m_module is None:
         from model_executor.layers.triton_ops import small_m_gemm
@@ -145,46 +141,34 @@ def _small_m():
 
 def small_m_act_quant(xq: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None):
     """(small_m_gemm, its X_FP8 config) where the W8A8 GEMM of FP8 rows xq [M, K] with an FP8 weight
-    (per-channel, or `block` scales) should run the small-M kernel on FP8 tensor cores (a table entry for M's
-    bucket), else None."""
-    if xq.device.type not in SMALL_M_DEVICES or xq.shape[0] > SMALL_M_MAX:
-        return None
-    kernel = _small_m()
-    cfg = kernel.act_quant_config(xq, weight, block)
-    return None if cfg is None else (kernel, cfg)
+    (per-channel, or `block` scales) runs the small-M kernel on FP8 tensor cores
+    (small_m_gemm_dispatch.act_quant_kernel_config), else None."""
+    cfg = dispatch.act_quant_kernel_config(xq, weight, block)
+    return None if cfg is None else (_small_m(), cfg)
 
 
 def small_m_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None):
-    """The small_m_gemm module when this GEMM (x [..., K] rows times `weight`) should run it: a decode-sized
-    batch on a CUDA device, not under dynamo, and a table entry (FP8: always); else None. Triton is
-    imported on the first such call, never on a CPU path."""
-    if x.device.type not in SMALL_M_DEVICES or torch.compiler.is_compiling():
-        return None
-    if x.numel() > SMALL_M_MAX * x.shape[-1]:
-        return None
-    kernel = _small_m()
-    return kernel if kernel.use_small_m(x.reshape(-1, x.shape[-1]), weight, block) else None
+    """The small_m_gemm module where this GEMM (x [..., K] rows times `weight`) runs it
+    (small_m_gemm_dispatch.takes_kernel), else None."""
+    return _small_m() if dispatch.takes_kernel(x, weight, block) else None
 
 
 def _rows_kernel(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None):
-    """small_m_kernel for at most SMALL_M_FUSED_ROWS contiguous rows x [..., K] (the fused paths' limit), else
-    None."""
-    # (compiling first: a symbolic token count compared with a constant would add a guard to the traced graph)
-    if torch.compiler.is_compiling() or x.numel() > SMALL_M_FUSED_ROWS * x.shape[-1] or not x.is_contiguous():
-        return None
-    return small_m_kernel(x, weight, block)
+    """small_m_kernel for the fused paths' rows (small_m_gemm_dispatch.takes_fused_rows), else None."""
+    return _small_m() if dispatch.takes_fused_rows(x, weight, block) else None
 
 
 def small_m_paired_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None):
     """The small-M kernel's config for these rows x [..., K] of this weight where it fuses and pairs its rows
-    (the rotary epilogue's; small_m_gemm.paired_config), else None."""
-    kernel = _rows_kernel(x, weight, block)
-    return None if kernel is None else kernel.paired_config(x.reshape(-1, x.shape[-1]), weight, block)
+    (the rotary epilogue's; small_m_gemm_dispatch.paired_config), else None."""
+    if not dispatch.takes_fused_rows(x, weight, block):
+        return None
+    return dispatch.paired_config(x.reshape(-1, x.shape[-1]), weight, block)
 
 
 def small_m_silu_and_mul(x: torch.Tensor | PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None,
                          block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The fused gate/up GEMM + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for up to SMALL_M_FUSED_ROWS
+    """The fused gate/up GEMM + SiLU-and-mul (small_m_gemm.small_m_silu_and_mul) for up to dispatch.MAX_FUSED_ROWS
     rows x [..., K] (or a PrenormedRow) where the small-M kernel runs this weight; None otherwise (and with a
     bias, which it does not add)."""
     prenormed = isinstance(x, PrenormedRow)
@@ -202,8 +186,8 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
                            bias: torch.Tensor | None,
                            rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm (and residual add) fused into the GEMV it feeds (small_m_gemm.small_m_rmsnorm_linear) for
-    up to SMALL_M_GEMV_ROWS rows x [..., K] where the small-M kernel runs this weight as a GEMV; None
-    otherwise. x may be a PrenormedRow (residual is then its h, returned as it is; up to SMALL_M_FUSED_ROWS rows,
+    up to dispatch.MAX_GEMV_ROWS rows x [..., K] where the small-M kernel runs this weight as a GEMV; None
+    otherwise. x may be a PrenormedRow (residual is then its h, returned as it is; up to dispatch.MAX_FUSED_ROWS rows,
     a config that fuses): the GEMM scales the row the kernel before prepared."""
     if isinstance(x, PrenormedRow):
         kernel = _rows_kernel(x.weighted, weight, block)
@@ -228,9 +212,9 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
                                norm_weight: torch.Tensor, eps: float, consumer: torch.Tensor,
                                consumer_block: tuple[int, int] | None,
                                after_attention: bool = False) -> tuple[PrenormedRow, torch.Tensor] | None:
-    """(rows, h) for h = x @ weight^T (+ bias) + residual at up to SMALL_M_FUSED_ROWS rows x [..., K], from the
+    """(rows, h) for h = x @ weight^T (+ bias) + residual at up to dispatch.MAX_FUSED_ROWS rows x [..., K], from the
     GEMM's epilogue (small_m_gemm.small_m_linear_add_rmsnorm), where the table's config for this weight fuses
-    (small_m_gemm.fused_config) and can feed `rows` to the GEMM of `consumer` (the weight norm(h) goes into); None
+    (small_m_gemm_dispatch.fused_config) and can feed `rows` to the GEMM of `consumer` (the weight norm(h) goes into); None
     otherwise. after_attention: x is decode attention's output (at one row, where all of K fits one tile, the
     GEMV loads its weights while attention runs)."""
     kernel = _rows_kernel(x, weight, block)
@@ -238,7 +222,7 @@ def small_m_linear_add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, scale: tor
             or not residual.is_contiguous():
         return None
     residual2 = residual.reshape(-1, weight.shape[0])
-    if not kernel.takes_prenormed(residual2, consumer, consumer_block):
+    if not dispatch.takes_prenormed(residual2, consumer, consumer_block):
         return None
     out = kernel.small_m_linear_add_rmsnorm(x.reshape(-1, x.shape[-1]), weight, scale, bias, block, residual2,
                                             norm_weight, eps, after_attention=after_attention)
@@ -271,15 +255,6 @@ def current_quant_config():
     """The QuantConfig of the model being built (None: unquantized); for layers other than the linears
     (the vocabulary layers, MoE experts)."""
     return _current[0]
-
-
-def current_linear_method() -> LinearMethod:
-    quant = _current[0]
-    if quant is None:
-        return UNQUANTIZED
-    from model_executor.layers.quantization.methods import method_for
-
-    return method_for(quant)
 
 
 def set_kept_dtype(layer: nn.Module, name: str, dtype: torch.dtype) -> None:

@@ -6,7 +6,7 @@ kernel before it (RMSNorm, SiLU-and-mul).
                                                                             -> (linear(norm(h)), h) or None
     fp8_silu_and_mul_linear(gate_up, weight, scale, bias, block)          -> linear(silu_and_mul(gate_up)) or None
 
-Up to 16 rows (small_m_gemm.MAX_M; up to 64 where its table says so) a linear runs the weight-only small-M
+Up to 16 rows (small_m_gemm_dispatch.py: up to 64 where its table says so) a linear runs the weight-only small-M
 kernel: x stays in the model dtype. Above, with dynamic activation scales (per token, or per 1 x block_k group
 for block-wise weights), the activations are quantized and a W8A8 GEMM runs: torch._scaled_mm or the Triton
 block-scaled GEMM, or up to 64 rows, where the table has an X_FP8 entry, the small-M kernel on FP8 operands

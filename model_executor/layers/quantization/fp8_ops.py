@@ -225,9 +225,8 @@ def _block_m(m: int) -> int:
     # Decode batches are a few rows: small M tiles waste less of each MMA (tl.dot needs M >= 16). Above 16 rows
     # one tile height for every M: the tile height changes the MMA's summation order, and a batch padded to a
     # piecewise graph's level must compute each row as the same batch run eagerly (with FP8 activations
-    # re-quantized at every layer, a last-bit difference grew to 0.65 in the logits of a 1B shape: H200,
-    # 17-32 token extends, eager BLOCK_M 32 vs the 64-token graph's 64). Up to 16 rows the model's linears
-    # take the weight-only small-M kernel anyway.
+    # re-quantized at every layer, a last-bit difference grows through the model: docs/cuda_graphs.md). Up to
+    # 16 rows the model's linears take the weight-only small-M kernel anyway.
     return 16 if m <= 16 else 64
 
 

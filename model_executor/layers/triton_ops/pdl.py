@@ -15,9 +15,8 @@ while it runs.
 - Attention signals at its start; a one-row o_proj GEMV launched with PDL loads its weights (all of K in one
   tile, small_m_gemm.preload_config; PRELOAD in the kernel) before its wait, so those bytes stream while
   attention runs (it may start while the qkv kernel still runs: every attention program has started by then).
-Measured in docs/benchmarks.md (twenty-ninth and thirtieth sessions). Applied everywhere (every small-M GEMM, a
-first tile each), PDL was slower in the sixth and tenth sessions: there a GEMV's early programs compete with the
-streaming GEMV before them for bandwidth and SM slots."""
+PDL is used at these two boundaries only: applied to every small-M GEMM (a first tile each), a GEMV's early
+programs compete with the streaming GEMV before them for bandwidth and SM slots (docs/kernels.md)."""
 
 from __future__ import annotations
 

@@ -51,9 +51,10 @@ sums) and zeroes the counter; above, a second kernel does. The workspace is allo
 fixed by (splits, M, N), the counters once per device (split_counters, zeros between calls): no host sync,
 CUDA-graph safe. One stream at a time: two split-K GEMMs running at once on one device would share counters.
 
-Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, GEMV, X_FP8, FUSE) come from a table tuned per GPU:
-small_m_gemm_config.py reads it and says which config (or which other path) a weight takes at a row count.
-The Triton kernels are in small_m_gemm_kernel.py; this module checks operands and launches them.
+Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, GEMV, X_FP8, FUSE, PAIR_DOT) come from a table
+tuned per GPU (small_m_gemm_config.py reads it); small_m_gemm_dispatch.py says which config (or which other
+path) a layer takes at a row count. The Triton kernels are in small_m_gemm_kernel.py; this module checks
+operands and launches them.
 
 `small_m_linear` is the entry point. While something traces (dynamo, a dispatch mode) it goes through the
 `duet::small_m_gemm` custom op (a fake implementation gives the output's shape), otherwise it calls the
@@ -73,30 +74,38 @@ from model_executor.layers.rotary_store_kv import RopeStore
 from model_executor.layers.triton_ops.pdl import pdl_supported
 from model_executor.layers.triton_ops.small_m_gemm_config import (
     FP8,
-    M_BUCKETS,
-    MAX_FUSED_ROWS,
-    MAX_GEMV_ROWS,
-    MAX_M,
-    MAX_M_FP8,
     OTHER_PATHS,
     GemmConfig,
-    choose_config,
     config_to_json,
     default_config,
     device_name,
     forget_tables,
-    fused_config,
     fuses,
-    m_bucket,
-    max_rows,
     pairs,
     parse_entry,
-    silu_and_mul_config,
     single_split,
     split_for,
     tiles_scale_block,
     tuned_configs,
     weight_kind,
+)
+from model_executor.layers.triton_ops.small_m_gemm_dispatch import (
+    M_BUCKETS,
+    MAX_FUSED_ROWS,
+    MAX_GEMV_ROWS,
+    MAX_M,
+    MAX_M_FP8,
+    act_quant_config,
+    choose_config,
+    device_key,
+    fused_config,
+    m_bucket,
+    max_rows,
+    paired_config,
+    silu_and_mul_config,
+    takes_prenormed,
+    tracing,
+    use_small_m,
 )
 from model_executor.layers.triton_ops.small_m_gemm_kernel import _small_m_gemm_kernel, _split_k_reduce_kernel
 
@@ -106,8 +115,9 @@ from model_executor.layers.triton_ops.small_m_gemm_kernel import _small_m_gemm_k
 # than a linear's inputs; below it the error is under 2^-21 absolute, less than bf16's own spacing there.
 X_PRESCALE = 2.0**-4
 
-# The public API: the entry points, and the config table's API (small_m_gemm_config.py) for their callers
-# (point the loader elsewhere through small_m_gemm_config itself: its CONFIG_DIR, table_path).
+# The public API: the entry points, and for their callers the table's API (small_m_gemm_config.py) and the
+# dispatch's (small_m_gemm_dispatch.py) (point the loader elsewhere through small_m_gemm_config itself: its
+# CONFIG_DIR, table_path).
 __all__ = [
     "FP8",
     "IN_KERNEL_REDUCE_MAX_ROWS",
@@ -404,9 +414,7 @@ def _check_prenormed(x: torch.Tensor, row: PrenormedRow) -> None:
 # column tiles leaves its reduce to the second kernel).
 MAX_SPLIT_TILES = 1 << 16
 # Split K's reduce runs in the GEMM (the last split of a tile adds the partials) up to this many rows, and as
-# a second kernel above. Llama-3.1-8B FP8 decode on the H200 (docs/benchmarks.md, twenty-sixth session), b2b
-# step against the second kernel everywhere: 1.7-3.2% faster at 4-16 rows, 2.6-4.1% slower at 32-64 rows
-# (the 17-64-row X_FP8 tiles hold 2-4x the partial sums a tile).
+# a second kernel above, where the 17-64-row X_FP8 tiles hold 2-4x the partial sums a tile (docs/kernels.md).
 IN_KERNEL_REDUCE_MAX_ROWS = MAX_M
 
 
@@ -422,10 +430,6 @@ def split_counters(device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------- entry points
 
 
-def _device_key(x: torch.Tensor) -> str:
-    return device_name(str(x.device)) if x.is_cuda else "cpu"
-
-
 def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
          block_n: int, block_k: int, out_dtype: torch.dtype | None = None,
          y_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -433,7 +437,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias
     block = (block_n, block_k) if block_n > 0 else None
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     kind = weight_kind(weight, block)
-    cfg = choose_config(m, n, k, kind, _device_key(x)) or default_config(m, n, k, kind)
+    cfg = choose_config(m, n, k, kind, device_key(x)) or default_config(m, n, k, kind)
     return _launch(x, weight, scale, bias, block, cfg, out_dtype=out_dtype, y_out=y_out)
 
 
@@ -451,10 +455,6 @@ def _(x, weight, scale, bias, block_n, block_k):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _tracing() -> bool:
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-
-
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
                    config: GemmConfig | None = None, out_dtype: torch.dtype | None = None,
@@ -467,7 +467,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     if config is not None:
         return _launch(x, weight, scale, bias, block, config, out_dtype=out_dtype, y_out=y_out)
     block_n, block_k = block if block is not None else (0, 0)
-    if _tracing():
+    if tracing():
         return _op(x, weight, scale, bias, block_n, block_k)
     return _run(x, weight, scale, bias, block_n, block_k, out_dtype, y_out)
 
@@ -476,11 +476,11 @@ def _fused_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] 
                   config: GemmConfig | None, paired: bool, gemv: bool = False) -> GemmConfig | None:
     """`config`, else the table's fused_config for x's rows; None above MAX_FUSED_ROWS rows or while
     something traces."""
-    if not 0 < x.shape[0] <= MAX_FUSED_ROWS or _tracing():
+    if not 0 < x.shape[0] <= MAX_FUSED_ROWS or tracing():
         return None
     if config is not None:
         return config
-    return fused_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), _device_key(x), paired,
+    return fused_config(weight.shape[0], weight.shape[1], weight_kind(weight, block), device_key(x), paired,
                         x.shape[0], gemv)
 
 
@@ -535,25 +535,13 @@ def preload_config(cfg: GemmConfig, weight: torch.Tensor, block: tuple[int, int]
     """The config of a one-row GEMV launched with PDL after decode attention (pdl.py), from its table config:
     all of K in the one step loaded before the wait (BLOCK_K = K rounded up to a power of two, one stage), where
     that tile is at most PRELOAD_MAX_BYTES_PER_THREAD a thread; else None, and the GEMV runs its table config
-    without PDL (with only its first step preloaded, the Llama-3.1-8B bf16 step measured slower,
-    docs/benchmarks.md). Block scales keep their steps (one scale column a step): None."""
+    without PDL (PDL with only its first step preloaded is slower: docs/kernels.md). Block scales keep their
+    steps (one scale column a step): None."""
     k_p2 = triton.next_power_of_2(weight.shape[1])
     per_thread = cfg.BLOCK_N * k_p2 * weight.element_size() // (32 * cfg.num_warps)
     if block is not None or per_thread > PRELOAD_MAX_BYTES_PER_THREAD:
         return None
     return replace(cfg, BLOCK_K=k_p2, num_stages=1)
-
-
-def paired_config(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> GemmConfig | None:
-    """The table's fused config for a GEMM of this weight at x's rows whose epilogue pairs its rows (the
-    SiLU-and-mul, the rotary: half the column tile), or None (fused_config)."""
-    return _fused_config(x, weight, block, None, paired=True)
-
-
-def takes_prenormed(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether a GEMM of this weight at x's rows can take a PrenormedRow (the table's config for that many
-    rows fuses, paired or not: the SiLU-and-mul and the rotary epilogue take half the column tile)."""
-    return paired_config(x, weight, block) is not None
 
 
 def small_m_prenormed_linear(row: PrenormedRow, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -595,8 +583,7 @@ def small_m_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     rotary and the KV store of each row's token: y's q heads come out rotated, k and v go into the pool (a
     paired config: half the table's column tile). None where the table has no single-split GEMV for M rows,
     or while something traces (the caller then runs RMSNorm, the linear and the attention's own rotary and
-    store). Not offered with the fused SiLU-and-mul: measured slower there than the two kernels (H200,
-    docs/benchmarks.md)."""
+    store). Not offered with the fused SiLU-and-mul: there the two kernels are faster (docs/kernels.md)."""
     config = _fused_config(x, weight, block, config, paired=rope is not None, gemv=True)
     if config is None:
         return None
@@ -616,34 +603,3 @@ def small_m_linear_fp8_act(xq: torch.Tensor, x_scale: torch.Tensor, weight: torc
         raise ValueError(f"no X_FP8 config for {tuple(xq.shape)} x {tuple(weight.shape)}")
     x_scale = x_scale.reshape(-1) if block is None else x_scale
     return _launch(xq, weight, scale, bias, block, config, x_scale=x_scale, out_dtype=out_dtype)
-
-
-def _may_take(m: int, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether the kernel can take M rows of this weight at all: 1 <= M <= its row limit, K steps that tile
-    the scale blocks, and not while dynamo compiles (the piecewise runner traces a symbolic token count once
-    for every size: a branch on it would add a guard and a recompile, so its pieces keep the other path)."""
-    if torch.compiler.is_compiling() or not 0 < m <= max_rows(weight_kind(weight, block)):
-        return False
-    return block is None or tiles_scale_block(block[1])  # steps must not straddle two scale blocks
-
-
-def act_quant_config(xq: torch.Tensor, weight: torch.Tensor,
-                     block: tuple[int, int] | None = None) -> GemmConfig | None:
-    """The table's X_FP8 config for FP8 rows xq [M, K] and an FP8 weight (per-channel or block scales): the
-    W8A8 path then runs this kernel instead of torch._scaled_mm or the block GEMM. None otherwise."""
-    m = xq.shape[0]
-    if not _may_take(m, weight, block):
-        return None
-    tuned = tuned_configs(_device_key(xq), weight_kind(weight, block), weight.shape[0], weight.shape[1])
-    cfg = None if tuned is None else tuned.get(m_bucket(m))
-    return cfg if cfg is not None and cfg.X_FP8 else None
-
-
-def use_small_m(x2: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
-    """Whether a CUDA linear with these rows takes the kernel (weight-only): a table entry, or for FP8
-    weights up to MAX_M rows the default config (see _may_take and choose_config)."""
-    m = x2.shape[0]
-    if not _may_take(m, weight, block):
-        return False
-    n, k = weight.shape
-    return choose_config(m, n, k, weight_kind(weight, block), _device_key(x2)) is not None

@@ -1,13 +1,12 @@
-"""Small-M GEMM configs: what the kernel runs for a weight at a row count, from a table tuned per GPU.
+"""Small-M GEMM config tables: the kernel's configs, and the table file tuned per GPU that holds them.
 
-Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, GEMV) come from a table tuned per GPU by
-benchmarks/tuning/tune_small_m_gemm.py (configs/small_m_gemm_<GPU>.json, read once, at the first decode-sized
-GEMM: the warm-up before graph capture; never tuned while serving): per weight kind
-("bf16", "fp16", "fp8", "fp8_block"), (N, K) and M bucket, a config, or the name of the path the layer
-takes otherwise where that measured faster: "cublas" (F.linear) for bf16/fp16, "w8a8" (activation
-quantization + the FP8 GEMM) for FP8. Without an entry, bf16/fp16 weights keep F.linear and FP8 weights
-use `default_config`: weight-only FP8 reads half the bytes of bf16 and skips the activation-quantization
-kernel, so it needs no table to win.
+A table (configs/small_m_gemm_<GPU>.json, the GPU's name as torch.cuda.get_device_name gives it, spaces as
+underscores; written by benchmarks/tuning/tune_small_m_gemm.py, read once, at the first decode-sized GEMM: the
+warm-up before graph capture; never tuned while serving) maps, per weight kind ("bf16", "fp16", "fp8",
+"fp8_block"), (N, K) and M bucket, to a config, or to the name of the path the layer takes otherwise where that
+measured faster: "cublas" (F.linear) for bf16/fp16, "w8a8" (activation quantization + the FP8 GEMM) for FP8.
+Its "_meta" entry records where and how it was tuned (GPU, torch and triton versions, models, date, command).
+Which config a layer runs at M rows is small_m_gemm_dispatch.py's choice from these entries.
 
 Pure Python (no Triton import): small_m_gemm.py launches the kernel at these configs, and the tuner and the
 layers ask what a table holds.
@@ -17,31 +16,12 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from model_executor.layers.quantization.base import SMALL_M_BUCKETS, SMALL_M_FUSED_ROWS, SMALL_M_GEMV_ROWS
-
-logger = logging.getLogger("duet.small_m_gemm")
-
-MAX_M = 16  # rows of x (bf16 / fp16 weights); the dot's padded row count (tl.dot's minimum) up to it
-# FP8 weights up to this many rows, above MAX_M only where the table has a config for the row count's bucket:
-# the weight-only read against activation quantization + the W8A8 GEMM, whose cuBLAS kernels at 17-64 rows
-# are far from the weights' read (docs/benchmarks.md). Above MAX_M the dot pads the rows to a power of two.
-MAX_M_FP8 = 64
-# A GEMV config (CUDA-core products) runs up to this many rows: the weight tile is loaded and converted once
-# and multiplied into each row's accumulator (a tile of float32 sums per row: registers bound the count).
-# Defined beside SMALL_M_MAX, where the layers check it without importing Triton.
-MAX_GEMV_ROWS = SMALL_M_GEMV_ROWS
-# The fusions (fused_config) take up to this many rows: a GEMV config up to MAX_GEMV_ROWS, a single-split tl.dot
-# tile up to its padded rows.
-MAX_FUSED_ROWS = SMALL_M_FUSED_ROWS
-assert MAX_GEMV_ROWS <= MAX_FUSED_ROWS <= MAX_M
 CONFIG_DIR = Path(__file__).parent / "configs"
-M_BUCKETS = SMALL_M_BUCKETS  # the row counts the tuner times; a batch uses the next bucket up
 FP8 = torch.float8_e4m3fn
 
 
@@ -52,19 +32,20 @@ class GemmConfig:
     SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    GEMV: bool = False  # <= MAX_GEMV_ROWS rows: CUDA-core products instead of tl.dot (BLOCK_N may be below 16)
+    # Up to small_m_gemm_dispatch.MAX_GEMV_ROWS rows: CUDA-core products instead of tl.dot (BLOCK_N may be
+    # below 16).
+    GEMV: bool = False
     # FP8 weights: x quantized per token (FP8 codes and a scale per row), the dot on FP8 tensor cores. A table
     # entry with it is a config of the W8A8 path (fp8_linear._w8a8), which quantizes x anyway, not of this
     # weight-only one.
     X_FP8: bool = False
-    # Whether the layer's fused paths (fused_config) take this config where it is single_split: True / False as
-    # the tuner measured the fused form against the plain kernel plus the neighbours' own kernels; None (entries
-    # tuned before tl.dot tiles could fuse, layers not timed fused): a GEMV does, a tl.dot tile does not.
+    # Whether the layer's fused paths (small_m_gemm_dispatch.fused_config) take this config where it is
+    # single_split: True / False as the tuner measured the fused form against the plain kernel plus the
+    # neighbours' own kernels; None (an entry without the key): a GEMV does, a tl.dot tile does not.
     FUSE: bool | None = None
     # A tl.dot tile's paired fusions (the SiLU-and-mul, the rotary: half the tile's rows from each of two blocks)
     # as one dot over the tile gathered from both blocks, split after the loop, instead of a dot per half: a
-    # 64-row tile keeps sm_90's wgmma, where its 32-row halves run on mma.sync (docs/benchmarks.md, thirty-seventh
-    # and fortieth sessions).
+    # 64-row tile keeps sm_90's wgmma, where its 32-row halves run on mma.sync (docs/kernels.md).
     PAIR_DOT: bool = False
 
     def __post_init__(self):
@@ -107,10 +88,6 @@ def fuses(cfg: GemmConfig) -> bool:
     return single_split(cfg) and (cfg.FUSE if cfg.FUSE is not None else cfg.GEMV)
 
 
-def m_bucket(m: int) -> int:
-    return next(b for b in M_BUCKETS if b >= m)
-
-
 @functools.cache
 def device_name(device: str = "cuda") -> str:
     """The GPU's name as the config files spell it (the MoE tables' convention); "cpu" without CUDA."""
@@ -135,9 +112,7 @@ def _table(device: str) -> dict:
     path = table_path(device)
     if not path.is_file():
         return {}
-    table = json.loads(path.read_text())
-    logger.info("small-M GEMM configs for %s: %s", device, path.name)
-    return table
+    return json.loads(path.read_text())
 
 
 def forget_tables() -> None:
@@ -186,47 +161,5 @@ def split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
     return split
 
 
-def max_rows(kind: str) -> int:
-    """The most rows the kernel takes for a weight kind (module docstring)."""
-    return MAX_M_FP8 if kind.startswith("fp8") else MAX_M
-
-
-def choose_config(m: int, n: int, k: int, kind: str, device: str) -> GemmConfig | None:
-    """The config for an (M, N, K) GEMM on `device` (a name as device_name gives it), or None: the layer's
-    other path (cuBLAS, or W8A8 for FP8). Tuned entries first (the next M bucket up); otherwise the default
-    for FP8 up to MAX_M rows (above it only a tuned entry) and the other path for the rest."""
-    if m > max_rows(kind):
-        return None
-    tuned = tuned_configs(device, kind, n, k)
-    if tuned is not None:
-        bucket = m_bucket(m)
-        if bucket in tuned and (tuned[bucket] is None or not tuned[bucket].GEMV or m <= MAX_GEMV_ROWS):
-            return None if tuned[bucket] is not None and tuned[bucket].X_FP8 else tuned[bucket]
-    return default_config(m, n, k, kind) if kind.startswith("fp8") and m <= MAX_M else None
-
-
 def config_to_json(cfg: GemmConfig | None, kind: str = "bf16"):
     return OTHER_PATHS[kind] if cfg is None else asdict(cfg)
-
-
-def fused_config(n: int, k: int, kind: str, device: str, paired: bool = False, m: int = 1,
-                 gemv: bool = False) -> GemmConfig | None:
-    """The config of an m-row GEMM with something fused into it (a SiLU-and-mul, the rotary and KV store, an
-    add + RMSNorm epilogue, pre-normed rows; `gemv`: an RMSNorm inside its K loop, which only the GEMV runs):
-    the table's choice for the weight at m rows where it fuses() (and is a GEMV with `gemv`), else None.
-    paired (the SiLU-and-mul, the rotary): each program takes half its rows from one block (gate; a head's
-    first half) and half from the other (up; the second half): the same bytes per program, the same grid (a
-    tl.dot tile keeps at least 16 rows a block)."""
-    if paired and n % 2:
-        return None
-    cfg = choose_config(m, n, k, kind, device)
-    if cfg is None or not fuses(cfg) or (gemv and not cfg.GEMV):
-        return None
-    if paired and not pairs(cfg):
-        return None
-    return replace(cfg, BLOCK_N=cfg.BLOCK_N // 2) if paired else cfg
-
-
-def silu_and_mul_config(n2: int, k: int, kind: str, device: str) -> GemmConfig | None:
-    """The fused [gate; up] GEMM + SiLU-and-mul's config at one row (fused_config, paired)."""
-    return fused_config(n2, k, kind, device, paired=True)

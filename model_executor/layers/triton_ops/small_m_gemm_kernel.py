@@ -191,8 +191,8 @@ def _small_m_gemm_kernel(
     if ROPE:
         rope_slot, rope_cos, rope_sin = _rope_operands(offs_n, rows_m, POS, LOC, COS, stride_cos, HALF)
     # A wgmma tile (tl.dot, 64 or more rows a warpgroup) loads ADD_NORM's residual after its loop: held in registers
-    # across it, ptxas serialized the tile's wgmma chain (C7514, "non wgmma instructions reading accumulator
-    # registers"): the Llama-3.1-8B down at 8 rows took 50.7 us fused against 33.2 plain (docs/benchmarks.md).
+    # across it, ptxas serializes the tile's wgmma chain (C7514, "non wgmma instructions reading accumulator
+    # registers"; tests/sm90_compile.py checks it, docs/kernels.md).
     LATE_ADD_NORM: tl.constexpr = ADD_NORM and not GEMV and BLOCK_N >= 64
     if not (GEMV and ROWS == 1):  # (the one-row GEMV loads them after its PDL wait, below)
         if ADD_NORM and not LATE_ADD_NORM:
@@ -201,7 +201,7 @@ def _small_m_gemm_kernel(
             offs_p = tl.arange(0, NUM_P)
             p_sums = tl.load(P + rows_m[:, None] * num_p + offs_p[None, :], mask=(offs_p < num_p)[None, :],
                              other=0.0)
-    if GEMV and ROWS == 1:  # (its own loop: the multi-row form below measured 0.9% slower at 8B FP8 bs 1)
+    if GEMV and ROWS == 1:  # (its own loop, faster than the multi-row form below at one row: docs/kernels.md)
         x_ptrs = X + (k_start + offs_k)[None, :]  # row 0 as [1, BLOCK_K]
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if NORM:
@@ -369,9 +369,8 @@ def _small_m_gemm_kernel(
     else:
         x_ptrs = X + rows_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         x1_ptrs = X + k_start + offs_k  # ONE_ROW: row 0 as [BLOCK_K]
-        # The padding rows (M to BLOCK_M) load nothing: zeros. (Re-reading row 0 there, as before, put up to
-        # BLOCK_M - M requests a step on the same L2 lines from every program at once: 48 rows of the 8B's
-        # gate/up took 1.6x the time of 64 on the H200, docs/benchmarks.md.)
+        # The padding rows (M to BLOCK_M) load nothing: zeros. (Re-reading a real row there would put up to
+        # BLOCK_M - M requests a step on the same L2 lines from every program at once.)
         x_rows = (offs_m < M)[None, :]
         ONE_DOT: tl.constexpr = PAIRED and PAIR_DOT
         TWO_DOTS: tl.constexpr = PAIRED and not PAIR_DOT
