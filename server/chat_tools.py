@@ -331,7 +331,12 @@ def parse_forced_calls(parser: str | None, text: str, tools: list[dict],
             head, tail = affixes
             if not text.startswith(head) or not text.endswith(tail) or len(text) < len(head) + len(tail):
                 return None
-            return [ParsedToolCall(name, text[len(head):len(text) - len(tail)])]
+            arguments = text[len(head):len(text) - len(tail)]
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError:
+                return None
+            return [ParsedToolCall(name, arguments)]
     if parser not in _SYNTAX:
         return calls_from_required(text)
     _, calls = make_tool_parser(parser, tools).extract(text)

@@ -14,6 +14,7 @@ grammar) and `ChoiceOutput` (one choice's text -> content, reasoning and tool ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -194,10 +195,17 @@ class ChoiceOutput:
     def _named_arguments(self, final: bool) -> str:
         """The arguments written so far: while streaming, without what may be the start of the closing text."""
         head, tail = self.affixes
-        if final:
-            complete = self.raw.endswith(tail) and len(self.raw) >= len(head) + len(tail)
-            return self.raw[len(head):len(self.raw) - len(tail)] if complete else self.raw[len(head):]
-        return self.raw[len(head):max(len(head), len(self.raw) - len(tail))]
+        if not final:
+            return self.raw[len(head):max(len(head), len(self.raw) - len(tail))]
+        if self.raw.endswith(tail) and len(self.raw) >= len(head) + len(tail):
+            return self.raw[len(head):len(self.raw) - len(tail)]
+        args = self.raw[len(head):]  # cut short (max_tokens), maybe inside the closing text
+        for k in range(min(len(tail), len(args)) - 1, 0, -1):
+            if args.endswith(tail[:k]):
+                with contextlib.suppress(json.JSONDecodeError):
+                    json.loads(args[:-k])
+                    return args[:-k]
+        return args
 
     def feed(self, text: str) -> dict:
         """The delta fields to send now for this text."""
