@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from model_executor.sampling_params import GrammarSpec
 from server.protocol import ApiError
-from server.protocol_convert import check_grammar, json_schema_spec
+from server.protocol_convert import check_grammar, grammar_error_reason, json_schema_spec
 from server.tool_parsers import ParsedToolCall, calls_from_required, make_tool_parser, tool_call_schema
 
 logger = logging.getLogger("duet.chat_tools")
@@ -302,9 +302,8 @@ def tool_choice_grammar(parser: str | None, tools: list[dict], name: str | None,
     try:
         grammar = xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": fmt})
     except Exception as e:  # noqa: BLE001 - xgrammar refuses a schema it cannot do: the client's tools
-        lines = str(e).strip().splitlines()
         raise ApiError(400, "tools: a function's parameters cannot be enforced as a JSON schema: "
-                            f"{lines[0] if lines else type(e).__name__}", "tools") from None
+                            f"{grammar_error_reason(e)}", "tools") from None
     spec = GrammarSpec("ebnf", str(grammar))
     check_grammar(spec, "tools")
     return spec

@@ -129,10 +129,15 @@ def check_grammar(spec: GrammarSpec, param: str) -> None:
         elif spec.kind == "ebnf":
             xgr.Grammar.from_ebnf(spec.value)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
-        lines = str(e).strip().splitlines()
-        # xgrammar prefixes its messages with "[time] source.cc:line: "; the client needs only the reason.
-        reason = _XGR_PREFIX.sub("", lines[0]) if lines else type(e).__name__
-        raise ApiError(400, f"{param}: invalid {spec.kind.replace('_', ' ')}: {reason}", param) from None
+        raise ApiError(400, f"{param}: invalid {spec.kind.replace('_', ' ')}: {grammar_error_reason(e)}",
+                       param) from None
+
+
+def grammar_error_reason(e: Exception) -> str:
+    """The first line of an xgrammar error, without the "[time] source.cc:line: " prefix it carries (the client
+    needs only the reason)."""
+    lines = str(e).strip().splitlines()
+    return _XGR_PREFIX.sub("", lines[0]) if lines else type(e).__name__
 
 
 def request_grammar(req, grammar_enabled: bool, param_prefix: str = "") -> tuple[GrammarSpec | None, str | None]:
