@@ -1,8 +1,8 @@
 """Tool calls and reasoning with no flags: the format a model's chat template uses, duet's default format for a
 template that has none, and the grammar that makes a forced call (tool_choice required or named) parse.
 
-Every endpoint that takes tools (chat completions; the Anthropic Messages and Responses endpoints build on
-the same functions) uses:
+Every endpoint that takes tools uses the same functions (server/serving_chat.py wraps them for a request:
+`encode_chat`, `plan_tools`, `ChoiceOutput`):
 
 - `resolve_chat_format(tokenizer, template, tool_call_parser, reasoning_parser)`, once at start-up: the
   `ChatFormat` (ServingContext.chat_format): which tool-call and reasoning parsers run, and whether the
@@ -31,6 +31,7 @@ is read with the hermes parser, and a forced call is constrained to the same blo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -93,8 +94,11 @@ class ChatFormat:
 
 
 def _render(tokenizer, template: str | dict, messages: list[dict], **kwargs) -> str | None:
+    """The template's text for messages, None if it refuses them. A dict of named templates (some tokenizers
+    have one for tool use): the tokenizer picks, as it does for requests."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template, **kwargs)
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             chat_template=template if isinstance(template, str) else None, **kwargs)
     except Exception:  # noqa: BLE001 - a template that refuses the probe: the feature is not there
         return None
 
@@ -281,10 +285,16 @@ def tool_choice_grammar(parser: str | None, tools: list[dict], name: str | None,
     writes them, nothing else (an xgrammar structural tag, sent as EBNF), so the model is held to the syntax
     its prompt shows and the format's own parser reads it. Otherwise vLLM's JSON shapes: named, the arguments
     object; required, an array of {"name", "parameters"} objects."""
-    syntax = _SYNTAX.get(parser)
-    if syntax is None:
+    if parser not in _SYNTAX:
         return json_schema_spec(tool_call_schema(tools, name, parallel), "tools")
+    return _structural_grammar(parser, json.dumps(tools), name, parallel)  # (key order: the properties' order)
+
+
+@functools.lru_cache(maxsize=256)  # an agent sends the same tools turn after turn
+def _structural_grammar(parser: str, tools_json: str, name: str | None, parallel: bool) -> GrammarSpec:
     import xgrammar as xgr
+
+    syntax, tools = _SYNTAX[parser], json.loads(tools_json)
 
     def tag(tool: dict) -> dict:
         return {"type": "tag", "begin": syntax.begin.format(name=tool["name"]), "end": syntax.end,
