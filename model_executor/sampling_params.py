@@ -56,6 +56,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: GrammarSpec | None = None
+    # The output's text (the detokenizer and the HTTP process; sampling ignores them): special tokens left
+    # out or written; written ones set apart by spaces (as HF's slow tokenizers join them); the stop string
+    # or stop token that ended the request kept at the end of the text.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False
+    include_stop_str_in_output: bool = False
+
+    @property
+    def decode_options(self) -> tuple[bool, bool, bool] | None:
+        """What the detokenizer needs beyond the tokens, None when it is all default (the common case)."""
+        if self.skip_special_tokens and not self.include_stop_str_in_output:
+            return None
+        return (self.skip_special_tokens, self.spaces_between_special_tokens, self.include_stop_str_in_output)
 
     @property
     def has_penalties(self) -> bool:

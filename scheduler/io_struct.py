@@ -103,6 +103,9 @@ class BatchTokenOut:
     context_ids: list[list[int]] | None = None
     # Prompt logprobs, sent with a request's first output tokens (else None). None: none in this batch.
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    # SamplingParams.decode_options of each request reporting its first output, when not the defaults (else
+    # None). None: defaults for every request in this batch.
+    decode_options: list[tuple | None] | None = None
 
 
 @dataclass

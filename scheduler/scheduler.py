@@ -86,6 +86,7 @@ class ReqOutput:
     logprobs: list[TokenLogprob] | None
     context_ids: list[int] = dataclasses.field(default_factory=list)  # last prompt tokens, with the first output
     prompt_logprobs: PromptLogprobs | None = None  # with the first output
+    decode_options: tuple | None = None  # SamplingParams.decode_options, with the first output
 
 
 class Scheduler:
@@ -640,7 +641,7 @@ class Scheduler:
             # Positional (ReqOutput's field order): a keyword call costs more per request.
             append(ReqOutput(req.rid, pending, req.finish_reason, len(req.input_ids), num_out, req.cached_tokens,
                              logprobs, req.input_ids[-DETOKENIZER_CONTEXT_TOKENS:] if first else [],
-                             req.pending_prompt_logprobs))
+                             req.pending_prompt_logprobs, req.params.decode_options if first else None))
             req.pending_ids = []
             req.pending_prompt_logprobs = None
             if req.finish_reason is not None:

@@ -78,6 +78,8 @@ def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
         context_ids=[o.context_ids for o in outputs],
         prompt_logprobs=([o.prompt_logprobs for o in outputs]
                          if any(o.prompt_logprobs is not None for o in outputs) else None),
+        decode_options=([o.decode_options for o in outputs]
+                        if any(o.decode_options is not None for o in outputs) else None),
     )
 
 

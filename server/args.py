@@ -133,11 +133,14 @@ class ServerArgs:
     grammar_backend: str = _f("xgrammar", "structured outputs (response_format, regex, ebnf, tool_choice "
                                           "required/named): xgrammar, or none to refuse them",
                               choices=("xgrammar", "none"))
-    tool_call_parser: str | None = _f(None, "how to read tool calls from the output for tool_choice auto: "
-                                            "hermes (Qwen), llama3 (JSON) or mistral",
-                                      choices=("hermes", "llama3", "mistral"))
-    reasoning_parser: str | None = _f(None, "split <think> reasoning into reasoning_content: qwen3 or deepseek-r1",
-                                      choices=("qwen3", "deepseek-r1"))
+    tool_call_parser: str | None = _f(None, "the tool-call format calls are written and read in: hermes (Qwen), "
+                                            "llama3 (JSON), mistral or qwen3_coder (XML); none: tool_choice auto "
+                                            "answers in text (default: detected from the chat template; a template "
+                                            "without tools gets duet's default hermes-style format)",
+                                      choices=("hermes", "llama3", "mistral", "qwen3_coder", "none"))
+    reasoning_parser: str | None = _f(None, "split <think> reasoning into reasoning_content: qwen3 or deepseek-r1; "
+                                            "none: never (default: detected from the chat template)",
+                                      choices=("qwen3", "deepseek-r1", "none"))
     chat_template: str | None = _f(None, "chat template replacing the model's: a file path or the template text")
     max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body accepted (413 above)")
 

@@ -10,7 +10,12 @@ completes a character (stray byte tokens) is emitted, U+FFFD and all, after a fe
 
 Stop strings are not handled here: the HTTP process keeps the full text per request and trims it (it
 knows the request's stop strings; see tokenizer_manager). A request that finished on a stop token id
-has that token's text left out, like vLLM.
+has that token's text left out, like vLLM, unless it asked for include_stop_str_in_output.
+
+Special tokens are left out of the text unless a request asks for skip_special_tokens false; it may then
+ask for spaces_between_special_tokens, which sets each special token apart from the text around it by a
+space (HF's slow tokenizers' way; the fast ones, and so vLLM and SGLang, write them without spaces). These
+per-request options come with a request's first output (SamplingParams.decode_options; None: defaults).
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ class DecodeState:
     stream: DecodeStream
     recent: list[int]  # the last tokens whose text was emitted (context for held-back bytes)
     pending: list[int] = field(default_factory=list)  # tokens stepped whose text is held back
+    skip_special: bool = True  # (SamplingParams.skip_special_tokens)
+    spaces: bool = False  # (SamplingParams.spaces_between_special_tokens; only when special tokens are kept)
+    keep_stop: bool = False  # (SamplingParams.include_stop_str_in_output)
+    emitted: bool = False  # some text was emitted (spaces: a special token after it is set apart)
+    after_special: bool = False  # spaces: the last text emitted was a special token's
 
 
 class IncrementalDetokenizer:
@@ -48,40 +58,56 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer
         self.states: dict[str, DecodeState] = {}
+        self.special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
     @staticmethod
-    def _stream(context: list[int]) -> DecodeStream:
-        return DecodeStream(ids=list(context), skip_special_tokens=True)
+    def _stream(context: list[int], skip_special: bool = True) -> DecodeStream:
+        return DecodeStream(ids=list(context), skip_special_tokens=skip_special)
 
     def _flush(self, st: DecodeState) -> str:
         """The text of the held-back tokens, decoded after the recent ones."""
         def decode(ids):
-            return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            return self.tokenizer.decode(ids, skip_special_tokens=st.skip_special, clean_up_tokenization_spaces=False)
 
         return decode(st.recent + st.pending)[len(decode(st.recent)):]
 
-    def step(self, rid: str, new_ids: list[int], finish: FinishReason | None, context: list[int] = ()) -> str:
+    def _spaced(self, st: DecodeState, token: int, text: str) -> str:
+        """spaces_between_special_tokens: text (which token completed) set apart from a special token."""
+        if token in self.special_ids:
+            text = (" " if st.emitted else "") + text
+            st.after_special = True
+        elif text and st.after_special:
+            text, st.after_special = " " + text, False
+        st.emitted = st.emitted or bool(text)
+        return text
+
+    def step(self, rid: str, new_ids: list[int], finish: FinishReason | None, context: list[int] = (),
+             options: tuple[bool, bool, bool] | None = None) -> str:
         """Append new_ids to rid's output and return the text that became final; forget rid on finish.
-        `context`: the last prompt tokens, given with the request's first output."""
+        `context`: the last prompt tokens, and `options` (SamplingParams.decode_options), given with the
+        request's first output."""
         st = self.states.get(rid)
         if st is None:
-            st = self.states[rid] = DecodeState(self._stream(context), list(context)[-_WINDOW:])
+            skip, spaces, keep_stop = options or (True, False, False)
+            st = self.states[rid] = DecodeState(self._stream(context, skip), list(context)[-_WINDOW:],
+                                                skip_special=skip, spaces=spaces and not skip, keep_stop=keep_stop)
         ids = list(new_ids)
         if (finish is not None and finish.kind == "stop" and isinstance(finish.matched, int)
-                and not isinstance(finish.matched, bool) and ids and ids[-1] == finish.matched):
+                and not isinstance(finish.matched, bool) and ids and ids[-1] == finish.matched
+                and not st.keep_stop):
             ids.pop()  # the stop token's own text is not part of the output
         out = []
         for token in ids:
             chunk = st.stream.step(self.backend, token)
             st.pending.append(token)
             if chunk is not None:
-                out.append(chunk)
+                out.append(self._spaced(st, token, chunk) if st.spaces else chunk)
                 st.recent = (st.recent + st.pending)[-_WINDOW:]
                 st.pending = []
             elif len(st.pending) >= _MAX_PENDING_TOKENS:
                 out.append(self._flush(st))
                 st.recent = (st.recent + st.pending)[-_WINDOW:]
-                st.stream, st.pending = self._stream(st.recent), []
+                st.stream, st.pending = self._stream(st.recent, st.skip_special), []
         if finish is not None:
             del self.states[rid]
             if st.pending:
@@ -91,9 +117,11 @@ class IncrementalDetokenizer:
     def process(self, batch: BatchTokenOut) -> BatchStrOut:
         deltas = []
         contexts = batch.context_ids or [()] * len(batch.rids)
-        for rid, ids, finish, context in zip(batch.rids, batch.new_token_ids, batch.finished, contexts):
+        options = batch.decode_options or [None] * len(batch.rids)
+        for rid, ids, finish, context, opts in zip(batch.rids, batch.new_token_ids, batch.finished, contexts,
+                                                   options):
             try:
-                deltas.append(self.step(rid, ids, finish, context))
+                deltas.append(self.step(rid, ids, finish, context, opts))
             except Exception:  # a bad id must not take the process (and every other request) down
                 logger.exception("detokenizing request %s failed", rid)
                 self.states.pop(rid, None)

@@ -1,7 +1,10 @@
 """The FastAPI app: route wiring, errors, auth and body limits, health, models, info, cache and metrics.
 
 The generation routes live in `serving_completions.py`, `serving_chat.py`, `serving_generate.py` and
-`serving_tokenize.py` (request -> SamplingParams in `protocol_convert.py`). Every user mistake becomes a 400
+`serving_tokenize.py` (request -> SamplingParams in `protocol_convert.py`); the tool-call and reasoning
+formats are resolved once here (`chat_tools.py`) and logged. Aliases the peers serve: /v1/tokenize and
+/v1/detokenize (vLLM's /tokenize, /detokenize), /get_server_info, /get_model_info, /version and
+/health_generate (SGLang's). Every user mistake becomes a 400
 (or 401/404/413) with an OpenAI-style body; FastAPI's 422 is mapped to 400, and an unknown field is a 400
 naming it.
 
@@ -11,6 +14,7 @@ the choices differ from each other while the whole response stays reproducible.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hmac
@@ -25,8 +29,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model_executor.generation_defaults import sampling_defaults
+from model_executor.sampling_params import SamplingParams
 from scheduler.io_struct import FlushCacheReq, GetStatsReq
 from server.args import ServerArgs
+from server.chat_tools import ChatFormat, log_chat_format, resolve_chat_format
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from server.protocol import (
     UNSUPPORTED_HINTS,
@@ -46,9 +52,11 @@ from server.serving_common import ServingContext
 from server.serving_completions import create_completion
 from server.serving_generate import generate
 from server.serving_tokenize import detokenize, tokenize
-from server.tokenizer_manager import TokenizerManager
+from server.tokenizer_manager import GenRequest, TokenizerManager
 
 _OPEN_PATHS = ("/health", "/metrics")  # everything else needs the API key when one is set
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # /health_generate: a 1-token generation must finish within this
+VERSION = "0.1.0"
 
 
 @dataclass
@@ -180,7 +188,7 @@ def create_app(state: AppState) -> FastAPI:
     # documenting its 422, which this server never sends (validation errors are 400).
     error_responses = {"4XX": {"model": ErrorResponse, "description": "A client error (OpenAI error body)"},
                        "5XX": {"model": ErrorResponse, "description": "The engine failed or stopped"}}
-    app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan, responses=error_responses)
+    app = FastAPI(title="duet", version=VERSION, lifespan=lifespan, responses=error_responses)
     app.state.duet = state
     app.add_middleware(_GuardMiddleware, api_key=args.api_key, max_bytes=args.max_request_bytes)
 
@@ -222,12 +230,15 @@ def create_app(state: AppState) -> FastAPI:
 
     # ---- model names --------------------------------------------------------------------------
 
-    ctx = ServingContext(tm, args, sampling, state.served_model_name)
+    chat_format = resolve_chat_format(tm.tokenizer, tm.chat_template or getattr(tm.tokenizer, "chat_template", None),
+                                      args.tool_call_parser, args.reasoning_parser)
+    log_chat_format(chat_format)
+    ctx = ServingContext(tm, args, sampling, state.served_model_name, chat_format)
     check_model = ctx.check_model
 
     def model_card() -> ModelCard:
         return ModelCard(id=state.served_model_name, created=state.created, root=str(args.model_path),
-                         max_model_len=tm.context_len, capabilities=capabilities(args))
+                         max_model_len=tm.context_len, capabilities=capabilities(args, chat_format))
 
     # ---- routes: health, info, models ------------------------------------------------------------
 
@@ -236,6 +247,35 @@ def create_app(state: AppState) -> FastAPI:
         if not tm.healthy or not tm.accepting:
             return _json_error(503, tm.fatal_error or "the server is shutting down")
         return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """SGLang's deep health check: 200 once a 1-token generation went through the engine, else 503."""
+        tm.check_alive()
+        gen = [GenRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))]
+
+        async def one_token():
+            async for _ in tm.generate(gen, tm.new_rid("health-")):
+                pass
+
+        try:
+            await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return _json_error(503, f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s")
+        except ApiError as e:
+            return _json_error(503, f"a 1-token generation failed: {e.message}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        """SGLang's model description."""
+        return {"model_path": str(args.model_path), "tokenizer_path": str(args.tokenizer_path or args.model_path),
+                "served_model_name": state.served_model_name, "is_generation": True,
+                "max_model_len": tm.context_len, "preferred_sampling_params": None}
 
     @app.get("/v1/models")
     async def list_models():
@@ -262,7 +302,7 @@ def create_app(state: AppState) -> FastAPI:
             "args": resolved,
             "served_model_name": state.served_model_name,
             "sampling_defaults": sampling,
-            "capabilities": capabilities(args),
+            "capabilities": capabilities(args, chat_format),
             "scheduler_info": state.info,
             "stats": await current_stats() if tm.healthy else None,
             "healthy": tm.healthy,
@@ -272,7 +312,9 @@ def create_app(state: AppState) -> FastAPI:
             "num_inflight_requests": tm.num_inflight,
         }
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    # One route per method: a route with two methods gives both the same OpenAPI operation id.
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache():
         reply = await tm.control(FlushCacheReq)
         if not reply.ok:
@@ -301,34 +343,40 @@ def create_app(state: AppState) -> FastAPI:
         return await generate(ctx, req, request)
 
     @app.post("/tokenize")
+    @app.post("/v1/tokenize")
     async def tokenize_route(req: TokenizeRequest):
         return await tokenize(ctx, req)
 
     @app.post("/detokenize")
+    @app.post("/v1/detokenize")
     async def detokenize_route(req: DetokenizeRequest):
         return await detokenize(ctx, req)
 
     return app
 
 
-def capabilities(args: ServerArgs) -> dict:
+def capabilities(args: ServerArgs, chat_format: ChatFormat) -> dict:
     """What this server implements beyond plain generation (in /v1/models and /server_info)."""
     grammar = args.grammar_backend != "none"
     return {
         "structured_outputs": ["json_object", "json_schema", "regex", "ebnf"] if grammar else [],
         "grammar_backend": args.grammar_backend,
-        "tool_choice": (["none"] + (["auto"] if args.tool_call_parser else [])
-                        + (["required", "named"] if grammar else [])),
-        "tool_call_parser": args.tool_call_parser,
-        "reasoning_parser": args.reasoning_parser,
+        "tool_choice": ["none", "auto"] + (["required", "named"] if grammar else []),
+        "tool_call_parser": chat_format.tool_parser,
+        # flag, template (detected), default (duet's format: the template renders no tools) or unknown
+        "tool_call_format": chat_format.tool_source,
+        "reasoning_parser": chat_format.reasoning_parser,
         "sampling": ["temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
                      "ignore_eos", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "logit_bias", "n"],
+        "output_text": ["skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                        "return_tokens_as_token_ids"],
+        "chat_template": ["chat_template_kwargs", "add_generation_prompt", "continue_final_message"],
         "prompt_logprobs": ["echo with logprobs", "prompt_logprobs", "logprob_start_len"],
         "accepted_without_effect": ["user", "store", "metadata", "service_tier", "safety_identifier",
                                     "prompt_cache_key"],
         "not_supported": ["best_of > n", "suffix", "image/audio content",
-                          "functions/function_call (use tools)"],
+                          "functions/function_call (use tools)", "priority other than 0"],
     }
 
 

@@ -140,6 +140,14 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     regex: str | None = None  # SGLang: the output matches this regular expression
     ebnf: str | None = None  # SGLang: the output follows this EBNF grammar (GBNF dialect)
+    # vLLM's output-text options: special tokens left out (true) or written; written ones set apart by
+    # spaces (false: as the fast tokenizers write them, which is vLLM's and SGLang's output whatever this
+    # says); the stop string that ended the output kept at its end.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
+    priority: int | None = None  # vLLM/SGLang: only 0 (this server schedules first come, first served)
 
 
 class CompletionRequest(_SamplingFields):
@@ -207,6 +215,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     modalities: list[Literal["text"]] | None = None
     chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True  # the template's assistant-turn opening after the messages
+    continue_final_message: bool = False  # the last message left open for the model to continue
 
 
 class GenerateSamplingParams(_Request):
@@ -229,6 +239,9 @@ class GenerateSamplingParams(_Request):
     json_schema: str | None = None  # SGLang: the schema as a JSON string
     regex: str | None = None
     ebnf: str | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False
+    no_stop_trim: bool = False  # SGLang: the stop string or stop token that ended the output is kept
 
 
 class GenerateRequest(_Request):
@@ -241,6 +254,7 @@ class GenerateRequest(_Request):
     # Prompt logprobs from this prompt position on (-1: none), in meta_info.input_token_logprobs.
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False  # each logprob entry carries its token's text
+    priority: int | None = None  # SGLang: only 0 (this server schedules first come, first served)
 
 
 class TokenizeRequest(_Request):
@@ -251,6 +265,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict | None = None

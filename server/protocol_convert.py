@@ -40,6 +40,8 @@ def build_params(*, defaults: dict, max_tokens: int, temperature, top_p, top_k, 
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                  logit_bias: tuple[tuple[int, float], ...] = (), grammar: GrammarSpec | None = None,
                  prompt_logprob_start: int | None = None, prompt_top_logprobs: int = 0,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = False,
+                 include_stop_str_in_output: bool = False,
                  param_names: dict[str, str] | None = None) -> SamplingParams:
     """defaults: what a value the request leaves unset (None) becomes (--sampling-defaults)."""
     s = fill_unset({"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}, defaults)
@@ -62,6 +64,9 @@ def build_params(*, defaults: dict, max_tokens: int, temperature, top_p, top_k, 
         grammar=grammar,
         prompt_logprob_start=prompt_logprob_start,
         prompt_top_logprobs=prompt_top_logprobs,
+        skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens,
+        include_stop_str_in_output=include_stop_str_in_output,
     )
     try:
         params.validate()
@@ -69,6 +74,14 @@ def build_params(*, defaults: dict, max_tokens: int, temperature, top_p, top_k, 
         names = param_names or {}
         raise ApiError(400, str(e), names.get(e.param, e.param)) from None
     return params
+
+
+def check_priority(priority: int | None, param: str = "priority") -> None:
+    """vLLM's and SGLang's request priority: this server has no priority scheduling (one waiting queue, in
+    arrival order or --schedule-policy lpm), so only the default is accepted."""
+    if priority not in (None, 0):
+        raise ApiError(400, f"{param}: this server has no priority scheduling (--schedule-policy orders the "
+                            f"waiting requests); only 0 is accepted, got {priority}", param)
 
 
 def choices_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -116,10 +129,15 @@ def check_grammar(spec: GrammarSpec, param: str) -> None:
         elif spec.kind == "ebnf":
             xgr.Grammar.from_ebnf(spec.value)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
-        lines = str(e).strip().splitlines()
-        # xgrammar prefixes its messages with "[time] source.cc:line: "; the client needs only the reason.
-        reason = _XGR_PREFIX.sub("", lines[0]) if lines else type(e).__name__
-        raise ApiError(400, f"{param}: invalid {spec.kind.replace('_', ' ')}: {reason}", param) from None
+        raise ApiError(400, f"{param}: invalid {spec.kind.replace('_', ' ')}: {grammar_error_reason(e)}",
+                       param) from None
+
+
+def grammar_error_reason(e: Exception) -> str:
+    """The first line of an xgrammar error, without the "[time] source.cc:line: " prefix it carries (the client
+    needs only the reason)."""
+    lines = str(e).strip().splitlines()
+    return _XGR_PREFIX.sub("", lines[0]) if lines else type(e).__name__
 
 
 def request_grammar(req, grammar_enabled: bool, param_prefix: str = "") -> tuple[GrammarSpec | None, str | None]:

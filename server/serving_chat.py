@@ -1,13 +1,20 @@
 """/v1/chat/completions: messages through the chat template (with tools and chat_template_kwargs), n choices,
 structured outputs, tool calls (`tool_choice` none/auto/required/named) and reasoning content.
 
-Tool calls: `auto` reads the calls the model wrote with the `--tool-call-parser`; `required` and a named
-function are enforced with a grammar built from the functions' parameters (vLLM's way): named, the output is
-the arguments object; required, a JSON array of {"name", "parameters"} objects, so the calls always parse.
+Tools work with no flags: server/chat_tools.py resolves at start-up which format the model's template uses
+(or duet's default format, for a template that renders no tools) and which parsers read the output.
+`auto` reads the calls the model wrote with that format's parser (no parser: the reply is text);
+`required` and a named function are enforced with a grammar that writes the calls in the same format (in
+vLLM's JSON shapes when the format is unknown), so the calls always parse.
+
+The pieces other endpoints reuse: `convert_messages` (OpenAI messages -> template dicts), `encode_chat`
+(dicts -> prompt ids, with the default tool format applied), `plan_tools` (tool_choice -> ToolPlan, with its
+grammar) and `ChoiceOutput` (one choice's text -> content, reasoning and tool calls, streamed or whole).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -17,13 +24,20 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from model_executor.sampling_params import MAX_TOP_LOGPROBS
-from server.protocol import ApiError, ChatCompletionRequest, ChatMessage
+from model_executor.sampling_params import MAX_TOP_LOGPROBS, GrammarSpec
+from server.chat_tools import (
+    ChatFormat,
+    named_call_affixes,
+    parse_forced_calls,
+    prepare_tool_messages,
+    tool_choice_grammar,
+)
+from server.protocol import ApiError, ChatCompletionRequest, ChatMessage, NamedToolChoice
 from server.protocol_convert import (
     build_params,
     check_n,
+    check_priority,
     choices_params,
-    json_schema_spec,
     logit_bias_pairs,
     request_grammar,
 )
@@ -41,13 +55,7 @@ from server.serving_common import (
     unless_disconnected,
 )
 from server.tokenizer_manager import GenRequest
-from server.tool_parsers import (
-    ParsedToolCall,
-    ToolCallStream,
-    calls_from_required,
-    make_tool_parser,
-    tool_call_schema,
-)
+from server.tool_parsers import ParsedToolCall, ToolCallStream, make_tool_parser
 
 
 def _arguments_for_template(arguments: str):
@@ -90,72 +98,124 @@ def convert_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+async def encode_chat(ctx: ServingContext, messages: list[dict], tools: list[dict] | None = None,
+                      template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False, param: str = "continue_final_message") -> list[int]:
+    """The prompt ids of chat messages (convert_messages' dicts) and tools (function definitions) through the
+    chat template, in duet's default tool format when the template renders no tools (chat_tools)."""
+    if continue_final_message and add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
+                            "add_generation_prompt to false to continue the last message)", param)
+    messages, tools = prepare_tool_messages(ctx.chat_format, messages, tools)
+    return await ctx.tm.encode_chat_async(messages, tools=tools, template_kwargs=template_kwargs,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message)
+
+
 @dataclass
 class ToolPlan:
-    mode: str  # "none" | "auto" | "required" | "named"
-    tools: list[dict] | None = None  # for the chat template
+    """What a request's tools and tool_choice ask for. mode: "none" | "auto" | "required" | "named"."""
+
+    mode: str
+    tools: list[dict] | None = None  # function definitions, for the chat template
     name: str | None = None  # the named function
+    grammar: GrammarSpec | None = None  # required / named: the constraint that writes the calls
 
 
-def plan_tools(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan:
-    tools = [t.function.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+def plan_tools(ctx: ServingContext, tools: list[dict] | None, choice: str | None, name: str | None = None,
+               parallel: bool = True, param: str = "tool_choice") -> ToolPlan:
+    """tools: function definitions ({"name", "description", "parameters"}) or None; choice: "none", "auto",
+    "required", "named" (with name) or None (auto with tools, else none). A 400 naming `param` for a choice
+    that cannot be served."""
+    choice = choice if choice is not None else ("auto" if tools else "none")
     if choice == "none":
         return ToolPlan("none", tools)
     if not tools:
-        raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        raise ApiError(400, f"{param} needs tools", param)
     if len({t["name"] for t in tools}) != len(tools):
         raise ApiError(400, "tool function names must be unique", "tools")
-    if choice == "auto":
-        if ctx.args.tool_call_parser is None:
-            raise ApiError(400, 'tool_choice "auto" needs a tool-call parser: start the server with '
-                                "--tool-call-parser (hermes, llama3 or mistral)", "tool_choice")
+    if choice == "auto":  # without a parser the reply is text, never a 400
         return ToolPlan("auto", tools)
     if not ctx.grammar_enabled:
-        raise ApiError(400, f"tool_choice {choice if isinstance(choice, str) else 'with a named function'} is "
-                            "enforced with a grammar; structured outputs are off (--grammar-backend none)",
-                       "tool_choice")
-    if choice == "required":
-        return ToolPlan("required", tools)
-    name = choice.function.name
-    if name not in {t["name"] for t in tools}:
-        raise ApiError(400, f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
-    return ToolPlan("named", tools, name)
+        raise ApiError(400, f"{param} {choice if choice == 'required' else 'with a named function'} is "
+                            "enforced with a grammar; structured outputs are off (--grammar-backend none)", param)
+    if choice == "named" and name not in {t["name"] for t in tools}:
+        raise ApiError(400, f"{param} names the function {name!r}, which is not in tools", param)
+    named = name if choice == "named" else None
+    grammar = tool_choice_grammar(ctx.chat_format.tool_parser, tools, named, parallel)
+    return ToolPlan(choice, tools, named, grammar)
+
+
+def _chat_plan(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan:
+    tools = [t.function.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice, name = req.tool_choice, None
+    if isinstance(choice, NamedToolChoice):
+        choice, name = "named", choice.function.name
+    return plan_tools(ctx, tools, choice, name, req.parallel_tool_calls)
 
 
 @dataclass
-class _ChoiceOutput:
-    """One choice's reply assembled from its text: reasoning, content and tool calls."""
+class ChoiceOutput:
+    """One choice's reply assembled from its text: reasoning, content and tool calls.
+
+    feed(text) gives the delta fields to send now, finish() the last ones; afterwards `content`,
+    `reasoning_text` and `calls` hold the whole reply and message() its OpenAI message. Streamed and
+    non-streamed replies go through the same steps, so they are equal. A named call whose arguments are JSON
+    streams them as they are written (between the format's fixed text before and after them)."""
 
     plan: ToolPlan
-    reasoning_kind: str | None
-    parser_name: str | None
+    fmt: ChatFormat
     reasoning: ReasoningStream | None = None
     tool_stream: ToolCallStream | None = None
     reasoning_text: str = ""
     content: str = ""
     raw: str = ""  # the constrained reply of required/named
+    args_sent: int = 0  # named: characters of its arguments already sent
+    named_started: bool = False  # named: its first delta (id, name) was sent
     calls: list[ParsedToolCall] = field(default_factory=list)
     named_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def __post_init__(self):
-        if self.reasoning_kind is not None and self.plan.mode in ("none", "auto"):
-            self.reasoning = ReasoningStream(self.reasoning_kind)
-        if self.plan.mode == "auto":
-            self.tool_stream = ToolCallStream(make_tool_parser(self.parser_name))
+        if self.fmt.reasoning_parser is not None and self.plan.mode in ("none", "auto"):
+            self.reasoning = ReasoningStream(self.fmt.reasoning_parser)
+        if self.plan.mode == "auto" and self.fmt.tool_parser is not None:
+            self.tool_stream = ToolCallStream(make_tool_parser(self.fmt.tool_parser, self.plan.tools))
+        self.affixes = (named_call_affixes(self.fmt.tool_parser, self.plan.name)
+                        if self.plan.mode == "named" else None)
+
+    def _named_delta(self, arguments: str) -> dict:
+        call = {"index": 0, "function": {"arguments": arguments}}
+        if not self.named_started:
+            self.named_started = True
+            call.update(id=self.named_id, type="function")
+            call["function"] = {"name": self.plan.name, "arguments": arguments}
+        self.args_sent += len(arguments)
+        return {"tool_calls": [call]}
+
+    def _named_arguments(self, final: bool) -> str:
+        """The arguments written so far: while streaming, without what may be the start of the closing text."""
+        head, tail = self.affixes
+        if not final:
+            return self.raw[len(head):max(len(head), len(self.raw) - len(tail))]
+        if self.raw.endswith(tail) and len(self.raw) >= len(head) + len(tail):
+            return self.raw[len(head):len(self.raw) - len(tail)]
+        args = self.raw[len(head):]  # cut short (max_tokens), maybe inside the closing text
+        for k in range(min(len(tail), len(args)) - 1, 0, -1):
+            if args.endswith(tail[:k]):
+                with contextlib.suppress(json.JSONDecodeError):
+                    json.loads(args[:-k])
+                    return args[:-k]
+        return args
 
     def feed(self, text: str) -> dict:
         """The delta fields to send now for this text."""
         delta: dict = {}
         if self.plan.mode in ("required", "named"):
-            first = not self.raw
             self.raw += text
-            if self.plan.mode == "named" and text:
-                call = {"index": 0, "function": {"arguments": text}}
-                if first:
-                    call.update(id=self.named_id, type="function")
-                    call["function"]["name"] = self.plan.name
-                delta["tool_calls"] = [call]
+            if self.affixes is not None:
+                new = self._named_arguments(final=False)[self.args_sent:]
+                if new:
+                    delta = self._named_delta(new)
             return delta
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
         self._add(delta, reasoning, content)
@@ -174,16 +234,20 @@ class _ChoiceOutput:
     def finish(self) -> dict:
         """The last delta fields (held-back text, the parsed calls)."""
         delta: dict = {}
-        if self.plan.mode == "named":
-            if not self.raw:  # an empty reply still names the call
-                delta["tool_calls"] = [{"index": 0, "id": self.named_id, "type": "function",
-                                        "function": {"name": self.plan.name, "arguments": ""}}]
-            self.calls = [ParsedToolCall(self.plan.name, self.raw, self.named_id)]
+        if self.plan.mode == "named" and self.affixes is not None:
+            arguments = self._named_arguments(final=True)
+            rest = arguments[self.args_sent:]
+            if rest or not self.named_started:  # an empty reply still names the call
+                delta = self._named_delta(rest)
+            self.calls = [ParsedToolCall(self.plan.name, arguments, self.named_id)]
             return delta
-        if self.plan.mode == "required":
-            self.calls = calls_from_required(self.raw) or []
-            if self.calls:
-                delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(self.calls)]
+        if self.plan.mode in ("required", "named"):
+            calls = parse_forced_calls(self.fmt.tool_parser, self.raw, self.plan.tools, self.plan.name) or []
+            if self.plan.mode == "named":
+                calls = [ParsedToolCall(c.name, c.arguments, self.named_id) for c in calls[:1]]
+            self.calls = calls
+            if calls:
+                delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
             else:  # cut short (max_tokens): what was written is all there is
                 self.content = self.raw
                 delta["content"] = self.raw
@@ -225,15 +289,16 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         if not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     check_n(req.n)
+    check_priority(req.priority)
     messages = convert_messages(req.messages)
-    plan = plan_tools(ctx, req)
+    plan = _chat_plan(ctx, req)
     grammar, grammar_param = request_grammar(req, ctx.grammar_enabled)
-    if plan.mode in ("required", "named"):
+    if plan.grammar is not None:
         if grammar is not None:
             raise ApiError(400, f"{grammar_param} cannot be combined with tool_choice {plan.mode}", grammar_param)
-        grammar = json_schema_spec(tool_call_schema(plan.tools, plan.name, req.parallel_tool_calls), "tools")
-        grammar_param = "tools"
-    input_ids = await tm.encode_chat_async(messages, tools=plan.tools, template_kwargs=req.chat_template_kwargs)
+        grammar, grammar_param = plan.grammar, "tools"
+    input_ids = await encode_chat(ctx, messages, plan.tools, req.chat_template_kwargs, req.add_generation_prompt,
+                                  req.continue_final_message)
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     elif req.max_tokens is not None:
@@ -247,7 +312,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                           min_tokens=req.min_tokens, top_logprobs=num_top,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty, logit_bias=logit_bias_pairs(req.logit_bias),
-                          grammar=grammar, param_names={"max_tokens": max_param})
+                          grammar=grammar, skip_special_tokens=req.skip_special_tokens,
+                          spaces_between_special_tokens=req.spaces_between_special_tokens,
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          param_names={"max_tokens": max_param})
     tm.check_token_ids(params.stop_token_ids, "stop_token_ids")
     tm.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
     tm.check_length(len(input_ids), max_tokens, "messages", max_param)
@@ -256,7 +324,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     gen = [GenRequest(input_ids, p, grammar_param) for p in choices_params(params, n)]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    outs = [_ChoiceOutput(plan, ctx.args.reasoning_parser, ctx.args.tool_call_parser) for _ in range(n)]
+    outs = [ChoiceOutput(plan, ctx.chat_format) for _ in range(n)]
+    as_ids = req.return_tokens_as_token_ids
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -279,7 +348,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                     out = outs[c.index]
                     lp = None
                     if num_top is not None and c.logprobs:
-                        lp = {"content": chat_logprobs(tm, c.logprobs, num_top)}
+                        lp = {"content": chat_logprobs(tm, c.logprobs, num_top, as_ids)}
                     delta = out.feed(c.text) if c.text else {}
                     finish = None
                     if c.finish:
@@ -306,7 +375,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             if c.text:
                 out.feed(c.text)
             if num_top is not None and c.logprobs:
-                lps[c.index].extend(chat_logprobs(tm, c.logprobs, num_top))
+                lps[c.index].extend(chat_logprobs(tm, c.logprobs, num_top, as_ids))
             if c.finish:
                 out.finish()
                 finish[c.index] = out.finish_reason(c.finish.openai_reason)

@@ -9,13 +9,14 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from scheduler.io_struct import PromptLogprobs, TokenLogprob
 from server.args import ServerArgs
+from server.chat_tools import ChatFormat
 from server.protocol import ApiError
 from server.tokenizer_manager import GenChunk, TokenizerManager
 
@@ -29,6 +30,9 @@ class ServingContext:
     args: ServerArgs
     sampling: dict  # --sampling-defaults resolved: what unset temperature/top_p/top_k/min_p become
     served_model_name: str
+    # Tool-call and reasoning formats (server/chat_tools.py), resolved at start-up from the flags and the
+    # chat template.
+    chat_format: ChatFormat = field(default_factory=ChatFormat)
 
     @property
     def grammar_enabled(self) -> bool:
@@ -161,18 +165,26 @@ class UsageTracker:
         return usage_body(sum(self.prompt), sum(self.completion.values()), sum(self.cached))
 
 
-def completion_logprobs(tm: TokenizerManager, lps: list[TokenLogprob], offset: int) -> tuple[dict, int]:
+def token_label(tm: TokenizerManager, token_id: int, as_ids: bool = False) -> str:
+    """A token as logprobs list it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids, for tokens
+    whose text is not whole)."""
+    return f"token_id:{token_id}" if as_ids else tm.token_str(token_id)
+
+
+def completion_logprobs(tm: TokenizerManager, lps: list[TokenLogprob], offset: int,
+                        as_ids: bool = False) -> tuple[dict, int]:
+    """text_offset counts the tokens' text even when they are listed as ids."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in lps:
-        s = tm.token_str(lp.token_id)
+        s = token_label(tm, lp.token_id, as_ids)
         out["tokens"].append(s)
         out["token_logprobs"].append(lp.logprob)
         top = {s: lp.logprob}
         for tid, val in lp.top:
-            top.setdefault(tm.token_str(tid), val)
+            top.setdefault(token_label(tm, tid, as_ids), val)
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
-        offset += len(s)
+        offset += len(tm.token_str(lp.token_id))
     return out, offset
 
 
@@ -181,17 +193,17 @@ MIN_LOGPROB = -9999.0
 
 
 def prompt_completion_logprobs(tm: TokenizerManager, prompt_ids: list[int], lps: PromptLogprobs | None,
-                               num_top: int) -> dict:
+                               num_top: int, as_ids: bool = False) -> dict:
     """OpenAI's legacy shape for echoed prompt tokens: the first has no logprob (nothing precedes it: None, and
     None for its alternatives); offsets run over the token strings from 0."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     values = {} if lps is None else {lps.first + i: i for i in range(len(lps))}
     for pos, tid in enumerate(prompt_ids):
-        s = tm.token_str(tid)
+        s = token_label(tm, tid, as_ids)
         out["tokens"].append(s)
         out["text_offset"].append(offset)
-        offset += len(s)
+        offset += len(tm.token_str(tid))
         i = values.get(pos)
         if i is None:
             out["token_logprobs"].append(None)
@@ -201,7 +213,7 @@ def prompt_completion_logprobs(tm: TokenizerManager, prompt_ids: list[int], lps:
         out["token_logprobs"].append(value)
         top = {s: value}
         for t, v in zip(lps.top_ids[i][:num_top], lps.top_logprobs[i][:num_top]):
-            top.setdefault(tm.token_str(t), max(v, MIN_LOGPROB))
+            top.setdefault(token_label(tm, t, as_ids), max(v, MIN_LOGPROB))
         out["top_logprobs"].append(top)
     return out
 
@@ -223,10 +235,10 @@ def vllm_prompt_logprobs(tm: TokenizerManager, prompt_ids: list[int], lps: Promp
     return out
 
 
-def chat_logprobs(tm: TokenizerManager, lps: list[TokenLogprob], num_top: int) -> list[dict]:
-    return [{"token": tm.token_str(lp.token_id), "logprob": lp.logprob,
+def chat_logprobs(tm: TokenizerManager, lps: list[TokenLogprob], num_top: int, as_ids: bool = False) -> list[dict]:
+    return [{"token": token_label(tm, lp.token_id, as_ids), "logprob": lp.logprob,
              "bytes": list(tm.token_bytes(lp.token_id)),
-             "top_logprobs": [{"token": tm.token_str(t), "logprob": v, "bytes": list(tm.token_bytes(t))}
+             "top_logprobs": [{"token": token_label(tm, t, as_ids), "logprob": v, "bytes": list(tm.token_bytes(t))}
                               for t, v in lp.top[:num_top]]}
             for lp in lps]
 

@@ -11,7 +11,14 @@ from fastapi.responses import Response, StreamingResponse
 
 from model_executor.sampling_params import MAX_TOP_LOGPROBS
 from server.protocol import ApiError, CompletionRequest
-from server.protocol_convert import build_params, check_n, choices_params, logit_bias_pairs, request_grammar
+from server.protocol_convert import (
+    build_params,
+    check_n,
+    check_priority,
+    choices_params,
+    logit_bias_pairs,
+    request_grammar,
+)
 from server.serving_common import (
     SSE_DONE,
     SSE_HEADERS,
@@ -51,6 +58,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     model = ctx.check_model(req.model)
     check_stream_options(req)
     check_unsupported(req)
+    check_priority(req.priority)
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts = [((await tm.encode_prompts_async([prompt]))[0], prompt)]
@@ -76,7 +84,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty, logit_bias=logit_bias_pairs(req.logit_bias),
                           grammar=grammar, prompt_logprob_start=0 if want_prompt else None,
-                          prompt_top_logprobs=prompt_top)
+                          prompt_top_logprobs=prompt_top, skip_special_tokens=req.skip_special_tokens,
+                          spaces_between_special_tokens=req.spaces_between_special_tokens,
+                          include_stop_str_in_output=req.include_stop_str_in_output)
     tm.check_token_ids(params.stop_token_ids, "stop_token_ids")
     tm.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
     for ids, _ in prompts:
@@ -93,6 +103,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     want_lp = req.logprobs is not None
+    as_ids = req.return_tokens_as_token_ids
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -121,9 +132,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                     if c.index in pending_echo:
                         pending_echo.discard(c.index)
                         text = echoes[c.index] + text
-                        lp = prompt_completion_logprobs(tm, prompt_ids[c.index], c.prompt_logprobs, req.logprobs)
+                        lp = prompt_completion_logprobs(tm, prompt_ids[c.index], c.prompt_logprobs, req.logprobs, as_ids)
                     if want_lp and c.logprobs:
-                        part, offsets[c.index] = completion_logprobs(tm, c.logprobs, offsets[c.index])
+                        part, offsets[c.index] = completion_logprobs(tm, c.logprobs, offsets[c.index], as_ids)
                         lp = part if lp is None else {k: lp[k] + part[k] for k in lp}
                     if text or lp or c.finish:
                         yield chunk(c.index, text, lp, c.finish.openai_reason if c.finish else None)
@@ -149,7 +160,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                 prompt_lps[c.index] = c.prompt_logprobs
             texts[c.index] += c.text
             if want_lp and c.logprobs:
-                part, offsets[c.index] = completion_logprobs(tm, c.logprobs, offsets[c.index])
+                part, offsets[c.index] = completion_logprobs(tm, c.logprobs, offsets[c.index], as_ids)
                 for k in lps[c.index]:
                     lps[c.index][k].extend(part[k])
             if c.finish:
@@ -158,7 +169,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         for i in range(len(gen)):
             choice = {"index": i, "text": texts[i], "logprobs": lps[i] if want_lp else None, "finish_reason": finish[i]}
             if echo_lp:
-                head = prompt_completion_logprobs(tm, prompt_ids[i], prompt_lps[i], req.logprobs)
+                head = prompt_completion_logprobs(tm, prompt_ids[i], prompt_lps[i], req.logprobs, as_ids)
                 choice["logprobs"] = {k: head[k] + lps[i][k] for k in head}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(tm, prompt_ids[i], prompt_lps[i], req.prompt_logprobs)

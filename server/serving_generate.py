@@ -11,7 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from model_executor.sampling_params import MAX_TOP_LOGPROBS
 from server.protocol import ApiError, GenerateRequest
-from server.protocol_convert import build_params, logit_bias_pairs, request_grammar
+from server.protocol_convert import build_params, check_priority, logit_bias_pairs, request_grammar
 from server.serving_common import (
     SSE_DONE,
     SSE_HEADERS,
@@ -37,6 +37,7 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
     tm = ctx.tm
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids", "text")
+    check_priority(req.priority)
     if req.text is not None:
         ids, param = (await tm.encode_prompts_async([req.text]))[0], "text"
     else:
@@ -64,6 +65,9 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
                           grammar=grammar,
                           prompt_logprob_start=None if start == -1 else start,
                           prompt_top_logprobs=req.top_logprobs_num,
+                          skip_special_tokens=sp.skip_special_tokens,
+                          spaces_between_special_tokens=sp.spaces_between_special_tokens,
+                          include_stop_str_in_output=sp.no_stop_trim,
                           param_names={name: f"sampling_params.{name}" for name in (
                               "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")}
                           | {"max_tokens": "sampling_params.max_new_tokens",

@@ -7,8 +7,8 @@ disconnect, and failing everything when the scheduler or detokenizer process die
 
 Stop strings: the scheduler ends a request when a stop string appears in its output, but the text the
 client sees is built here, from the detokenizer's deltas. Each request keeps its accumulated text; a
-stop string found in it ends the request (cut before the string; the scheduler is told to abort if it
-has not finished yet), and while streaming the last (longest stop - 1) characters are held back so that
+stop string found in it ends the request (cut before the string, or after it with
+include_stop_str_in_output; the scheduler is told to abort if it has not finished yet), and while streaming the last (longest stop - 1) characters are held back so that
 no prefix of a stop string is ever sent. The non-streaming response is the concatenation of the same
 chunks, so streamed and non-streamed text are equal by construction.
 """
@@ -57,7 +57,8 @@ MAX_MESSAGES_PER_WAKE = 256
 
 # apply_chat_template arguments that chat_template_kwargs must not replace.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize", "chat_template", "return_dict",
-                             "return_tensors", "add_generation_prompt", "tokenizer_kwargs"}
+                             "return_tensors", "add_generation_prompt", "continue_final_message",
+                             "tokenizer_kwargs"}
 
 
 def load_chat_template(value: str) -> str:
@@ -304,12 +305,15 @@ class TokenizerManager:
         return self.tokenizer.encode(text)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> list[int]:
+                    template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         """Render the chat template as text, then encode it without adding special tokens again: the
         template already writes BOS where the model wants one (vLLM and SGLang do the same).
 
         tools: the functions' definitions, passed to the template as `tools` (OpenAI's function objects
-        wrapped as {"type": "function", "function": ...}, the shape HF templates expect)."""
+        wrapped as {"type": "function", "function": ...}, the shape HF templates expect).
+        continue_final_message: the last message is left open (no end-of-turn after it), for the model to
+        continue it."""
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ApiError(400, "this model has no chat template; use /v1/completions (or start the server "
@@ -322,6 +326,7 @@ class TokenizerManager:
             extra["tools"] = [{"type": "function", "function": t} for t in tools]
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
                                                       tokenize=False, chat_template=template, **extra)
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from e
@@ -504,7 +509,8 @@ class TokenizerManager:
                 found = (pos, finish.matched) if pos >= 0 else None
             if found is not None:
                 pos, matched = found
-                st.text = st.text[:max(pos, st.sent)]
+                end = pos + len(matched) if st.params.include_stop_str_in_output else pos
+                st.text = st.text[:max(end, st.sent)]
                 if finish is None or finish.kind != "stop":
                     if finish is None and self._reqs.pop(st.rid, None) is not None and self.healthy:
                         self._send_nowait(AbortReq(rid=st.rid), st.replica)  # we saw it first; stop it

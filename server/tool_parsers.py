@@ -5,8 +5,13 @@ Each parser knows one model family's format:
 - llama3 (Llama 3.1+ JSON tool calling): the reply is `{"name": ..., "parameters": {...}}` (optionally after
   `<|python_tag|>`), several separated by `;`;
 - mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (the marker is a special token that the
-  detokenizer drops, so a reply that starts with `[{` counts too).
-Text the parser cannot read as calls stays content (vLLM's behaviour): a call is never invented.
+  detokenizer drops, so a reply that starts with `[{` counts too);
+- qwen3_coder (Qwen3-Coder, Qwen3.5): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...
+  </function>\n</tool_call>`, repeated; each value is text, converted to the type the function's JSON schema
+  gives the parameter (number, boolean, object...; a string, or a parameter the schema does not type, stays
+  text).
+Text the parser cannot read as calls stays content (vLLM's behaviour): a call is never invented. Which
+parser a server uses: server/chat_tools.py (the flag, or detected from the chat template).
 
 `ToolCallStream` runs a parser over streamed text: content before the calls is sent as it arrives (holding
 back what may be the start of a marker); the calls are parsed and sent once the output is complete, as one
@@ -20,7 +25,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral", "qwen3_coder")
 
 
 @dataclass
@@ -158,7 +163,46 @@ class MistralParser(ToolParser):
         return _content(text[:start]), calls
 
 
-def make_tool_parser(name: str) -> ToolParser:
+class Qwen3CoderParser(HermesParser):
+    """hermes' markers (so its scan), XML inside."""
+
+    _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.DOTALL)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+    def __init__(self, tools: list[dict] | None = None):
+        self.schemas = {t["name"]: (t.get("parameters") or {}).get("properties") or {} for t in tools or []}
+
+    def _value(self, function: str, key: str, text: str):
+        text = text.removeprefix("\n").removesuffix("\n")
+        schema = self.schemas.get(function, {}).get(key)
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
+            return text
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+
+    def extract(self, text):
+        pos = text.find(self.START)
+        if pos < 0:
+            return _content(text), []
+        calls = []
+        for block in self._BLOCK.findall(text[pos:]):
+            m = self._FUNCTION.match(block)
+            if m is None:
+                return _content(text), []
+            name, body = m.group(1).strip(), m.group(2)
+            args = {key.strip(): self._value(name, key.strip(), value) for key, value in self._PARAMETER.findall(body)}
+            calls.append(ParsedToolCall(name, json.dumps(args, ensure_ascii=False)))
+        return _content(text[:pos]), calls
+
+
+def make_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
+    """The parser of a format (TOOL_CALL_PARSERS); tools (the request's function definitions) type the
+    qwen3_coder parameters."""
+    if name == "qwen3_coder":
+        return Qwen3CoderParser(tools)
     return {"hermes": HermesParser, "llama3": Llama3JsonParser, "mistral": MistralParser}[name]()
 
 

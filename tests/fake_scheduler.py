@@ -12,7 +12,9 @@ Generation rules (all deterministic unless sampling without a seed):
   from it; a prompt containing ``[unicode]`` yields multi-byte characters (accents, CJK, emoji) split
   over byte-level tokens; ``[eos N]`` makes token N the EOS token (unless ignore_eos / min_tokens);
 * stop_token_ids, EOS, stop strings (decoded with the tokenizer), max_new_tokens, min_new_tokens,
-  abort, flush, stats and (fake but well-formed) logprobs are honoured like the real scheduler.
+  abort, flush, stats and (fake but well-formed) logprobs are honoured like the real scheduler;
+* logit_bias of +100 forces its token (the lowest such id), as it does on a real model;
+* the request's decode options (skip_special_tokens...) go to the detokenizer with its first output.
 """
 
 from __future__ import annotations
@@ -175,6 +177,9 @@ class FakeScheduler:
         p = r.params
         if r.eos_at is not None and i == r.eos_at:
             return self.eos_ids[0]
+        forced = [t for t, bias in p.logit_bias if bias >= 100]
+        if forced:
+            return min(forced)
         if r.unicode_ids:
             return r.unicode_ids[i % len(r.unicode_ids)]
         if p.is_greedy:
@@ -212,7 +217,7 @@ class FakeScheduler:
             return
         self.path_counts["extend_eager" if admitted else "decode_eager"] += 1
         out = BatchTokenOut(rids=[], new_token_ids=[], finished=[], prompt_tokens=[], completion_tokens=[],
-                            cached_tokens=[], logprobs=[])
+                            cached_tokens=[], logprobs=[], decode_options=[])
         for rid, prompt_len, num_out, cached in self.aborted:
             out.rids.append(rid)
             out.new_token_ids.append([])
@@ -221,6 +226,7 @@ class FakeScheduler:
             out.completion_tokens.append(num_out)
             out.cached_tokens.append(cached)
             out.logprobs.append(None)
+            out.decode_options.append(None)
         self.aborted.clear()
         for r in list(self.running):
             token = self._next_token(r)
@@ -234,6 +240,7 @@ class FakeScheduler:
             out.completion_tokens.append(len(r.out))
             out.cached_tokens.append(r.cached_tokens)
             out.logprobs.append([lp] if lp is not None else None)
+            out.decode_options.append(r.params.decode_options if len(r.out) == 1 else None)
             if finish is not None:
                 self.running.remove(r)
                 self.num_finished += 1

@@ -141,6 +141,7 @@ def tame(body, vocab: int):
         "logprob_start_len": lambda v: _int_in(v, -1, 0), "seed": lambda v: _int_in(v, -(2**63), 2**63 - 1),
         "stop": lambda v: v is None or (isinstance(v, str) and v) or (isinstance(v, list) and len(v) <= 16
                                                                      and all(v)),
+        "priority": lambda v: v == 0,
     }
     for key, ok in keep.items():
         if key in b and b[key] is not None and not ok(b[key]):
@@ -158,6 +159,8 @@ def tame(body, vocab: int):
             b["logprobs"] = True
         if not isinstance(b.get("logprobs"), bool):
             b.pop("logprobs", None)
+        if b.get("continue_final_message"):  # it continues the last message: no generation prompt after it
+            b["add_generation_prompt"] = False
     elif "prompt" in b:  # completions
         p = b["prompt"]
         if isinstance(p, list) and p and isinstance(p[0], list):
@@ -188,6 +191,8 @@ def tame(body, vocab: int):
             if key in sp and sp[key] is not None and not ok(sp[key]):
                 del sp[key]
         sp.setdefault("max_new_tokens", 4)
+        if b.get("priority") not in (None, 0):
+            b["priority"] = 0
         if isinstance(sp.get("stop_token_ids"), list):
             sp["stop_token_ids"] = [abs(t) % vocab for t in sp["stop_token_ids"]]
         b["sampling_params"] = sp
@@ -226,10 +231,12 @@ def _operations():
     out += [(label, GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES) for label in post]
     out += [(label, TAMED, TAMED_EXAMPLES) for label in post]
     # No generation behind them (tokenizer only): positive and negative bodies, no taming needed.
-    out += [(label, mode, NEGATIVE_EXAMPLES) for label in ("POST /tokenize", "POST /detokenize")
+    out += [(label, mode, NEGATIVE_EXAMPLES) for label in ("POST /tokenize", "POST /detokenize",
+                                                           "POST /v1/tokenize", "POST /v1/detokenize")
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
-    out += [("GET /v1/models/{model_id}", GenerationMode.POSITIVE, OTHER_EXAMPLES),
-            ("GET /v1/models", GenerationMode.POSITIVE, OTHER_EXAMPLES)]
+    out += [(label, GenerationMode.POSITIVE, OTHER_EXAMPLES)
+            for label in ("GET /v1/models/{model_id}", "GET /v1/models", "GET /version", "GET /get_model_info",
+                          "GET /health_generate")]
     return out
 
 
@@ -430,6 +437,15 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
         ("image content part", H, dict(chat, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]), {400}, "messages.0.content"),
         ("unknown model", C, dict(cmpl, model="gpt-4"), {404}, "model"),
+        # ---- fields clients send, tools
+        ("priority beyond int64", C, dict(cmpl, priority=2**70), {400}, "priority"),
+        ("generate priority -1", G, dict(gen, priority=-1), {400}, "priority"),
+        ("continue with a generation prompt", H, dict(chat, continue_final_message=True), {400},
+         "continue_final_message"),
+        ("skip_special_tokens not a bool", C, dict(cmpl, skip_special_tokens="maybe"), {400}, "skip_special_tokens"),
+        ("required call of a schema xgrammar refuses", H, dict(chat, tool_choice="required", tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+                "a": {"type": "string", "pattern": "[a-"}}}}}]), {400}, "tools"),
     ]
     return cases
 

@@ -439,3 +439,183 @@ def test_explicit_nulls_mean_defaults(server, model):
             "max_tokens": 3, "logprobs": None, "n": None, "stream_options": None}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
+
+
+# ---- peer routes, fields clients send, tools with no flags --------------------------------------------
+
+
+def test_peer_route_aliases(server, model):
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}, timeout=10).json()
+    assert httpx.post(f"{server.url}/v1/tokenize", json={"prompt": "Hello world"}, timeout=10).json() == tok
+    detok = httpx.post(f"{server.url}/v1/detokenize", json={"tokens": tok["tokens"]}, timeout=10).json()
+    assert detok == httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}, timeout=10).json()
+    assert detok["prompt"] == detok["text"] and detok["text"].endswith("Hello world")  # vLLM's and SGLang's keys
+    assert httpx.get(f"{server.url}/version", timeout=10).json() == {"version": "0.1.0"}
+    info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
+    assert info["model_path"] == str(server.model_dir) and info["is_generation"] is True
+    assert info["served_model_name"] == model
+    before = httpx.get(f"{server.url}/server_info", timeout=10).json()["stats"]["num_finished"]
+    r = httpx.get(f"{server.url}/health_generate", timeout=30)
+    assert r.status_code == 200, r.text
+    # It went through the engine: one more finished request.
+    assert httpx.get(f"{server.url}/server_info", timeout=10).json()["stats"]["num_finished"] == before + 1
+
+
+def test_skip_special_tokens_and_spaces_between_them(server, model, tokenizer):
+    """A logit bias of +100 forces a special token; the text leaves it out unless skip_special_tokens is false
+    (SGLang's sampling_params take the same field)."""
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    base = {"model": model, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {str(special): 100}}
+    chat = dict(base, messages=[{"role": "user", "content": "hi"}])
+
+    def chat_text(**kw) -> str:
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=dict(chat, **kw), timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    assert chat_text() == chat_text(skip_special_tokens=True) == ""
+    assert chat_text(skip_special_tokens=False) == "<|im_start|>" * 3
+    assert chat_text(skip_special_tokens=False, spaces_between_special_tokens=True) == " ".join(["<|im_start|>"] * 3)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30,
+                      json=dict(chat, skip_special_tokens=False, stream=True)) as resp:
+        resp.read()
+        events = sse_events(resp)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "<|im_start|>" * 3
+    r = httpx.post(f"{server.url}/v1/completions", json=dict(base, prompt="hi", skip_special_tokens=False), timeout=30)
+    assert r.json()["choices"][0]["text"] == "<|im_start|>" * 3
+    gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True,
+                                             "logit_bias": {str(special): 100}, "skip_special_tokens": False}}
+    assert httpx.post(f"{server.url}/generate", json=gen, timeout=30).json()["text"] == "<|im_start|>" * 2
+
+
+def test_include_stop_str_in_output(client, model, server, tokenizer):
+    kw = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(model=model, **kw).choices[0].text
+    stop = pick_stop(full)
+    kept = full[:full.index(stop) + len(stop)]
+    keep = dict(kw, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    r = client.completions.create(model=model, stop=[stop], **keep)
+    assert r.choices[0].text == kept and r.choices[0].finish_reason == "stop"
+    assert stream_text(client, model, stop=[stop], **keep)[0] == [kept]
+    chat_kw = {"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 12, "temperature": 0,
+               "extra_body": keep["extra_body"]}
+    chat_full = client.chat.completions.create(model=model, **chat_kw).choices[0].message.content
+    chat_stop = pick_stop(chat_full)
+    chat = client.chat.completions.create(model=model, stop=[chat_stop], **chat_kw)
+    assert chat.choices[0].message.content == chat_full[:chat_full.index(chat_stop) + len(chat_stop)]
+    # A stop token's text is kept too (vLLM's), and SGLang's no_stop_trim does the same on /generate.
+    ids = tokenizer.encode(full, add_special_tokens=False)
+    stop_id = next(t for k, t in enumerate(ids) if k >= 2 and t not in ids[:k])
+    r = client.completions.create(model=model, stop=None, **dict(keep, extra_body={
+        "ignore_eos": True, "include_stop_str_in_output": True, "stop_token_ids": [stop_id]}))
+    assert r.choices[0].text == tokenizer.decode(ids[:ids.index(stop_id) + 1])
+    gen = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                                           "stop_token_ids": [stop_id], "no_stop_trim": True}}
+    assert httpx.post(f"{server.url}/generate", json=gen, timeout=30).json()["text"] == r.choices[0].text
+
+
+def test_return_tokens_as_token_ids(client, model, tokenizer):
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    ids = [int(t.token.removeprefix("token_id:")) for t in content]
+    assert all(t.token.startswith("token_id:") for t in content)
+    assert tokenizer.decode(ids) == r.choices[0].message.content
+    assert all(alt.token.startswith("token_id:") for t in content for alt in t.top_logprobs)
+    c = client.completions.create(model=model, prompt="hi", max_tokens=4, temperature=0, logprobs=1, echo=True,
+                                  extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens) and len(lp.tokens) == len(lp.text_offset)
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs if top for k in top)
+    plain = client.completions.create(model=model, prompt="hi", max_tokens=4, temperature=0, logprobs=1, echo=True,
+                                      extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert lp.text_offset == plain.text_offset  # offsets count the tokens' text either way
+    assert lp.tokens != plain.tokens
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1}, "priority"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}, "priority"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 1}}, "priority"),
+])
+def test_priority_zero_is_accepted_and_others_refused(server, path, body, param):
+    assert httpx.post(f"{server.url}{path}", json=dict(body, priority=0), timeout=30).status_code == 200
+    r = httpx.post(f"{server.url}{path}", json=dict(body, priority=5), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert "priority scheduling" in r.json()["error"]["message"]
+
+
+def test_continue_final_message_and_add_generation_prompt(server, model, tokenizer):
+    msgs = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon a"}]
+
+    def tokens(**kw) -> list[int]:
+        r = httpx.post(f"{server.url}/v1/tokenize", json={"messages": msgs, **kw}, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    cont = tokens(continue_final_message=True, add_generation_prompt=False)
+    assert tokenizer.decode(cont).endswith("<|im_start|>assistant\nOnce upon a")
+    closed = tokens(add_generation_prompt=False)
+    assert tokenizer.decode(closed).endswith("Once upon a<|im_end|>\n")
+    assert tokenizer.decode(tokens()).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    body = {"model": model, "messages": msgs, "max_tokens": 2, "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json=dict(body, continue_final_message=True, add_generation_prompt=False))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(cont), r.text
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=dict(body, continue_final_message=True), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=dict(body, chat_template_kwargs={
+        "continue_final_message": True}), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def test_tools_work_with_no_flags(server, model, client):
+    """The default model's template renders no tools: with no --tool-call-parser the server uses its default
+    format (tools in the system message, hermes calls), so tools with no tool_choice or "auto" answer (a call
+    or text, never a 400), and the round trip with the tool's result is accepted."""
+    caps = httpx.get(f"{server.url}/server_info", timeout=10).json()["capabilities"]
+    assert (caps["tool_call_parser"], caps["tool_call_format"]) == ("hermes", "default")
+    assert {"auto", "required", "named"} <= set(caps["tool_choice"])
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "none"}):
+        r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=4, **choice)
+        assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    # The tools are in the prompt: /tokenize with the same messages and tools counts the same tokens.
+    count = httpx.post(f"{server.url}/v1/tokenize", timeout=10,
+                       json={"messages": messages, "tools": TOOLS}).json()["count"]
+    assert r.usage.prompt_tokens == count > httpx.post(f"{server.url}/v1/tokenize", timeout=10, json={
+        "messages": messages}).json()["count"] + 50
+    round_trip = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees"}]
+    r = client.chat.completions.create(model=model, messages=round_trip, tools=TOOLS, max_tokens=4)
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    longer = httpx.post(f"{server.url}/v1/tokenize", timeout=10,
+                        json={"messages": round_trip, "tools": TOOLS}).json()["count"]
+    assert r.usage.prompt_tokens == longer > count + 20  # the call and its result are rendered, not dropped
+
+
+def test_openapi_operation_ids_are_unique(model_dir):
+    from server.args import ServerArgs
+    from server.detokenizer import load_tokenizer
+    from server.http_server import AppState, create_app
+    from server.metrics import ServerMetrics
+    from server.tokenizer_manager import TokenizerManager
+
+    tm = TokenizerManager(load_tokenizer(str(model_dir)), ipc=None, info={"context_len": 512, "num_kv_slots": 1000},
+                          metrics=ServerMetrics())
+    app = create_app(AppState(args=ServerArgs(model_path=str(model_dir), device="cpu"), info={}, tokenizer_manager=tm,
+                              served_model_name="m"))
+    ops = [(op["operationId"], method, path) for path, item in app.openapi()["paths"].items()
+           for method, op in item.items()]
+    ids = [i for i, _, _ in ops]
+    assert len(ids) == len(set(ids)), sorted(ops)
+    paths = {path for _, _, path in ops}
+    assert {"/v1/tokenize", "/v1/detokenize", "/version", "/health_generate", "/get_model_info"} <= paths

@@ -1,6 +1,6 @@
 """The HTTP API against the real scheduler and model on a tiny random Llama (CPU), not the fake scheduler:
 logprob values against HF transformers' log-softmax, n + seed, stop strings and stop_token_ids, echo,
-cached_tokens; retraction under a small KV pool; a scheduler fault is an HTTP 500 for that request only.
+cached_tokens, the output-text options (skip_special_tokens, no_stop_trim) through the scheduler; retraction under a small KV pool; a scheduler fault is an HTTP 500 for that request only.
 """
 
 from __future__ import annotations
@@ -138,6 +138,19 @@ def test_cached_tokens_are_exact(server):
     other = next(t for t in range(40, 320) if t != first["output_ids"][0])
     longer = generate(server, prompt + [other, other], max_new_tokens=4)
     assert longer["meta_info"]["cached_tokens"] == len(prompt)
+
+
+def test_output_text_options_reach_the_detokenizer(server, tokenizer_of):
+    """skip_special_tokens and no_stop_trim travel from the request through the scheduler to the detokenizer
+    (with the request's first output): a forced special token is written, and a stop token's text kept."""
+    special = tokenizer_of.convert_tokens_to_ids("<|im_start|>")
+    forced = {"max_new_tokens": 2, "logit_bias": {str(special): 100}}
+    assert generate(server, PROMPT, **forced)["text"] == ""
+    assert generate(server, PROMPT, skip_special_tokens=False, **forced)["text"] == "<|im_start|>" * 2
+    ids = generate(server, PROMPT, max_new_tokens=12)["output_ids"]
+    k = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k] and ids[k] not in tokenizer_of.all_special_ids)
+    kept = generate(server, PROMPT, max_new_tokens=12, stop_token_ids=[ids[k]], no_stop_trim=True)
+    assert kept["output_ids"] == ids[:k + 1] and kept["text"] == tokenizer_of.decode(ids[:k + 1])
 
 
 # ---- memory pressure: retraction through the server ----------------------------------------------

@@ -1,6 +1,7 @@
 """Structured outputs, tool calls, logit bias and the refusal of unsupported fields, through the official
 `openai` client against a real server on the default model (SmolLM2-135M-Instruct, CPU): one server for
-the module."""
+the module, started with no tool flags (tool calls in duet's default format: the model's template renders no
+tools)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,7 @@ SUBJECTS = ["a pilot", "a cook", "a nurse", "a farmer", "a judge", "a poet", "a 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    srv = ServerProcess("--tool-call-parser", "hermes", "--max-total-tokens", "8192", model_dir=model_dir,
-                        fake=False).wait_healthy(timeout=300)
+    srv = ServerProcess("--max-total-tokens", "8192", model_dir=model_dir, fake=False).wait_healthy(timeout=300)
     yield srv
     assert srv.stop() == 0
 
@@ -152,6 +152,32 @@ def test_tool_round_trip_through_the_template(client, model):
                 {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees"}]
     r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=4, temperature=0)
     assert r.choices[0].message.content is not None
+
+
+def test_tools_with_no_flags(client, model, server):
+    """A plain server of the default model: tools with no tool_choice give a parsed call or text (never a 400),
+    a named choice a parsed call, and the next turn with that call and its result is accepted."""
+    caps = httpx.get(f"{server.url}/server_info", timeout=10).json()["capabilities"]
+    assert (caps["tool_call_parser"], caps["tool_call_format"]) == ("hermes", "default")
+    messages = [{"role": "user", "content": "What is the weather in Oslo? Use a tool."}]
+    r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=60, temperature=0)
+    msg = r.choices[0].message
+    if msg.tool_calls:
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert all(c.function.name in {"get_weather", "get_time"} and isinstance(json.loads(c.function.arguments), dict)
+                   for c in msg.tool_calls)
+    else:
+        assert msg.content and r.choices[0].finish_reason in ("stop", "length")
+    forced = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=60, temperature=0,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = forced.choices[0].message.tool_calls
+    _validate_call(call)
+    follow_up = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 12, "unit": "c"}'}]
+    r = client.chat.completions.create(model=model, messages=follow_up, tools=TOOLS, max_tokens=30, temperature=0)
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    assert r.usage.prompt_tokens > forced.usage.prompt_tokens + 20  # the call and its result are in the prompt
 
 
 def test_logit_bias_forces_and_bans(client, model, server):

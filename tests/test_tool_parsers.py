@@ -1,5 +1,6 @@
 """Tool-call and reasoning parsers (pure Python): each format's calls, text that is not a call stays content,
-streamed pieces give the same content and calls as the whole text, and the tool_choice schemas."""
+streamed pieces give the same content and calls as the whole text, the tool_choice schemas, and the grammars
+of forced calls (tool_choice required / named) in each format, read back by its parser."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import jsonschema
 import pytest
 
+from server.chat_tools import named_call_affixes, parse_forced_calls, tool_choice_grammar
 from server.reasoning_parser import ReasoningStream, split_reasoning
 from server.tool_parsers import ToolCallStream, calls_from_required, make_tool_parser, tool_call_schema
 
@@ -73,3 +75,113 @@ def test_tool_choice_schemas():
     calls = calls_from_required('[{"name": "f", "parameters": {"a": 1}}]')
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
     assert calls_from_required('{"name": "f"}') is None
+
+
+WEATHER = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}},
+    "required": ["city", "days", "metric"]}},
+           {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                                               "required": ["zone"]}}]
+QWEN3_CODER_CALLS = ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+                     "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n"
+                     "</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\n123\n</parameter>\n"
+                     "</function>\n</tool_call>")
+
+
+def test_qwen3_coder_parser_types_values_by_the_schema():
+    parser = make_tool_parser("qwen3_coder", WEATHER)
+    content, calls = parser.extract(QWEN3_CODER_CALLS)
+    assert content == "Let me look.\n"
+    # A string parameter stays text even when it reads as a number; the others take the schema's type.
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "New York", "days": 3, "metric": True}), ("get_time", {"zone": "123"})]
+    stream = ToolCallStream(make_tool_parser("qwen3_coder", WEATHER))
+    sent = "".join(stream.feed(ch) for ch in QWEN3_CODER_CALLS)
+    assert sent == "Let me look.\n" and [c.arguments for c in stream.finish()[1]] == [c.arguments for c in calls]
+    broken = "<tool_call>\n<parameter=city>\nx\n</parameter>\n</tool_call>"  # no <function=...>
+    assert parser.extract(broken) == (broken, [])
+
+
+# One complete forced output per format: what each format's grammar must accept and its parser read.
+FORCED = {
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "metric": true}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'),
+    "llama3": ('{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2, "metric": true}}; '
+               '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+    "mistral": ('[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "metric": true}}, '
+                '{"name": "get_time", "arguments": {"zone": "UTC"}}]'),
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n"
+                    "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                    "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>"),
+    None: '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2, "metric": true}}, '
+          '{"name": "get_time", "parameters": {"zone": "UTC"}}]',
+}
+EXPECTED = [("get_weather", {"city": "Oslo", "days": 2, "metric": True}), ("get_time", {"zone": "UTC"})]
+
+
+@pytest.fixture(scope="module")
+def grammar_compiler(model_dir):
+    import xgrammar as xgr
+
+    from server.detokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(model_dir))
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, stop_token_ids=[tok.eos_token_id]))
+
+
+def _accepts(compiler, spec, text: str) -> bool:
+    import xgrammar as xgr
+
+    compiled = (compiler.compile_grammar(spec.value) if spec.kind == "ebnf"
+                else compiler.compile_json_schema(spec.value, strict_mode=True))
+    matcher = xgr.GrammarMatcher(compiled)
+    return matcher.accept_string(text) and matcher.is_completed()  # the whole text, and a complete output
+
+
+@pytest.mark.parametrize("parser", list(FORCED), ids=str)
+def test_forced_calls_are_written_in_the_format_and_read_back(grammar_compiler, parser):
+    """tool_choice required / named: the grammar admits the calls as the format writes them (and not free
+    text), and parse_forced_calls reads what it admits."""
+    text = FORCED[parser]
+    required = tool_choice_grammar(parser, WEATHER, None, parallel=True)
+    assert _accepts(grammar_compiler, required, text)
+    assert not _accepts(grammar_compiler, required, "Sure! " + text)
+    calls = parse_forced_calls(parser, text, WEATHER, None)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
+    single = tool_choice_grammar(parser, WEATHER, None, parallel=False)
+    assert not _accepts(grammar_compiler, single, text)  # two calls where one is allowed
+    # Named: one call of that function; its JSON arguments sit between fixed text (streamed as written).
+    named = tool_choice_grammar(parser, WEATHER, "get_time", parallel=True)
+    affixes = named_call_affixes(parser, "get_time")
+    args = '{"zone": "UTC"}'
+    one = (affixes[0] + args + affixes[1]) if affixes is not None else \
+        "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>"
+    assert _accepts(grammar_compiler, named, one)
+    if parser is not None:  # (vLLM's named shape is the bare arguments object)
+        assert not _accepts(grammar_compiler, named, one.replace("get_time", "get_weather"))
+    [call] = parse_forced_calls(parser, one, WEATHER, "get_time")
+    assert (call.name, json.loads(call.arguments)) == ("get_time", {"zone": "UTC"})
+    assert parse_forced_calls(parser, one[:-3], WEATHER, "get_time") is None  # cut short: not a call
+
+
+def test_named_call_streams_its_arguments_as_the_whole_reply():
+    from server.chat_tools import ChatFormat
+    from server.serving_chat import ChoiceOutput, ToolPlan
+
+    head, tail = named_call_affixes("hermes", "get_time")
+    text = head + '{"zone": "UTC"}' + tail
+
+    def run(pieces):
+        out = ChoiceOutput(ToolPlan("named", WEATHER, "get_time"), ChatFormat("hermes"))
+        deltas = [out.feed(p) for p in pieces] + [out.finish()]
+        return out, [c for d in deltas for c in d.get("tool_calls", [])]
+
+    whole, _ = run([text])
+    streamed, calls = run(list(text))
+    assert whole.message() == {**streamed.message(), "tool_calls": whole.message()["tool_calls"]}
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"zone": "UTC"}'
+    assert calls[0]["id"] == streamed.named_id and calls[0]["function"]["name"] == "get_time"
+    assert sum("id" in c for c in calls) == 1 and "<" not in "".join(c["function"]["arguments"] for c in calls)
+    cut, _ = run([text[:-5]])  # max_tokens: the arguments written so far, as OpenAI returns them
+    assert cut.calls[0].arguments == '{"zone": "UTC"}'
+    assert whole.finish_reason("stop") == "stop"
