@@ -16,7 +16,7 @@ from server.ipc import FinishReason
 from server.protocol import ApiError
 from server.protocol_anthropic import AnthropicMessagesRequest
 from server.serving_chat import ChatJob, ToolPlan, _ChoiceOutput
-from server.serving_messages import _Reply, _stop_reason, chat_messages
+from server.serving_messages import _Reply, _stop_reason, chat_messages, chat_request
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object",
@@ -134,10 +134,6 @@ def test_forced_tool_use(client, model, forced):
     [streamed] = final.content
     assert (streamed.type, streamed.name, streamed.input) == ("tool_use", "get_weather", call.input)
     assert final.stop_reason == "tool_use"
-    # "any": some tool, through the tool-call grammar.
-    r = create(client, model, max_tokens=80, messages=WEATHER_QUESTION, tools=[WEATHER], tool_choice={"type": "any"})
-    assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"]
-    jsonschema.validate(r.content[0].input, WEATHER["input_schema"])
 
 
 def _round_trip(client, model, first, **kw):
@@ -145,7 +141,7 @@ def _round_trip(client, model, first, **kw):
     messages = [*WEATHER_QUESTION, {"role": "assistant", "content": first.content},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                               "content": "Sunny and 21 degrees Celsius."}]}]
-    second = create(client, model, max_tokens=30, messages=messages, tools=[WEATHER], **kw)
+    second = create(client, model, max_tokens=12, messages=messages, tools=[WEATHER], **kw)
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and its result are in the prompt
     assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
     return second
@@ -277,6 +273,36 @@ def test_blocks_in_the_wrong_role_are_refused():
         with pytest.raises(ApiError) as e:
             chat_messages(req)
         assert e.value.status == 400 and e.value.param == "messages.0.content.0"
+
+
+def _chat(**fields):
+    return chat_request(AnthropicMessagesRequest.model_validate(
+        {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **fields}))
+
+
+def test_chat_request_fields():
+    tools = {"tools": [WEATHER]}
+    assert _chat(**tools).tool_choice is None  # chat's default for tools: auto
+    assert _chat(**tools, tool_choice={"type": "auto"}).tool_choice == "auto"
+    assert _chat(**tools, tool_choice={"type": "none"}).tool_choice == "none"
+    forced = _chat(**tools, tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert forced.tool_choice == "required" and forced.parallel_tool_calls is False
+    assert _chat(**tools, tool_choice={"type": "tool", "name": "get_weather"}).tool_choice.function.name == \
+        "get_weather"
+    fn = _chat(**tools).tools[0].function
+    assert (fn.name, fn.description, fn.parameters) == ("get_weather", WEATHER["description"], WEATHER["input_schema"])
+    r = _chat(stop_sequences=["x"], temperature=0.5, top_p=0.9, top_k=5, max_tokens=7, stream=True)
+    assert (r.stop, r.temperature, r.top_p, r.top_k, r.max_tokens, r.stream) == (["x"], 0.5, 0.9, 5, 7, True)
+    # thinking -> the template's enable_thinking, unless chat_template_kwargs sets it
+    assert _chat(thinking={"type": "disabled"}).chat_template_kwargs == {"enable_thinking": False}
+    assert _chat(thinking={"type": "adaptive"}).chat_template_kwargs == {"enable_thinking": True}
+    assert _chat(thinking={"type": "enabled", "budget_tokens": 4},
+                 chat_template_kwargs={"enable_thinking": False, "x": 1}).chat_template_kwargs == {
+        "enable_thinking": False, "x": 1}
+    assert _chat().chat_template_kwargs is None
+    with pytest.raises(ApiError) as e:
+        _chat(thinking={"type": "enabled", "budget_tokens": 8})
+    assert e.value.param == "thinking.budget_tokens"
 
 
 def _accumulate(events: list[tuple[str, dict]]) -> list[dict]:
