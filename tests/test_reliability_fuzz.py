@@ -520,6 +520,16 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
         ("messages lone surrogate", M, b'{"max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}',
          {400}, None),
         ("messages not JSON", M, b"{messages", {400}, None),
+        # Regression: the lone-surrogate check recursed through nested values (a RecursionError, a 500).
+        ("messages tool_use input nested 600 deep", M,
+         ('{"max_tokens": 1, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": '
+          f'[{{"type": "tool_use", "id": "t", "name": "f", "input": {_nested(600, kind="dict")}}}]}}, '
+          '{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]}]}').encode(),
+         {200, 400}, None),
+        ("chat tool parameters nested 600 deep", H,
+         ('{"max_tokens": 1, "messages": [{"role": "user", "content": "q"}], "tool_choice": "none", "tools": '
+          f'[{{"type": "function", "function": {{"name": "f", "parameters": {_nested(600, kind="dict")}}}}}]}}').encode(),
+         {200, 400}, None),
         ("messages unknown model", M, dict(msgs, model="claude-opus-4"), {404}, "model"),
         ("count_tokens empty messages", MC, {"messages": []}, {400}, "messages"),
         ("count_tokens with max_tokens", MC, msgs, {400}, "max_tokens"),
