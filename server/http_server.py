@@ -47,10 +47,20 @@ from server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from server.protocol_anthropic import (
+    AnthropicCountTokensRequest,
+    AnthropicErrorResponse,
+    AnthropicMessageResponse,
+    AnthropicMessagesRequest,
+    AnthropicTokenCount,
+    anthropic_error_body,
+    uses_anthropic_errors,
+)
 from server.serving_chat import create_chat_completion
 from server.serving_common import ServingContext
 from server.serving_completions import create_completion
 from server.serving_generate import generate
+from server.serving_messages import count_tokens, create_message
 from server.serving_tokenize import detokenize, tokenize
 from server.tokenizer_manager import GenRequest, TokenizerManager
 
@@ -73,8 +83,16 @@ class AppState:
         return self.tokenizer_manager.metrics
 
 
-def _json_error(status: int, message: str, param: str | None = None, type: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, type), status_code=status)
+def _error_body(path: str, status: int, message: str, param: str | None = None, type: str | None = None) -> dict:
+    """The error body of the API that path belongs to: Anthropic's for /v1/messages, else OpenAI's."""
+    if uses_anthropic_errors(path):
+        return anthropic_error_body(status, message, param)
+    return error_body(status, message, param, type)
+
+
+def _json_error(request: Request, status: int, message: str, param: str | None = None,
+                type: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(request.url.path, status, message, param, type), status_code=status)
 
 
 # ---- ASGI guard: API key and body size ----------------------------------------------------------
@@ -93,8 +111,8 @@ class _GuardMiddleware:
         self.api_key = api_key.encode() if api_key else None
         self.max_bytes = max_bytes
 
-    async def _reply(self, send, status: int, message: str, param: str | None = None) -> None:
-        body = json.dumps(error_body(status, message, param)).encode()
+    async def _reply(self, send, scope, status: int, message: str) -> None:
+        body = json.dumps(_error_body(scope["path"], status, message)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
@@ -108,9 +126,11 @@ class _GuardMiddleware:
         if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return await self._reply(send, 401, "Incorrect or missing API key: send the header "
-                                                    "'Authorization: Bearer <key>'.")
+            if scheme.lower() != b"bearer":  # Anthropic's clients send the key as x-api-key
+                token = headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(token.strip(), self.api_key):
+                return await self._reply(send, scope, 401, "Incorrect or missing API key: send the header "
+                                                           "'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
         if scope["method"] in ("POST", "PUT", "PATCH"):
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if ctype in (b"", b"application/x-www-form-urlencoded", b"text/plain"):
@@ -123,7 +143,7 @@ class _GuardMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             if headers.get(b"expect", b"").lower() != b"100-continue":
                 await self._drain(receive)
-            return await self._reply(send, 413, too_large)
+            return await self._reply(send, scope, 413, too_large)
         chunks, size = [], 0
         while True:
             msg = await receive()
@@ -134,7 +154,7 @@ class _GuardMiddleware:
             if size > self.max_bytes:
                 if msg.get("more_body"):
                     await self._drain(receive, size)
-                return await self._reply(send, 413, too_large)
+                return await self._reply(send, scope, 413, too_large)
             chunks.append(body)
             if not msg.get("more_body"):
                 break
@@ -196,7 +216,7 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _json_error(request, exc.status, exc.message, exc.param, exc.type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -204,29 +224,29 @@ def create_app(state: AppState) -> FastAPI:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
             detail = (first.get("ctx") or {}).get("error", "")
-            return _json_error(400, f"The request body is not valid JSON: {detail}".rstrip(": "))
+            return _json_error(request, 400, f"The request body is not valid JSON: {detail}".rstrip(": "))
         loc = tuple(first.get("loc", ()))
         param = _validation_param(loc)
         if first.get("type") == "missing" and param is None:
-            return _json_error(400, "The request body must be a JSON object.")
+            return _json_error(request, 400, "The request body must be a JSON object.")
         if first.get("type") == "extra_forbidden":
             name = str(loc[-1]) if loc else param
             hint = UNSUPPORTED_HINTS.get(name)
-            return _json_error(400, f"{param}: duet does not support this field" + (f" ({hint})" if hint else "")
-                               + "; remove it from the request", param)
+            return _json_error(request, 400, f"{param}: duet does not support this field"
+                               + (f" ({hint})" if hint else "") + "; remove it from the request", param)
         msg = first.get("msg", "invalid value")
-        return _json_error(400, f"{param}: {msg}" if param else msg, param)
+        return _json_error(request, 400, f"{param}: {msg}" if param else msg, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"No route {request.method} {request.url.path}"
-        return _json_error(exc.status_code, message)
+        return _json_error(request, exc.status_code, message)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        return _json_error(500, f"internal server error: {type(exc).__name__}: {exc}")
+        return _json_error(request, 500, f"internal server error: {type(exc).__name__}: {exc}")
 
     # ---- model names --------------------------------------------------------------------------
 
@@ -245,7 +265,7 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/health")
     async def health():
         if not tm.healthy or not tm.accepting:
-            return _json_error(503, tm.fatal_error or "the server is shutting down")
+            return JSONResponse(error_body(503, tm.fatal_error or "the server is shutting down"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -337,6 +357,19 @@ def create_app(state: AppState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await create_chat_completion(ctx, req, request)
+
+    # The Anthropic Messages API (server/serving_messages.py); its errors have Anthropic's shape.
+    anthropic_errors = {
+        "4XX": {"model": AnthropicErrorResponse, "description": "A client error (Anthropic error body)"},
+        "5XX": {"model": AnthropicErrorResponse, "description": "The engine failed or stopped"}}
+
+    @app.post("/v1/messages", responses={200: {"model": AnthropicMessageResponse}, **anthropic_errors})
+    async def messages(req: AnthropicMessagesRequest, request: Request):
+        return await create_message(ctx, req, request)
+
+    @app.post("/v1/messages/count_tokens", responses={200: {"model": AnthropicTokenCount}, **anthropic_errors})
+    async def messages_count_tokens(req: AnthropicCountTokensRequest):
+        return await count_tokens(ctx, req)
 
     @app.post("/generate")
     async def generate_route(req: GenerateRequest, request: Request):

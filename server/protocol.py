@@ -41,17 +41,21 @@ def error_body(status: int, message: str, param: str | None = None, type: str | 
 
 def _has_lone_surrogate(value) -> bool:
     """JSON may escape a lone surrogate ("\\ud800"), which Python decodes into a str that cannot be encoded
-    as UTF-8: the tokenizer and the response encoder would fail on it (a 500). Strings in lists count too."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
-    if isinstance(value, dict):  # e.g. content parts, which are plain dicts
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    as UTF-8: the tokenizer and the response encoder would fail on it (a 500). Strings in lists and dicts
+    count too, at any depth (walked with a stack: a deeply nested value must not exhaust Python's recursion)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):  # e.g. content parts, which are plain dicts
+            stack.extend(v)
+            stack.extend(v.values())
     return False
 
 

@@ -278,7 +278,22 @@ class ChoiceOutput:
         return "tool_calls" if self.calls and reason == "stop" and self.plan.mode != "named" else reason
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request):
+@dataclass
+class ChatJob:
+    """A chat request made ready to run: its prompt, one scheduler request per choice, and per choice the state
+    that turns its text into a message. /v1/messages runs the same jobs (serving_messages.py)."""
+
+    model: str
+    input_ids: list[int]
+    gen: list[GenRequest]
+    outs: list[ChoiceOutput]
+    num_top: int | None
+    rid: str
+    created: int
+
+
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatJob:
+    """Everything before generation: checks, the rendered prompt, sampling parameters, tool plan."""
     tm = ctx.tm
     model = ctx.check_model(req.model)
     check_stream_options(req)
@@ -325,6 +340,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     outs = [ChoiceOutput(plan, ctx.chat_format) for _ in range(n)]
+    return ChatJob(model, input_ids, gen, outs, num_top, rid, created)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request):
+    job = await prepare_chat(ctx, req)
+    tm, n, model, num_top, gen, rid, created, outs = (ctx.tm, req.n, job.model, job.num_top, job.gen, job.rid,
+                                                      job.created, job.outs)
     as_ids = req.return_tokens_as_token_ids
 
     if req.stream:

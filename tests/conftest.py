@@ -131,6 +131,17 @@ def model_dir():
         pytest.fail(str(exc))
 
 
+@pytest.fixture(scope="session")
+def default_server(model_dir):
+    """The real server on the default model with no feature flags (launch_server on the CPU), shared by the
+    modules that need nothing else: it starts once per run."""
+    from tests.fake_scheduler import ServerProcess
+
+    srv = ServerProcess("--max-total-tokens", "8192", model_dir=model_dir, fake=False).wait_healthy(timeout=300)
+    yield srv
+    assert srv.stop() == 0, srv.output()[-3000:]
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_gpu_memory_after_module():
     """GPU tests share one process: each module's runners (weights and a KV cache sized from free memory)

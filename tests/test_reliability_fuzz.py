@@ -4,9 +4,10 @@ OpenAPI spec, plus hand-written hostile requests.
 The server runs with --context-length 40, so every accepted request generates at most 40 tokens and a
 large max_tokens is rejected at once: the fuzzer explores the whole input space, generation stays short.
 
-For every response: no 5xx; a 4xx carries exactly the OpenAI error body with `code` equal to the status;
-the status is one the spec documents (schemathesis' status_code_conformance); a 200 stream is well-formed
-SSE ending in `data: [DONE]` without an error event. Afterwards the server is healthy and idle and every KV
+For every response: no 5xx; a 4xx carries exactly the OpenAI error body with `code` equal to the status
+(Anthropic's error body on the /v1/messages routes); the status is one the spec documents (schemathesis'
+status_code_conformance); a 200 stream is well-formed SSE ending in `data: [DONE]` (Anthropic's events ending
+in message_stop) without an error event. Afterwards the server is healthy and idle and every KV
 slot is free or cached.
 
 Schemathesis runs each operation in positive mode (bodies valid for the schema) and negative mode (bodies
@@ -72,12 +73,24 @@ def vocab(server):
     return server_info(server.url)["scheduler_info"]["vocab_size"]
 
 
-def error_problem(status: int, body: bytes) -> str | None:
-    """None if body is exactly the OpenAI error body for status, else what is wrong."""
+def anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_problem(status: int, body: bytes, anthropic: bool = False) -> str | None:
+    """None if body is exactly the OpenAI (or Anthropic) error body for status, else what is wrong."""
     try:
         doc = json.loads(body)
     except ValueError:
         return f"not JSON: {body[:200]!r}"
+    if anthropic:
+        if not isinstance(doc, dict) or set(doc) != {"type", "error"} or doc["type"] != "error":
+            return f"not an Anthropic error body: {doc!r:.300}"
+        err = doc["error"]
+        if not isinstance(err, dict) or set(err) != {"type", "message"} or not isinstance(err["type"], str) \
+                or not isinstance(err["message"], str) or not err["message"]:
+            return f"bad Anthropic error fields for {status}: {err!r:.300}"
+        return None
     if not isinstance(doc, dict) or set(doc) != {"error"} or not isinstance(doc["error"], dict):
         return f"not an OpenAI error body: {doc!r:.300}"
     err = doc["error"]
@@ -90,17 +103,32 @@ def error_problem(status: int, body: bytes) -> str | None:
     return None
 
 
-def response_problem(status: int, headers, body: bytes, streamed: bool) -> str | None:
+def anthropic_stream_problem(text: str) -> str | None:
+    events = text.split("\n\n")
+    if events[-1] != "" or not events[-2].startswith("event: message_stop\n"):
+        return f"the stream does not end with message_stop: {text[-200:]!r}"
+    for event in events[:-1]:
+        name, _, data = event.partition("\n")
+        if not name.startswith("event: ") or not data.startswith("data: "):
+            return f"not an SSE event with a name: {event[:200]!r}"
+        if json.loads(data[6:])["type"] != name[7:] or name == "event: error":
+            return f"a bad or error event in a 200 stream: {event[:300]!r}"
+    return None
+
+
+def response_problem(status: int, headers, body: bytes, streamed: bool, anthropic: bool = False) -> str | None:
     if status >= 500:
         return f"server error {status}: {body[:300]!r}"
     if status >= 400:
-        return error_problem(status, body)
+        return error_problem(status, body, anthropic)
     if streamed and status == 200:
         ctype = headers.get("content-type", "")  # schemathesis' headers hold lists of values
         ctype = ctype[0] if isinstance(ctype, list) and ctype else ctype
         if not ctype.startswith("text/event-stream"):
             return f"a stream with content-type {ctype}"
         text = body.decode("utf-8")
+        if anthropic:
+            return anthropic_stream_problem(text)
         if not text.endswith("data: [DONE]\n\n"):
             return f"the stream does not end with [DONE]: {text[-200:]!r}"
         for event in text.split("\n\n")[:-2]:
@@ -122,7 +150,33 @@ def _num_in(value, lo: float, hi: float) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
 
 
-def tame(body, vocab: int):
+def tame_messages(b: dict) -> dict:
+    """tame() for an Anthropic body: one short user turn (a string or text blocks), a short system prompt."""
+    b.pop("model", None)
+    for key, ok in (("temperature", lambda v: _num_in(v, 0, 1e6)), ("top_p", lambda v: _num_in(v, 1e-6, 1)),
+                    ("top_k", lambda v: _int_in(v, -1, 2**80)), ("max_tokens", lambda v: _int_in(v, 1, 8)),
+                    ("stop_sequences", lambda v: isinstance(v, list) and len(v) <= 16 and all(v))):
+        if key in b and b[key] is not None and not ok(b[key]):
+            del b[key]
+    b.setdefault("max_tokens", 4)
+    first = next((m for m in b.get("messages") or [] if isinstance(m, dict)), {})
+    content = first.get("content")
+    if isinstance(content, str):
+        content = content[:8]
+    elif isinstance(content, list):
+        content = [{"type": "text", "text": p["text"][:8]} for p in content[:2]
+                   if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)] or "hi"
+    else:
+        content = "hi"
+    b["messages"] = [{"role": "user", "content": content}]
+    if isinstance(b.get("system"), str):
+        b["system"] = b["system"][:8]
+    elif b.get("system") is not None:
+        b.pop("system")
+    return b
+
+
+def tame(body, vocab: int, label: str = ""):
     """Repair a schema-valid body into one the server accepts (mostly), keeping every unusual value that is
     in range: random schema-valid bodies almost always break some range rule and stop at a 400, while the
     engine crashes found so far came from values the HTTP layer accepts (e.g. stop_token_ids, top_k).
@@ -130,6 +184,8 @@ def tame(body, vocab: int):
     if not isinstance(body, dict):
         return body
     b = dict(body)
+    if anthropic_path(label.partition(" ")[2]):
+        return tame_messages(b)
     b.pop("model", None)
     keep = {
         "n": lambda v: _int_in(v, 1, 4), "temperature": lambda v: _num_in(v, 0, 1e6),
@@ -226,13 +282,14 @@ def budget(body):
 
 def _operations():
     # (label, mode, max_examples); the spec is read from the live server inside the test.
-    post = ["POST /v1/completions", "POST /v1/chat/completions", "POST /generate"]
+    post = ["POST /v1/completions", "POST /v1/chat/completions", "POST /generate", "POST /v1/messages"]
     out = [(label, GenerationMode.POSITIVE, POSITIVE_EXAMPLES) for label in post]
     out += [(label, GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES) for label in post]
     out += [(label, TAMED, TAMED_EXAMPLES) for label in post]
     # No generation behind them (tokenizer only): positive and negative bodies, no taming needed.
-    out += [(label, mode, NEGATIVE_EXAMPLES) for label in ("POST /tokenize", "POST /detokenize",
-                                                           "POST /v1/tokenize", "POST /v1/detokenize")
+    out += [(label, mode, NEGATIVE_EXAMPLES)
+            for label in ("POST /tokenize", "POST /detokenize", "POST /v1/tokenize", "POST /v1/detokenize",
+                          "POST /v1/messages/count_tokens")
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
     out += [(label, GenerationMode.POSITIVE, OTHER_EXAMPLES)
             for label in ("GET /v1/models/{model_id}", "GET /v1/models", "GET /version", "GET /get_model_info",
@@ -275,7 +332,7 @@ def test_schemathesis(server, api_schema, vocab, label, mode, max_examples):
         if stats["examples"] >= min_sent and time.monotonic() - start > OPERATION_BUDGET_S:
             stats["unsent"] += 1
             return
-        case.body = tame(case.body, vocab) if mode == TAMED else budget(case.body)
+        case.body = tame(case.body, vocab, label) if mode == TAMED else budget(case.body)
         stats["examples"] += 1
         if os.environ.get("DUET_FUZZ_DUMP"):
             with open(os.environ["DUET_FUZZ_DUMP"] + ".sent", "a") as f:
@@ -293,7 +350,7 @@ def test_schemathesis(server, api_schema, vocab, label, mode, max_examples):
         if mode == TAMED and status >= 400 and os.environ.get("DUET_FUZZ_DEBUG"):
             print("TAMED-REJECTED", json.dumps(case.body)[:300], resp.text[:200])
         streamed = isinstance(case.body, dict) and case.body.get("stream") is True
-        problem = response_problem(status, resp.headers, resp.content, streamed)
+        problem = response_problem(status, resp.headers, resp.content, streamed, anthropic_path(path))
         if problem is None:
             try:
                 case.validate_response(resp, checks=[not_a_server_error, status_code_conformance])
@@ -333,7 +390,9 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
     cmpl = {"prompt": "hello", "max_tokens": 2}
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     gen = {"text": "hello", "sampling_params": {"max_new_tokens": 2}}
+    msgs = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     C, H, G = "/v1/completions", "/v1/chat/completions", "/generate"
+    M, MC = "/v1/messages", "/v1/messages/count_tokens"
     cases = [
         # ---- sizes
         ("huge n", C, dict(cmpl, n=10**6), {400}, "n"),
@@ -446,6 +505,51 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
         ("required call of a schema xgrammar refuses", H, dict(chat, tool_choice="required", tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
                 "a": {"type": "string", "pattern": "[a-"}}}}}]), {400}, "tools"),
+        # ---- the Anthropic routes
+        ("messages without max_tokens", M, {"messages": [{"role": "user", "content": "hello"}]}, {400},
+         "max_tokens"),
+        ("messages huge max_tokens", M, dict(msgs, max_tokens=10**9), {400}, "max_tokens"),
+        ("messages max_tokens = context", M, dict(msgs, max_tokens=CONTEXT), {400}, "max_tokens"),
+        ("messages max_tokens beyond int64", M, dict(msgs, max_tokens=2**80), {400}, "max_tokens"),
+        ("messages streamed", M, dict(msgs, stream=True), {200}, None),
+        ("messages streamed, refused before the stream", M, dict(msgs, stream=True, max_tokens=10**9), {400},
+         "max_tokens"),
+        ("messages empty", M, dict(msgs, messages=[]), {400}, "messages"),
+        ("messages unknown role", M, dict(msgs, messages=[{"role": "tool", "content": "x"}]), {400},
+         "messages.0.role"),
+        ("messages content is a number", M, dict(msgs, messages=[{"role": "user", "content": 5}]), {400},
+         "messages.0.content"),
+        ("messages image block", M, dict(msgs, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "file:///etc/passwd"}}]}]), {400},
+         "messages.0.content.0"),
+        ("messages unknown block type", M, dict(msgs, messages=[{"role": "user", "content": [{"type": "x"}]}]),
+         {400}, "messages.0.content.0"),
+        ("messages tool_result for no tool_use", M, dict(msgs, messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]), {400},
+         "messages.0.content.0.tool_use_id"),
+        ("messages 17 stop sequences", M, dict(msgs, stop_sequences=["s"] * 17), {400}, "stop_sequences"),
+        ("messages tool_choice without tools", M, dict(msgs, tool_choice={"type": "any"}), {400}, "tool_choice"),
+        ("messages tool with a bad schema", M, dict(msgs, tools=[{"name": "f", "input_schema": {
+            "type": "object", "properties": {"a": {"type": "nothing"}}}}], tool_choice={"type": "tool", "name": "f"}),
+         {400}, "tools"),
+        ("messages unknown field", M, dict(msgs, output_config={"effort": "low"}), {400}, "output_config"),
+        ("messages lone surrogate", M, b'{"max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}',
+         {400}, None),
+        ("messages not JSON", M, b"{messages", {400}, None),
+        # Regression: the lone-surrogate check recursed through nested values (a RecursionError, a 500).
+        ("messages tool_use input nested 600 deep", M,
+         ('{"max_tokens": 1, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": '
+          f'[{{"type": "tool_use", "id": "t", "name": "f", "input": {_nested(600, kind="dict")}}}]}}, '
+          '{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]}]}').encode(),
+         {200, 400}, None),
+        ("chat tool parameters nested 600 deep", H,
+         ('{"max_tokens": 1, "messages": [{"role": "user", "content": "q"}], "tool_choice": "none", "tools": '
+          f'[{{"type": "function", "function": {{"name": "f", "parameters": {_nested(600, kind="dict")}}}}}]}}').encode(),
+         {200, 400}, None),
+        ("messages unknown model", M, dict(msgs, model="claude-opus-4"), {404}, "model"),
+        ("count_tokens empty messages", MC, {"messages": []}, {400}, "messages"),
+        ("count_tokens with max_tokens", MC, msgs, {400}, "max_tokens"),
+        ("count_tokens", MC, {"messages": [{"role": "user", "content": "hello"}]}, {200}, None),
     ]
     return cases
 
@@ -461,11 +565,15 @@ def test_hostile_requests(server, model, vocab):
             else:
                 resp = client.post(path, json=body)
             timings[name] = time.monotonic() - start
+            anthropic = anthropic_path(path)
             problem = response_problem(resp.status_code, resp.headers, resp.content,
-                                       isinstance(body, dict) and body.get("stream") is True)
+                                       isinstance(body, dict) and body.get("stream") is True, anthropic)
             if problem is None and resp.status_code not in statuses:
                 problem = f"status {resp.status_code} not in {statuses}: {resp.text[:300]}"
-            if problem is None and param is not None and resp.json()["error"]["param"] != param:
+            if problem is None and param is not None and anthropic:  # Anthropic's message names the field
+                if not resp.json()["error"]["message"].startswith(f"{param}: "):
+                    problem = f"the message does not start with {param!r}: {resp.text[:300]}"
+            elif problem is None and param is not None and resp.json()["error"]["param"] != param:
                 problem = f"param {resp.json()['error']['param']!r} != {param!r}"
             if problem is not None:
                 failures.append(f"{name}: {problem}")
@@ -574,7 +682,8 @@ def test_openapi_documents_the_error_body(server):
         for method, op in item.items():
             assert "422" not in op["responses"], (method, path)
             ref = op["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"]
-            assert ref.endswith("/ErrorResponse"), (method, path, ref)
+            expected = "/AnthropicErrorResponse" if anthropic_path(path) else "/ErrorResponse"
+            assert ref.endswith(expected), (method, path, ref)
     info = spec["components"]["schemas"]["ErrorInfo"]
     assert set(info["required"]) == ERROR_KEYS
 

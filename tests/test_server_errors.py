@@ -197,3 +197,30 @@ def test_body_too_large(guarded):
     assert_error(resp, 413)
     ok = {"prompt": "x" * 100, "max_tokens": 1}
     assert httpx.post(f"{guarded.url}/v1/completions", json=ok, headers=headers, timeout=10).status_code == 200
+
+
+def test_anthropic_routes_take_x_api_key_and_answer_in_their_shape(guarded):
+    """Anthropic's clients send the key as x-api-key; the /v1/messages routes' 401 and 413 have Anthropic's
+    error body (the OpenAI routes keep theirs)."""
+    import anthropic
+
+    url = guarded.url
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong", "x-api-key": KEY}):
+        resp = httpx.post(f"{url}/v1/messages", json=body, headers=headers, timeout=10)
+        assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error", resp.text
+    chat = f"{url}/v1/chat/completions"
+    assert_error(httpx.post(chat, json=CHAT, headers={"x-api-key": "wrong"}, timeout=10), 401)
+    assert httpx.post(chat, json=CHAT, headers={"x-api-key": KEY}, timeout=30).status_code == 200
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(model="m", **body)
+    assert set(e.value.body) == {"type", "error"}
+    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+    model = httpx.get(f"{url}/v1/models", headers={"x-api-key": KEY}, timeout=10).json()["data"][0]["id"]
+    assert client.messages.create(model=model, **body).usage.output_tokens > 0
+    big = {"messages": [{"role": "user", "content": "x" * (LIMIT + 100)}], "max_tokens": 2}
+    with pytest.raises(anthropic.APIStatusError) as e:
+        client.messages.create(model=model, **big)
+    assert e.value.status_code == 413 and e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "request_too_large"
+    assert "--max-request-bytes" in e.value.body["error"]["message"]
