@@ -131,6 +131,17 @@ def model_dir():
         pytest.fail(str(exc))
 
 
+@pytest.fixture(scope="session")
+def default_server(model_dir):
+    """The real server on the default model with its default flags, started once and shared by the test
+    modules that need nothing else of it (each server start costs CI time)."""
+    from tests.fake_scheduler import ServerProcess
+
+    srv = ServerProcess("--max-total-tokens", "8192", model_dir=model_dir, fake=False).wait_healthy(timeout=300)
+    yield srv
+    assert srv.stop() == 0, srv.output()[-3000:]
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_gpu_memory_after_module():
     """GPU tests share one process: each module's runners (weights and a KV cache sized from free memory)

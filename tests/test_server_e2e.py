@@ -8,14 +8,10 @@ import httpx
 import openai
 import pytest
 
-from tests.fake_scheduler import ServerProcess
-
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    srv = ServerProcess("--max-total-tokens", "8192", model_dir=model_dir, fake=False).wait_healthy(timeout=180)
-    yield srv
-    assert srv.stop() == 0
+def server(default_server):
+    return default_server  # (tests/conftest.py: one server for the modules that share it)
 
 
 @pytest.fixture(scope="module")
