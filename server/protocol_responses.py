@@ -318,6 +318,7 @@ class ResponseObject(_Response):
     id: str
     object: Literal["response"] = "response"
     created_at: int
+    completed_at: int | None = None
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     error: dict | None = None
     incomplete_details: dict | None = None

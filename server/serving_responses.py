@@ -368,7 +368,7 @@ class ResponseAssembler:
         if self.finish == "length":
             r.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
         elif self.finish in ("stop", "tool_calls"):
-            r["status"] = "completed"
+            r.update(status="completed", completed_at=int(time.time()))
         else:
             r.update(status="failed", error={"code": "server_error", "message": "the request was aborted"})
         r["output"] = self.output

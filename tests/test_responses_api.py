@@ -5,13 +5,17 @@ into output items without a server."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from server.serving_responses import ResponseAssembler, items_to_messages
+from server.protocol import ApiError
+from server.protocol_responses import ResponsesRequest
+from server.serving_common import ServingContext
+from server.serving_responses import ResponseAssembler, ResponseStore, items_to_messages, to_chat_request
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
@@ -88,7 +92,7 @@ def test_function_call_round_trip(client, model):
     # The tool's result goes back with the conversation's items: the model answers in text.
     outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"} for c in calls]
     answer = create(client, model, input=[{"role": "user", "content": QUESTION}, *r.output, *outputs],
-                    tools=TOOLS, tool_choice="none", max_output_tokens=30)
+                    tools=TOOLS, tool_choice="none", max_output_tokens=12)
     assert answer.status == "completed" and answer.output[0].type == "message" and answer.output_text.strip()
     # A named function, streamed: the argument deltas make the call the non-streamed request makes.
     named = {"type": "function", "name": "get_weather"}
@@ -246,3 +250,32 @@ def test_items_to_messages_groups_calls_into_one_assistant_turn():
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
     assert messages[1]["content"] is None and [c["id"] for c in messages[1]["tool_calls"]] == ["a", "b"]
     assert messages[2] == {"role": "tool", "tool_call_id": "b", "content": "2"}
+
+
+def test_to_chat_request_maps_the_fields():
+    ctx = ServingContext(None, SimpleNamespace(reasoning_parser="qwen3"), {}, "m")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = ResponsesRequest.model_validate({
+        "input": [{"role": "developer", "content": [{"type": "input_text", "text": "be brief"},
+                                                    {"type": "input_text", "text": "and kind"}]},
+                  {"type": "message", "role": "user", "content": "hi"}],
+        "instructions": "sys", "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"},
+        "parallel_tool_calls": False, "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}},
+        "reasoning": {"effort": "none"}})
+    plan = to_chat_request(ctx, ResponseStore(), req)
+    chat = plan.chat
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "sys"), ("developer", "be brief\nand kind"),
+                                                            ("user", "hi")]
+    assert [t.function.name for t in chat.tools] == ["get_weather", "get_time"]
+    assert chat.tools[0].function.parameters == TOOLS[0]["parameters"]
+    assert chat.tool_choice.function.name == "get_time" and chat.parallel_tool_calls is False
+    assert (chat.max_completion_tokens, chat.temperature, chat.top_p, chat.stream) == (7, 0.5, 0.9, True)
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == schema
+    assert chat.chat_template_kwargs == {"enable_thinking": False}
+    assert plan.tool_choice == {"type": "function", "name": "get_time"}
+    # Without a reasoning parser, `reasoning` is refused by name.
+    ctx.args.reasoning_parser = None
+    with pytest.raises(ApiError) as e:
+        to_chat_request(ctx, ResponseStore(), req)
+    assert e.value.param == "reasoning"
