@@ -195,7 +195,8 @@ def to_chat_request(ctx: ServingContext, store: ResponseStore, req: ResponsesReq
 
 
 # Chat's names in its errors -> this API's.
-_RENAMES = (("request.messages", "input"), ("request.", ""), ("response_format.json_schema.schema", "text.format.schema"),
+_RENAMES = (("request.messages", "input"), ("request.", ""),
+            ("response_format.json_schema.schema", "text.format.schema"),
             ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
             ("max_completion_tokens", "max_output_tokens"), ("the messages", "the input"), ("messages", "input"))
 
