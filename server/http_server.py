@@ -56,11 +56,13 @@ from server.protocol_anthropic import (
     anthropic_error_body,
     uses_anthropic_errors,
 )
+from server.protocol_responses import ResponsesRequest
 from server.serving_chat import create_chat_completion
 from server.serving_common import ServingContext
 from server.serving_completions import create_completion
 from server.serving_generate import generate
 from server.serving_messages import count_tokens, create_message
+from server.serving_responses import ResponseStore, create_response, delete_response, retrieve_response
 from server.serving_tokenize import detokenize, tokenize
 from server.tokenizer_manager import GenRequest, TokenizerManager
 
@@ -370,6 +372,20 @@ def create_app(state: AppState) -> FastAPI:
     @app.post("/v1/messages/count_tokens", responses={200: {"model": AnthropicTokenCount}, **anthropic_errors})
     async def messages_count_tokens(req: AnthropicCountTokensRequest):
         return await count_tokens(ctx, req)
+
+    responses_store = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses_create(req: ResponsesRequest, request: Request):
+        return await create_response(ctx, responses_store, req, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_retrieve(response_id: str):
+        return retrieve_response(responses_store, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        return delete_response(responses_store, response_id)
 
     @app.post("/generate")
     async def generate_route(req: GenerateRequest, request: Request):

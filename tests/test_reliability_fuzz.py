@@ -7,7 +7,8 @@ large max_tokens is rejected at once: the fuzzer explores the whole input space,
 For every response: no 5xx; a 4xx carries exactly the OpenAI error body with `code` equal to the status
 (Anthropic's error body on the /v1/messages routes); the status is one the spec documents (schemathesis'
 status_code_conformance); a 200 stream is well-formed SSE ending in `data: [DONE]` (Anthropic's events ending
-in message_stop) without an error event. Afterwards the server is healthy and idle and every KV
+in message_stop; /v1/responses: named events numbered from 0, ending in response.completed or
+response.incomplete) without an error event. Afterwards the server is healthy and idle and every KV
 slot is free or cached.
 
 Schemathesis runs each operation in positive mode (bodies valid for the schema) and negative mode (bodies
@@ -129,6 +130,8 @@ def response_problem(status: int, headers, body: bytes, streamed: bool, anthropi
         text = body.decode("utf-8")
         if anthropic:
             return anthropic_stream_problem(text)
+        if text.startswith("event: "):
+            return responses_stream_problem(text)
         if not text.endswith("data: [DONE]\n\n"):
             return f"the stream does not end with [DONE]: {text[-200:]!r}"
         for event in text.split("\n\n")[:-2]:
@@ -136,6 +139,26 @@ def response_problem(status: int, headers, body: bytes, streamed: bool, anthropi
                 return f"not an SSE data event: {event[:200]!r}"
             if "error" in json.loads(event[6:]):
                 return f"an error event in a 200 stream: {event[:300]!r}"
+    return None
+
+
+def responses_stream_problem(text: str) -> str | None:
+    """/v1/responses streams named events (`event: <type>` then its data), numbered from 0, ending in
+    response.completed or response.incomplete (no [DONE])."""
+    events = text.split("\n\n")
+    if events[-1] != "":
+        return f"the stream does not end with a blank line: {text[-200:]!r}"
+    types = []
+    for i, event in enumerate(events[:-1]):
+        head, _, data = event.partition("\n")
+        if not head.startswith("event: ") or not data.startswith("data: "):
+            return f"not a named SSE event: {event[:200]!r}"
+        doc = json.loads(data[6:])
+        if doc.get("type") != head[7:] or doc.get("sequence_number") != i:
+            return f"event {i} has type {doc.get('type')!r} and number {doc.get('sequence_number')!r}: {event[:200]!r}"
+        types.append(doc["type"])
+    if not types or types[-1] not in ("response.completed", "response.incomplete"):
+        return f"the stream ends with {types[-1:]}: {text[-300:]!r}"
     return None
 
 
@@ -232,6 +255,21 @@ def tame(body, vocab: int, label: str = ""):
             b.pop("logprobs")
         if b.get("stream"):
             b.pop("prompt_logprobs", None)
+    elif "input" in b:  # /v1/responses: a short input, no tools, formats or earlier responses
+        inp = b["input"]
+        if isinstance(inp, list):
+            b["input"] = [{"role": m["role"] if m.get("role") in ("system", "user", "assistant") else "user",
+                           "content": m["content"][:8] if isinstance(m.get("content"), str) else "hi"}
+                          for m in inp[:2] if isinstance(m, dict)] or "hi"
+        else:
+            b["input"] = inp[:24] if isinstance(inp, str) and inp else "hi"
+        for key in ("tools", "tool_choice", "previous_response_id", "reasoning", "include", "background",
+                    "conversation", "prompt", "max_tool_calls", "top_logprobs", "truncation"):
+            b.pop(key, None)
+        if not _int_in(b.get("max_output_tokens"), 0, 8):
+            b["max_output_tokens"] = 4
+        if isinstance(b.get("text"), dict) and (b["text"].get("format") or {}).get("type") != "text":
+            b.pop("text")
     else:  # /generate
         if "input_ids" in b and b["input_ids"] is not None and b.get("text") is None:
             b["input_ids"] = [abs(t) % vocab for t in b["input_ids"]][:20] or [1]
@@ -282,7 +320,8 @@ def budget(body):
 
 def _operations():
     # (label, mode, max_examples); the spec is read from the live server inside the test.
-    post = ["POST /v1/completions", "POST /v1/chat/completions", "POST /generate", "POST /v1/messages"]
+    post = ["POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /generate",
+            "POST /v1/messages"]
     out = [(label, GenerationMode.POSITIVE, POSITIVE_EXAMPLES) for label in post]
     out += [(label, GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES) for label in post]
     out += [(label, TAMED, TAMED_EXAMPLES) for label in post]
@@ -293,7 +332,8 @@ def _operations():
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
     out += [(label, GenerationMode.POSITIVE, OTHER_EXAMPLES)
             for label in ("GET /v1/models/{model_id}", "GET /v1/models", "GET /version", "GET /get_model_info",
-                          "GET /health_generate")]
+                          "GET /health_generate", "GET /v1/responses/{response_id}",
+                          "DELETE /v1/responses/{response_id}")]
     return out
 
 
@@ -391,7 +431,8 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     gen = {"text": "hello", "sampling_params": {"max_new_tokens": 2}}
     msgs = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-    C, H, G = "/v1/completions", "/v1/chat/completions", "/generate"
+    resp = {"input": "hello", "max_output_tokens": 2}
+    C, H, G, R = "/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"
     M, MC = "/v1/messages", "/v1/messages/count_tokens"
     cases = [
         # ---- sizes
@@ -550,6 +591,17 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
         ("count_tokens empty messages", MC, {"messages": []}, {400}, "messages"),
         ("count_tokens with max_tokens", MC, msgs, {400}, "max_tokens"),
         ("count_tokens", MC, {"messages": [{"role": "user", "content": "hello"}]}, {200}, None),
+        # ---- /v1/responses
+        ("responses huge max_output_tokens", R, dict(resp, max_output_tokens=10**12), {400}, "max_output_tokens"),
+        ("responses item of an unknown type", R, dict(resp, input=[{"type": "zzz"}]), {400}, "input.0.type"),
+        ("responses item that is not an object", R, dict(resp, input=["hi"]), {400}, None),
+        ("responses hosted tool", R, dict(resp, tools=[{"type": "web_search_preview"}]), {400}, "tools.0.type"),
+        ("responses unknown previous_response_id", R, dict(resp, previous_response_id="resp_x"), {404},
+         "previous_response_id"),
+        ("responses lone surrogate in echoed metadata", R,
+         b'{"input": "x", "max_output_tokens": 1, "metadata": {"k": "\\ud800"}}', {400}, None),
+        ("responses streamed", R, dict(resp, stream=True), {200}, None),
+        ("responses streamed, cut at 0 tokens", R, dict(resp, stream=True, max_output_tokens=0), {200}, None),
     ]
     return cases
 
