@@ -164,8 +164,7 @@ def test_tools_with_no_flags(client, model, server):
     msg = r.choices[0].message
     if msg.tool_calls:
         assert r.choices[0].finish_reason == "tool_calls"
-        assert all(c.function.name in {"get_weather", "get_time"} and isinstance(json.loads(c.function.arguments), dict)
-                   for c in msg.tool_calls)
+        assert all(c.function.name and isinstance(json.loads(c.function.arguments), dict) for c in msg.tool_calls)
     else:
         assert msg.content and r.choices[0].finish_reason in ("stop", "length")
     forced = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=60, temperature=0,
