@@ -307,8 +307,7 @@ def build_tiny_model_folder(path: Path, with_weights: bool = False) -> Path:
     fast.chat_template = SMOLLM_CHAT_TEMPLATE
     fast.save_pretrained(path)
     if with_weights:
-        sys.path.insert(0, str(REPO_ROOT / "tests"))
-        from conftest import TINY_LLAMA, save_tiny_hf_model
+        from tests.conftest import TINY_LLAMA, save_tiny_hf_model
 
         save_tiny_hf_model(path, dict(TINY_LLAMA, max_position_embeddings=1024))
     else:

@@ -57,7 +57,7 @@ def subprocess_test(module_file: str, *pytest_args: str):
     @pytest.mark.skipif(not RERUN_IN_SUBPROCESS, reason="triton runs in the right mode in this process")
     def test_in_subprocess():
         env = dict(os.environ, TRITON_INTERPRET="1")
-        root = pathlib.Path(module_file).resolve().parents[1]
+        root = pathlib.Path(__file__).resolve().parents[1]  # the repository
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args,
              str(pathlib.Path(module_file).resolve())],

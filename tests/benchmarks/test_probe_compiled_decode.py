@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import in_process
 
 from benchmarks.probe_compiled_decode import CompiledDecodeGraphRunner
 from runners.graph_seam import StandInCapturer
-from tests import test_cuda_graph_runner
-from tests.test_cuda_graph_runner import make_decode_batch, release
+from tests import triton_mode
+from tests.runners import test_cuda_graph_runner
+from tests.runners.test_cuda_graph_runner import make_decode_batch, release
+from tests.triton_mode import in_process
 
 SIZES = [1, 2, 4]
 

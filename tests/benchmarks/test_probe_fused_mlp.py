@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import interpreter_only
+
+from tests import triton_mode
+from tests.triton_mode import interpreter_only
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from benchmarks import probe_fused_mlp as pf

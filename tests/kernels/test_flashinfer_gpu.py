@@ -51,7 +51,7 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def test_extend_and_decode_match_torch_native(runner):
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     g = torch.Generator().manual_seed(0)
     # Extend with a cached prefix: first 40 tokens, then 25 more on top, for 3 requests.
@@ -90,7 +90,7 @@ def graphs(runner):
 
 @pytest.mark.parametrize("bs", [1, 3, 8, 13, 16])
 def test_decode_graph_replay_equals_eager(runner, graphs, bs):
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     fb, rows, _ = make_decode_batch(runner, bs, seed=50 + bs)
     with torch.inference_mode():
@@ -104,7 +104,7 @@ def test_decode_graph_replay_equals_eager(runner, graphs, bs):
 def test_planning_and_replay_do_not_wait_for_the_gpu(runner, graphs):
     """The plans are built from host lengths: an eager decode's and an extend's planning, and a whole graph
     replay (its plan included), run under torch's sync debug mode set to raise on any device sync."""
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     fb, rows, _ = make_decode_batch(runner, 5, seed=77)
     # (an extend of 3 tokens over the first request's cache: planned only, so its slots are a placeholder)

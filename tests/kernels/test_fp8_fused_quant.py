@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, in_process
+
+from tests import triton_mode
+from tests.triton_mode import DEVICE, in_process
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers import triton_ops

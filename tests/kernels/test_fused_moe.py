@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, in_process
 
 from model_executor.layers.moe.fused_moe import fused_experts_torch
 from model_executor.layers.moe.layer import select_experts
+from tests import triton_mode
+from tests.triton_mode import DEVICE, in_process
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers.moe import kernels
@@ -172,12 +172,11 @@ def test_bench_floor_counts_the_experts_a_step_reads():
 def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
     """A tiny Qwen3-MoE whose experts run the Triton kernels (interpreter on CPU) still matches HF: the
     prefill on the grouped path, the decode steps on the path fused_experts_triton picks (small-batch)."""
-    from conftest import save_tiny_hf_model
-    from test_model_vs_hf import run_prefill_and_decode
-    from test_new_models_vs_hf import TINY_QWEN3_MOE
-
     from model_executor.layers.moe import fused_moe
     from runners.model_runner import ModelRunner, RunnerConfig
+    from tests.conftest import save_tiny_hf_model
+    from tests.models.test_model_vs_hf import run_prefill_and_decode
+    from tests.models.test_new_models_vs_hf import TINY_QWEN3_MOE
 
     calls = []
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, HAS_CUDA, in_process
 
 from model_executor.layers import triton_ops
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
+from tests import triton_mode
+from tests.triton_mode import DEVICE, HAS_CUDA, in_process
 
 # float32: the kernels differ from PyTorch only in float32 rounding order; bfloat16: a rounding step apart
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}

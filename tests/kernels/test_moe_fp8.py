@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton_mode
 from safetensors.torch import load_file, save_file
-from triton_mode import DEVICE, in_process
 
 from model_executor.layers.moe.fused_moe import fused_experts_torch
 from model_executor.layers.moe.router import select_experts
@@ -20,6 +18,8 @@ from model_executor.layers.quantization import QuantConfig, QuantizationError, c
 from model_executor.layers.quantization import fp8_math as fm
 from model_executor.model_config import ModelConfig, WeightLoadError
 from model_executor.weight_loader import build_model, check_checkpoint, init_random_weights, load_model
+from tests import triton_mode
+from tests.triton_mode import DEVICE, in_process
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers.moe import kernels
@@ -85,8 +85,8 @@ def test_fp8_expert_gemm_matches_dequantized_reference(block, num_tokens, dtype)
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     """A tiny Qwen3-MoE saved by HF: layer 0 dense, layers 1-2 MoE (8 experts, top 3, I=48, H=64)."""
-    from conftest import save_tiny_hf_model
-    from test_new_models_vs_hf import TINY_QWEN3_MOE
+    from tests.conftest import save_tiny_hf_model
+    from tests.models.test_new_models_vs_hf import TINY_QWEN3_MOE
 
     path = tmp_path_factory.mktemp("tiny_qwen3_moe_fp8")
     return path, save_tiny_hf_model(path, TINY_QWEN3_MOE, seed=5)
@@ -141,7 +141,7 @@ def test_fp8_moe_model_logits_close_to_bf16(tiny_moe, monkeypatch):
     """The tiny Qwen3-MoE under --quantization fp8 (reference path: W8A8 linears, weight-only FP8 experts)
     against HF float32: the logits of a prefill and a few decode steps within FP8 error of HF, where wrong
     scales or rows are off by the logits' own size or more."""
-    from test_model_vs_hf import run_prefill_and_decode
+    from tests.models.test_model_vs_hf import run_prefill_and_decode
 
     path, hf_model = tiny_moe
     prompts = [[5, 9, 200, 31, 7, 64, 12], [40, 41]]
@@ -182,7 +182,7 @@ def test_block_fp8_moe_checkpoint_loads(tiny_moe, tmp_path, monkeypatch):
     """A block-quantized Qwen3-MoE checkpoint: the header check passes, each expert's codes and block scales
     land in their rows of w13 / w2 and their scales (gate tiles, then up tiles), and the model's logits stay
     within FP8 error of HF (test_fp8_moe_model_logits_close_to_bf16's bound)."""
-    from test_model_vs_hf import run_prefill_and_decode
+    from tests.models.test_model_vs_hf import run_prefill_and_decode
 
     src, hf_model = tiny_moe
     path = _save_block_checkpoint(src, tmp_path / "block")

@@ -235,7 +235,7 @@ def decode_runner(moe_path, request):
 
 @pytest.mark.parametrize("bs", SIZES + PADDED)
 def test_decode_graph_equals_eager(decode_runner, bs):
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     runner, graph_runner = decode_runner
     fb, rows, _loc = make_decode_batch(runner, bs, seed=100 + bs)
@@ -274,7 +274,7 @@ def extend_runner(moe_path, request):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_piecewise_extend_equals_eager(extend_runner, case):
-    from tests.test_piecewise_runner import make_extend_batch, release
+    from tests.runners.test_piecewise_runner import make_extend_batch, release
 
     runner = extend_runner
     ext, pre = CASES[case]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, in_process
 
 from model_executor.layers.moe.router import select_experts, select_experts_torch
+from tests import triton_mode
+from tests.triton_mode import DEVICE, in_process
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers.moe import router_kernel

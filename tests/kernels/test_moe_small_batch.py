@@ -10,14 +10,14 @@ import json
 
 import pytest
 import torch
-import triton_mode
-from test_fused_moe import make_moe
-from test_moe_fp8 import fp8_experts
-from triton_mode import DEVICE, in_process
 
 from model_executor.layers.moe import tuning
 from model_executor.layers.moe.fused_moe import fused_experts_torch, routing_weights
 from model_executor.layers.moe.router import select_experts
+from tests import triton_mode
+from tests.kernels.test_fused_moe import make_moe
+from tests.kernels.test_moe_fp8 import fp8_experts
+from tests.triton_mode import DEVICE, in_process
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers.moe import kernels

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, in_process
 
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
+from tests import triton_mode
+from tests.triton_mode import DEVICE, in_process
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers.qk_norm_rope import qk_norm_rope

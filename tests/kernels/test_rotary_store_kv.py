@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, HAS_CUDA, in_process
 
 from model_executor.layers import triton_ops
 from model_executor.layers.norm import RMSNorm
@@ -20,6 +18,8 @@ from model_executor.layers.qk_norm_rope import qk_norm_rope
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.layers.rotary_store_kv import rotary_store_kv
 from model_executor.memory_pool import KVCache
+from tests import triton_mode
+from tests.triton_mode import DEVICE, HAS_CUDA, in_process
 
 test_in_subprocess = triton_mode.subprocess_test(__file__)
 
@@ -103,7 +103,7 @@ def test_int32_positions_and_slots_and_one_token():
 @in_process
 def test_fp8_pool_with_scales():
     """An FP8 pool holds K / k_scale and V / v_scale (KVCache.set_kv's division, here in the kernel)."""
-    from test_fp8_kernels import fp8_codes_match
+    from tests.kernels.test_fp8_kernels import fp8_codes_match
 
     _, q, k, v, rope, positions, loc, _ = make_case(6, 8, 2, 64, torch.float32, seed=4)
     k_scale, v_scale = 0.5, 4.0
@@ -221,7 +221,7 @@ def test_qk_norm_eps_reaches_the_kernel():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_fp8_pool_with_scales(dtype):
     """An FP8 pool holds the normalised, rotated K / k_scale and V / v_scale."""
-    from test_fp8_kernels import fp8_codes_match
+    from tests.kernels.test_fp8_kernels import fp8_codes_match
 
     _, q, k, v, rope, positions, loc, _ = make_case(6, 8, 2, 128, dtype, seed=10)
     q_norm, k_norm = make_norms(128, dtype, seed=10)

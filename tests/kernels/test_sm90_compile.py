@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("sm90_compile.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "sm90_compile.py"
 ROOT = SCRIPT.parents[1]
 
 

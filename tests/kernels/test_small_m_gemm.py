@@ -11,8 +11,9 @@ import json
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, in_process, interpreter_only
+
+from tests import triton_mode
+from tests.triton_mode import DEVICE, in_process, interpreter_only
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers.quantization import base as qbase
@@ -772,9 +773,8 @@ def test_llama_mlp_fuses_the_activation_where_the_table_has_a_gemv(quant, table,
 def test_llama_decode_row_folds_the_input_norm_into_qkv(tiny_llama, table, monkeypatch):
     """A bf16 Llama decode step of one request: every layer's input norm runs inside its qkv GEMV (none
     falling back), and the logits stay within bf16 rounding of the same step with the norms run apart."""
-    from test_cuda_graph_runner import make_decode_batch, release
-
     from runners.model_runner import ModelRunner, RunnerConfig
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
@@ -882,12 +882,11 @@ def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(ti
     same step with the rotary and store run by the backend (the qkv GEMV with the norm, then rotary_store_kv).
     Attention after the one kernel is told so (after_qkv: it preloads, and on sm_90 is launched with PDL);
     after rotary_store_kv it is not."""
-    from test_cuda_graph_runner import make_decode_batch, release
-
     from model_executor.layers.attention import triton_backend as tb
     from model_executor.layers.attention.radix_attention import RadixAttention
     from model_executor.layers.attention.triton_backend import TritonAttnBackend
     from runners.model_runner import ModelRunner, RunnerConfig
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
@@ -1187,11 +1186,10 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
     tiles, which take every fusion but the RMSNorm inside the K loop: layer 0's input norm runs as a norm. The
     logits and the K/V stored stay within bf16 rounding of the same step with o_proj, down and the norms run
     apart (and the greedy token is the same)."""
-    from test_cuda_graph_runner import make_decode_batch, release
-
     from model_executor.layers.attention.triton_backend import TritonAttnBackend
     from model_executor.models import llama
     from runners.model_runner import ModelRunner, RunnerConfig
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     monkeypatch.setattr(qbase, "SMALL_M_DEVICES", ("cuda", "cpu"))
     gemv = {key: {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True} for key in ("1", "2")}

@@ -117,7 +117,7 @@ def h200_table(tmp_path, monkeypatch):
 def test_decode_graph_replay_equals_eager_with_the_kernel(kernel_table, quantization, monkeypatch):
     from runners.cuda_graph_runner import CudaGraphRunner
     from runners.model_runner import ModelRunner, RunnerConfig
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     runner = ModelRunner(RunnerConfig(
         model_path=str(shape_path("llama-3.2-1b")), device="cuda", attention_backend="triton",

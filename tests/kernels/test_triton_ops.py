@@ -10,8 +10,9 @@ import math
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, in_process
+
+from tests import triton_mode
+from tests.triton_mode import DEVICE, in_process
 
 if not triton_mode.RERUN_IN_SUBPROCESS:
     from model_executor.layers.attention.triton_ops import decode_attention as decode_mod

@@ -27,7 +27,7 @@ from runners.memory_plan import (
 )
 from tests.conftest import TINY_LLAMA, save_tiny_hf_model
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # The tiny model gets the default model's vocabulary so the copied tokenizer's ids fit its embedding.
 SERVABLE_TINY = dict(TINY_LLAMA, vocab_size=49152, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)

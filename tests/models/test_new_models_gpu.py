@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import save_tiny_hf_model
-from test_new_models_vs_hf import CONFIGS
 
 from model_executor.forward_batch import ForwardMode
 from runners.model_runner import ModelRunner, RunnerConfig
+from tests.conftest import save_tiny_hf_model
+from tests.models.test_new_models_vs_hf import CONFIGS
 
 pytestmark = pytest.mark.gpu
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import save_tiny_hf_model
-from test_model_vs_hf import run_prefill_and_decode
 
 from model_executor.forward_batch import ForwardMode
 from runners.model_runner import ModelRunner, RunnerConfig
+from tests.conftest import save_tiny_hf_model
+from tests.models.test_model_vs_hf import run_prefill_and_decode
 
 BASE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2}
@@ -148,10 +148,9 @@ def test_piecewise_stand_in_equals_eager(name, tiny):
     """Traced once for the piecewise runner (the experts an opaque op: one piece per gap between attention
     calls), and replays through the CPU stand-in graphs equal the eager forward. (The decode graphs need
     the triton attention backend: tests/gpu/test_moe_gpu.py.)"""
-    from test_piecewise_runner import make_extend_batch, release
-
     from runners.graph_seam import StandInCapturer
     from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+    from tests.runners.test_piecewise_runner import make_extend_batch, release
 
     path, _ = tiny(name)
     runner = ModelRunner(RunnerConfig(model_path=str(path), max_running_requests=8, max_total_tokens=1024,

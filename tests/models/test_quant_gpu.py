@@ -113,7 +113,7 @@ def block_fp8_shape(tmp_path_factory):
 @pytest.mark.parametrize("variant", ["fp8", "fp8_block", "fp8_kv"])
 def test_decode_graph_replay_equals_fp8_eager(variant, block_fp8_shape):
     from runners.cuda_graph_runner import CudaGraphRunner
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     path = block_fp8_shape if variant == "fp8_block" else shape_path("llama-3.2-1b")
     kw = {"quantization": "fp8"} if variant == "fp8" else {}
@@ -179,7 +179,7 @@ def test_piecewise_extend_graph_equals_fp8_eager(variant, block_fp8_shape):
     picks its path on the real row count, as eager does, and no level pads across a GEMM row bucket); the
     5-token extend replays a whole graph of the 8-token level (the same kernels, attention inside)."""
     from runners.capture_lists import get_token_levels
-    from tests.test_piecewise_runner import make_extend_batch, release
+    from tests.runners.test_piecewise_runner import make_extend_batch, release
 
     torch._dynamo.reset()
     path = block_fp8_shape if variant == "fp8_block" else shape_path("llama-3.2-1b")
@@ -214,10 +214,10 @@ def test_activation_quantization_in_the_norm_and_silu_kernels_keeps_the_bits(var
     an extend of 40 + 7 tokens), and the decode graph at 24 (padded to 32) must replay as eager."""
     from model_executor.layers.quantization import fp8_linear
     from runners.cuda_graph_runner import CudaGraphRunner
-    from tests.test_cuda_graph_runner import make_decode_batch
-    from tests.test_cuda_graph_runner import release as release_decode
-    from tests.test_piecewise_runner import make_extend_batch
-    from tests.test_piecewise_runner import release as release_extend
+    from tests.runners.test_cuda_graph_runner import make_decode_batch
+    from tests.runners.test_cuda_graph_runner import release as release_decode
+    from tests.runners.test_piecewise_runner import make_extend_batch
+    from tests.runners.test_piecewise_runner import release as release_extend
 
     path = block_fp8_shape if variant == "fp8_block" else shape_path("llama-3.2-1b")
     kw = {} if variant == "fp8_block" else {"quantization": "fp8"}

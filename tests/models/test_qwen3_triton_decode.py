@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from conftest import save_tiny_hf_model
-from test_cuda_graph_runner import assert_fused_decode_equals_unfused, make_decode_batch, release
-from test_model_vs_hf import run_prefill_and_decode
-from test_new_models_vs_hf import TINY_QWEN3
-from triton_mode import DEVICE, in_process
 
 from model_executor.layers.attention import triton_backend
 from model_executor.layers.attention.triton_backend import TritonAttnBackend
 from runners.model_runner import ModelRunner, RunnerConfig
+from tests import triton_mode
+from tests.conftest import save_tiny_hf_model
+from tests.models.test_model_vs_hf import run_prefill_and_decode
+from tests.models.test_new_models_vs_hf import TINY_QWEN3
+from tests.runners.test_cuda_graph_runner import (
+    assert_fused_decode_equals_unfused,
+    make_decode_batch,
+    release,
+)
+from tests.triton_mode import DEVICE, in_process
 
 test_in_subprocess = triton_mode.subprocess_test(__file__)
 

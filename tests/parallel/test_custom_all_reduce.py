@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import HAS_CUDA, in_process
 
 from model_executor.distributed import custom_all_reduce as car
 from model_executor.distributed import parallel_state as ps
+from tests import triton_mode
+from tests.triton_mode import HAS_CUDA, in_process
 
 test_in_subprocess = triton_mode.subprocess_test(__file__)
 

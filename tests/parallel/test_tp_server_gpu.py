@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.fake_scheduler import ServerProcess, build_tiny_model_folder
-from tests.test_tp_server import outputs, rank_pid
+from tests.parallel.test_tp_server import outputs, rank_pid
 
 pytestmark = [
     pytest.mark.gpu,

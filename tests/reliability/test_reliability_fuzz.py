@@ -578,7 +578,7 @@ def test_server_is_clean_after_fuzzing(server):
 
 def test_scheduler_rejects_out_of_vocab_stop_ids(tiny_llama):
     from model_executor.sampling_params import SamplingParams
-    from tests.test_scheduler import make_scheduler, run_all
+    from tests.scheduler.test_scheduler import make_scheduler, run_all
 
     s = make_scheduler(tiny_llama[0])
     vocab = s.runner.model_config.vocab_size

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cuda_graph_runner import make_decode_batch, release
 
 from runners.cpu_graph_runner import CpuGraphRunner
 from runners.model_runner import ModelRunner, RunnerConfig
+from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
 SIZES = (1, 2, 4)
 

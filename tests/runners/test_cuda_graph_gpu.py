@@ -44,7 +44,7 @@ def graph_runner(runner):
 @pytest.fixture
 def decode_batch(runner):
     """make(bs, seed) -> (decode batch, its KV slots); rows and slots go back even when the test fails."""
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     made = []
 
@@ -112,7 +112,7 @@ QWEN3_FP8_SCALES = (0.5, 2.0)
 
 @pytest.fixture(scope="module", params=["auto", "fp8_e4m3"], ids=["bf16_kv", "fp8_kv"])
 def qwen3(tmp_path_factory, request):
-    from tests.gpu.test_moe_gpu import qwen3_moe_path
+    from tests.kernels.test_moe_gpu import qwen3_moe_path
 
     path = qwen3_moe_path(tmp_path_factory, QWEN3_LAYERS)
     runner = ModelRunner(RunnerConfig(model_path=str(path), device="cuda", attention_backend="triton",
@@ -141,8 +141,8 @@ def _kv_tol(runner) -> dict:
 
 @pytest.mark.parametrize("bs", QWEN3_SIZES + [3, 13])
 def test_qwen3_graph_replay_equals_eager(qwen3, bs):
-    from tests.gpu.test_moe_gpu import assert_close_rows
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.kernels.test_moe_gpu import assert_close_rows
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     runner, graph_runner = qwen3
     fb, rows, loc = make_decode_batch(runner, bs, seed=300 + bs)
@@ -165,8 +165,8 @@ def test_qwen3_graph_replay_equals_eager(qwen3, bs):
 def test_qwen3_fused_decode_equals_unfused(qwen3, monkeypatch):
     """The fused decode step against the path it replaces, on the same backend: qk_norm_rope's kernel, then
     KVCache.set_kv (scales included) and the same attention kernels."""
-    from tests.gpu.test_moe_gpu import assert_close_rows
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.kernels.test_moe_gpu import assert_close_rows
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     runner, _ = qwen3
     fb, rows, loc = make_decode_batch(runner, 8, seed=400)
@@ -189,7 +189,7 @@ def test_qwen3_fused_decode_equals_unfused(qwen3, monkeypatch):
 
 
 def test_qwen3_decode_graph_runs_one_norm_rope_store_kernel_per_layer(qwen3):
-    from tests.test_cuda_graph_runner import make_decode_batch, release
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     runner, graph_runner = qwen3
     fb, rows, _ = make_decode_batch(runner, 1, seed=500)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, in_process
 
 from model_executor.forward_batch import ForwardMode
 from model_executor.layers.attention.torch_native import TorchNativeBackend
@@ -21,6 +19,8 @@ from runners.capture_lists import get_batch_sizes_to_capture, get_token_levels, 
 from runners.cuda_graph_runner import CudaGraphRunner
 from runners.graph_seam import StandInCapturer
 from runners.model_runner import ModelRunner, RunnerConfig
+from tests import triton_mode
+from tests.triton_mode import DEVICE, in_process
 
 GiB = 1024**3
 

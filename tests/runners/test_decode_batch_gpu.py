@@ -7,7 +7,7 @@ import pytest
 
 from model_executor.configs import shape_path
 from runners.model_runner import ModelRunner, RunnerConfig
-from tests.test_decode_batch import check_decode_batch
+from tests.runners.test_decode_batch import check_decode_batch
 
 pytestmark = pytest.mark.gpu
 

@@ -43,7 +43,7 @@ def fresh_dynamo():
 
 
 def _model_path(name: str, tmp_path_factory) -> str:
-    from tests.gpu.test_moe_gpu import qwen3_moe_path
+    from tests.kernels.test_moe_gpu import qwen3_moe_path
 
     return str(qwen3_moe_path(tmp_path_factory) if name == "qwen3-30b-a3b" else shape_path(name))
 
@@ -68,13 +68,13 @@ def runner(request, tmp_path_factory):
 
 
 def _make_batch(runner, ext, pre, seed):
-    from tests.test_piecewise_runner import make_extend_batch
+    from tests.runners.test_piecewise_runner import make_extend_batch
 
     return make_extend_batch(runner, ext, pre, seed)
 
 
 def _release(runner, rows, fb):
-    from tests.test_piecewise_runner import release
+    from tests.runners.test_piecewise_runner import release
 
     release(runner, rows, fb)
 
@@ -105,8 +105,8 @@ def padded_eager(runner, fb) -> torch.Tensor:
 def assert_close_to_real_eager(runner, graphed, eager) -> None:
     """Dense models: every logit within the model's tolerance and the greedy tokens equal (near-ties aside);
     MoE: most rows within it and the greedy tokens equal (near-ties aside), see the module docstring."""
-    from tests.gpu.test_moe_gpu import assert_close_rows
-    from tests.gpu.test_piecewise_gpu import assert_greedy_equal
+    from tests.kernels.test_moe_gpu import assert_close_rows
+    from tests.runners.test_piecewise_gpu import assert_greedy_equal
 
     if runner.test_moe:
         assert_close_rows(graphed, eager, tol=runner.test_tol, min_fraction=0.75)

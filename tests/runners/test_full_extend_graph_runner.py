@@ -10,15 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import triton_mode
-from triton_mode import DEVICE, in_process
 
 from model_executor.forward_batch import ForwardMode
 from runners.full_extend_graph_runner import FullExtendGraphRunner
 from runners.graph_seam import StandInCapturer
 from runners.model_runner import ModelRunner, RunnerConfig
-from tests.test_cuda_graph_runner import make_triton_runner
-from tests.test_piecewise_runner import make_extend_batch, release
+from tests import triton_mode
+from tests.runners.test_cuda_graph_runner import make_triton_runner
+from tests.runners.test_piecewise_runner import make_extend_batch, release
+from tests.triton_mode import DEVICE, in_process
 
 LEVELS = [4, 8, 16, 32]
 MAX_REQUESTS = 3

@@ -41,13 +41,13 @@ def runner():
 
 
 def _make_batch(runner, ext, pre, seed):
-    from tests.test_piecewise_runner import make_extend_batch
+    from tests.runners.test_piecewise_runner import make_extend_batch
 
     return make_extend_batch(runner, ext, pre, seed)
 
 
 def _release(runner, rows, fb):
-    from tests.test_piecewise_runner import release
+    from tests.runners.test_piecewise_runner import release
 
     release(runner, rows, fb)
 

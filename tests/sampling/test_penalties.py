@@ -9,7 +9,7 @@ import torch
 
 from model_executor.penalties import PenaltyState
 from model_executor.sampling_params import SamplingParams, SamplingParamsError
-from tests.test_scheduler import greedy, make_scheduler, run_all
+from tests.scheduler.test_scheduler import greedy, make_scheduler, run_all
 
 VOCAB = 50
 

@@ -16,8 +16,8 @@ from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.grammar import GrammarManager
 from scheduler.req import Req
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.test_grammar_mask import EOS, synthetic_pool
-from tests.test_scheduler import run_all
+from tests.scheduler.test_grammar_mask import EOS, synthetic_pool
+from tests.scheduler.test_scheduler import run_all
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import pytest
 
 from model_executor.sampling_params import GrammarSpec, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.test_scheduler import make_scheduler, run_all
+from tests.scheduler.test_scheduler import make_scheduler, run_all
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},

@@ -18,7 +18,7 @@ import torch
 from model_executor.sampler import Sampler, SamplingBatchInfo
 from model_executor.sampling_params import GrammarSpec, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.test_scheduler import make_scheduler, run_all
+from tests.scheduler.test_scheduler import make_scheduler, run_all
 
 GRAMMARS = [
     GrammarSpec("json_object"),

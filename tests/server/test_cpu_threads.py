@@ -11,7 +11,7 @@ import torch
 
 from server import cpu_threads
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_scheduler_threads_follow_the_affinity_mask(monkeypatch):

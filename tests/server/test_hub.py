@@ -12,7 +12,7 @@ import pytest
 
 from server.model_source import ModelSourceError, resolve_folder
 from tests.fake_scheduler import ServerProcess
-from tests.test_loading import make_servable_tiny
+from tests.models.test_loading import make_servable_tiny
 
 MAIN = "a" * 40  # commit hashes: huggingface_hub takes a 40-hex revision as a commit, anything else as a ref
 OTHER = "b" * 40

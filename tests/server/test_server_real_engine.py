@@ -186,7 +186,7 @@ def run_faulty_scheduler_process(args, ipc, ready_conn) -> None:
 
 @pytest.fixture(scope="module")
 def faulty_server(model_path):
-    srv = ServerProcess(model_dir=model_path, test_scheduler="tests.test_server_real_engine:run_faulty_scheduler_process")
+    srv = ServerProcess(model_dir=model_path, test_scheduler="tests.server.test_server_real_engine:run_faulty_scheduler_process")
     srv.wait_healthy()
     yield srv
     assert srv.stop() == 0
