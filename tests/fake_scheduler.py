@@ -273,7 +273,7 @@ def run_fake_scheduler_process(args, ipc: IpcPaths, ready_conn) -> None:
 
 
 # =================================================================================================
-# Helpers for the server tests (tests/test_server_*.py): a model folder and a live server process.
+# Helpers for the server tests (tests/server/): a model folder and a live server process.
 # =================================================================================================
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

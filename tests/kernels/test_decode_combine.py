@@ -2,7 +2,7 @@
 
 The two must give the same bits, and the arrival counters must be left at zero for the next call. In
 Triton's CPU interpreter the programs run one after another, so the highest split of a (request, head
-block) is always the one that combines; tests/gpu/test_decode_combine_gpu.py covers any arrival order.
+block) is always the one that combines; tests/kernels/test_decode_combine_gpu.py covers any arrival order.
 """
 
 from __future__ import annotations

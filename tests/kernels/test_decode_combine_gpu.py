@@ -1,9 +1,9 @@
 """Decode attention's fused combine on a CUDA device: the same bits as the two-stage path whichever program
 of a (request, head block) arrives last, the arrival counters back at zero after every call, and a captured
 CUDA graph replaying it right for different lengths. (Under the CPU interpreter the programs run in order:
-tests/test_decode_combine.py; only the GPU runs them in any order.)
+tests/kernels/test_decode_combine.py; only the GPU runs them in any order.)
 
-Run: pytest -m gpu tests/gpu/test_decode_combine_gpu.py
+Run: pytest -m gpu tests/kernels/test_decode_combine_gpu.py
 """
 
 from __future__ import annotations

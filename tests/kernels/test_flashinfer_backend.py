@@ -1,6 +1,6 @@
 """The flashinfer backend's plans and runs on the CPU, over an FP8 and a bf16 pool: which dtypes it plans,
 which prefill kernels it asks for, and the per-layer KV scales each run gets. flashinfer is replaced by a
-stand-in module that records its calls (the real kernels run in tests/gpu/test_flashinfer_gpu.py)."""
+stand-in module that records its calls (the real kernels run in tests/kernels/test_flashinfer_gpu.py)."""
 
 from __future__ import annotations
 

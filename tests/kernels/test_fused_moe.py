@@ -168,7 +168,7 @@ def test_bench_floor_counts_the_experts_a_step_reads():
 
 @in_process
 @pytest.mark.skipif(triton_mode.HAS_CUDA, reason="the CPU model's tensors need the interpreter "
-                                                 "(tests/gpu/test_new_models_gpu.py runs the model on CUDA)")
+                                                 "(tests/models/test_new_models_gpu.py runs the model on CUDA)")
 def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
     """A tiny Qwen3-MoE whose experts run the Triton kernels (interpreter on CPU) still matches HF: the
     prefill on the grouped path, the decode steps on the path fused_experts_triton picks (small-batch)."""

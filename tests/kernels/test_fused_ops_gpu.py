@@ -2,7 +2,7 @@
 layers' forward_native), one kernel per layer call, CUDA-graph capture and replay. Their timings are
 benchmarks/bench_fused_ops.py's (which also builds the inputs used here).
 
-Run: pytest -m gpu tests/gpu/test_fused_ops_gpu.py
+Run: pytest -m gpu tests/kernels/test_fused_ops_gpu.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 if not torch.cuda.is_available():
     # Skip before importing triton: on a CPU machine, importing triton here in compiled mode would stop
-    # tests/test_fused_ops.py from switching on the interpreter in the same process.
+    # tests/kernels/test_fused_ops.py from switching on the interpreter in the same process.
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from benchmarks.bench_fused_ops import BF16, DEV, QWEN3_SHAPES, SHAPES, make_norm, make_qkv, make_rope, randn

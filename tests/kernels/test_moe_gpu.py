@@ -10,8 +10,8 @@ and with FP8 weight-only experts (per-row scales, as --quantization fp8 loads th
   capture time small; random weights), bf16 and --quantization fp8: decode graph replay equals eager at
   every captured size up to 64 and at padded sizes; piecewise extend equals eager.
 
-Run: pytest -m gpu tests/gpu/test_moe_gpu.py -s
-(the small-batch path alone: pytest -m gpu tests/gpu/test_moe_gpu.py -k small_batch -s)
+Run: pytest -m gpu tests/kernels/test_moe_gpu.py -s
+(the small-batch path alone: pytest -m gpu tests/kernels/test_moe_gpu.py -k small_batch -s)
 Routing compares bf16 router logits: where a token's k-th and (k+1)-th experts are a near-tie, eager and
 graph (whose GEMMs see a padded batch) may pick different experts, so the model-level checks allow a few
 rows off as long as the greedy token agrees (or its top two are a near-tie).

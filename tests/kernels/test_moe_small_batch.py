@@ -52,7 +52,7 @@ F32_CASES = [(t, (1, 2, 8, 3)[t % 4], bool(t % 2), bool(t // 4 % 2))
 def test_small_batch_matches_torch_float32(num_tokens, top_k, renormalize, round_weights):
     """float32: equal to the reference within float32 summation noise. round_weights rounds the routing
     weights to float16 here (to x's dtype, float32, it would change nothing), against a reference given the
-    weights rounded the same way (tests/test_fused_moe.py's test_weights_rounded_in_the_gemm)."""
+    weights rounded the same way (tests/kernels/test_fused_moe.py's test_weights_rounded_in_the_gemm)."""
     x, w13, w2, weights, ids = make_moe(num_tokens, E, H, I, top_k, F32, seed=num_tokens)
     if top_k == 8 and num_tokens > 2:
         assert shared_expert(ids)
@@ -81,7 +81,7 @@ def test_small_batch_matches_torch_half(num_tokens, top_k, renormalize, round_we
 @pytest.mark.parametrize("num_tokens,dtype", [(1, F32), (5, F32), (3, BF16)])
 def test_small_batch_fp8_matches_dequantized_reference(block, block_k, num_tokens, dtype):
     """FP8 experts (E=8, H=64, I=48, top 3), per output row or per 16x32 tile (a BLOCK_K of 64 is cut to the
-    scales' 32), against the torch path on the dequantized weights (tests/test_moe_fp8.py's tolerance)."""
+    scales' 32), against the torch path on the dequantized weights (tests/kernels/test_moe_fp8.py's tolerance)."""
     w13, s13, w2, s2 = fp8_experts(8, 64, 48, block, seed=num_tokens)
     gen = torch.Generator().manual_seed(100 + num_tokens)
     x = torch.randn(num_tokens, 64, generator=gen).to(dtype)

@@ -1,7 +1,7 @@
 """Triton attention kernels on a CUDA device: bf16 accuracy against an fp32 reference, CUDA-graph replay of
 decode. Their timings and tile sweeps: python -m benchmarks.bench_attention.
 
-Run: pytest -m gpu tests/gpu/test_triton_ops_gpu.py
+Run: pytest -m gpu tests/kernels/test_triton_ops_gpu.py
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 if not torch.cuda.is_available():
     # Skip before importing triton: on a CPU machine, importing triton here in compiled mode would stop
-    # tests/test_triton_ops.py from switching on the interpreter in the same process.
+    # tests/kernels/test_triton_ops.py from switching on the interpreter in the same process.
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 

@@ -2,7 +2,7 @@
 model (q/k norm + rotary, fused MoE) against HF transformers on the CPU, same tiny random weights.
 
 The triton attention kernels' float32 tl.dot rounds its inputs to TF32 on the GPU, so the tolerance is 1e-2
-relative (the CPU tests hold the torch paths to 1e-4). Run: pytest -m gpu tests/gpu/test_new_models_gpu.py
+relative (the CPU tests hold the torch paths to 1e-4). Run: pytest -m gpu tests/models/test_new_models_gpu.py
 """
 
 from __future__ import annotations

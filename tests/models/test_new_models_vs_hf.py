@@ -147,7 +147,7 @@ def test_missing_expert_tensor_is_named(name, dropped, tiny, tmp_path):
 def test_piecewise_stand_in_equals_eager(name, tiny):
     """Traced once for the piecewise runner (the experts an opaque op: one piece per gap between attention
     calls), and replays through the CPU stand-in graphs equal the eager forward. (The decode graphs need
-    the triton attention backend: tests/gpu/test_moe_gpu.py.)"""
+    the triton attention backend: tests/kernels/test_moe_gpu.py.)"""
     from runners.graph_seam import StandInCapturer
     from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
     from tests.runners.test_piecewise_runner import make_extend_batch, release

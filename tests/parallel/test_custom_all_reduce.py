@@ -2,7 +2,7 @@
 the peer's writes staged by hand), which sums take it (shape and dtype only, so every rank decides alike),
 that parallel_state routes them there and the rest to the process group, that the ranks agree to fall back
 together when one of them could not set it up, and the flag that turns it off. Two real ranks run it in
-tests/gpu/test_custom_all_reduce_gpu.py."""
+tests/parallel/test_custom_all_reduce_gpu.py."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _run_with_deadline(fn, seconds: float = 120.0):
 
 
 @in_process
-@pytest.mark.skipif(HAS_CUDA, reason="CPU buffers stand in for peer memory: interpreter only (GPU: tests/gpu)")
+@pytest.mark.skipif(HAS_CUDA, reason="CPU buffers stand in for peer memory: interpreter only (GPU: *_gpu.py)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_sums_rotates_its_slots_and_clears_what_it_read(dtype):
     """Rank 0 of two. Before each call the peer's input is written into rank 0's buffer (what the peer's
@@ -163,7 +163,7 @@ def test_the_flag_reaches_the_runner(argv, expected):
 
 
 @in_process
-@pytest.mark.skipif(HAS_CUDA, reason="CPU buffers stand in for peer memory: interpreter only (GPU: tests/gpu)")
+@pytest.mark.skipif(HAS_CUDA, reason="CPU buffers stand in for peer memory: interpreter only (GPU: *_gpu.py)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_adds_the_residual_and_prepares_the_norm(dtype):
     """ADD_NORM (one row, what the gate/up GEMV after it reads as a PrenormedRow): h = the sum, rounded,

@@ -4,7 +4,7 @@ and each size takes the path `fits` names for it (views that start mid-vector an
 and eager calls mixed with graph replays keep the ranks' slots in step.
 
 Needs two GPUs: skipped (mark gpu) when fewer are visible.
-Run: pytest -m gpu tests/gpu/test_custom_all_reduce_gpu.py -s
+Run: pytest -m gpu tests/parallel/test_custom_all_reduce_gpu.py -s
 """
 
 from __future__ import annotations

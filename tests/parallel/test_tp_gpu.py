@@ -9,7 +9,7 @@ a two-layer model of Llama-3.1-8B's width, the o_proj sum's kernel also takes th
 norm's sums, checked against the NCCL path.
 
 Needs two GPUs: skipped (mark gpu) when fewer than two are visible.
-Run: pytest -m gpu tests/gpu/test_tp_gpu.py -s
+Run: pytest -m gpu tests/parallel/test_tp_gpu.py -s
 """
 
 from __future__ import annotations

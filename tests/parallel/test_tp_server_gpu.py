@@ -1,10 +1,10 @@
 """launch_server --tp-size 2 on two GPUs (NCCL, the one-shot all-reduce, CUDA graphs) over HTTP, on a tiny
 random Llama in float32: the greedy tokens of one GPU, and a rank killed while requests run (the other rank
 then waits inside a sum for a peer that is gone) stops the server with an error that names it, within
-seconds. tests/test_tp_server.py runs the same on CPU (gloo ranks).
+seconds. tests/parallel/test_tp_server.py runs the same on CPU (gloo ranks).
 
 Needs two GPUs: skipped (mark gpu) when fewer are visible.
-Run: pytest -m gpu tests/gpu/test_tp_server_gpu.py -s
+Run: pytest -m gpu tests/parallel/test_tp_server_gpu.py -s
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Faults under load on the real engine (default model, CPU); extends tests/test_server_lifecycle.py, which
+"""Faults under load on the real engine (default model, CPU); extends tests/server/test_server_lifecycle.py, which
 covers the same faults without load on the fake scheduler.
 
 * the scheduler or the detokenizer killed with SIGKILL while clients stream and wait: every in-flight

@@ -1,6 +1,6 @@
 """The decode batch ModelRunner.build_batch makes from host lists (one host tensor, one upload): its rows,
 positions, lengths, slots and input ids, and the slots it records in the request table and its host mirror.
-tests/gpu/test_decode_batch_gpu.py runs the same check on CUDA (pinned host tensor, device table)."""
+tests/runners/test_decode_batch_gpu.py runs the same check on CUDA (pinned host tensor, device table)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The decode batch on CUDA: the pinned host tensor, its upload and the device request table (the CPU run of the
-same check is tests/test_decode_batch.py)."""
+same check is tests/runners/test_decode_batch.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Qwen3-30B-A3B with 4 of its 48 layers (MoE: 128 experts, top 8; the fused-MoE ke
 MoE routing compares bf16 router logits: where a token's k-th and (k+1)-th experts are a near-tie, the graph
 (whose GEMMs see the level's rows) and eager on the real rows may pick different experts. Against eager on
 the real batch the MoE model is therefore held to most rows close and the greedy token (or a near-tie), as
-tests/gpu/test_moe_gpu.py holds its piecewise extend, and its deeper layers' K/V are compared only against the
+tests/kernels/test_moe_gpu.py holds its piecewise extend, and its deeper layers' K/V are compared only against the
 padded batch run eagerly (which must match the replay as for the dense models).
 
 Against eager on the real (unpadded) batch the tolerance is the model's: the GEMMs run at the level's row
@@ -15,7 +15,7 @@ count in the graph and at the real one eagerly, and bf16 rounds them differently
 of random weights a 1-token extend padded to 8 moved logits by up to 0.23 (the same padding run eagerly
 moves them the same way: the first comparison).
 
-Run: pytest -m gpu tests/gpu/test_full_extend_graph_gpu.py -s
+Run: pytest -m gpu tests/runners/test_full_extend_graph_gpu.py -s
 """
 
 from __future__ import annotations

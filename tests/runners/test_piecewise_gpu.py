@@ -1,7 +1,7 @@
 """Piecewise extend graphs on the GPU (triton attention, bf16, random weights of real shapes): replay equals
 eager for batches with and without cached prefixes, one trace, and the capture's time and memory.
 
-Run: pytest -m gpu tests/gpu/test_piecewise_gpu.py -s   (-s shows capture time and memory)
+Run: pytest -m gpu tests/runners/test_piecewise_gpu.py -s   (-s shows capture time and memory)
 """
 
 from __future__ import annotations

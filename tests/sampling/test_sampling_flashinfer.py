@@ -1,6 +1,6 @@
 """--sampling-backend on the CPU: which rows go to flashinfer's kernels, which kernel with which per-row
 tensors, and the flag's validation. flashinfer itself is replaced by a stand-in module that records its calls
-and answers one known token (the real kernels run in tests/gpu/test_sampling_flashinfer_gpu.py)."""
+and answers one known token (the real kernels run in tests/sampling/test_sampling_flashinfer_gpu.py)."""
 
 from __future__ import annotations
 

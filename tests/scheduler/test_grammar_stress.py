@@ -1,5 +1,5 @@
 """A seeded stress of constrained decoding in the scheduler (default model, in process): random combinations
-of the sampling fields the HTTP fuzz sends (tests/test_reliability_fuzz.py's tamed bodies) with grammars,
+of the sampling fields the HTTP fuzz sends (tests/reliability/test_reliability_fuzz.py's tamed bodies) with grammars,
 n copies, bans that leave a grammar few or no tokens (min_tokens, stop_token_ids, logit_bias -100),
 penalties, temperatures up to the fuzz's extremes, seeds, logprobs and prompt logprobs, aborts mid-run, under
 overlap on and off, with chunked prefill, mixed chunks and a KV pool small enough to retract.

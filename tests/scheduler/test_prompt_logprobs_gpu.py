@@ -2,7 +2,7 @@
 replayed through the piecewise graphs score the prompt rows like the eager path, with chunked prefill,
 overlap scheduling and a batch mixed with requests that want none; and line up with a one-pass forward.
 
-Run: pytest -m gpu tests/gpu/test_prompt_logprobs_gpu.py -s
+Run: pytest -m gpu tests/scheduler/test_prompt_logprobs_gpu.py -s
 """
 
 from __future__ import annotations
