@@ -64,7 +64,7 @@ class ChoiceChunks:
     """sse() of one stream's per-choice chunks, {"id", "object", "created", "model", "choices": [{"index",
     <the choice's fields>}], "usage": null}, written from text around the parts that change: a stream sends
     one per choice per engine step, and encoding the whole dict each time was a good part of the HTTP
-    process's work per token. The text is exactly sse()'s (tests/test_frontend_stream.py)."""
+    process's work per token. The text is exactly sse()'s (tests/server/test_frontend_stream.py)."""
 
     def __init__(self, rid: str, obj: str, created: int, model: str):
         self._head = (f'data: {{"id": {_json(rid)}, "object": {_json(obj)}, "created": {_json(created)}, '

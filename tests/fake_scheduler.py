@@ -278,7 +278,7 @@ def run_fake_scheduler_process(args, ipc: IpcPaths, ready_conn) -> None:
 
 
 # =================================================================================================
-# Helpers for the server tests (tests/test_server_*.py): a model folder and a live server process.
+# Helpers for the server tests (tests/server/): a model folder and a live server process.
 # =================================================================================================
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -312,8 +312,7 @@ def build_tiny_model_folder(path: Path, with_weights: bool = False) -> Path:
     fast.chat_template = SMOLLM_CHAT_TEMPLATE
     fast.save_pretrained(path)
     if with_weights:
-        sys.path.insert(0, str(REPO_ROOT / "tests"))
-        from conftest import TINY_LLAMA, save_tiny_hf_model
+        from tests.conftest import TINY_LLAMA, save_tiny_hf_model
 
         save_tiny_hf_model(path, dict(TINY_LLAMA, max_position_embeddings=1024))
     else:

@@ -1,4 +1,4 @@
-"""Helpers for the reliability suite (tests/test_reliability_*.py): sizes, the process tree, its memory
+"""Helpers for the reliability suite (tests/reliability/): sizes, the process tree, its memory
 and sockets (read from /proc, so nothing beyond the standard library is needed), and the server's stats.
 
 Sizes: CI runs small numbers on 2 CPU cores; ``DUET_LONG=1`` runs the issue's full numbers by hand.

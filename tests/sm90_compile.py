@@ -8,7 +8,7 @@ specializations a GPU launch would give (16-byte aligned pointers, integers divi
 integer 1 a constant), down
 to a cubin through the ptxas that Triton's wheel carries. It prints one line per case and exits non-zero if
 any case does not compile, has fp16 arithmetic in its PTX (FP16_MATH), or is a small-M GEMM whose wgmma chain
-ptxas serialized (WGMMA_SERIALIZED) or, in a case whose name says wgmma, that has none. tests/test_sm90_compile.py runs it in a subprocess with Triton in compiled
+ptxas serialized (WGMMA_SERIALIZED) or, in a case whose name says wgmma, that has none. tests/kernels/test_sm90_compile.py runs it in a subprocess with Triton in compiled
 mode.
 
     python tests/sm90_compile.py

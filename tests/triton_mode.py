@@ -1,7 +1,7 @@
 """Triton kernels in tests: compiled on a CUDA device, in Triton's CPU interpreter otherwise.
 
 The interpreter must be chosen (TRITON_INTERPRET=1) before triton is first imported: tests/conftest.py sets it
-on a machine without CUDA, and a test module imports this module before anything that imports triton. If
+on a machine without CUDA, and pytest loads it before any test module (so before anything imports triton). If
 triton was nevertheless imported in compiled mode first (TRITON_INTERPRET=0 given, or a test run outside this
 conftest), the module's `in_process` tests skip and its `subprocess_test` re-runs them in a fresh interpreter
 process; otherwise that test skips. Exactly one of the pair runs, so both carry the
@@ -44,9 +44,9 @@ def in_process(fn):
 def interpreter_only(fn):
     """An `in_process` test whose CPU tensors stand in for CUDA ones while the kernels run in the interpreter
     (a layer's or model's dispatch to them, a launcher's refusals). A CUDA host's compiled kernels refuse CPU
-    tensors, so there it skips; tests/gpu/ runs the same kernels on the device."""
+    tensors, so there it skips; the `_gpu` tests run the same kernels on the device."""
     skip = pytest.mark.skipif(HAS_CUDA, reason="CPU tensors stand in for CUDA ones: interpreter only "
-                                               "(tests/gpu/ runs these kernels on the device)")
+                                               "(the _gpu tests run these kernels on the device)")
     return skip(in_process(fn))
 
 
@@ -57,7 +57,7 @@ def subprocess_test(module_file: str, *pytest_args: str):
     @pytest.mark.skipif(not RERUN_IN_SUBPROCESS, reason="triton runs in the right mode in this process")
     def test_in_subprocess():
         env = dict(os.environ, TRITON_INTERPRET="1")
-        root = pathlib.Path(module_file).resolve().parents[1]
+        root = pathlib.Path(__file__).resolve().parents[1]  # the repository
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args,
              str(pathlib.Path(module_file).resolve())],

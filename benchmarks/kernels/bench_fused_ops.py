@@ -12,7 +12,7 @@ repeated CALLS times in one graph (no launch overhead, as in the decode graphs).
 RMSNorm folded into the qkv GEMV against add+RMSNorm then the GEMV, and o_proj + residual add + the
 post-attention norm + gate/up + SiLU in two kernels against three, over copies of cold weights. Prints a
 table, writes JSON.
-The builders are shared with tests/gpu/test_fused_ops_gpu.py (bf16 at serving shapes).
+The builders are shared with tests/kernels/test_fused_ops_gpu.py (bf16 at serving shapes).
 """
 
 from __future__ import annotations

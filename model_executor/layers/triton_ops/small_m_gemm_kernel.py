@@ -471,7 +471,7 @@ def _small_m_gemm_kernel(
             tl.debug_barrier()  # every thread's partial stored before the one thread's atomic releases them
             # acq_rel at gpu scope (the default): the last arrival sees every other split's partial. In Triton's
             # CPU interpreter the programs run one after another, so there the last split always adds them;
-            # on a GPU any split may (tests/test_small_m_gemm.py, compiled there, checks the bits).
+            # on a GPU any split may (tests/kernels/test_small_m_gemm_kernel.py, compiled there, checks the bits).
             if tl.atomic_add(CNT + pid_n, 1) == SPLITS - 1:
                 total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
                 # Unrolled: every split's loads in flight at once, then added in order. .cg: from L2, past this

@@ -579,7 +579,7 @@ def _decode_stage1_kernel(
             # acq_rel at gpu scope (the default): the last arrival sees every other program's partial.
             if tl.atomic_add(counter, 1) == arrivals - 1:
                 # In Triton's CPU interpreter the programs run one after another, so there the highest
-                # split always combines; tests/gpu/test_decode_combine_gpu.py covers any arrival order.
+                # split always combines; tests/kernels/test_decode_combine_gpu.py covers any arrival order.
                 # .cg: from L2, past this SM's L1, which other programs' stores did not update
                 _merge_block(Att_Out, Att_Lse, O, cur_batch, kv_head, head_block, seq_len, num_kv_splits,
                              min_chunk, stride_mid_ob, stride_mid_oh, stride_mid_os, stride_lse_b, stride_lse_h,

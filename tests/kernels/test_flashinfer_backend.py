@@ -1,0 +1,130 @@
+"""The flashinfer backend's plans and runs on the CPU, over an FP8 and a bf16 pool: which dtypes it plans,
+which prefill kernels it asks for, and the per-layer KV scales each run gets. flashinfer is replaced by a
+stand-in module that records its calls (the real kernels run in tests/kernels/test_flashinfer_gpu.py)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from model_executor.forward_batch import ForwardBatch, ForwardMode
+from model_executor.layers.attention.flashinfer_backend import FlashInferAttnBackend
+from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.memory_pool import KVCache, ReqToTokenPool
+
+FP8 = torch.float8_e4m3fn
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 8, 2
+K_SCALES, V_SCALES = [0.5, 2.0], [1.0, 4.0]
+
+
+class FakeWrapper:
+    """Records plan(...) and run(...) calls of one flashinfer wrapper."""
+
+    def __init__(self, calls: list, kind: str, *args, **kwargs):
+        self.calls, self.kind = calls, kind
+        calls.append((kind, "init", args, kwargs))
+
+    def plan(self, *args, **kwargs):
+        self.calls.append((self.kind, "plan", args, kwargs))
+
+    def run(self, q, paged, **kwargs):
+        self.calls.append((self.kind, "run", (q, paged), kwargs))
+        kwargs["out"].zero_()
+
+
+def fake_flashinfer() -> tuple[types.ModuleType, list]:
+    calls: list = []
+    mod = types.ModuleType("flashinfer")
+    mod.BatchDecodeWithPagedKVCacheWrapper = lambda *a, **k: FakeWrapper(calls, "decode", *a, **k)
+    mod.BatchPrefillWithPagedKVCacheWrapper = lambda *a, **k: FakeWrapper(calls, "prefill", *a, **k)
+    return mod, calls
+
+
+def make_backend(monkeypatch, kv_dtype: torch.dtype):
+    mod, calls = fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    pool = ReqToTokenPool(4, 32, "cpu")
+    config = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    runner = types.SimpleNamespace(model_config=config, dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                                   device=torch.device("cpu"), req_to_token_pool=pool)
+    backend = FlashInferAttnBackend(runner)
+    fp8 = kv_dtype == FP8
+    kv = KVCache(64, LAYERS, KV_HEADS, HEAD_DIM, kv_dtype, "cpu", K_SCALES if fp8 else None,
+                 V_SCALES if fp8 else None)
+    return backend, calls, pool, kv
+
+
+SLOTS = {0: list(range(1, 11)), 1: list(range(30, 36))}  # request -> its KV slots (10 and 6 tokens)
+
+
+def batch(mode: ForwardMode, backend, pool, kv) -> ForwardBatch:
+    """Two requests, 10 and 6 tokens long, in rows allocated after a spare one (so rows are not 0, 1); an
+    extend's last 4 and 2 of them new."""
+    pool.alloc()
+    rows = [pool.alloc() for _ in SLOTS]
+    for row, slots in zip(rows, SLOTS.values()):
+        pool.write(row, 0, torch.tensor(slots))
+    ext = None if mode.is_decode() else [4, 2]
+    new = [1, 1] if ext is None else ext
+    loc = torch.tensor([t for n, slots in zip(new, SLOTS.values()) for t in slots[-n:]])
+    return ForwardBatch.build(mode, list(range(len(loc))), rows, [10, 6], loc, extend_seq_lens=ext,
+                              req_to_token_pool=pool, kv_cache=kv, attn_backend=backend, device="cpu")
+
+
+def test_plans_list_each_requests_slots_from_host_lengths(monkeypatch):
+    backend, calls, pool, kv = make_backend(monkeypatch, torch.bfloat16)
+    for mode, kind in ((ForwardMode.DECODE, "decode"), (ForwardMode.EXTEND, "prefill")):
+        backend.init_forward_metadata(batch(mode, backend, pool, kv))
+        args = [c for c in calls if c[:2] == (kind, "plan")][-1][2]
+        if kind == "prefill":
+            assert args[0].tolist() == [0, 4, 6]  # qo_indptr
+            args = args[1:]
+        indptr, indices, last = args[:3]
+        assert indptr.tolist() == [0, 10, 16] and last.tolist() == [1, 1]
+        assert indices.tolist() == SLOTS[0] + SLOTS[1]
+        for row in (1, 2, 3):  # the spare row and the batch's two
+            pool.free(row)
+
+
+def attend(backend, fb: ForwardBatch) -> None:
+    n = fb.input_ids.shape[0]
+    for layer_id in range(LAYERS):
+        layer = RadixAttention(layer_id, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+        q = torch.randn(n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+        k = torch.randn(n, KV_HEADS * HEAD_DIM, dtype=torch.bfloat16)
+        backend.forward(q, k, k.clone(), layer, fb)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_fp8_pool_plans_fp8_and_runs_with_each_layers_scales(monkeypatch, mode):
+    backend, calls, pool, kv = make_backend(monkeypatch, FP8)
+    kind = "decode" if mode.is_decode() else "prefill"
+    fb = batch(mode, backend, pool, kv)
+    backend.init_forward_metadata(fb)
+    attend(backend, fb)
+    prefill_init = [c for c in calls if c[:2] == ("prefill", "init")]
+    assert prefill_init[0][3]["backend"] == "fa2"  # FA3 (Hopper) needs Q and K of one type
+    plans = [c for c in calls if c[:2] == (kind, "plan")]
+    assert len(plans) == 1
+    assert plans[0][3]["q_data_type"] == torch.bfloat16 and plans[0][3]["kv_data_type"] == FP8
+    runs = [c for c in calls if c[:2] == (kind, "run")]
+    assert [r[3]["k_scale"] for r in runs] == K_SCALES
+    assert [r[3]["v_scale"] for r in runs] == [None, 4.0]  # 1.0 is not passed (flashinfer would multiply)
+    assert all(r[2][1][0].dtype == FP8 for r in runs)  # the paged K it reads is the pool's
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_bf16_pool_plans_bf16_without_scales(monkeypatch, mode):
+    backend, calls, pool, kv = make_backend(monkeypatch, torch.bfloat16)
+    kind = "decode" if mode.is_decode() else "prefill"
+    fb = batch(mode, backend, pool, kv)
+    backend.init_forward_metadata(fb)
+    attend(backend, fb)
+    assert next(c for c in calls if c[:2] == ("prefill", "init"))[3]["backend"] == "auto"
+    plan = next(c for c in calls if c[:2] == (kind, "plan"))
+    assert plan[3]["kv_data_type"] == torch.bfloat16
+    runs = [c for c in calls if c[:2] == (kind, "run")]
+    assert len(runs) == LAYERS and all(set(r[3]) == {"out"} for r in runs)
