@@ -4,8 +4,8 @@ n copies, bans that leave a grammar few or no tokens (min_tokens, stop_token_ids
 penalties, temperatures up to the fuzz's extremes, seeds, logprobs and prompt logprobs, aborts mid-run, under
 overlap on and off, with chunked prefill, mixed chunks and a KV pool small enough to retract.
 
-Issue 16: "never a crash, never a lost request": a constrained request must finish with a grammar-valid
-outcome, never with "the grammar rejected the sampled token 0" (a row whose every logit was -inf or NaN)."""
+Never a crash, never a lost request: a constrained request must finish with a grammar-valid outcome, never
+with "the grammar rejected the sampled token 0" (a row whose every logit was -inf or NaN)."""
 
 from __future__ import annotations
 

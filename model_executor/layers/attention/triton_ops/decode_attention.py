@@ -54,10 +54,10 @@ from model_executor.layers.triton_ops.pdl import pdl_supported
 BLOCK_H = 16
 
 
-# A band (lo, hi] of a bf16 pool's stage-1 programs along requests and kv heads (one program a request and kv head
-# there: the split plan stops splitting from 528). Above lo stage 1 takes warp splits; in the band 64-wide heads
-# take (32, 1, 3) warp-split tiles, above it (16, 1, 3): measured fastest there on the H200 (docs/benchmarks.md,
-# "Kernel choices").
+# A band (lo, hi] of a bf16 pool's stage-1 programs along requests and kv heads (one program a request and kv
+# head there: the split plan stops splitting from 528). Above lo stage 1 takes warp splits; in the band
+# 64-wide heads take (32, 1, 3) warp-split tiles, above it (16, 1, 3): measured fastest there on the H200
+# (docs/benchmarks.md, "Kernel choices").
 NARROW_TILE_PROGRAMS = (800, 1024)
 
 
@@ -96,9 +96,9 @@ def _on_or_below(batch_size: int, programs: int, num_kv_heads: int) -> bool:
 def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool = False) -> Stage1Tile:
     """Stage 1's tile for a batch of this size (num_kv_heads: the pool's, per rank): a function of what a
     graph is captured for (never of the lengths, which change between replays). Each rule takes the tile that
-    the sweeps of benchmarks/kernels/bench_attention.py measure fastest on the H200 (docs/benchmarks.md, "Kernel
-    choices"); "programs" are requests x kv heads, the stage-1 programs a split (the requests at Llama's 8 kv
-    heads in brackets).
+    the sweeps of benchmarks/kernels/bench_attention.py measure fastest on the H200 (docs/benchmarks.md,
+    "Kernel choices"); "programs" are requests x kv heads, the stage-1 programs a split (the requests at
+    Llama's 8 kv heads in brackets).
 
     Warp splits, where they are faster than shared steps:
     - an FP8 pool, 128-wide heads, above 64 programs (from 9 requests): (32, 1, 3) up to 256 programs,
@@ -143,9 +143,9 @@ SINGLE_STAGE_MAX_LEN = 128
 # An FP8 pool's stage 1 (fp16 dots, half the bytes a position) keeps gaining from splits up to twice the programs
 # per SM ...
 PROGRAMS_PER_SM_FP16_DOTS = 8
-# ... but not from two: where that cap is 2, one split is faster (docs/benchmarks.md, "Kernel choices"), likely
-# because two splits put more programs on each SM than fit at once, so a second, mostly empty wave follows. bf16
-# pools keep two, which is faster than one for them.
+# ... but not from two: where that cap is 2, one split is faster (docs/benchmarks.md, "Kernel choices"),
+# likely because two splits put more programs on each SM than fit at once, so a second, mostly empty wave
+# follows. bf16 pools keep two, which is faster than one for them.
 MIN_SPLITS_FP16_DOTS = 3
 
 _LOG2E = 1.4426950408889634
@@ -242,8 +242,8 @@ PRELOAD_AFTER_QKV_MAX_BS = 2
 def preload_after_qkv(batch_size: int, tile: Stage1Tile, v_words: bool) -> bool:
     """Whether stage 1 after the qkv projection's kernel (decode_attention_fwd's after_qkv) loads its first step
     before it waits for that kernel: a function of what a graph is captured for. Shared steps with V as plain
-    loads only (the tiles of one to four requests, but V as words over an FP8 pool from two). On at one and two
-    requests, where it is faster (docs/benchmarks.md, "Kernel choices"); at three and four it makes no
+    loads only (the tiles of one to four requests, but V as words over an FP8 pool from two). On at one and
+    two requests, where it is faster (docs/benchmarks.md, "Kernel choices"); at three and four it makes no
     difference."""
     return batch_size <= PRELOAD_AFTER_QKV_MAX_BS and not tile.warp_splits and not v_words
 

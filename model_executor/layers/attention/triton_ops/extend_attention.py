@@ -40,13 +40,15 @@ class ExtendConfig(NamedTuple):
     pool_stages: int = 0  # the cached prefix's loop (rows gathered from the pool); 0: num_stages
 
 
-# Up to this many new tokens in the batch's longest request, 16-bit inputs of head_dim <= 128 take 64x64
-# tiles without pipelining the new tokens' loop; above it the new tokens' loop takes 3 stages (64x64 tiles for
-# head_dim 64, 128x128 for 128): each is the faster on its side on the H200 (bench_attention, docs/benchmarks.md,
-# "Kernel choices"). 512 is an extend graph level, so a batch and the level it pads to take the same tile.
+# Up to this many new tokens in the batch's longest request, 16-bit inputs of head_dim <= 128 take 64x64 tiles
+# without pipelining the new tokens' loop; above it the new tokens' loop takes 3 stages (64x64 tiles for
+# head_dim 64, 128x128 for 128): each is the faster on its side on the H200 (bench_attention,
+# docs/benchmarks.md, "Kernel choices"). 512 is an extend graph level, so a batch and the level it pads to
+# take the same tile.
 SHORT_EXTEND_MAX_TOKENS = 512
-# The cached prefix's loop gathers its rows through req_to_token and is pipelined in 3 stages, whatever the new
-# tokens' tile: that makes a short extend behind a long prefix markedly faster on the H200 (docs/benchmarks.md).
+# The cached prefix's loop gathers its rows through req_to_token and is pipelined in 3 stages, whatever the
+# new tokens' tile: that makes a short extend behind a long prefix markedly faster on the H200
+# (docs/benchmarks.md).
 POOL_STAGES = 3
 
 
