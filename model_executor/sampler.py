@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Temperatures above this are clamped to it: the tempered distribution is already uniform over the allowed
 # tokens, and beyond float32's range the temperature became inf, which turns every banned (-inf) logit into
-# NaN, which argmax prefers: a grammar's or min_tokens' banned token came out (token 0, issue 16's fuzz 500).
+# NaN, which argmax prefers: a grammar's or min_tokens' banned token (token 0) would come out.
 MAX_TEMPERATURE = 1e30
 
 # Batches whose random rows all use top-k with k at most this sample among their k best tokens (no sort).

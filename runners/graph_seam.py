@@ -33,7 +33,7 @@ class GraphCapturer(Protocol):
 
 class CudaGraphCapturer:
     """One memory pool and one side stream shared by every capture, so graphs captured smaller-after-larger
-    reuse the largest one's memory (DESIGN.md §8: a new stream per capture defeats the sharing)."""
+    reuse the largest one's memory (a new stream per capture would defeat the sharing)."""
 
     def __init__(self, device: torch.device, pool=None):
         self.device = device

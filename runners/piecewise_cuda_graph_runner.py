@@ -14,7 +14,7 @@ PromptLogprobPlan names the same way as in an eager forward (model_executor/prom
 Memory: a captured piece's outputs are kept only as weak references (tensors that alias the pool memory
 without owning it). Once a level's capture is done nothing holds its blocks, so the next (smaller) level
 is captured into the same blocks and the pool stays about the size of the largest level's working set
-(keeping every level's outputs alive multiplies it; DESIGN.md §8).
+(keeping every level's outputs alive would make it the sum of every level's).
 
 Host time is what a small extend pays for, so the attention between two pieces is kept cheap: replays
 call the op's implementation directly (no dispatcher round trip, runners/fx_split.py), the extend kernel

@@ -165,7 +165,7 @@ class GrammarManager:
             # Rows without a grammar must have all bits set. A fill overwrites its whole row, so only the rows a
             # grammar filled earlier and none fills now are set back, one at a time: one memset of the whole
             # mask (vocab-sized rows) is split by torch over its intra-op threads (a GPU host's cores), whose
-            # wake-ups and barrier on a busy host cost milliseconds a step (docs/benchmarks.md, issue 16).
+            # wake-ups and barrier on a busy host cost milliseconds a step (docs/benchmarks.md).
             for i in self._filled_rows.difference(rows):
                 bitmask[i].fill_(-1)
             self._filled_rows = set(rows)

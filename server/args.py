@@ -119,7 +119,7 @@ class ServerArgs:
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
                                    "DUET_API_KEY in the environment sets it too, out of sight of ps")
     log_level: str = _f("info", "log level", choices=LOG_LEVELS)
-    # Observability (issue 22): SGLang-style request log and periodic status line.
+    # Observability: SGLang-style request log and periodic status line.
     log_requests: bool = _f(False, "log each request at INFO: id, prompt length, sampling parameters, then its "
                                    "finish reason and output length (never the text)")
     status_interval: float = _f(5.0, "seconds between the scheduler's status lines at INFO while requests run "
@@ -129,7 +129,7 @@ class ServerArgs:
     random_seed: int = _f(0, "seed for weights of --load-format dummy and for unseeded sampling")
     load_format: str = _f("auto", "auto: safetensors from the folder; dummy: random weights of the "
                                   "folder's shape (benchmarks)", choices=("auto", "dummy"))
-    # Structured outputs, tools, reasoning (issue 16).
+    # Structured outputs, tools, reasoning.
     grammar_backend: str = _f("xgrammar", "structured outputs (response_format, regex, ebnf, tool_choice "
                                           "required/named): xgrammar, or none to refuse them",
                               choices=("xgrammar", "none"))

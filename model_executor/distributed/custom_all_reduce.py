@@ -36,7 +36,7 @@ logger = logging.getLogger("duet.custom_all_reduce")
 
 # The largest sum that goes one-shot; larger ones go through NCCL. Each rank writes its whole input to every
 # peer, so past a size NCCL's ring (each rank sends about 2/N of it) is faster: for two H200s the crossover
-# measured by `benchmarks/kernels/bench_all_reduce.py` is in docs/benchmarks.md (issue 21).
+# measured by `benchmarks/kernels/bench_all_reduce.py` is in docs/benchmarks.md.
 MAX_BYTES = 2 << 20
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SLOTS = 3

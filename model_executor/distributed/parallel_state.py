@@ -93,8 +93,8 @@ def destroy_tensor_parallel() -> None:
     collectives were captured in CUDA graphs hangs forever (pytorch/pytorch#115388, seen on two H200s even
     after the graphs were dropped), so a process that used NCCL cannot join another group; one that used
     gloo (CPU) can. A gloo group is left once every rank has reached this point, so that no rank closes its
-    connections while a peer is still in a collective with it (a CPU tp 2 rank once aborted in its teardown,
-    "terminate called without an active exception"; issue 23's thirty-sixth-session note). The wait is bounded
+    connections while a peer is still in a collective with it (otherwise a CPU tp 2 rank can abort in its
+    teardown: "terminate called without an active exception"). The wait is bounded
     (TEARDOWN_BARRIER): a rank that leaves on an error while its peers still step waits that long at most,
     then leaves all the same, and the peers' next collective fails."""
     global _STATE

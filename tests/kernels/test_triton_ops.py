@@ -267,10 +267,9 @@ def test_stage1_tile_of_a_batch_is_the_tile_of_the_graph_it_pads_to(max_bs):
 
 @in_process
 def test_warp_splits_only_where_they_were_measured_faster():
-    """The H200 A/B of the twenty-fifth session (8 kv heads, same run as the shared-step tiles): warp splits for
-    an FP8 pool of 128-wide heads from 16 requests and for bf16 pools at 128 and 256 requests; the shared
-    steps where warp splits were slower or mixed (4 requests of an FP8 pool, bf16 up to 64 requests, an FP8
-    pool of 64-wide heads) and at one request."""
+    """At 8 kv heads, stage 1 takes warp splits for an FP8 pool of 128-wide heads from 16 requests and for
+    bf16 pools at 128 and 256 requests, and shared steps where warp splits are slower or mixed on the H200
+    (4 requests of an FP8 pool, bf16 up to 64 requests, an FP8 pool of 64-wide heads) and at one request."""
     split = {(f16, d, bs) for f16 in (False, True) for d in (64, 128) for bs in (1, 4, 16, 64, 128, 256)
              if decode_mod.stage1_tile(bs, d, 8, f16).warp_splits}
     assert split == {(True, 128, 16), (True, 128, 64), (True, 128, 128), (True, 128, 256),

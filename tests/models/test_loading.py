@@ -1,5 +1,5 @@
 """Loading and memory accounting: dtype-direct loading, the shared RoPE table, the memory split, the model's
-sampling defaults, and one-line start-up errors for bad model folders (issue 14)."""
+sampling defaults, and one-line start-up errors for bad model folders."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ covers the same faults without load on the fake scheduler.
 * the scheduler or the detokenizer killed with SIGKILL while clients stream and wait: every in-flight
   request gets an error (an SSE error event then [DONE], or a 503 with the OpenAI error body) within a few
   seconds, /health answers 503 until the server exits, the server exits 1, no process of its tree is left
-  and the private socket folder is gone (DESIGN.md §1);
+  and the private socket folder is gone;
 * SIGTERM under the same load: new requests get a 503; in-flight ones have DRAIN_S to finish (short streams
   complete) and only then get a 503 error (SSE error event for streams); the server exits 0 without an
   ERROR or a leaked-semaphore warning, no process is left, the socket folder is gone.

@@ -104,7 +104,7 @@ def test_several_constrained_rows_each_get_their_own_grammar():
 
 def test_the_host_mask_is_never_reset_as_a_whole():
     """Each host-side torch op of fill_masks covers at most one mask row: a memset of the whole [bs, vocab/32]
-    mask is split over torch's intra-op threads, which on a busy GPU host cost milliseconds a step (issue 16).
+    mask is split over torch's intra-op threads, which on a busy GPU host cost milliseconds a step.
     A steady batch resets nothing; a row whose grammar left is reset alone (and holds every token again)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -4,8 +4,8 @@ n copies, bans that leave a grammar few or no tokens (min_tokens, stop_token_ids
 penalties, temperatures up to the fuzz's extremes, seeds, logprobs and prompt logprobs, aborts mid-run, under
 overlap on and off, with chunked prefill, mixed chunks and a KV pool small enough to retract.
 
-Issue 16: "never a crash, never a lost request": a constrained request must finish with a grammar-valid
-outcome, never with "the grammar rejected the sampled token 0" (a row whose every logit was -inf or NaN)."""
+Never a crash, never a lost request: a constrained request must finish with a grammar-valid outcome, never
+with "the grammar rejected the sampled token 0" (a row whose every logit was -inf or NaN)."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def test_constrained_requests_never_fail(runner_and_tok, config):
 @pytest.mark.parametrize("grammar", [GrammarSpec("regex", r"a[^\s\S]"), GrammarSpec(
     "json_schema", '{"properties":{"a":{"pattern":"[^\\\\s\\\\S]","type":"string"}},"required":["a"],"type":"object"}')])
 def test_grammar_with_a_dead_end(runner_and_tok, grammar):
-    """The other way to "the grammar rejected the sampled token 0" (issue 16's fuzz): an unsatisfiable part of
+    """The other way to "the grammar rejected the sampled token 0": an unsatisfiable part of
     a valid grammar. The mask allows "a" (or '{"a": "'), after which it allows nothing at all. Wanted: a
     finished response or a 400 naming the field, never an error finish (HTTP 500)."""
     runner, tok = runner_and_tok

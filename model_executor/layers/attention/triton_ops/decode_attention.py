@@ -54,12 +54,10 @@ from model_executor.layers.triton_ops.pdl import pdl_supported
 BLOCK_H = 16
 
 
-# A bf16 pool's stage-1 programs along requests and kv heads (one program a request and kv head there: the split
-# plan stops splitting from 528) from which stage 1 takes warp splits, and up to which 64-wide heads take
-# (32, 1, 3) of them ((16, 1, 3) above). The band (800, 1024] is where 64-wide heads once took (32, 4, 2) instead
-# of (64, 4, 3) (H200 sweeps, fourteenth and fifteenth sessions: every batch measured at 1024 programs lost 6-15%
-# on (64, 4, 3), every other one measured, 24-512 requests of 2, 3, 5, 8 and 32 kv heads, gained 4-37% from it,
-# but for one tie); warp splits beat both there (twenty-fifth session, stage1_tile).
+# A band (lo, hi] of a bf16 pool's stage-1 programs along requests and kv heads (one program a request and kv
+# head there: the split plan stops splitting from 528). Above lo stage 1 takes warp splits; in the band
+# 64-wide heads take (32, 1, 3) warp-split tiles, above it (16, 1, 3): measured fastest there on the H200
+# (docs/benchmarks.md, "Kernel choices").
 NARROW_TILE_PROGRAMS = (800, 1024)
 
 
@@ -97,27 +95,24 @@ def _on_or_below(batch_size: int, programs: int, num_kv_heads: int) -> bool:
 
 def stage1_tile(batch_size: int, head_dim: int, num_kv_heads: int, kv_f16: bool = False) -> Stage1Tile:
     """Stage 1's tile for a batch of this size (num_kv_heads: the pool's, per rank): a function of what a
-    graph is captured for (never of the lengths, which change between replays). From the tile sweeps of
-    benchmarks/kernels/bench_attention.py on the H200 (docs/benchmarks.md); "programs" are requests x kv heads, the
-    stage-1 programs a split (the requests at Llama's 8 kv heads in brackets).
+    graph is captured for (never of the lengths, which change between replays). Each rule takes the tile that
+    the sweeps of benchmarks/kernels/bench_attention.py measure fastest on the H200 (docs/benchmarks.md,
+    "Kernel choices"); "programs" are requests x kv heads, the stage-1 programs a split (the requests at
+    Llama's 8 kv heads in brackets).
 
-    Warp splits (twenty-fifth session, against the shared-step tiles of the time in the same run, Llama-3.1-8B
-    and -3.2-1B heads at 4-256 requests of 520 and 4096 tokens), where they measured faster:
-    - an FP8 pool, 128-wide heads, above 64 programs (from 9 requests): 3-22% faster at 16, 64, 128 and 256
-      requests ((32, 1, 3) up to 256 programs, (16, 2, 3) up to 512, (16, 1, 3) beyond); at 4 requests
-      10-25% slower (8 requests not measured);
-    - bf16 pools from the band of NARROW_TILE_PROGRAMS up (more than 800 programs, 97 requests): 128-wide
-      heads (32, 1, 3), 1-9% faster at 128 and 256 requests; 64-wide heads (32, 1, 3) in the band (11-14%
-      faster at 128 requests than the (32, 4, 2) it replaces) and (16, 1, 3) above it (9-18% faster at 256
-      requests). At 4-64 requests they were mixed (-15% to +30%), so those batches keep the shared steps.
-      Measured at 8 kv heads up to 2048 programs; other kv-head counts and larger batches follow by the
-      program count, unmeasured (32 kv heads of 64-wide heads take them from 25 requests, where the fourteenth
-      session had measured (64, 4, 3) the fastest shared-step tile);
-    - an FP8 pool of 64-wide heads keeps the shared steps (with V as words, warp splits were up to 33% slower
-      at 4-16 requests and within -7% to +8% above).
-    Shared steps otherwise (the fifth, thirteenth and fourteenth sessions' sweeps): up to 4 requests
-    (64, 8, 2) for 128-wide heads and (64, 4, 2) for 64-wide; from 5, (64, 4, 3); an FP8 pool (fp16 dots) from 2
-    to 24 requests (64, 4, 2) (one request keeps the bf16 pool's tile).
+    Warp splits, where they are faster than shared steps:
+    - an FP8 pool, 128-wide heads, above 64 programs (from 9 requests): (32, 1, 3) up to 256 programs,
+      (16, 2, 3) up to 512, (16, 1, 3) beyond; fewer requests keep the shared steps (warp splits are slower
+      there);
+    - bf16 pools from the band NARROW_TILE_PROGRAMS up (more than 800 programs, from 97 requests): 128-wide
+      heads (32, 1, 3); 64-wide heads (32, 1, 3) in the band and (16, 1, 3) above it.
+      Smaller batches keep the shared steps (warp splits are mixed there). Other kv-head counts follow by the
+      program count;
+    - an FP8 pool of 64-wide heads keeps the shared steps (warp splits are slower at few requests and no
+      better above).
+    Shared steps otherwise: up to 4 requests (64, 8, 2) for 128-wide heads and (64, 4, 2) for 64-wide; from 5,
+    (64, 4, 3); an FP8 pool (fp16 dots) from 2 to 24 requests (64, 4, 2) (one request keeps the bf16 pool's
+    tile).
 
     The thresholds sit on sizes of the default capture list, so a batch run eagerly takes the tile of the
     graph it would be padded to."""
@@ -146,13 +141,11 @@ MAX_KV_SPLITS = 16
 PROGRAMS_PER_SM = 4
 SINGLE_STAGE_MAX_LEN = 128
 # An FP8 pool's stage 1 (fp16 dots, half the bytes a position) keeps gaining from splits up to twice the programs
-# (Llama-3.1-8B heads at 4k context, eleventh session: 32 requests 4 splits, 64 requests 2, from 96 one) ...
+# per SM ...
 PROGRAMS_PER_SM_FP16_DOTS = 8
-# ... but not into two: where that cap is 2, one split was faster at all 30 points measured (twentieth session,
-# H200, Llama-3.1-8B and -3.2-1B heads at 48-64 requests of 528-4096 tokens: 6-18% for 8B heads, 3-22% for 1B;
-# docs/benchmarks.md). A likely cause, not measured: two splits put 5.5-8 programs on each SM, more than fit at
-# once, so a second, mostly empty wave follows; one split's 2.7-4 fit in one. bf16 pools keep two: there one split
-# was slower at 12 of 16 points of the same sweep at 24-32 requests, and the 8B step at 24 requests 6% slower.
+# ... but not from two: where that cap is 2, one split is faster (docs/benchmarks.md, "Kernel choices"),
+# likely because two splits put more programs on each SM than fit at once, so a second, mostly empty wave
+# follows. bf16 pools keep two, which is faster than one for them.
 MIN_SPLITS_FP16_DOTS = 3
 
 _LOG2E = 1.4426950408889634
@@ -218,10 +211,10 @@ def fused_combine_default(batch_size: int) -> bool:
     """Whether stage 1 merges the chunks itself (no stage-2 launch) for a batch of this size: a function of
     what a graph is captured for, never of the lengths. Both paths give the same bits.
 
-    From benchmarks/kernels/bench_attention.py --combine on the H200 (docs/benchmarks.md, eighth session): at one
-    request the fused merge saves 0.3-0.6 us per call (1B, 8B and Qwen3-30B heads at 520 tokens); at 4 and 8
-    requests it is mixed (-0.9 to +0.9 us); from 32 requests slower (8B heads at 256 requests by 20 us: the last
-    program of each block merges alone while the rest of the GPU idles)."""
+    Fused at one request only: it saves a fraction of a microsecond a call there, is mixed at a few requests
+    and slower at many (the last program of each block merges alone while the rest of the GPU idles).
+    Measured by benchmarks/kernels/bench_attention.py --combine on the H200 (docs/benchmarks.md, "Kernel
+    choices")."""
     return batch_size <= FUSED_COMBINE_MAX_BS
 
 
@@ -234,14 +227,11 @@ def v_words_default(batch_size: int, tile: Stage1Tile) -> bool:
     (_load_e4m3_rows_as_f16) rather than as fp8 bytes, for a batch of this size and stage 1's tile: a function
     of what a graph is captured for. Same values either way.
 
-    With warp splits, always: their loops have 22-30% fewer instructions with words at every tile swept (sm_90
-    SASS, twenty-fifth session), and the tile sweep that chose them ran with words. With shared steps, from
-    benchmarks/kernels/bench_attention.py --decode-only --kv-dtype fp8_e4m3 on the H200 (docs/benchmarks.md,
-    thirteenth session; Llama-3.1-8B heads at 4k): 5-7% faster at 32, 64 and 128 requests; at 4, 8 and 16 with
-    (64, 4, 2) 37%, 30% and 33% faster than bytes with it; at one request as fast at 4k and 4% slower at 512 (2
-    and 3 requests: not measured, words as from 4). Only with tiles of 64 positions or more: with 32 words were
-    20% slower at 128 requests (621 vs 518 us) and 3% slower for Llama-3.2-1B heads at 8 and 16 (a tile passed
-    by the caller may be narrower)."""
+    With warp splits, always: their loops take fewer instructions with words (sm_90 SASS), and their tiles
+    are chosen with words. With shared steps, from two requests and only with tiles of 64 positions or more:
+    words are faster there, as fast or slower at one request, and slower with narrower tiles (a tile passed by
+    the caller may be narrower). Measured by benchmarks/kernels/bench_attention.py --decode-only --kv-dtype
+    fp8_e4m3 on the H200 (docs/benchmarks.md)."""
     return tile.warp_splits or (batch_size >= V_WORDS_MIN_BS and tile.block_n >= 64)
 
 
@@ -252,9 +242,9 @@ PRELOAD_AFTER_QKV_MAX_BS = 2
 def preload_after_qkv(batch_size: int, tile: Stage1Tile, v_words: bool) -> bool:
     """Whether stage 1 after the qkv projection's kernel (decode_attention_fwd's after_qkv) loads its first step
     before it waits for that kernel: a function of what a graph is captured for. Shared steps with V as plain
-    loads only (the tiles of one to four requests, but V as words over an FP8 pool from two). Measured at one and
-    two requests (docs/benchmarks.md, thirtieth session: faster at both; at three and four the Llama models measured
-    ran their qkv projection without the rotary + KV store epilogue, so no after_qkv, and measured unchanged)."""
+    loads only (the tiles of one to four requests, but V as words over an FP8 pool from two). On at one and
+    two requests, where it is faster (docs/benchmarks.md, "Kernel choices"); at three and four it makes no
+    difference."""
     return batch_size <= PRELOAD_AFTER_QKV_MAX_BS and not tile.warp_splits and not v_words
 
 

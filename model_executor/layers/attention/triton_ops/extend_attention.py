@@ -40,15 +40,15 @@ class ExtendConfig(NamedTuple):
     pool_stages: int = 0  # the cached prefix's loop (rows gathered from the pool); 0: num_stages
 
 
-# Up to this many new tokens in the batch's longest request, 16-bit inputs of head_dim <= 128 take 64x64
-# tiles without pipelining the new tokens' loop: 1.06-1.46x faster than 128x64 at 16-512 tokens for head_dim
-# 64 and 128 on the H200, and 1.3x faster than a 3-stage loop at 128 tokens (bench_attention,
-# docs/benchmarks.md). Above it the new tokens' loop takes 3 stages (64x64 tiles for head_dim 64, 128x128 for
-# 128): 1-18% faster at 1024-8192 tokens (thirty-second session). 512 is an extend graph level, so a batch and
-# the level it pads to take the same tile.
+# Up to this many new tokens in the batch's longest request, 16-bit inputs of head_dim <= 128 take 64x64 tiles
+# without pipelining the new tokens' loop; above it the new tokens' loop takes 3 stages (64x64 tiles for
+# head_dim 64, 128x128 for 128): each is the faster on its side on the H200 (bench_attention,
+# docs/benchmarks.md, "Kernel choices"). 512 is an extend graph level, so a batch and the level it pads to
+# take the same tile.
 SHORT_EXTEND_MAX_TOKENS = 512
-# The cached prefix's loop gathers its rows through req_to_token: pipelined in 3 stages, 16-128 new tokens behind
-# a 1024-4096-token prefix take 1.4-2.0x less time (thirty-second session), whatever the new tokens' tile.
+# The cached prefix's loop gathers its rows through req_to_token and is pipelined in 3 stages, whatever the
+# new tokens' tile: that makes a short extend behind a long prefix markedly faster on the H200
+# (docs/benchmarks.md).
 POOL_STAGES = 3
 
 
