@@ -43,9 +43,13 @@ def server(model_dir):
 
 
 def error_401(resp: httpx.Response) -> bool:
+    """A 401 in the route's error shape: OpenAI's, or Anthropic's on the /v1/messages routes."""
     if resp.status_code != 401 or resp.headers.get("www-authenticate") != "Bearer":
         return False
-    err = resp.json().get("error", {})
+    body = resp.json()
+    err = body.get("error", {})
+    if resp.request.url.path.startswith("/v1/messages"):
+        return body.get("type") == "error" and err.get("type") == "authentication_error"
     return set(err) == {"message", "type", "param", "code"} and err["code"] == 401 \
         and err["type"] == "AuthenticationError"
 
@@ -134,7 +138,8 @@ def _routes(url: str) -> list[tuple[str, str]]:
 def test_api_key_guards_every_route(server):
     bad_headers = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                    {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"},
-                   {"Authorization": f"Bearer {KEY[:-1]}"}, {"X-API-Key": KEY}, {"Authorization": "Bearer"}]
+                   {"Authorization": f"Bearer {KEY[:-1]}"}, {"X-API-Key": f"{KEY}x"}, {"X-API-Key": "Bearer " + KEY},
+                   {"Authorization": "Bearer"}]
     checked = 0
     for method, path in _routes(server.url):
         if path in OPEN:
@@ -151,6 +156,8 @@ def test_api_key_guards_every_route(server):
         assert resp.status_code != 401 and resp.status_code < 500, (method, path, resp.status_code, resp.text)
         lower = {"Authorization": f"bearer {KEY}"}  # the scheme is case-insensitive (RFC 7235)
         assert httpx.request(method, server.url + path, headers=lower, json={}, timeout=30).status_code != 401
+        anthropic = {"x-api-key": KEY}  # how Anthropic clients send the key
+        assert httpx.request(method, server.url + path, headers=anthropic, json={}, timeout=30).status_code != 401
     print(f"\nAPI key: {checked} unauthenticated requests, all 401")
 
 
