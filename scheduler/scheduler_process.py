@@ -146,6 +146,8 @@ def ready_info(args: ServerArgs, runner: ModelRunner) -> dict:
         "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
         "attention_backend": type(runner.attn_backend).__name__,
         "sampling_backend": runner.sampler.backend,
+        "chunked_prefill_size": default_chunked_prefill_size(args),
+        "enable_mixed_chunk": args.enable_mixed_chunk,
         "vocab_size": runner.model_config.vocab_size,
         "eos_token_ids": list(runner.model_config.eos_token_ids),
         "scheduler_pid": os.getpid(),

@@ -1,4 +1,5 @@
-"""The real server end to end on the default model (real scheduler, detokenizer, official openai client)."""
+"""The real server end to end as the README's quick start runs it: no --model-path, the default model in its
+default format (real scheduler, detokenizer, official openai client)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import httpx
 import openai
 import pytest
 
+from model_executor.default_model import default_quantization
 from tests.fake_scheduler import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    srv = ServerProcess("--max-total-tokens", "8192", model_dir=model_dir, fake=False).wait_healthy(timeout=180)
+def server(model_dir):  # model_dir: the default model, converted into the cache before the server looks there
+    srv = ServerProcess("--max-total-tokens", "8192", fake=False, quick_start=True).wait_healthy(timeout=180)
     yield srv
     assert srv.stop() == 0
 
@@ -27,12 +29,15 @@ def model_name(client) -> str:
     return client.models.list().data[0].id
 
 
-def test_chat_answers_paris(client):
-    r = client.chat.completions.create(model=model_name(client), temperature=0, max_tokens=24,
+def test_quick_start_answers_the_readme_question(server, client):
+    """The README's curl example, asked of the quick-start server (chat, temperature 0, max_tokens 32)."""
+    r = client.chat.completions.create(model=model_name(client), temperature=0, max_tokens=32,
                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 10
+    info = httpx.get(f"{server.url}/server_info", timeout=10).json()["scheduler_info"]
+    assert (info["quantization"] or "none") == default_quantization("cpu")  # the quick start's own format
 
 
 def test_stream_equals_non_stream_and_prefix_cache(client):
