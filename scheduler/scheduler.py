@@ -249,6 +249,8 @@ class Scheduler:
         chunk = self.config.chunked_prefill_size or math.inf
         budget = self.config.max_prefill_tokens
         reqs, lens = [], []
+        self.waiting = order_waiting(self.waiting, self.config.schedule_policy, self.tree)
+        reserved = sum(self._reserve(r) for r in self.running)
         if self.chunked_req is not None:
             req = self.chunked_req
             # The next chunk gets what is free after the running requests' reserve (at least each one's
@@ -262,12 +264,28 @@ class Scheduler:
                     self._fail(req, OutOfSlotsError("out of KV cache memory for the next prefill chunk"))
                 return None  # decode this step; finishing or retracted requests free slots
             self.chunked_req = None
+            if n < req.num_uncomputed:
+                # The prompt is not done after this chunk either: waiting prompts that fit whole in half of it
+                # go first, in the same batch, so a short request waits one chunk, not a long prompt's whole
+                # prefill; the chunk keeps the rest (at least half: the long prompt always moves on).
+                reserved = self._admit_waiting(reqs, lens, n // 2, chunk, reserved, whole=True, pending=(req, n))
+                n -= sum(lens)
             reqs.append(req)
             lens.append(n)
-            budget -= n
-        reserved = sum(self._reserve(r) for r in self.running) + sum(self._reserve(r) for r in reqs)
-        self.waiting = order_waiting(self.waiting, self.config.schedule_policy, self.tree)
-        while self.waiting and budget > 0 and len(self.running) + len(reqs) < self.max_running:
+            budget -= sum(lens)
+            reserved += self._reserve(req)
+        self._admit_waiting(reqs, lens, budget, chunk, reserved)
+        return (reqs, lens) if reqs else None
+
+    def _admit_waiting(self, reqs: list[Req], lens: list[int], budget: int, chunk: float, reserved: int,
+                       whole: bool = False, pending: tuple[Req, int] | None = None) -> int:
+        """Admit waiting requests in order into the batch (reqs, lens) while the token budget, the running
+        limit and the KV pool allow; the last one admitted may be chunked, unless `whole` (then the first
+        that does not fit whole ends the admission). pending: a request and its tokens that join the batch
+        after these. Returns the reserve of future decode slots, with the admitted requests'."""
+        pending_req, pending_n = pending or (None, 0)
+        taken = len(self.running) + (pending_req is not None)
+        while self.waiting and budget > 0 and taken + len(reqs) < self.max_running:
             if lens and lens[-1] < reqs[-1].num_uncomputed:
                 break  # one partly-prefilled request per batch, and it goes last
             req = self.waiting[0]
@@ -276,14 +294,18 @@ class Scheduler:
                 prefix, node = self._match(req)
                 n_new = req.seq_len - len(prefix)
                 n = int(min(n_new, chunk, budget))
+                if whole and n < n_new:
+                    break
                 self._lock(node)
                 locked = node
                 available = self.allocator.available_size() + self._evictable()
-                need = sum(lens) + n + reserved + self._reserve(req, extra=n_new - n)
-                if need > available and (reqs or self.running):
+                need = sum(lens) + pending_n + n + reserved + self._reserve(req, extra=n_new - n)
+                if pending_req is not None:
+                    need += self._reserve(pending_req, extra=pending_req.num_uncomputed - pending_n)
+                if need > available and (reqs or self.running or pending_req is not None):
                     self._unlock(node)
                     break  # wait for running requests to free memory
-                if n + sum(lens) > available:
+                if n + sum(lens) + pending_n > available:
                     self._unlock(node)
                     break
                 self.waiting.pop(0)
@@ -299,7 +321,7 @@ class Scheduler:
             lens.append(n)
             budget -= n
             reserved += self._reserve(req)
-        return (reqs, lens) if reqs else None
+        return reserved
 
     def _reserve(self, req: Req, extra: int = 0) -> int:
         return math.ceil(req.remaining_new_tokens * self.config.new_token_ratio) + extra

@@ -17,6 +17,7 @@ SAMPLING_BACKENDS = ("auto", "flashinfer", "pytorch")  # model_executor/sampling
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+QUANTIZATION_CHOICES = ("none", "fp8", "int8", "int4")  # --quantization (server and offline CLI)
 DP_ROUTINGS = ("least_load", "prefix")
 
 
@@ -89,9 +90,9 @@ class ServerArgs:
                                            "(decode graphs are not compiled); CPU: compile decode with "
                                            "inductor; slower start-up")
     quantization: str | None = _f(None, "weight quantization: fp8 (online, GPU sm89+), int8 / int4 (weight-only, "
-                                        "CPU), none; default: the checkpoint's (an FP8 checkpoint runs as FP8), "
-                                        "and int4 for SmolLM2 on a CPU when no --model-path is given",
-                                  choices=("none", "fp8", "int8", "int4"))
+                                        "CPU), none; default: the checkpoint's (an FP8 checkpoint runs as FP8; "
+                                        "the default model runs unquantized)",
+                                  choices=QUANTIZATION_CHOICES)
     kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype) or fp8_e4m3 (GPU sm89+, "
                                      "triton or flashinfer attention)", choices=("auto", "fp8_e4m3"))
     # Parallelism (server/parallel.py): dp_size replicas, each a group of tp_size scheduler ranks.

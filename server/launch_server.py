@@ -201,10 +201,10 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
             changes["model_path"] = str(ensure_default_model())
         except DefaultModelError as e:
             raise LaunchError(str(e)) from None
-        if args.quantization is None and changes.get("device", args.device) == "cpu":
-            from model_executor.default_model import CPU_QUANTIZATION
+        if args.quantization is None:  # the default model's own default, shared with the offline CLI
+            from model_executor.default_model import default_quantization
 
-            changes["quantization"] = CPU_QUANTIZATION  # --quantization none serves the float32 weights
+            changes["quantization"] = default_quantization(changes.get("device", args.device))
     from server.model_source import ModelSourceError, resolve_model_source
 
     try:  # a local, checked folder (hub ids are downloaded or taken from the cache) before any child starts

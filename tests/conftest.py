@@ -138,7 +138,9 @@ def default_server(model_dir):
     modules that need nothing else: it starts once per run."""
     from tests.fake_scheduler import ServerProcess
 
-    srv = ServerProcess("--max-total-tokens", "8192", model_dir=model_dir, fake=False).wait_healthy(timeout=300)
+    # As the README's quick start runs it: no --model-path (model_dir converted the default model into the
+    # cache first), the default model in its default format.
+    srv = ServerProcess("--max-total-tokens", "8192", fake=False, quick_start=True).wait_healthy(timeout=300)
     yield srv
     assert srv.stop() == 0, srv.output()[-3000:]
 

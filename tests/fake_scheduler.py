@@ -373,21 +373,25 @@ class ServerProcess:
     """The server on 127.0.0.1: `python -m tests.fake_server` (the launcher with the fake scheduler), or
     `python -m server.launch_server` when the real scheduler is asked (fake=False or DUET_TEST_REAL_SCHEDULER).
     own_group: start it in a process group of its own, so that a test can signal the whole group as a
-    terminal or a container runtime would (otherwise it stays in the test's group, which Ctrl-C reaches)."""
+    terminal or a container runtime would (otherwise it stays in the test's group, which Ctrl-C reaches).
+    quick_start: no --model-path, as the README's quick start (the default model from $DUET_CACHE_DIR, with
+    its default format)."""
 
     def __init__(self, *extra_args: str, model_dir: Path | None = None, env: dict | None = None,
-                 fake: bool | None = None, own_group: bool = False, test_scheduler: str | None = None):
+                 fake: bool | None = None, own_group: bool = False, test_scheduler: str | None = None,
+                 quick_start: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.model_dir = model_dir or server_model_dir()
+        self.model_dir = None if quick_start else model_dir or server_model_dir()
         fake = fake if fake is not None else not use_real_scheduler()
         # test_scheduler (MODULE:FUNCTION): a scheduler process of a test's own instead of the fake one.
         if test_scheduler is not None:
             launcher = ["tests.fake_server", "--test-scheduler", test_scheduler]
         else:
             launcher = ["tests.fake_server" if fake else "server.launch_server"]
-        cmd = [sys.executable, "-m", *launcher, "--host", "127.0.0.1", "--port", str(self.port),
-               "--model-path", str(self.model_dir), "--device", "cpu", "--log-level", "warning", *extra_args]
+        model = [] if quick_start else ["--model-path", str(self.model_dir)]
+        cmd = [sys.executable, "-m", *launcher, "--host", "127.0.0.1", "--port", str(self.port), *model,
+               "--device", "cpu", "--log-level", "warning", *extra_args]
         full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
         fd, self.log_path = tempfile.mkstemp(prefix="duet-server-", suffix=".log")
         atexit.register(Path(self.log_path).unlink, missing_ok=True)

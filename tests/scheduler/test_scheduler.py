@@ -116,6 +116,40 @@ def test_chunked_prefill_lets_decode_continue(tiny_llama):
     assert produced_while_chunking >= 3  # the short request kept decoding between the long one's chunks
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_short_prompt_joins_a_long_prompts_prefill(tiny_llama, alone_reference, mixed):
+    """A short prompt that arrives while a long one prefills in chunks is prefilled in the next chunk's batch
+    (ahead of the long prompt, which keeps at least half of the chunk): its first token, and its whole
+    answer, come before the long prompt's prefill completes; both answers equal their runs alone."""
+    ps, ref = alone_reference
+    short = ps[3]  # 3 tokens, 11 output tokens in the reference
+    long_prompt = [3 + i % 300 for i in range(400)]  # 25 chunks of 16
+    s = make_scheduler(tiny_llama[0], disable_radix_cache=True, chunked_prefill_size=16, enable_mixed_chunk=mixed)
+    s.add_request("long", long_prompt, greedy(3))
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in s.step():
+            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+
+    step()
+    step()
+    assert s.chunked_req.kv_len == 32
+    s.add_request("r3", short, greedy(11))
+    step()  # the short prompt's whole prefill, ahead of the long prompt's next chunk
+    assert tokens == {"r3": ref["r3"][:1]}
+    assert s.chunked_req.kv_len == 32 + 16 - len(short)  # the long prompt moved on in the same batch
+    while "long" not in tokens:
+        step()
+    assert tokens["r3"] == ref["r3"]  # answered in full while the long prompt was still prefilling
+    while s.has_work():
+        step()
+    alone = make_scheduler(tiny_llama[0], disable_radix_cache=True)
+    alone.add_request("long", long_prompt, greedy(3))
+    assert tokens["long"] == run_all(alone)["long"][0]
+    s.check_invariant()
+
+
 def test_radix_cache_reuses_prefix(tiny_llama, alone_reference):
     ps, ref = alone_reference
     s = make_scheduler(tiny_llama[0])

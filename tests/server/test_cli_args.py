@@ -62,17 +62,38 @@ def test_whole_extend_graphs_default_to_512_tokens_and_go_with_the_pieces():
     assert resolve_full_extend_max_tokens(parse_args(["--disable-piecewise-cuda-graph"])) == 0
 
 
-def test_default_model_on_cpu_runs_int4_unless_asked(model_dir, monkeypatch):
-    """No --model-path on a CPU: the default model with int4 weights (its published Q4_1 weights, stored
-    again); --quantization none (or any explicit value) wins, and a model the user names keeps its own."""
+def test_server_and_offline_cli_share_the_default_models_format(model_dir, monkeypatch):
+    """No --model-path on a CPU: the server and `python -m server.generate` run the default model in the one
+    format model_executor/default_model.py names; an explicit --quantization wins in both, and a model the
+    user names keeps its own (None: the checkpoint's)."""
+    from model_executor.default_model import default_quantization
+    from server import generate
     from server.launch_server import resolve_args
 
+    def offline(*argv: str):
+        return generate.resolve_args(generate.build_parser().parse_args(["--prompt", "x", "--device", "cpu", *argv]))
+
     monkeypatch.setenv("DUET_CACHE_DIR", str(model_dir.parent))  # the cache that holds the default model
-    default = resolve_args(ServerArgs(device="cpu"))
-    assert default.model_path == str(model_dir) and default.quantization == "int4"
-    assert resolve_args(ServerArgs(device="cpu", quantization="none")).quantization == "none"
-    assert resolve_args(ServerArgs(device="cpu", quantization="int8")).quantization == "int8"
+    server, cli = resolve_args(ServerArgs(device="cpu")), offline()
+    assert server.model_path == cli.model_path == str(model_dir)
+    assert server.quantization == cli.quantization == default_quantization("cpu")
+    assert server.dtype == cli.dtype == "auto"
+    for q in ("none", "int8", "int4"):
+        assert resolve_args(ServerArgs(device="cpu", quantization=q)).quantization == q
+        assert offline("--quantization", q).quantization == q
     assert resolve_args(ServerArgs(device="cpu", model_path=str(model_dir))).quantization is None
+    assert offline("--model-path", str(model_dir)).quantization is None
+
+
+def test_offline_cli_refuses_a_quantization_the_device_cannot_run(tmp_path, capsys):
+    from server import generate
+    from tests.fake_scheduler import build_tiny_model_folder
+
+    folder = str(build_tiny_model_folder(tmp_path / "tiny", with_weights=True))
+    capsys.readouterr()
+    assert generate.main(["--model-path", folder, "--prompt", "x", "--device", "cpu", "--quantization", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --quantization fp8 needs a CUDA GPU") and len(err.strip().splitlines()) == 1
 
 
 def test_int4_on_a_gpu_is_refused():

@@ -1,4 +1,5 @@
-"""The real server end to end on the default model (real scheduler, detokenizer, official openai client)."""
+"""The real server end to end as the README's quick start runs it: no --model-path, the default model in its
+default format (real scheduler, detokenizer, official openai client)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import httpx
 import openai
 import pytest
 
+from model_executor.default_model import default_quantization
+
 
 @pytest.fixture(scope="module")
 def server(default_server):
-    return default_server
+    return default_server  # the quick start's server (tests/conftest.py), shared with other modules
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +26,15 @@ def model_name(client) -> str:
     return client.models.list().data[0].id
 
 
-def test_chat_answers_paris(client):
-    r = client.chat.completions.create(model=model_name(client), temperature=0, max_tokens=24,
+def test_quick_start_answers_the_readme_question(server, client):
+    """The README's curl example, asked of the quick-start server (chat, temperature 0, max_tokens 32)."""
+    r = client.chat.completions.create(model=model_name(client), temperature=0, max_tokens=32,
                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 10
+    info = httpx.get(f"{server.url}/server_info", timeout=10).json()["scheduler_info"]
+    assert (info["quantization"] or "none") == default_quantization("cpu")  # the quick start's own format
 
 
 def test_stream_equals_non_stream_and_prefix_cache(client):
