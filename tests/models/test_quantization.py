@@ -189,7 +189,7 @@ TEXTS = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n    return',
     "<|im_start|>user\nWhat is the capital of France? Explain briefly.<|im_end|>\n<|im_start|>assistant\n",
 )
-# Bounds on the default model, about twice what was measured (docs/benchmarks.md, "CPU weight formats"):
+# Bounds on the default model, about twice what was measured (docs/benchmarks.md, "CPU"):
 # int8 measured relative error max 0.13 / mean 0.043, argmax 68 of 71 positions equal.
 # int4 (int8 table) measured max 0.061 / mean 0.025, argmax 70 of 71.
 QUANT_BOUNDS = {"int8": {"rel_err_max": 0.25, "rel_err_mean": 0.09, "argmax_min_fraction": 0.9},
