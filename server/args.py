@@ -91,7 +91,7 @@ class ServerArgs:
                                            "inductor; slower start-up")
     quantization: str | None = _f(None, "weight quantization: fp8 (online, GPU sm89+), int8 / int4 (weight-only, "
                                         "CPU), none; default: the checkpoint's (an FP8 checkpoint runs as FP8; "
-                                        "the default model runs unquantized)",
+                                        "SmolLM2, the quick start's model, runs unquantized)",
                                   choices=QUANTIZATION_CHOICES)
     kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype) or fp8_e4m3 (GPU sm89+, "
                                      "triton or flashinfer attention)", choices=("auto", "fp8_e4m3"))
@@ -137,7 +137,7 @@ class ServerArgs:
     tool_call_parser: str | None = _f(None, "the tool-call format calls are written and read in: hermes (Qwen), "
                                             "llama3 (JSON), mistral or qwen3_coder (XML); none: tool_choice auto "
                                             "answers in text (default: detected from the chat template; a template "
-                                            "without tools gets duet's default hermes-style format)",
+                                            "without tools gets duet's own hermes-style format)",
                                       choices=("hermes", "llama3", "mistral", "qwen3_coder", "none"))
     reasoning_parser: str | None = _f(None, "split <think> reasoning into reasoning_content: qwen3 or deepseek-r1; "
                                             "none: never (default: detected from the chat template)",
