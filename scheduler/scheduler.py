@@ -285,6 +285,9 @@ class Scheduler:
         after these. Returns the reserve of future decode slots, with the admitted requests'."""
         pending_req, pending_n = pending or (None, 0)
         taken = len(self.running) + (pending_req is not None)
+        # The pending request's tokens and its reserve are the same for every candidate: counted once.
+        pending_need = pending_n + (self._reserve(pending_req, extra=pending_req.num_uncomputed - pending_n)
+                                    if pending_req is not None else 0)
         while self.waiting and budget > 0 and taken + len(reqs) < self.max_running:
             if lens and lens[-1] < reqs[-1].num_uncomputed:
                 break  # one partly-prefilled request per batch, and it goes last
@@ -299,9 +302,7 @@ class Scheduler:
                 self._lock(node)
                 locked = node
                 available = self.allocator.available_size() + self._evictable()
-                need = sum(lens) + pending_n + n + reserved + self._reserve(req, extra=n_new - n)
-                if pending_req is not None:
-                    need += self._reserve(pending_req, extra=pending_req.num_uncomputed - pending_n)
+                need = sum(lens) + pending_need + n + reserved + self._reserve(req, extra=n_new - n)
                 if need > available and (reqs or self.running or pending_req is not None):
                     self._unlock(node)
                     break  # wait for running requests to free memory
