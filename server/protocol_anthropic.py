@@ -25,8 +25,9 @@ def uses_anthropic_errors(path: str) -> bool:
 
 
 # What each status is called in Anthropic's error body.
-ERROR_TYPES: dict[int, str] = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+ERROR_TYPES: dict[int, str] = {400: "invalid_request_error", 401: "authentication_error",
+                               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                               429: "rate_limit_error"}
 
 
 def anthropic_error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -110,7 +111,8 @@ class RedactedThinkingBlock(_Request):
 
 ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
                          | UnsupportedBlock, Field(discriminator="type")]
-MessageContent = Annotated[list[ContentBlock], BeforeValidator(_blocks), Field(json_schema_extra=_string_or_blocks)]
+MessageContent = Annotated[list[ContentBlock], BeforeValidator(_blocks),
+                           Field(json_schema_extra=_string_or_blocks)]
 SystemContent = Annotated[list[TextBlock], BeforeValidator(_blocks), Field(json_schema_extra=_string_or_blocks)]
 
 
@@ -152,7 +154,8 @@ class ToolChoiceNone(_Request):
     type: Literal["none"]
 
 
-ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone,
+                       Field(discriminator="type")]
 
 
 class ThinkingEnabled(_Request):
@@ -183,7 +186,7 @@ class Metadata(_Request):
 class PromptFields(_Request):
     """What decides the prompt: the fields count_tokens shares with a message request."""
 
-    model: str | None = None  # required by Anthropic; left out here it means the served model (as on every route)
+    model: str | None = None  # required by Anthropic; left out, the served model (as on every route)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: SystemContent | None = None
     tools: list[AnthropicTool] | None = None

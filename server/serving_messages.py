@@ -9,11 +9,13 @@ sequence) / tool_use, usage, and the event stream (message_start, ping, content_
 message_delta, message_stop; an error after the first event is an `error` event).
 
 Field handling beyond the obvious: `thinking` enabled or adaptive needs a reasoning parser (else a 400); it
-sets the template's `enable_thinking` (disabled: false), and the parser's reasoning becomes a `thinking` block
-(`budget_tokens` is checked against max_tokens but not enforced beyond it). `tool_choice.disable_parallel_tool_use`
-keeps one call. A tool_result's `is_error` is rendered as "Error: <content>". Thinking blocks of earlier turns are
-not sent to the template (as chat's reasoning_content). A final assistant message (a prefill to continue) and
-image or document blocks are refused by name.
+sets the template's `enable_thinking` (disabled: false), and the parser's reasoning becomes a `thinking`
+block (`budget_tokens` must be below max_tokens and is not enforced beyond it).
+`tool_choice.disable_parallel_tool_use` keeps one call. A tool_result's `is_error` is rendered as
+"Error: <content>". Thinking blocks of earlier turns are not sent to the template (as chat's
+reasoning_content). A final assistant message (a prefill to continue) and image or document blocks are
+refused by name. usage.input_tokens counts the whole prompt, prefix-cached tokens included (what
+count_tokens returns).
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def chat_messages(req: PromptFields) -> list[ChatMessage]:
             elif b.type == "tool_use":
                 if m.role != "assistant":
                     raise ApiError(400, "tool_use blocks belong in assistant messages", at)
-                calls.append(ToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=json.dumps(b.input))))
+                arguments = json.dumps(b.input)
+                calls.append(ToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=arguments)))
                 tool_ids.add(b.id)
             elif b.type == "tool_result":
                 if m.role != "user":
@@ -134,8 +137,9 @@ def chat_request(req: PromptFields) -> ChatCompletionRequest:
     """The chat request that renders the same prompt and samples as asked."""
     fields: dict = {"model": req.model, "messages": chat_messages(req)}
     if req.tools:
-        fields["tools"] = [ToolDefinition(function=FunctionDefinition(
-            name=t.name, description=t.description, parameters=t.input_schema, strict=t.strict)) for t in req.tools]
+        fields["tools"] = [ToolDefinition(function=FunctionDefinition(name=t.name, description=t.description,
+                                                                      parameters=t.input_schema, strict=t.strict))
+                           for t in req.tools]
     choice = req.tool_choice
     if choice is not None:
         fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \

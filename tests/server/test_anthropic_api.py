@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 
 from scheduler.io_struct import FinishReason
+from server.chat_tools import ChatFormat
 from server.protocol import ApiError
 from server.protocol_anthropic import AnthropicMessagesRequest
-from server.chat_tools import ChatFormat
 from server.serving_chat import ChatJob, ChoiceOutput, ToolPlan
 from server.serving_messages import _Reply, _stop_reason, chat_messages, chat_request
 
@@ -222,7 +222,8 @@ def test_other_errors_have_anthropic_shape(client, model, default_server):
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     # The OpenAI routes keep their shape.
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "bot", "content": "x"}]}, timeout=60)
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "bot", "content": "x"}]},
+                   timeout=60)
     assert r.status_code == 400 and set(r.json()) == {"error"} and r.json()["error"]["code"] == 400
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
@@ -241,7 +242,8 @@ def test_accepted_fields_change_nothing(client, model, answer):
 
 def test_conversion_to_chat_messages():
     req = AnthropicMessagesRequest.model_validate({
-        "model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
+        "model": "m", "max_tokens": 8,
+        "system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
         "messages": [
             {"role": "user", "content": "Weather in Paris and Rome?"},
             {"role": "assistant", "content": [
@@ -258,8 +260,10 @@ def test_conversion_to_chat_messages():
         {"role": "system", "content": "Be brief.\nBe kind."},
         {"role": "user", "content": "Weather in Paris and Rome?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "t2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"id": "t1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "t2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "content": "Sunny", "tool_call_id": "t1"},
         {"role": "tool", "content": "Error: unreachable", "tool_call_id": "t2"},
         {"role": "user", "content": "And tomorrow?"}]
@@ -291,7 +295,8 @@ def test_chat_request_fields():
     assert _chat(**tools, tool_choice={"type": "tool", "name": "get_weather"}).tool_choice.function.name == \
         "get_weather"
     fn = _chat(**tools).tools[0].function
-    assert (fn.name, fn.description, fn.parameters) == ("get_weather", WEATHER["description"], WEATHER["input_schema"])
+    assert (fn.name, fn.description) == ("get_weather", WEATHER["description"])
+    assert fn.parameters == WEATHER["input_schema"]
     r = _chat(stop_sequences=["x"], temperature=0.5, top_p=0.9, top_k=5, max_tokens=7, stream=True)
     assert (r.stop, r.temperature, r.top_p, r.top_k, r.max_tokens, r.stream) == (["x"], 0.5, 0.9, 5, 7, True)
     # thinking -> the template's enable_thinking, unless chat_template_kwargs sets it
@@ -336,8 +341,9 @@ def _accumulate(events: list[tuple[str, dict]]) -> list[dict]:
 def _streamed_and_whole(plan: ToolPlan, pieces: list[str], reasoning: str | None = None,
                         parser: str | None = None, omit_thinking: bool = False, max_calls: int | None = None):
     def reply():
-        return _Reply(ChatJob("m", [], [], [ChoiceOutput(plan, ChatFormat(tool_parser=parser, reasoning_parser=reasoning))], None, "r", 0), omit_thinking,
-                      max_calls)
+        job = ChatJob("m", [], [], [ChoiceOutput(plan, ChatFormat(tool_parser=parser, reasoning_parser=reasoning))],
+                      None, "r", 0)
+        return _Reply(job, omit_thinking, max_calls)
 
     streamed, whole = reply(), reply()
     events = []
@@ -370,7 +376,8 @@ TOOLS = [{"name": "get_weather", "parameters": WEATHER["input_schema"]}]
     (ToolPlan("auto", TOOLS), ["Let me check.", "\n" + CALL, "\n" + CALL], None, "hermes", False, 1,
      [{"type": "text", "text": "Let me check.\n"},
       {"type": "tool_use", "name": "get_weather", "input": {"city": "Paris", "unit": "c"}}]),
-    (ToolPlan("named", TOOLS, "get_weather"), ['{"city"', ': "Rome", ', '"unit": "f"}'], None, None, False, None,
+    (ToolPlan("named", TOOLS, "get_weather"), ['{"city"', ': "Rome", ', '"unit": "f"}'], None, None, False,
+     None,
      [{"type": "tool_use", "name": "get_weather", "input": {"city": "Rome", "unit": "f"}}]),
     (ToolPlan("required", TOOLS), ['[{"name": "get_weather", "parameters": {"city": "A", "unit": "c"}}, ',
                                    '{"name": "get_weather", "parameters": {"city": "B", "unit": "c"}}]'],
