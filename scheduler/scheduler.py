@@ -265,11 +265,12 @@ class Scheduler:
                 return None  # decode this step; finishing or retracted requests free slots
             self.chunked_req = None
             if n < req.num_uncomputed:
-                # The prompt is not done after this chunk either: waiting prompts that fit whole in half of it
-                # go first, in the same batch, so a short request waits one chunk, not a long prompt's whole
-                # prefill; the chunk keeps the rest (at least half: the long prompt always moves on).
-                reserved = self._admit_waiting(reqs, lens, n // 2, chunk, reserved, whole=True, pending=(req, n))
-                n -= sum(lens)
+                # The prompt is not done after this chunk either: waiting prompts that fit whole in the chunk go
+                # first, in the same batch, so a short request waits one chunk, not a long prompt's whole
+                # prefill; the long prompt takes what they leave of the chunk, and at least half of it (it
+                # always moves on; the batch stays within 1.5 chunks).
+                reserved = self._admit_waiting(reqs, lens, n, chunk, reserved, whole=True, pending=(req, n))
+                n = max(n - sum(lens), (n + 1) // 2)
             reqs.append(req)
             lens.append(n)
             budget -= sum(lens)

@@ -97,6 +97,7 @@ def ready_info(config: SchedulerProcessConfig, runner: ModelRunner) -> dict:
         "attention_backend": type(runner.attn_backend).__name__,
         "sampling_backend": runner.sampler.backend,
         "chunked_prefill_size": config.scheduler.chunked_prefill_size,
+        "max_prefill_tokens": config.scheduler.max_prefill_tokens,
         "enable_mixed_chunk": config.scheduler.enable_mixed_chunk,
         "vocab_size": runner.model_config.vocab_size,
         "eos_token_ids": list(runner.model_config.eos_token_ids),

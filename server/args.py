@@ -54,9 +54,13 @@ class ServerArgs:
                                           "graph and activation reserves")
     max_total_tokens: int | None = _f(None, "KV cache size in tokens (default: from memory on GPU, 16384 on CPU)")
     max_running_requests: int | None = _f(None, "max requests decoding at once (default: 256 on GPU, 64 on CPU)")
-    max_prefill_tokens: int = _f(16384, "token budget of one extend batch")
-    chunked_prefill_size: int | None = _f(None, "prompts longer than this are prefilled in chunks "
-                                                "(default: 8192 on GPU, 2048 on CPU; -1 disables)")
+    max_prefill_tokens: int | None = _f(None, "token budget of one extend batch (default: 16384 on GPU; on a CPU "
+                                              "the chunked-prefill size, so that prompts arriving together hold "
+                                              "the running requests up for one chunk's time)")
+    chunked_prefill_size: int | None = _f(None, "prompts longer than this are prefilled in chunks; prompts that "
+                                                "arrive meanwhile and fit in a chunk join the next one (a batch "
+                                                "then holds up to 1.5 chunks) (default: 8192 on GPU, 128 on CPU; "
+                                                "-1 disables)")
     schedule_policy: str = _f("fcfs", "waiting-queue order: fcfs, or lpm (longest prefix match)",
                               choices=SCHEDULE_POLICIES)
     disable_radix_cache: bool = _f(False, "turn the radix prefix cache off")
@@ -160,7 +164,7 @@ class ServerArgs:
         for name in ("context_length", "max_total_tokens", "max_running_requests", "cuda_graph_max_bs",
                      "piecewise_cuda_graph_max_tokens"):
             positive(name, getattr(self, name))
-        positive("max_prefill_tokens", self.max_prefill_tokens, allow_none=False)
+        positive("max_prefill_tokens", self.max_prefill_tokens)
         full = self.full_extend_graph_max_tokens
         if full is not None and (not isinstance(full, int) or full < 0):
             raise ArgsError(f"--full-extend-graph-max-tokens must be a non-negative integer, got {full}")

@@ -27,10 +27,28 @@ def default_max_running_requests(args: ServerArgs) -> int:
     return args.max_running_requests or (256 if args.device == "cuda" else 64)
 
 
+# CPU prefill chunk: its time is how long the running requests (and a prompt that arrives meanwhile) wait
+# behind a long prompt at a time (benchmarks/bench_cpu_chunking.py; 2,048-token chunks made a short chat wait
+# for a 4,000-token prompt's whole prefill).
+CPU_CHUNKED_PREFILL_SIZE = 128
+GPU_CHUNKED_PREFILL_SIZE = 8192
+GPU_MAX_PREFILL_TOKENS = 16384
+
+
 def default_chunked_prefill_size(args: ServerArgs) -> int | None:
     if args.chunked_prefill_size == -1:
         return None
-    return args.chunked_prefill_size or (8192 if args.device == "cuda" else 2048)
+    return args.chunked_prefill_size or (GPU_CHUNKED_PREFILL_SIZE if args.device == "cuda"
+                                         else CPU_CHUNKED_PREFILL_SIZE)
+
+
+def default_max_prefill_tokens(args: ServerArgs) -> int:
+    """The token budget of one extend batch: on a CPU one chunk (a batch of many new prompts must not hold the
+    running requests up longer than a long prompt's chunk does)."""
+    if args.max_prefill_tokens is not None:
+        return args.max_prefill_tokens
+    chunk = default_chunked_prefill_size(args)
+    return GPU_MAX_PREFILL_TOKENS if args.device == "cuda" or chunk is None else chunk
 
 
 def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> RunnerConfig:
@@ -48,7 +66,7 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
         # The largest extend batch the scheduler builds: its activation peak is what the profile measures.
-        max_prefill_tokens=min(args.max_prefill_tokens, chunk or args.max_prefill_tokens),
+        max_prefill_tokens=min(default_max_prefill_tokens(args), chunk or default_max_prefill_tokens(args)),
         random_weights=args.load_format == "dummy",
         seed=args.random_seed,
         # CPU: --enable-torch-compile compiles the decode list with inductor (runners/cpu_graph_runner.py);
@@ -75,7 +93,7 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
 def scheduler_config(args: ServerArgs) -> SchedulerConfig:
     return SchedulerConfig(
         max_running_requests=default_max_running_requests(args),
-        max_prefill_tokens=args.max_prefill_tokens,
+        max_prefill_tokens=default_max_prefill_tokens(args),
         chunked_prefill_size=default_chunked_prefill_size(args),
         schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache,

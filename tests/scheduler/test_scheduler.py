@@ -119,8 +119,9 @@ def test_chunked_prefill_lets_decode_continue(tiny_llama):
 @pytest.mark.parametrize("mixed", [False, True])
 def test_short_prompt_joins_a_long_prompts_prefill(tiny_llama, alone_reference, mixed):
     """A short prompt that arrives while a long one prefills in chunks is prefilled in the next chunk's batch
-    (ahead of the long prompt, which keeps at least half of the chunk): its first token, and its whole
-    answer, come before the long prompt's prefill completes; both answers equal their runs alone."""
+    (ahead of the long prompt, which takes the rest of the chunk): its first token, and its whole answer,
+    come before the long prompt's prefill completes; both answers equal their runs alone. A prompt that fills
+    the chunk leaves the long prompt half of it."""
     ps, ref = alone_reference
     short = ps[3]  # 3 tokens, 11 output tokens in the reference
     long_prompt = [3 + i % 300 for i in range(400)]  # 25 chunks of 16
@@ -147,6 +148,19 @@ def test_short_prompt_joins_a_long_prompts_prefill(tiny_llama, alone_reference, 
     alone = make_scheduler(tiny_llama[0], disable_radix_cache=True)
     alone.add_request("long", long_prompt, greedy(3))
     assert tokens["long"] == run_all(alone)["long"][0]
+    s.check_invariant()
+
+
+def test_long_prompt_keeps_half_the_chunk_when_a_prompt_fills_it(tiny_llama):
+    s = make_scheduler(tiny_llama[0], disable_radix_cache=True, chunked_prefill_size=16)
+    s.add_request("long", list(range(3, 103)), greedy(2))
+    s.step()
+    assert s.chunked_req.kv_len == 16
+    s.add_request("fills", list(range(5, 21)), greedy(2))  # 16 tokens: the whole chunk
+    s.step()
+    assert s.chunked_req.rid == "long" and s.chunked_req.kv_len == 16 + 8
+    assert s.reqs["fills"].kv_len == 16  # prefilled whole, in the same batch
+    run_all(s)
     s.check_invariant()
 
 

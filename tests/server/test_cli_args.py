@@ -96,6 +96,22 @@ def test_offline_cli_refuses_a_quantization_the_device_cannot_run(tmp_path, caps
     assert err.startswith("error: --quantization fp8 needs a CUDA GPU") and len(err.strip().splitlines()) == 1
 
 
+def test_cpu_prefill_chunk_bounds_every_extend_batch():
+    """On a CPU the chunk is also the extend batch's token budget (prompts arriving together wait one chunk at
+    a time, as behind a long prompt); explicit values are taken as given, and the GPU keeps its defaults."""
+    from server.scheduler_entry import CPU_CHUNKED_PREFILL_SIZE, scheduler_config
+
+    cpu = scheduler_config(parse_args(["--device", "cpu"]))
+    assert cpu.chunked_prefill_size == cpu.max_prefill_tokens == CPU_CHUNKED_PREFILL_SIZE == 128
+    gpu = scheduler_config(ServerArgs(device="cuda"))
+    assert (gpu.chunked_prefill_size, gpu.max_prefill_tokens) == (8192, 16384)
+    given = scheduler_config(parse_args(["--device", "cpu", "--max-prefill-tokens", "4096",
+                                         "--chunked-prefill-size", "512"]))
+    assert (given.chunked_prefill_size, given.max_prefill_tokens) == (512, 4096)
+    unchunked = scheduler_config(parse_args(["--device", "cpu", "--chunked-prefill-size", "-1"]))
+    assert (unchunked.chunked_prefill_size, unchunked.max_prefill_tokens) == (None, 16384)
+
+
 def test_int4_on_a_gpu_is_refused():
     with pytest.raises(ArgsError, match="--quantization int4 is weight-only int4 for the CPU"):
         ServerArgs(device="cuda", quantization="int4").validate()
