@@ -133,6 +133,7 @@ class ModelRunner:
             self.model = load_model(Path(config.model_path), self.model_config, self.dtype, self.device,
                                     max_positions=self.context_len, quant=self.quant)
         self.load_seconds = time.perf_counter() - t0
+        self.profile_seconds: float | None = None  # the activation profile's (a GPU runs one)
         # Peak device memory while loading (the weights plus what streaming needed on top of them).
         self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base if cuda else 0
         logger.info("loaded %s (%s%s, %s) in %.1f s", config.model_path, self.dtype,
@@ -247,7 +248,9 @@ class ModelRunner:
             slots = self.config.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
             return MemorySplit(device=str(self.device), weights=weights, kv=slots * per_slot, num_slots=slots)
         torch.cuda.empty_cache()  # blocks cached during loading are free memory for the KV cache
+        t0 = time.perf_counter()
         tokens, activations = self._profile_activations()
+        self.profile_seconds = time.perf_counter() - t0
         free, total = torch.cuda.mem_get_info(self.device)
         graphs = estimate_graph_reserve(
             activation_bytes_per_token=activations / max(tokens, 1),
@@ -357,6 +360,22 @@ class ModelRunner:
     def forward_eager(self, fb: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb)
+
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds of this runner's start-up phases that ran, in order: weights, the memory profile, each graph
+        runner's capture and the compile (inductor: the CPU's decode, the GPU's piecewise extend pieces)."""
+        phases = {"weights": self.load_seconds}
+        if self.profile_seconds is not None:
+            phases["memory_profile"] = self.profile_seconds
+        decode, extend, full = self._graph_runners()
+        if decode is not None:
+            phases["compile" if self.device.type == "cpu" else "decode_graphs"] = decode.capture_seconds
+        if extend is not None:
+            phases["piecewise_extend"] = extend.capture_seconds
+            phases["compile"] = extend.compile_seconds
+        if full is not None:
+            phases["whole_extend_graphs"] = full.capture_seconds
+        return phases
 
     def graph_info(self) -> dict:
         """What was captured, for the start-up line and /server_info."""

@@ -83,7 +83,9 @@ def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
     )
 
 
-def ready_info(config: SchedulerProcessConfig, runner: ModelRunner) -> dict:
+def ready_info(config: SchedulerProcessConfig, runner: ModelRunner, phases: dict[str, float]) -> dict:
+    """What the ready message tells the launcher. startup: this process's start-up phases (seconds, in order)
+    and `ready_at`, time.perf_counter() now (CLOCK_MONOTONIC, comparable across processes on one host)."""
     graph = runner.graph_info()
     return {
         "model_path": config.runner.model_path,
@@ -103,6 +105,7 @@ def ready_info(config: SchedulerProcessConfig, runner: ModelRunner) -> dict:
         "eos_token_ids": list(runner.model_config.eos_token_ids),
         "scheduler_pid": os.getpid(),
         **graph,
+        "startup": {"phases": phases, "ready_at": time.perf_counter()},
     }
 
 
@@ -116,21 +119,25 @@ def run_scheduler_process(config: SchedulerProcessConfig, ipc: IpcPaths, ready_c
 
         configure_scheduler_threads(config.runner.device)
         runner = ModelRunner(config.runner)
+        phases = runner.startup_phases()
+        t0 = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
+        t1 = time.perf_counter()
         scheduler = Scheduler(runner, config.scheduler, tokenizer=tokenizer)
+        phases.update(tokenizer=t1 - t0, scheduler_setup=time.perf_counter() - t1)
     except Exception as e:  # report start-up failures as one line to the launcher
         logger.exception("scheduler start-up failed")
         ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return
     if not config.talks_to_clients:  # a TP follower: rank 0 relays its messages
-        ready_conn.send({"ok": True, "info": ready_info(config, runner)})
+        ready_conn.send({"ok": True, "info": ready_info(config, runner, phases)})
         SchedulerLoop(scheduler, BroadcastInbox(None), _NullSink(), _NullSink(), heartbeat=heartbeat).run()
         return
     ctx = zmq.Context()
     recv = bind_pull(ctx, ipc.scheduler_input_of(config.dp_rank))
     to_detokenizer = connect_push(ctx, ipc.detokenizer_input)
     to_http = connect_push(ctx, ipc.http_input)
-    ready_conn.send({"ok": True, "info": ready_info(config, runner)})
+    ready_conn.send({"ok": True, "info": ready_info(config, runner, phases)})
     inbox = ZmqInbox(recv) if ps.get_tp_size() == 1 else BroadcastInbox(ZmqInbox(recv))
     SchedulerLoop(scheduler, inbox, to_detokenizer, to_http, StatusLine(config.status_interval),
                   heartbeat=heartbeat).run()

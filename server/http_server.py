@@ -78,6 +78,7 @@ class AppState:
     tokenizer_manager: TokenizerManager
     served_model_name: str
     pids: dict[str, int] = field(default_factory=dict)
+    startup: dict[str, float] = field(default_factory=dict)  # the start-up timeline (server/startup_timeline.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -326,6 +327,7 @@ def create_app(state: AppState) -> FastAPI:
             "sampling_defaults": sampling,
             "capabilities": capabilities(args, chat_format),
             "scheduler_info": state.info,
+            "startup": state.startup,
             "stats": await current_stats() if tm.healthy else None,
             "healthy": tm.healthy,
             "scheduler_pid": state.pids.get("scheduler"),

@@ -34,6 +34,7 @@ import time
 
 from scheduler.ipc import IpcPaths
 from server.args import ArgsError, ServerArgs, parse_args
+from server.startup_timeline import StartupClock, largest_phases, timeline_line
 
 logger = logging.getLogger("duet.launch_server")
 
@@ -109,9 +110,12 @@ def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: s
                 *entry_args, **entry_kwargs) -> None:
     """Runs in a spawned child: guard against orphaning, then call `module:function(*entry_args)`.
 
-    The last entry argument is the ready pipe; a crash before the child reported is sent on it as one
-    line, so the launcher can show the reason instead of only an exit code.
+    The last entry argument is the ready pipe. Before the target runs, the child sends on it when its code
+    began and when the entry's imports were done (time.perf_counter, for the start-up timeline); a crash
+    before the child reported ready is sent on it as one line, so the launcher can show the reason instead
+    of only an exit code.
     """
+    began = time.perf_counter()
     _stop_when_asked(stop_conn)
     _exit_with_parent(parent_pid, cleanup_dir)
     configure_logging(log_level)
@@ -119,6 +123,7 @@ def _child_main(entrypoint: str, log_level: str, parent_pid: int, cleanup_dir: s
     try:
         module, _, func = entrypoint.partition(":")
         target = getattr(importlib.import_module(module), func)
+        ready_conn.send({"started": {"at": began, "imported_at": time.perf_counter()}})
         target(*entry_args, **entry_kwargs)
     except SystemExit:
         raise  # stopped by the launcher
@@ -144,8 +149,9 @@ def _start_child(ctx, name: str, entrypoint: str, log_level: str, entry_args: tu
     return proc, recv_conn
 
 
-def _wait_ready(children: dict) -> dict[str, dict]:
-    """Wait for {"ok": True, "info": ...} from each (proc, conn); LaunchError on failure or early death."""
+def _wait_ready(children: dict, started: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Wait for {"ok": True, "info": ...} from each (proc, conn); LaunchError on failure or early death.
+    started: filled with each child's {"at", "imported_at"} message (_child_main)."""
     infos: dict[str, dict] = {}
     while len(infos) < len(children):
         for name, (proc, conn) in children.items():
@@ -158,6 +164,10 @@ def _wait_ready(children: dict) -> dict[str, dict]:
                     proc.join(2.0)
                     raise LaunchError(f"the {name} process exited during start-up "
                                       f"(exit code {proc.exitcode})") from None
+                if "started" in msg:
+                    if started is not None:
+                        started[name] = msg["started"]
+                    continue
                 if not msg.get("ok"):
                     raise LaunchError(f"the {name} failed to start: {msg.get('error') or 'no reason given'}")
                 infos[name] = msg.get("info") or {}
@@ -262,7 +272,7 @@ def _fmt_sizes(sizes) -> str:
     return f"[{sizes[0]},{sizes[1]},{sizes[2]},...,{sizes[-1]}] ({len(sizes)} sizes)"
 
 
-def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
+def summary_line(args: ServerArgs, info: dict, served_model_name: str, startup: dict | None = None) -> str:
     host = f"[{args.host}]" if ":" in args.host else args.host
     parts = [f"model={served_model_name}", f"dtype={info.get('dtype')}", f"quantization={info.get('quantization') or 'none'}",
              f"device={info.get('device', args.device)}",
@@ -282,6 +292,8 @@ def summary_line(args: ServerArgs, info: dict, served_model_name: str) -> str:
     else:  # the CPU's decode is compiled by inductor (runners/cpu_graph_runner.py)
         parts.append(f"compiled_decode_bs={_fmt_sizes(info.get('cuda_graph_bs'))}")
         parts.append(f"compile={float(info.get('capture_seconds') or 0):.1f}s")
+    if startup:
+        parts.append(largest_phases(startup))
     return "duet ready: " + " ".join(parts) + f" url=http://{host}:{args.port}"
 
 
@@ -321,7 +333,7 @@ def _run_follower_node(args: ServerArgs, ctx, ranks: list, scheduler_entrypoint:
 
 
 def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, sock: socket.socket,
-           heartbeats: dict | None = None) -> int:
+           heartbeats: dict | None = None, clock: StartupClock | None = None) -> int:
     import asyncio
 
     import uvicorn
@@ -349,13 +361,15 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
     name = served_name(args)
     state = AppState(args=args, info=info, tokenizer_manager=tm, served_model_name=name,
                      pids={"http": os.getpid(), **{k: p.pid for k, p in procs.items()}})
-    line = summary_line(args, info, name)
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started and not self.should_exit:
-                print(line, flush=True)
+                if clock is not None:  # (before any request is read: nothing is awaited in between)
+                    state.startup.update(clock.timeline(time.perf_counter()))
+                    logger.info(timeline_line(state.startup))
+                print(summary_line(args, info, name, state.startup), flush=True)
 
         async def shutdown(self, sockets=None) -> None:
             # Without this, uvicorn cancels what is still running after its graceful timeout: a bare
@@ -380,6 +394,7 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
 def run(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHEDULER_ENTRYPOINT) -> int:
     """The server's life; the exit code. scheduler_entrypoint (`module:function`) is the scheduler
     process's target: tests pass a fake one (tests/fake_server.py)."""
+    clock = StartupClock()
     args = parse_args(argv)
     configure_logging(args.log_level)
 
@@ -401,6 +416,7 @@ def run(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHED
             return _run_follower_node(args, ctx, ranks, scheduler_entrypoint)
         sock = bind_http_socket(args.host, args.port)
         ipc = IpcPaths.create()
+        clock.spawned = time.perf_counter()
         parallel = args.tp_size > 1 or args.dp_size > 1  # the scheduler entry point takes rank= only then
         # Tensor-parallel ranks report each loop iteration: a hung rank (alive, stuck) is caught by the
         # watchdog in seconds, not by the collective timeout.
@@ -417,10 +433,14 @@ def run(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHED
         from server.detokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)  # while the children load
-        info = combine_infos(args, _wait_ready(children), ranks, procs)
+        started: dict[str, dict] = {}
+        info = combine_infos(args, _wait_ready(children, started), ranks, procs)
+        clock.children_ready = time.perf_counter()
+        clock.child_started = started.get(ranks[0].name)
+        clock.engine = info.pop("startup", None)
         for _, conn in children.values():
             conn.close()
-        return _serve(args, ipc, info, tokenizer, procs, sock, heartbeats)
+        return _serve(args, ipc, info, tokenizer, procs, sock, heartbeats, clock)
     except UsageError as e:
         print(f"launch_server: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -7,9 +7,10 @@ Tools work with no flags: server/chat_tools.py resolves at start-up which format
 `required` and a named function are enforced with a grammar that writes the calls in the same format (in
 vLLM's JSON shapes when the format is unknown), so the calls always parse.
 
-The pieces other endpoints reuse: `convert_messages` (OpenAI messages -> template dicts), `encode_chat`
-(dicts -> prompt ids, with the default tool format applied), `plan_tools` (tool_choice -> ToolPlan, with its
-grammar) and `ChoiceOutput` (one choice's text -> content, reasoning and tool calls, streamed or whole).
+The pieces other endpoints reuse: `prepare_chat` (a chat request -> a ChatJob ready to run),
+`convert_messages` (OpenAI messages -> template dicts), `encode_chat` (dicts -> prompt ids, with the default
+tool format applied), `plan_tools` (tool_choice -> ToolPlan, with its grammar) and `ChoiceOutput` (one
+choice's text -> content, reasoning and tool calls, streamed or whole).
 """
 
 from __future__ import annotations
@@ -281,7 +282,8 @@ class ChoiceOutput:
 @dataclass
 class ChatJob:
     """A chat request made ready to run: its prompt, one scheduler request per choice, and per choice the state
-    that turns its text into a message. /v1/messages runs the same jobs (serving_messages.py)."""
+    that turns its text into a message. /v1/messages and /v1/responses run the same jobs (serving_messages.py,
+    serving_responses.py)."""
 
     model: str
     input_ids: list[int]

@@ -1,11 +1,13 @@
-"""/v1/responses (OpenAI's Responses API), served by the chat endpoint.
+"""/v1/responses (OpenAI's Responses API), run as a chat completion.
 
 A Responses request becomes a chat request (`to_chat_request`): `instructions` a system message, input items
 chat messages (`function_call` items an assistant message's tool_calls, `function_call_output` items tool
 messages), function tools and `tool_choice` chat's, `text.format` a `response_format`, `max_output_tokens`
-`max_completion_tokens`. `create_chat_completion` runs it as a stream, whatever the client asked: one path
-(`ResponseAssembler`) turns chat's deltas into output items and Responses events, so a streamed response
-equals the same request not streamed. Errors chat raises name chat's fields: they are renamed to this API's.
+`max_completion_tokens`. serving_chat.prepare_chat makes it ready (the same prompt, sampling, grammars and
+tool-call parsing as /v1/chat/completions) and its ChoiceOutput turns the text into deltas; one path
+(`ResponseAssembler`) turns those deltas into output items and Responses events, streamed or not, so a streamed
+response equals the same request not streamed. Errors chat raises name chat's fields: they are renamed to this
+API's.
 
 `store` (the default) keeps the response and its conversation (earlier turns, input and output items) in a
 bounded in-memory store (the `STORE_SIZE` most recently used responses); `previous_response_id` continues
@@ -15,7 +17,6 @@ that conversation (its `instructions` are not carried over, as OpenAI does), and
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from server.protocol import ApiError, ChatCompletionRequest
@@ -37,8 +38,16 @@ from server.protocol_responses import (
     parse_tools,
     validation_error,
 )
-from server.serving_chat import create_chat_completion
-from server.serving_common import SSE_HEADERS, ServingContext, sse, unless_disconnected
+from server.serving_chat import prepare_chat
+from server.serving_common import (
+    SSE_HEADERS,
+    ServingContext,
+    UsageTracker,
+    sse,
+    start_stream,
+    unless_disconnected,
+)
+from server.tokenizer_manager import GenChunk
 
 STORE_SIZE = 1024  # stored responses kept (least recently used dropped first)
 
@@ -176,8 +185,7 @@ def to_chat_request(ctx: ServingContext, store: ResponseStore, req: ResponsesReq
     if not messages:
         raise ApiError(400, "input: nothing to answer (only reasoning items)", "input")
     body = {
-        "model": req.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
-        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req),
         "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                   for t in tools] or None,
@@ -218,10 +226,11 @@ def _renamed(e: ApiError) -> ApiError:
 
 
 class ResponseAssembler:
-    """Reads chat's stream chunks for one choice and builds the response's output items, returning the
-    Responses events each chunk makes. Items come in the order chat's deltas do: reasoning, the message,
-    the function calls. A message is opened at its first non-blank text (blank text before function calls
-    is not a message, as chat gives content null then); a reply with no calls always has one (maybe empty)."""
+    """Reads one choice's deltas (ChoiceOutput.feed and finish, in chat's delta shape) and builds the
+    response's output items, returning the Responses events each delta makes. Items come in the order the
+    deltas do: reasoning, the message, the function calls. A message is opened at its first non-blank text
+    (blank text before function calls is not a message, as chat gives content null then); a reply with no
+    calls always has one (maybe empty)."""
 
     def __init__(self, response: dict, count_tokens, summarize: bool):
         self.response = response  # the response object so far (status in_progress)
@@ -232,8 +241,7 @@ class ResponseAssembler:
         self.current: dict | None = None  # the item whose deltas are arriving
         self.blank = ""  # blank text not yet in a message
         self.calls: dict[int, dict] = {}  # chat's tool call index -> item
-        self.finish: str | None = None
-        self.usage: dict | None = None
+        self.finish_reason: str | None = None
 
     def event(self, kind: str, **fields) -> dict:
         ev = {"type": kind, "sequence_number": self.seq, **fields}
@@ -326,32 +334,24 @@ class ResponseAssembler:
                                      output_index=self.output.index(item), delta=arguments))
         return events
 
-    # -- chat chunks
+    # -- deltas
 
-    def feed(self, chunk: dict) -> list[dict]:
-        if "error" in chunk:
-            e = chunk["error"]
-            raise _renamed(ApiError(int(e.get("code") or 500), e.get("message") or "generation failed",
-                                    e.get("param"), e.get("type")))
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+    def feed(self, delta: dict) -> list[dict]:
+        """The events of one delta."""
         events = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._text("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                events += self._text("message", delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-                events += self._finish()
+        if delta.get("reasoning_content"):
+            events += self._text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            events += self._text("message", delta["content"])
+        for call in delta.get("tool_calls") or ():
+            events += self._call(call)
         return events
 
-    def _finish(self) -> list[dict]:
-        status = "incomplete" if self.finish == "length" else "completed"
-        events = []
+    def finish(self, delta: dict, reason: str) -> list[dict]:
+        """The events of the last delta and of closing the reply; reason: chat's finish reason."""
+        events = self.feed(delta)
+        self.finish_reason = reason
+        status = "incomplete" if reason == "length" else "completed"
         if not self.calls and not any(item["type"] == "message" for item in self.output):
             # No text but blanks, and no calls: the reply is a message of what there is (maybe empty).
             text, self.blank = self.blank, ""
@@ -361,24 +361,22 @@ class ResponseAssembler:
                 events += self._delta(text)
         return events + self._close(status)
 
-    def complete(self) -> dict:
-        """The finished response (its status from the finish reason)."""
-        if self.finish is None:
+    def complete(self, usage: dict) -> dict:
+        """The finished response (its status from the finish reason); usage: chat's usage body."""
+        if self.finish_reason is None:
             raise ApiError(500, "generation ended without a finish reason")
         r = self.response
-        if self.finish == "length":
+        if self.finish_reason == "length":
             r.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
-        elif self.finish in ("stop", "tool_calls"):
+        elif self.finish_reason in ("stop", "tool_calls"):
             r.update(status="completed", completed_at=int(time.time()))
         else:
             r.update(status="failed", error={"code": "server_error", "message": "the request was aborted"})
         r["output"] = self.output
-        u = self.usage or {}
         reasoning = "".join(item["content"][0]["text"] for item in self.output if item["type"] == "reasoning")
-        prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+        prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
         r["usage"] = {"input_tokens": prompt,
-                      "input_tokens_details": {"cached_tokens": (u.get("prompt_tokens_details") or {})
-                                               .get("cached_tokens", 0)},
+                      "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                       "output_tokens": completion,
                       "output_tokens_details": {"reasoning_tokens": min(self.count_tokens(reasoning), completion)
                                                 if reasoning else 0},
@@ -393,18 +391,6 @@ class ResponseAssembler:
 
 def _sse_event(event: dict) -> str:
     return f"event: {event['type']}\n" + sse(event)
-
-
-async def _chat_chunks(body: AsyncIterator[str]) -> AsyncIterator[dict]:
-    """Chat's SSE stream (one `data:` event per string) as dicts, up to its [DONE]."""
-    try:
-        async for text in body:
-            data = text[len("data: "):].strip()
-            if data == "[DONE]":
-                return
-            yield json.loads(data)
-    finally:
-        await body.aclose()
 
 
 # ---- endpoints -----------------------------------------------------------------------------------
@@ -426,53 +412,65 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
         metadata=req.metadata or {}, user=req.user, service_tier=req.service_tier,
     ).model_dump()
     try:
-        started = await create_chat_completion(ctx, plan.chat, request)
+        job = await prepare_chat(ctx, plan.chat)
     except ApiError as e:
         raise _renamed(e) from None
-    if not isinstance(started, StreamingResponse):
-        return started  # (the client left before the first token)
+    out = job.outs[0]
     tokenizer = ctx.tm.tokenizer
     summarize = bool(req.reasoning and (req.reasoning.summary or req.reasoning.generate_summary))
     asm = ResponseAssembler(response, lambda text: len(tokenizer.encode(text, add_special_tokens=False)), summarize)
-    chunks = _chat_chunks(started.body_iterator)
+    usage = UsageTracker(1, 1)
 
-    def keep(done: dict) -> None:
+    def events(c: GenChunk) -> list[dict]:
+        """The events of one chunk of the reply."""
+        usage.update(c)
+        evs = asm.feed(out.feed(c.text)) if c.text else []
+        if c.finish:
+            evs += asm.finish(out.finish(), out.finish_reason(c.finish.openai_reason))
+        return evs
+
+    def complete() -> dict:
+        done = asm.complete(usage.body())
         if req.store and done["status"] != "failed":
             output = [item for item in done["output"] if item["type"] != "reasoning"]
             store.put(done["id"], StoredResponse(done, plan.items + output))
+        return done
 
     if not req.stream:
-        async def collect():
+        async def collect() -> dict:
             try:
-                async for chunk in chunks:
-                    asm.feed(chunk)
-            finally:
-                await chunks.aclose()
-            done = asm.complete()
-            keep(done)
-            return done
+                async for c in ctx.tm.generate(job.gen, job.rid):
+                    events(c)
+            except ApiError as e:
+                raise _renamed(e) from None
+            return complete()
 
         return await unless_disconnected(request, collect())
 
+    try:
+        generated = await start_stream(request, ctx.tm.generate(job.gen, job.rid))
+    except ApiError as e:
+        raise _renamed(e) from None
+    if isinstance(generated, Response):
+        return generated  # (the client left before the first token)
+
     async def stream() -> AsyncIterator[str]:
+        for ev in asm.start():
+            yield _sse_event(ev)
         try:
-            for ev in asm.start():
-                yield _sse_event(ev)
-            async for chunk in chunks:
-                try:
-                    events = asm.feed(chunk)
-                except ApiError as e:
-                    yield _sse_event(asm.event("error", code=str(e.status), message=e.message, param=e.param))
-                    asm.response.update(status="failed", error={"code": "server_error", "message": e.message})
-                    yield _sse_event(asm.event("response.failed", response=asm.response))
-                    return
-                for ev in events:
+            async for c in generated:
+                for ev in events(c):
                     yield _sse_event(ev)
-            done = asm.complete()
-            keep(done)
-            yield _sse_event(asm.final_event())
+        except ApiError as e:
+            e = _renamed(e)
+            yield _sse_event(asm.event("error", code=str(e.status), message=e.message, param=e.param))
+            asm.response.update(status="failed", error={"code": "server_error", "message": e.message})
+            yield _sse_event(asm.event("response.failed", response=asm.response))
+            return
         finally:
-            await chunks.aclose()
+            await generated.aclose()  # (a client gone mid-stream: the request is aborted now)
+        complete()
+        yield _sse_event(asm.final_event())
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 

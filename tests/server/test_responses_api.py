@@ -1,6 +1,6 @@
 """/v1/responses (OpenAI's Responses API) through the official `openai` client's `client.responses`, against
-the real server on the default model (tests/conftest.py's shared server), and the assembly of chat deltas
-into output items without a server."""
+the real server on the default model (tests/conftest.py's shared server), and the assembly of a choice's
+deltas into output items without a server."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from server.chat_tools import ChatFormat
 from server.protocol import ApiError
 from server.protocol_responses import ResponsesRequest
-from server.serving_common import ServingContext
+from server.serving_common import ServingContext, usage_body
 from server.serving_responses import ResponseAssembler, ResponseStore, items_to_messages, to_chat_request
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -208,34 +208,33 @@ def test_errors_name_the_field(server):
 # ---- without a server ------------------------------------------------------------------------------
 
 
-def chunk(finish=None, **delta) -> dict:
-    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-
-
-def assemble(chunks: list[dict], summarize: bool = False) -> tuple[dict, list[dict]]:
+def assemble(deltas: list[dict], reason: str, summarize: bool = False) -> tuple[dict, list[dict]]:
+    """deltas: ChoiceOutput's, the last one its finish()."""
     asm = ResponseAssembler({"id": "resp_1", "status": "in_progress", "output": []}, len, summarize)
     events = asm.start()
-    for c in chunks:
-        events += asm.feed(c)
-    return asm.complete(), events + [asm.final_event()]
+    for delta in deltas[:-1]:
+        events += asm.feed(delta)
+    events += asm.finish(deltas[-1], reason)
+    return asm.complete(usage_body(7, 9, 2)), events + [asm.final_event()]
 
 
 def test_assembler_reasoning_blank_text_and_calls():
-    r, events = assemble([chunk(reasoning_content="Think"), chunk(reasoning_content="ing."), chunk(content="\n"),
-                          chunk(tool_calls=[{"index": 0, "id": "call_a", "type": "function",
-                                             "function": {"name": "f", "arguments": "{\"x\": 1}"}}]),
-                          chunk("tool_calls"), {"choices": [], "usage": {"prompt_tokens": 7,
-                                                                         "completion_tokens": 9}}], summarize=True)
+    r, events = assemble([{"reasoning_content": "Think"}, {"reasoning_content": "ing."}, {"content": "\n"},
+                          {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                           "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}],
+                         "tool_calls", summarize=True)
     assert [item["type"] for item in r["output"]] == ["reasoning", "function_call"]  # the blank is no message
     reasoning, call = r["output"]
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "Thinking."}]
     assert reasoning["summary"] == [{"type": "summary_text", "text": "Thinking."}]
     assert call["call_id"] == "call_a" and call["arguments"] == '{"x": 1}' and call["status"] == "completed"
     assert r["status"] == "completed" and r["usage"]["output_tokens_details"]["reasoning_tokens"] == len("Thinking.")
+    assert (r["usage"]["input_tokens"], r["usage"]["output_tokens"], r["usage"]["total_tokens"]) == (7, 9, 16)
+    assert r["usage"]["input_tokens_details"] == {"cached_tokens": 2}
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert "response.reasoning_text.delta" in [e["type"] for e in events]
     # Only blanks and no call: the reply is a message of those blanks; cut short, it is incomplete.
-    r, _ = assemble([chunk(content=" "), chunk("length")])
+    r, _ = assemble([{"content": " "}, {}], "length")
     assert r["output"][0]["content"][0]["text"] == " " and r["output"][0]["status"] == "incomplete"
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
 
@@ -272,7 +271,7 @@ def test_to_chat_request_maps_the_fields():
     assert [t.function.name for t in chat.tools] == ["get_weather", "get_time"]
     assert chat.tools[0].function.parameters == TOOLS[0]["parameters"]
     assert chat.tool_choice.function.name == "get_time" and chat.parallel_tool_calls is False
-    assert (chat.max_completion_tokens, chat.temperature, chat.top_p, chat.stream) == (7, 0.5, 0.9, True)
+    assert (chat.max_completion_tokens, chat.temperature, chat.top_p) == (7, 0.5, 0.9)
     assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == schema
     assert chat.chat_template_kwargs == {"enable_thinking": False}
     assert plan.tool_choice == {"type": "function", "name": "get_time"}

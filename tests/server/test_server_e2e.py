@@ -71,3 +71,17 @@ def test_bad_request_is_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model_name(client), prompt="x", max_tokens=-1)
     assert e.value.body["param"] == "max_tokens" or "max_tokens" in str(e.value)
+
+
+def test_server_info_has_the_startup_timeline(server):
+    """/server_info's `startup`: the phases that ran on the way to ready (CPU: no graphs, no profile), each
+    positive and together at most the total, which the ready line states with the largest phase."""
+    startup = httpx.get(f"{server.url}/server_info", timeout=10).json()["startup"]
+    total = startup.pop("total")
+    assert list(startup) == ["launcher", "spawn", "imports", "weights", "tokenizer", "scheduler_setup",
+                             "engine_setup", "http_start"]
+    assert all(isinstance(s, float) and s > 0 for s in startup.values()), startup
+    assert sum(startup.values()) <= total
+    ready = next(line for line in server.output().splitlines() if line.startswith("duet ready:"))
+    largest = max(startup, key=startup.get)
+    assert f"startup={total:.1f}s ({largest} {startup[largest]:.1f}s" in ready, ready
