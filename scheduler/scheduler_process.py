@@ -80,6 +80,7 @@ def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
                          if any(o.prompt_logprobs is not None for o in outputs) else None),
         decode_options=([o.decode_options for o in outputs]
                         if any(o.decode_options is not None for o in outputs) else None),
+        embeddings=([o.embedding for o in outputs] if any(o.embedding is not None for o in outputs) else None),
     )
 
 
@@ -237,7 +238,7 @@ class SchedulerLoop:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):
-            self.scheduler.add_request(msg.rid, msg.input_ids, msg.params)
+            self.scheduler.add_request(msg.rid, msg.input_ids, msg.params, msg.pooling)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
