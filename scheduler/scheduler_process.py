@@ -100,6 +100,7 @@ def ready_info(config: SchedulerProcessConfig, runner: ModelRunner) -> dict:
         "chunked_prefill_size": config.scheduler.chunked_prefill_size,
         "enable_mixed_chunk": config.scheduler.enable_mixed_chunk,
         "vocab_size": runner.model_config.vocab_size,
+        "hidden_size": runner.model_config.hidden_size,  # an embedding's size
         "eos_token_ids": list(runner.model_config.eos_token_ids),
         "scheduler_pid": os.getpid(),
         **graph,
