@@ -69,3 +69,39 @@ def write_sentence_transformers_files(path: Path, pooling: str = "lasttoken", no
     (path / "1_Pooling").mkdir(exist_ok=True)
     modes = {f"pooling_mode_{m}": m == pooling for m in ("cls_token", "mean_tokens", "max_tokens", "lasttoken")}
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+
+
+def fuzz_routes(url: str, paths: list[str], examples: int = 25) -> dict:
+    """Schemathesis against the server's own OpenAPI spec, valid and invalid bodies for each POST path: no
+    5xx, a 4xx carries the OpenAI error body with `code` equal to its status, the status is documented, and
+    the server stays healthy. Returns the statuses seen per path."""
+    import httpx
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import status_code_conformance
+
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    seen: dict[str, dict[int, int]] = {}
+    for path in paths:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            operation = schema[path]["POST"]
+
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def fuzz(case):
+                resp = case.call(base_url=url, timeout=60)
+                counts = seen.setdefault(path, {})
+                counts[resp.status_code] = counts.get(resp.status_code, 0) + 1
+                assert resp.status_code < 500, (resp.status_code, resp.text[:300], case.body)
+                if resp.status_code >= 400:
+                    error = resp.json()["error"]
+                    assert set(error) == {"message", "type", "param", "code"}, resp.text
+                    assert error["code"] == resp.status_code
+                case.validate_response(resp, checks=[not_a_server_error, status_code_conformance])
+
+            fuzz()
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    return seen

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.fake_scheduler import ServerProcess
-from tests.pooling_models import save_tiny, write_sentence_transformers_files
+from tests.pooling_models import fuzz_routes, save_tiny, write_sentence_transformers_files
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world", "once upon a time there was a model"]
 
@@ -155,3 +155,10 @@ def test_a_generation_server_refuses_embeddings_naming_the_flag(default_server):
     r = httpx.post(f"{default_server.url}/v1/embeddings", json={"input": "hi"}, timeout=30)
     assert r.status_code == 400
     assert "--is-embedding" in r.json()["error"]["message"]
+
+
+def test_fuzzed_bodies_never_break_the_server(server):
+    seen = fuzz_routes(server.url, ["/v1/embeddings"])
+    assert 200 in seen["/v1/embeddings"] and 400 in seen["/v1/embeddings"], seen
+    r = post(server, "/v1/embeddings", {"input": TEXTS[0]})
+    assert r.status_code == 200, r.text

@@ -11,7 +11,7 @@ import torch
 
 from server.serving_rerank import DEFAULT_INSTRUCTION, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
 from tests.fake_scheduler import ServerProcess
-from tests.pooling_models import save_tiny
+from tests.pooling_models import fuzz_routes, save_tiny
 
 QUERY = "the quick brown fox"
 DOCS = ["the lazy dog sat on the mat", "hello world", "once upon a time there was a fox", "the cat"]
@@ -115,3 +115,10 @@ def test_other_routes_are_refused(server):
         assert r.status_code == 400, r.text
         assert "this server serves reranking" in r.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health_generate", timeout=30).status_code == 200
+
+
+def test_fuzzed_bodies_never_break_the_server(server):
+    seen = fuzz_routes(server.url, ["/v1/rerank", "/v1/score"])
+    for path in ("/v1/rerank", "/v1/score"):
+        assert 200 in seen[path] and 400 in seen[path], seen
+    assert post(server, "/v1/rerank", {"query": QUERY, "documents": DOCS}).status_code == 200
