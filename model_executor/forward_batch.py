@@ -12,6 +12,7 @@ import torch
 if TYPE_CHECKING:
     from model_executor.layers.attention.base import AttentionBackend
     from model_executor.memory_pool import KVCache, ReqToTokenPool
+    from model_executor.pooling import PooledHidden, PoolingPlan
     from model_executor.prompt_logprobs import PromptLogprobPlan, PromptLogprobsOutput
 
 
@@ -50,6 +51,10 @@ class ForwardBatch:
     # (set by the logits head).
     prompt_logprob_plan: PromptLogprobPlan | None = None
     prompt_logprobs: PromptLogprobsOutput | None = None
+    # Extend only: the batch has pooling requests (set by the scheduler); their pooled final hidden states (set
+    # by the logits head, model_executor/pooling.py).
+    pooling_plan: PoolingPlan | None = None
+    pooled: PooledHidden | None = None
     # Where the LM head writes the float32 logits [bs, vocab], if given (a decode graph's static output: the
     # logits land there without a copy after the head); None: a new tensor.
     logits_out: torch.Tensor | None = None

@@ -10,10 +10,16 @@ from pathlib import Path
 logger = logging.getLogger("duet.model_config")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                           # Embedding checkpoints (the backbone alone, no LM head) and rerankers with a
+                           # classification head (model_executor/models/llama.py); served with --is-embedding.
+                           "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
+                           "LlamaForSequenceClassification", "MistralForSequenceClassification",
+                           "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 # The rope types whose tables duet builds (through transformers' ROPE_INIT_FUNCTIONS: layers/rotary.py).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2Model", "Qwen3Model",
+         "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 
 
 class ModelConfigError(ValueError):
@@ -60,6 +66,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    # Pooling (embedding / reranking) servers: the backbone's last hidden states are the output, the LM head is
+    # never read (the runner sets this for --is-embedding); num_labels: a *ForSequenceClassification head's.
+    embedding_only: bool = False
+    num_labels: int = 0
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -113,14 +123,15 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama only when attention_bias says so.
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch.startswith("Qwen2") or bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch.startswith("Qwen3"),
             **moe,
             sliding_window=_sliding_window(arch, cfg),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            num_labels=_num_labels(arch, cfg),
             hf_config=cfg,
         )
 
@@ -223,6 +234,13 @@ def _sliding_window(arch: str, cfg: dict) -> int | None:
     window = cfg.get("sliding_window")
     if arch in _QWEN and not cfg.get("use_sliding_window", False):
         return None
-    if arch == "LlamaForCausalLM":
+    if arch.startswith("Llama"):
         return None
     return int(window) if window else None
+
+
+def _num_labels(arch: str, cfg: dict) -> int:
+    """A *ForSequenceClassification model's label count (transformers: num_labels, else len(id2label))."""
+    if not arch.endswith("ForSequenceClassification"):
+        return 0
+    return int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)

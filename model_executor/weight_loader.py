@@ -32,7 +32,7 @@ from model_executor.layers.quantization import (
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.lazy_slice import LazySlice
 from model_executor.model_config import CheckpointMismatchError, ModelConfig, WeightLoadError
-from model_executor.models import MODEL_REGISTRY
+from model_executor.models import EMBEDDING_CLASS, MODEL_REGISTRY
 
 logger = logging.getLogger("duet.weight_loader")
 
@@ -45,7 +45,13 @@ _HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float
 
 
 def _model_class(cfg: ModelConfig):
-    return MODEL_REGISTRY[cfg.architecture]
+    cls = MODEL_REGISTRY[cfg.architecture]
+    if cfg.embedding_only and cls is not EMBEDDING_CLASS:
+        if cfg.num_experts or cfg.num_labels:
+            raise ValueError(f"{cfg.architecture} cannot be served for embeddings (--is-embedding supports the "
+                             "dense Llama and Qwen families)")
+        return EMBEDDING_CLASS
+    return cls
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:

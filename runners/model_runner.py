@@ -75,6 +75,9 @@ class RunnerConfig:
     # random rows). In-process users (tests, benchmarks) opt in: flashinfer 0.5.3 compiles its sampling
     # kernels with nvcc on a machine's first use, minutes that a test or a greedy benchmark should not pay.
     sampling_backend: str = "pytorch"
+    # An embedding server's model (--is-embedding): the backbone's hidden states are its output, its LM head is
+    # never read (model_executor/models/llama.LlamaEmbeddingModel).
+    embedding_only: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -100,6 +103,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.model_config = ModelConfig.from_pretrained(config.model_path)
+        if config.embedding_only:
+            self.model_config = replace(self.model_config, embedding_only=True)
         self.context_len = self.model_config.check_context_length(config.context_length)
         self.quant = resolve_quant_config(config.quantization, self.model_config.hf_config, self.device.type,
                                           self.dtype)

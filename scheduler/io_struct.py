@@ -13,11 +13,28 @@ from model_executor.sampling_params import SamplingParams
 # ---- HTTP process -> scheduler ----------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PoolingSpec:
+    """A pooling request (embedding, reranking): prefilled like any prompt, it returns one vector instead of
+    sampled tokens. kind: "last", "mean" or "cls" pool the final hidden states (the last token's, the mean of
+    all, the first token's); "logits" takes the last position's logits at token_ids (all of them when empty:
+    a classification head's labels)."""
+
+    kind: str
+    token_ids: tuple[int, ...] = ()
+
+    @property
+    def needs_every_row(self) -> bool:
+        """Mean and cls pooling read hidden states a cached prefix would skip: no prefix cache for them."""
+        return self.kind in ("mean", "cls")
+
+
 @dataclass
 class TokenizedGenerateReq:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    pooling: PoolingSpec | None = None  # a pooling request (params.max_new_tokens 0)
     # Decoded prompt text is not needed by the scheduler; stop strings are checked on output tokens.
 
 
@@ -106,6 +123,9 @@ class BatchTokenOut:
     # SamplingParams.decode_options of each request reporting its first output, when not the defaults (else
     # None). None: defaults for every request in this batch.
     decode_options: list[tuple | None] | None = None
+    # The pooled vector (float32 numpy array) of each pooling request that finished (else None). None: no
+    # pooling output in this batch.
+    embeddings: list | None = None
 
 
 @dataclass
@@ -121,6 +141,7 @@ class BatchStrOut:
     cached_tokens: list[int]
     logprobs: list[list[TokenLogprob] | None]
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    embeddings: list | None = None  # (BatchTokenOut's)
 
 
 # ---- scheduler -> HTTP process (control replies) ----------------------------------------------

@@ -9,7 +9,7 @@ from enum import Enum, auto
 import torch
 
 from model_executor.sampling_params import SamplingParams
-from scheduler.io_struct import FinishReason, PromptLogprobs, TokenLogprob
+from scheduler.io_struct import FinishReason, PoolingSpec, PromptLogprobs, TokenLogprob
 
 
 class ReqStatus(Enum):
@@ -50,6 +50,12 @@ class Req:
     # not yet reported goes out with the first output token.
     prompt_logprob_next: int | None = field(init=False, default=None)
     pending_prompt_logprobs: PromptLogprobs | None = None
+    # A pooling request (io_struct.PoolingSpec): it never samples; after its last prompt chunk it finishes with
+    # `embedding` (a float32 numpy array). pool_sum / pool_first: mean / cls pooling's state across chunks.
+    pooling: PoolingSpec | None = None
+    embedding: object | None = None
+    pool_sum: torch.Tensor | None = None
+    pool_first: torch.Tensor | None = None
     # Derived once from params for the per-step checks (Scheduler._add_request lowers max_output to what the
     # context length leaves): the request stops by length once it has max_output tokens, and on any token of
     # stop_ids (its stop_token_ids, and EOS unless ignore_eos) once it has min_new_tokens.

@@ -38,7 +38,8 @@ from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
 from scheduler.batch_facts import BatchFacts
 from scheduler.grammar import GrammarCompilerPool, GrammarDeadEnd, GrammarManager
-from scheduler.io_struct import DETOKENIZER_CONTEXT_TOKENS, FinishReason, PromptLogprobs, TokenLogprob
+from model_executor.pooling import PooledHidden, PoolingPlan
+from scheduler.io_struct import DETOKENIZER_CONTEXT_TOKENS, FinishReason, PoolingSpec, PromptLogprobs, TokenLogprob
 from scheduler.policy import order_waiting
 from scheduler.prompt_logprobs import LaunchedPromptLogprobs, plan_prompt_logprobs
 from scheduler.radix_cache import RadixCache
@@ -73,6 +74,8 @@ class LaunchedSample:
     epochs: list[int]
     result: HostSample | None
     prompt_logprobs: LaunchedPromptLogprobs | None = None
+    # Pooling requests whose last prompt chunk this batch ran, with their vectors (on the device until read).
+    pooled: list[tuple[Req, torch.Tensor]] | None = None
 
 
 @dataclass(slots=True)
@@ -87,6 +90,7 @@ class ReqOutput:
     context_ids: list[int] = dataclasses.field(default_factory=list)  # last prompt tokens, with the first output
     prompt_logprobs: PromptLogprobs | None = None  # with the first output
     decode_options: tuple | None = None  # SamplingParams.decode_options, with the first output
+    embedding: object | None = None  # a pooling request's vector (float32 numpy array), when it finishes
 
 
 class Scheduler:
@@ -125,9 +129,11 @@ class Scheduler:
         self.grammars = GrammarManager(make_compilers, vocab)
 
     # ---- requests in -----------------------------------------------------------------------------
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams,
+                    pooling: PoolingSpec | None = None) -> None:
+        """pooling: a pooling request, which returns a vector instead of tokens (io_struct.PoolingSpec)."""
         try:
-            self._add_request(rid, input_ids, params)
+            self._add_request(rid, input_ids, params, pooling)
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
             req = self.reqs.get(rid)
             if req is None:
@@ -136,12 +142,16 @@ class Scheduler:
                 self.waiting.remove(req)
             self._fail(req, exc)
 
-    def _add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+    def _add_request(self, rid: str, input_ids: list[int], params: SamplingParams,
+                     pooling: PoolingSpec | None = None) -> None:
         if params.top_k > self.runner.model_config.vocab_size:
             # Keeping the best k > vocab tokens keeps them all (top-k off); a k beyond int64 would also
             # overflow the sampler's tensor and take the whole scheduler down.
             params = dataclasses.replace(params, top_k=-1)
+        if pooling is not None:  # prefilled, never sampled: no output tokens to reserve room for
+            params = dataclasses.replace(params, max_new_tokens=0, prompt_logprob_start=None, grammar=None)
         req = Req(rid, list(input_ids), params)
+        req.pooling = pooling
         req.max_output = min(params.max_new_tokens, self.runner.context_len - len(req.input_ids))
         if not params.ignore_eos:
             req.stop_ids = req.stop_ids | self.eos_ids
@@ -149,7 +159,7 @@ class Scheduler:
         error = self._admission_error(req)
         if error is not None:
             self._finish(req, FinishReason("error", message=error))
-        elif params.max_new_tokens == 0:
+        elif params.max_new_tokens == 0 and pooling is None:
             self._finish(req, FinishReason("length"))
         elif not self.grammars.defer(req):  # hook (a): a request with a grammar waits for its compilation
             self.waiting.append(req)
@@ -334,6 +344,8 @@ class Scheduler:
         limit = len(req.fill_ids) - 1  # keep >= 1 token to compute logits from
         if req.prompt_logprob_next is not None:
             limit = min(limit, req.prompt_logprob_next)  # rows to score need their hidden states: no cache there
+        if req.pooling is not None and req.pooling.needs_every_row:
+            limit = 0
         return self.tree.match_prefix(req.fill_ids[:limit])
 
     def _lock(self, node) -> None:
@@ -394,11 +406,15 @@ class Scheduler:
                                          out_loc, extend_seq_lens=lens, num_decode_tail=sum(decoding))
             scoring = plan_prompt_logprobs(reqs, lens, start, self.runner.device, self.runner.pin_memory)
             fb.prompt_logprob_plan = scoring.plan if scoring is not None else None
+            pooling = [i for i, r in enumerate(reqs) if r.pooling is not None]
+            if pooling:
+                kinds = {reqs[i].pooling.kind for i in pooling}
+                fb.pooling_plan = PoolingPlan(sums="mean" in kinds, firsts="cls" in kinds)
             logits = self.runner.forward(fb)
             scored = scoring.launched(fb.prompt_logprobs) if scoring is not None else None
-            done = [i for i, r in enumerate(reqs) if decoding[i] or r.num_uncomputed == 0]
+            done = [i for i, r in enumerate(reqs) if decoding[i] or (r.num_uncomputed == 0 and r.pooling is None)]
             if not done:
-                sample = None if scored is None else LaunchedSample([], [], None)
+                sample = None if scored is None and not pooling else LaunchedSample([], [], None)
             elif len(done) < len(reqs):
                 sample = self._sample(logits[done], [reqs[i] for i in done], fb.req_pool_indices[done])
             else:
@@ -406,10 +422,40 @@ class Scheduler:
             if scoring is not None:
                 scoring.advance()
                 sample.prompt_logprobs = scored
+            if pooling:  # last: a batch that raised before this is rerun, and must not pool its rows twice
+                sample.pooled = self._pool(reqs, pooling, start, logits, fb.pooled)
             return sample
         except BaseException:
             self._roll_back(reqs, start, out_loc)
             raise
+
+    @staticmethod
+    def _pool(reqs: list[Req], rows: list[int], start: list[int], logits: torch.Tensor,
+              hidden: PooledHidden) -> list[tuple[Req, torch.Tensor]]:
+        """Take the pooling requests' (reqs[rows]) share of this chunk; returns those whose prompt is complete,
+        each with its vector (still on the device: read with the batch)."""
+        out = []
+        for i in rows:
+            req = reqs[i]
+            kind = req.pooling.kind
+            if kind == "mean":
+                req.pool_sum = hidden.sums[i] if req.pool_sum is None else req.pool_sum + hidden.sums[i]
+            elif kind == "cls" and start[i] == 0:
+                req.pool_first = hidden.firsts[i]
+            if req.num_uncomputed:
+                continue  # more chunks to come
+            if kind == "last":
+                vec = hidden.last[i]
+            elif kind == "mean":
+                vec = req.pool_sum / len(req.input_ids)
+            elif kind == "cls":
+                vec = req.pool_first
+            else:  # "logits" (a copy: the logits may be a graph's static buffer, which the next step overwrites)
+                ids = req.pooling.token_ids
+                vec = logits[i, list(ids)] if ids else logits[i].clone()
+            req.pool_sum = req.pool_first = None
+            out.append((req, vec.float()))
+        return out
 
     def _roll_back(self, reqs: list[Req], start: list[int], out_loc: torch.Tensor) -> None:
         """Undo a failed forward pass: its slots were never filled, so none may reach the prefix cache."""
@@ -497,6 +543,7 @@ class Scheduler:
         req.status = ReqStatus.WAITING
         req.num_retractions += 1  # a token of it still in flight is discarded when read
         req.num_sampled = len(req.output_ids)
+        req.pool_sum = req.pool_first = None  # a pooling request prefills again from its first token
         self.num_retractions += 1
         self.waiting.insert(0, req)
 
@@ -549,6 +596,8 @@ class Scheduler:
         """Read a launched batch's tokens (waiting for them if needed) and apply them to its requests."""
         if batch.prompt_logprobs is not None:  # before the tokens: they follow the prompt
             batch.prompt_logprobs.apply()
+        if batch.pooled:
+            self._finish_pooled(batch.pooled)
         if batch.result is None:
             return
         tokens, chosen, top_ids, top_vals = batch.result.lists()
@@ -582,6 +631,17 @@ class Scheduler:
                 continue
             if reason is not None:
                 self._finish(req, reason)
+
+    def _finish_pooled(self, pooled: list[tuple[Req, torch.Tensor]]) -> None:
+        """Read the pooling requests' vectors (one copy to the host when they have one size) and finish them."""
+        if len({v.numel() for _, v in pooled}) == 1:
+            vectors = list(torch.stack([v for _, v in pooled]).cpu().numpy())
+        else:
+            vectors = [v.cpu().numpy() for _, v in pooled]
+        for (req, _), vec in zip(pooled, vectors):
+            if req.finish_reason is None:  # else aborted since launch
+                req.embedding = vec
+                self._finish(req, FinishReason("stop"))
 
     def _keep_a_grammar_token(self, logits: torch.Tensor, raw: torch.Tensor) -> None:
         """A row whose bans and penalties left no token its grammar accepts (every logit -inf or NaN) falls
@@ -665,7 +725,8 @@ class Scheduler:
             # Positional (ReqOutput's field order): a keyword call costs more per request.
             append(ReqOutput(req.rid, pending, req.finish_reason, len(req.input_ids), num_out, req.cached_tokens,
                              logprobs, req.input_ids[-DETOKENIZER_CONTEXT_TOKENS:] if first else [],
-                             req.pending_prompt_logprobs, req.params.decode_options if first else None))
+                             req.pending_prompt_logprobs, req.params.decode_options if first else None,
+                             req.embedding))
             req.pending_ids = []
             req.pending_prompt_logprobs = None
             if req.finish_reason is not None:

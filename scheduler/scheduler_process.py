@@ -80,6 +80,7 @@ def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
                          if any(o.prompt_logprobs is not None for o in outputs) else None),
         decode_options=([o.decode_options for o in outputs]
                         if any(o.decode_options is not None for o in outputs) else None),
+        embeddings=([o.embedding for o in outputs] if any(o.embedding is not None for o in outputs) else None),
     )
 
 
@@ -102,6 +103,7 @@ def ready_info(config: SchedulerProcessConfig, runner: ModelRunner, phases: dict
         "max_prefill_tokens": config.scheduler.max_prefill_tokens,
         "enable_mixed_chunk": config.scheduler.enable_mixed_chunk,
         "vocab_size": runner.model_config.vocab_size,
+        "hidden_size": runner.model_config.hidden_size,  # an embedding's size
         "eos_token_ids": list(runner.model_config.eos_token_ids),
         "scheduler_pid": os.getpid(),
         **graph,
@@ -245,7 +247,7 @@ class SchedulerLoop:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):
-            self.scheduler.add_request(msg.rid, msg.input_ids, msg.params)
+            self.scheduler.add_request(msg.rid, msg.input_ids, msg.params, msg.pooling)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):

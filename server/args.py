@@ -146,6 +146,14 @@ class ServerArgs:
     reasoning_parser: str | None = _f(None, "split <think> reasoning into reasoning_content: qwen3 or deepseek-r1; "
                                             "none: never (default: detected from the chat template)",
                                       choices=("qwen3", "deepseek-r1", "none"))
+    # Pooling servers (model_executor/pooling.py, server/serving_embedding.py, server/serving_rerank.py).
+    is_embedding: bool = _f(False, "serve /v1/embeddings instead of generation (also detected: a "
+                                   "sentence-transformers modules.json or 1_Pooling/config.json, or a *Model "
+                                   "architecture); with a *ForSequenceClassification model it serves /v1/rerank "
+                                   "and /v1/score, as --is-reranker")
+    is_reranker: bool = _f(False, "serve /v1/rerank and /v1/score instead of generation: a "
+                                  "*ForSequenceClassification model (detected) scores with its head; a causal LM "
+                                  "as Qwen3-Reranker, p(yes) of its 'yes'/'no' logits after Qwen3-Reranker's prompt")
     chat_template: str | None = _f(None, "chat template replacing the model's: a file path or the template text")
     max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body accepted (413 above)")
 
@@ -195,6 +203,9 @@ class ServerArgs:
         if self.chat_template is not None and not os.path.isfile(os.path.expanduser(self.chat_template)) \
                 and "{" not in self.chat_template:
             raise ArgsError(f"--chat-template: no such file, and not a template either: {self.chat_template}")
+        if self.is_embedding and self.is_reranker:
+            raise ArgsError("--is-embedding and --is-reranker exclude each other: a server serves embeddings or "
+                            "scores")
         if self.api_key is not None and not self.api_key:
             raise ArgsError("--api-key must not be empty")
 

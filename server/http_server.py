@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model_executor.generation_defaults import sampling_defaults
+from model_executor.pooling import resolve_pooling
 from model_executor.sampling_params import SamplingParams
 from scheduler.io_struct import FlushCacheReq, GetStatsReq
 from server.args import ServerArgs
@@ -47,6 +48,14 @@ from server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from server.protocol_embedding import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from server.protocol_anthropic import (
     AnthropicCountTokensRequest,
     AnthropicErrorResponse,
@@ -60,9 +69,12 @@ from server.protocol_responses import ResponsesRequest
 from server.serving_chat import create_chat_completion
 from server.serving_common import ServingContext
 from server.serving_completions import create_completion
+from server.serving_embedding import create_embedding
 from server.serving_generate import generate
 from server.serving_messages import count_tokens, create_message
+from server.serving_rerank import create_rerank, yes_no_token_ids
 from server.serving_responses import ResponseStore, create_response, delete_response, retrieve_response
+from server.serving_score import create_score
 from server.serving_tokenize import detokenize, tokenize
 from server.tokenizer_manager import GenRequest, TokenizerManager
 
@@ -256,12 +268,14 @@ def create_app(state: AppState) -> FastAPI:
     chat_format = resolve_chat_format(tm.tokenizer, tm.chat_template or getattr(tm.tokenizer, "chat_template", None),
                                       args.tool_call_parser, args.reasoning_parser)
     log_chat_format(chat_format)
-    ctx = ServingContext(tm, args, sampling, state.served_model_name, chat_format)
+    pooling = resolve_pooling(args.model_path, args.is_embedding, args.is_reranker)
+    yes_no = yes_no_token_ids(tm.tokenizer) if pooling is not None and pooling.reranker == "yes_no" else None
+    ctx = ServingContext(tm, args, sampling, state.served_model_name, chat_format, pooling, yes_no)
     check_model = ctx.check_model
 
     def model_card() -> ModelCard:
         return ModelCard(id=state.served_model_name, created=state.created, root=str(args.model_path),
-                         max_model_len=tm.context_len, capabilities=capabilities(args, chat_format))
+                         max_model_len=tm.context_len, capabilities=capabilities(args, chat_format, pooling))
 
     # ---- routes: health, info, models ------------------------------------------------------------
 
@@ -275,7 +289,8 @@ def create_app(state: AppState) -> FastAPI:
     async def health_generate():
         """SGLang's deep health check: 200 once a 1-token generation went through the engine, else 503."""
         tm.check_alive()
-        gen = [GenRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))]
+        gen = [GenRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+                          pooling=ctx.pooling_spec() if pooling is not None else None)]
 
         async def one_token():
             async for _ in tm.generate(gen, tm.new_rid("health-")):
@@ -297,7 +312,7 @@ def create_app(state: AppState) -> FastAPI:
     async def model_info():
         """SGLang's model description."""
         return {"model_path": str(args.model_path), "tokenizer_path": str(args.tokenizer_path or args.model_path),
-                "served_model_name": state.served_model_name, "is_generation": True,
+                "served_model_name": state.served_model_name, "is_generation": pooling is None,
                 "max_model_len": tm.context_len, "preferred_sampling_params": None}
 
     @app.get("/v1/models")
@@ -325,7 +340,7 @@ def create_app(state: AppState) -> FastAPI:
             "args": resolved,
             "served_model_name": state.served_model_name,
             "sampling_defaults": sampling,
-            "capabilities": capabilities(args, chat_format),
+            "capabilities": capabilities(args, chat_format, pooling),
             "scheduler_info": state.info,
             "startup": state.startup,
             "stats": await current_stats() if tm.healthy else None,
@@ -354,12 +369,16 @@ def create_app(state: AppState) -> FastAPI:
 
     # ---- generation routes (server/serving_*.py) ------------------------------------------------
 
+    # A pooling server (--is-embedding / --is-reranker) answers the generation routes with a 400 naming what it
+    # serves, in each API's own error shape (the handlers pick it by path).
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        ctx.require_task("generate", "/v1/completions")
         return await create_completion(ctx, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        ctx.require_task("generate", "/v1/chat/completions")
         return await create_chat_completion(ctx, req, request)
 
     # The Anthropic Messages API (server/serving_messages.py); its errors have Anthropic's shape.
@@ -369,6 +388,7 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.post("/v1/messages", responses={200: {"model": AnthropicMessageResponse}, **anthropic_errors})
     async def messages(req: AnthropicMessagesRequest, request: Request):
+        ctx.require_task("generate", "/v1/messages")
         return await create_message(ctx, req, request)
 
     @app.post("/v1/messages/count_tokens", responses={200: {"model": AnthropicTokenCount}, **anthropic_errors})
@@ -379,6 +399,7 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses_create(req: ResponsesRequest, request: Request):
+        ctx.require_task("generate", "/v1/responses")
         return await create_response(ctx, responses_store, req, request)
 
     @app.get("/v1/responses/{response_id}")
@@ -391,7 +412,22 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.post("/generate")
     async def generate_route(req: GenerateRequest, request: Request):
+        ctx.require_task("generate", "/generate")
         return await generate(ctx, req, request)
+
+    # ---- pooling routes (server/serving_embedding.py, serving_rerank.py, serving_score.py) ----------------
+
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}})
+    async def embeddings(req: EmbeddingRequest, request: Request):
+        return await create_embedding(ctx, req, request)
+
+    @app.post("/v1/rerank", responses={200: {"model": RerankResponse}})
+    async def rerank(req: RerankRequest, request: Request):
+        return await create_rerank(ctx, req, request)
+
+    @app.post("/v1/score", responses={200: {"model": ScoreResponse}})
+    async def score(req: ScoreRequest, request: Request):
+        return await create_score(ctx, req, request)
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
@@ -406,8 +442,14 @@ def create_app(state: AppState) -> FastAPI:
     return app
 
 
-def capabilities(args: ServerArgs, chat_format: ChatFormat) -> dict:
-    """What this server implements beyond plain generation (in /v1/models and /server_info)."""
+def capabilities(args: ServerArgs, chat_format: ChatFormat, pooling=None) -> dict:
+    """What this server implements beyond plain generation (in /v1/models and /server_info); a pooling server's
+    task and endpoints."""
+    if pooling is not None:
+        if pooling.task == "embed":
+            return {"task": "embed", "endpoints": ["/v1/embeddings"], "pooling": pooling.pooling,
+                    "normalize": pooling.normalize, "embedding_fields": ["encoding_format", "dimensions"]}
+        return {"task": "rerank", "endpoints": ["/v1/rerank", "/v1/score"], "reranker": pooling.reranker}
     grammar = args.grammar_backend != "none"
     return {
         "structured_outputs": ["json_object", "json_schema", "regex", "ebnf"] if grammar else [],

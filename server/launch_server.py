@@ -230,6 +230,20 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
     return resolved
 
 
+def check_reranker_tokenizer(args: ServerArgs, tokenizer) -> None:
+    """A yes/no reranker (--is-reranker on a causal LM) needs "yes" and "no" tokens: LaunchError if not."""
+    if not args.is_reranker:
+        return
+    from model_executor.pooling import resolve_pooling
+    from server.serving_rerank import yes_no_token_ids
+
+    if resolve_pooling(args.model_path, args.is_embedding, args.is_reranker).reranker == "yes_no":
+        try:
+            yes_no_token_ids(tokenizer)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
+
+
 def check_parallel_fits(args: ServerArgs) -> None:
     """The ranks fit this host's GPUs and the model's heads split over --tp-size; else UsageError."""
     from server.parallel import gpus_needed
@@ -433,6 +447,7 @@ def run(argv: list[str] | None = None, scheduler_entrypoint: str = DEFAULT_SCHED
         from server.detokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)  # while the children load
+        check_reranker_tokenizer(args, tokenizer)
         started: dict[str, dict] = {}
         info = combine_infos(args, _wait_ready(children, started), ranks, procs)
         clock.children_ready = time.perf_counter()

@@ -126,6 +126,17 @@ def check_checkpoint_tensors(folder: Path, cfg) -> None:
         raise ModelSourceError(str(e)) from None
 
 
+def resolve_pooling_task(folder: Path, args):
+    """The folder's PoolingConfig under --is-embedding / --is-reranker (None: a generation server)."""
+    from model_executor.model_config import ModelConfigError
+    from model_executor.pooling import PoolingConfigError, resolve_pooling
+
+    try:
+        return resolve_pooling(folder, args.is_embedding, args.is_reranker)
+    except (PoolingConfigError, ModelConfigError) as e:
+        raise ModelSourceError(str(e)) from None
+
+
 def resolve_model_source(args) -> dict:
     """The ServerArgs changes that make --model-path / --tokenizer-path local, checked folders."""
     model, from_hub = resolve_folder(args.model_path, flag="--model-path", revision=args.revision,
@@ -140,9 +151,17 @@ def resolve_model_source(args) -> dict:
     check_weights = args.load_format != "dummy"
     cfg = check_model_folder(model, context_length=args.context_length, check_weights=check_weights)
     check_tokenizer_folder(tokenizer, tokenizer_flag)
+    pooling = resolve_pooling_task(model, args)
+    if pooling is not None and pooling.embedding_only:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, embedding_only=True)  # its tensors are read as the embedding model's
     if check_weights:
         check_checkpoint_tensors(model, cfg)
-    changes = {"model_path": str(model), "tokenizer_path": str(tokenizer)}
+    changes = {"model_path": str(model), "tokenizer_path": str(tokenizer),
+               # what the folder serves, detected where the flags leave it open (model_executor/pooling.py)
+               "is_embedding": pooling is not None and pooling.task == "embed",
+               "is_reranker": pooling is not None and pooling.task == "rerank"}
     if from_hub and args.served_model_name is None:
         changes["served_model_name"] = args.model_path  # not the snapshot folder's commit hash
     return changes

@@ -55,6 +55,8 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
     device = args.device
     max_running = default_max_running_requests(args)
     graphs = device == "cuda"
+    # A pooling server's requests never decode: no decode graphs to capture.
+    pooling = args.is_embedding or args.is_reranker
     chunk = default_chunked_prefill_size(args)
     config = RunnerConfig(
         model_path=args.model_path,
@@ -71,8 +73,9 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         seed=args.random_seed,
         # CPU: --enable-torch-compile compiles the decode list with inductor (runners/cpu_graph_runner.py);
         # off by default, eager measured faster end to end (docs/benchmarks.md).
-        disable_cuda_graph=args.disable_cuda_graph or not (graphs or args.enable_torch_compile),
-        cuda_graph_bs=resolve_decode_capture_list(args, max_running) if graphs or args.enable_torch_compile else (),
+        disable_cuda_graph=args.disable_cuda_graph or pooling or not (graphs or args.enable_torch_compile),
+        cuda_graph_bs=(resolve_decode_capture_list(args, max_running)
+                       if (graphs or args.enable_torch_compile) and not pooling else ()),
         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         full_extend_graph_max_tokens=resolve_full_extend_max_tokens(args) if graphs else 0,
@@ -81,6 +84,7 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         sampling_backend=args.sampling_backend,
+        embedding_only=args.is_embedding,
     )
     if rank is None:
         return config

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
-from scheduler.io_struct import PromptLogprobs, TokenLogprob
+from model_executor.pooling import PoolingConfig
+from scheduler.io_struct import PoolingSpec, PromptLogprobs, TokenLogprob
 from server.args import ServerArgs
 from server.chat_tools import ChatFormat
 from server.protocol import ApiError
@@ -33,6 +34,29 @@ class ServingContext:
     # Tool-call and reasoning formats (server/chat_tools.py), resolved at start-up from the flags and the
     # chat template.
     chat_format: ChatFormat = field(default_factory=ChatFormat)
+    # What a pooling server serves (--is-embedding / --is-reranker, model_executor/pooling.py); None: generation.
+    pooling: PoolingConfig | None = None
+    yes_no_ids: tuple[int, int] | None = None  # a yes/no reranker's "no" and "yes" token ids
+
+    @property
+    def task(self) -> str:
+        return self.pooling.task if self.pooling is not None else "generate"
+
+    def require_task(self, task: str, endpoint: str) -> None:
+        """400 for an endpoint this server does not serve, naming the flag that would serve it."""
+        if self.task == task:
+            return
+        serves = {"generate": "text generation (start it with --is-embedding for an embedding model, "
+                              "--is-reranker for a reranker)",
+                  "embed": "embeddings (--is-embedding): use /v1/embeddings",
+                  "rerank": "reranking (--is-reranker): use /v1/rerank or /v1/score"}[self.task]
+        raise ApiError(400, f"{endpoint} is not available: this server serves {serves}")
+
+    def pooling_spec(self) -> PoolingSpec:
+        """The scheduler's pooling request for this server's model."""
+        if self.pooling.task == "embed":
+            return PoolingSpec(self.pooling.pooling)
+        return PoolingSpec("logits", self.yes_no_ids or ())
 
     @property
     def grammar_enabled(self) -> bool:

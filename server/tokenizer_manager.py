@@ -35,6 +35,7 @@ from scheduler.io_struct import (
     BatchStrOut,
     ControlReply,
     FinishReason,
+    PoolingSpec,
     PromptLogprobs,
     TokenizedGenerateReq,
     TokenLogprob,
@@ -77,6 +78,7 @@ class GenRequest:
     input_ids: list[int]
     params: SamplingParams
     constraint_param: str | None = None
+    pooling: PoolingSpec | None = None  # a pooling request: its finishing chunk carries the vector
 
 
 @dataclass
@@ -92,6 +94,7 @@ class GenChunk:
     completion_tokens: int
     cached_tokens: int
     prompt_logprobs: PromptLogprobs | None = None  # with the first output tokens, when asked for
+    embedding: object | None = None  # a pooling request's vector (float32 numpy array), with its finish
 
 
 @dataclass
@@ -104,7 +107,7 @@ class _Fragment:
     completion_tokens: int
     cached_tokens: int
     prompt_logprobs: PromptLogprobs | None = None
-
+    embedding: object | None = None
 
     def merged(self, later: _Fragment) -> _Fragment:
         """This fragment followed by `later` (same request) as one: the texts, tokens and logprobs joined,
@@ -114,7 +117,8 @@ class _Fragment:
         # Prompt logprobs come with a request's first output only: the earlier fragment's, if any.
         return _Fragment(self.text + later.text, self.token_ids + later.token_ids, logprobs, later.finish,
                          later.prompt_tokens, later.completion_tokens, later.cached_tokens,
-                         self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+                         self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+                         later.embedding)
 
 
 def _coalesce(items: list[tuple]) -> list[tuple]:
@@ -431,7 +435,7 @@ class TokenizerManager:
         try:
             for st, r in zip(states, reqs):
                 params = r.params
-                if params.max_new_tokens == 0:
+                if params.max_new_tokens == 0 and r.pooling is None:
                     if params.prompt_logprob_start is None:
                         queue.put_nowait((st, _ZERO_TOKENS))
                         continue
@@ -443,7 +447,7 @@ class TokenizerManager:
                 self._reqs[st.rid] = st
                 st.replica = self.router.choose(r.input_ids) if self.router else 0
                 await self._socket(st.replica).send_pyobj(TokenizedGenerateReq(rid=st.rid, input_ids=r.input_ids,
-                                                                               params=params))
+                                                                               params=params, pooling=r.pooling))
             remaining = len(states)
             while remaining:
                 items = await queue.get_all()
@@ -468,6 +472,17 @@ class TokenizerManager:
                         self._send_nowait(AbortReq(rid=st.rid), st.replica)
                     self._release(st)
                     self._observe(st, outcome)
+
+    async def pool(self, reqs: list[GenRequest], rid: str) -> list[GenChunk]:
+        """Run pooling requests (each GenRequest with its PoolingSpec) to the end; their finishing chunks, in
+        order, each with its vector."""
+        done: list[GenChunk | None] = [None] * len(reqs)
+        async for chunk in self.generate(reqs, rid):
+            if chunk.finish is not None:
+                if chunk.embedding is None:  # aborted (the server is stopping)
+                    raise ApiError(503, f"the request was not completed: {chunk.finish.message or 'aborted'}")
+                done[chunk.index] = chunk
+        return done
 
     def _apply(self, st: _ReqState, item) -> GenChunk | None:
         if item is _FATAL:
@@ -526,7 +541,7 @@ class TokenizerManager:
         if not text and not frag.token_ids and finish is None and frag.prompt_logprobs is None:
             return None
         return GenChunk(st.index, text, frag.token_ids, frag.logprobs, finish, st.prompt_tokens,
-                        st.completion_tokens, st.cached_tokens, frag.prompt_logprobs)
+                        st.completion_tokens, st.cached_tokens, frag.prompt_logprobs, frag.embedding)
 
     def _finish(self, st: _ReqState, finish: FinishReason) -> None:
         st.done = True
@@ -630,7 +645,8 @@ class TokenizerManager:
                 logprobs=out.logprobs[i] if out.logprobs else None, finish=out.finished[i],
                 prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
                 cached_tokens=out.cached_tokens[i],
-                prompt_logprobs=out.prompt_logprobs[i] if out.prompt_logprobs else None)))
+                prompt_logprobs=out.prompt_logprobs[i] if out.prompt_logprobs else None,
+                embedding=out.embeddings[i] if out.embeddings else None)))
 
     async def _watch_loop(self) -> None:
         while self.healthy:

@@ -1,6 +1,6 @@
 """The model classes, by the `architectures` name of a checkpoint's config.json."""
 
-from model_executor.models.llama import LlamaForCausalLM
+from model_executor.models.llama import LlamaEmbeddingModel, LlamaForCausalLM, LlamaForSequenceClassification
 from model_executor.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 # Mistral, Qwen2 and Qwen3 share the Llama block; Qwen2's q/k/v bias comes from ModelConfig.attention_bias,
@@ -12,6 +12,17 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    # Pooling models (--is-embedding): a backbone-only embedding checkpoint, a reranker with a score head.
+    "LlamaModel": LlamaEmbeddingModel,
+    "MistralModel": LlamaEmbeddingModel,
+    "Qwen2Model": LlamaEmbeddingModel,
+    "Qwen3Model": LlamaEmbeddingModel,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "MistralForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
 }
+# A dense causal LM served for embeddings (ModelConfig.embedding_only) loads as this class.
+EMBEDDING_CLASS = LlamaEmbeddingModel
 
-__all__ = ["MODEL_REGISTRY"]
+__all__ = ["EMBEDDING_CLASS", "MODEL_REGISTRY"]

@@ -8,6 +8,7 @@ in the linear before it where the kernels can (the fusions are the linear layers
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
@@ -226,6 +227,33 @@ class LlamaForCausalLM(nn.Module):
         for hf_frag, our_frag in self.renames:
             target = target.replace(our_frag, hf_frag)
         return target
+
+
+class LlamaEmbeddingModel(LlamaForCausalLM):
+    """A pooling server's model (--is-embedding): the backbone's final hidden states are what the requests
+    take (layers/logits.py pools them). Reads a `*Model` checkpoint (a sentence-transformers save: tensor
+    names without the `model.` prefix, no LM head) as well as a causal LM's; the LM head is tied to the
+    embeddings, so no head needs loading (the logits it computes are never read)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(dataclasses.replace(cfg, tie_word_embeddings=True))
+
+    def _target(self, name: str) -> tuple[str, object]:
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+        return super()._target(name)
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """A reranker with a classification head (HF's *ForSequenceClassification: `score`, a linear layer without
+    bias on the last token's hidden state). The head takes the LM head's place, so the "logits" of the last
+    token are the num_labels scores; it is small and replicated on every tensor-parallel rank."""
+
+    renames = (("score.", "lm_head."),)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(dataclasses.replace(cfg, tie_word_embeddings=False))
+        self.lm_head = ParallelLMHead(cfg.num_labels, cfg.hidden_size, tp_rank=0, tp_size=1)
 
 
 def _shard_str(shard_id) -> str:

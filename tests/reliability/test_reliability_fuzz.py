@@ -328,7 +328,10 @@ def _operations():
     # No generation behind them (tokenizer only): positive and negative bodies, no taming needed.
     out += [(label, mode, NEGATIVE_EXAMPLES)
             for label in ("POST /tokenize", "POST /detokenize", "POST /v1/tokenize", "POST /v1/detokenize",
-                          "POST /v1/messages/count_tokens")
+                          "POST /v1/messages/count_tokens",
+                          # the pooling routes: a 400 on this generation server (tests/server/
+                          # test_embeddings_api.py and test_rerank_api.py fuzz them on pooling servers)
+                          "POST /v1/embeddings", "POST /v1/rerank", "POST /v1/score")
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
     out += [(label, GenerationMode.POSITIVE, OTHER_EXAMPLES)
             for label in ("GET /v1/models/{model_id}", "GET /v1/models", "GET /version", "GET /get_model_info",
