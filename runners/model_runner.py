@@ -75,6 +75,8 @@ class RunnerConfig:
     # random rows). In-process users (tests, benchmarks) opt in: flashinfer 0.5.3 compiles its sampling
     # kernels with nvcc on a machine's first use, minutes that a test or a greedy benchmark should not pay.
     sampling_backend: str = "pytorch"
+    # A speculative draft model: its folder may hold a draft head (an EAGLE-3 head's architecture is accepted).
+    draft: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -99,7 +101,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.model_config = ModelConfig.from_pretrained(config.model_path, draft=config.draft)
         self.context_len = self.model_config.check_context_length(config.context_length)
         self.quant = resolve_quant_config(config.quantization, self.model_config.hf_config, self.device.type,
                                           self.dtype)

@@ -1,5 +1,6 @@
 """The model classes, by the `architectures` name of a checkpoint's config.json."""
 
+from model_executor.models.eagle3 import Eagle3ForCausalLM
 from model_executor.models.llama import LlamaForCausalLM
 from model_executor.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -12,6 +13,7 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "LlamaForCausalLMEagle3": Eagle3ForCausalLM,  # a draft head (ModelConfig's DRAFT_ARCHITECTURES)
 }
 
 __all__ = ["MODEL_REGISTRY"]
