@@ -187,6 +187,10 @@ class ModelConfig:
 
         With a sliding window, at most the window: attention over a context that fits the window is full
         attention, so duet needs no windowed mask (its attention backends have none)."""
+        if self.draft_vocab_size is not None:
+            # A draft head serves its target's context: past its own positions its drafts may be accepted less
+            # often, never wrongly (the target checks every token); the RoPE table is built that long.
+            return context_length or self.context_len
         window = self.sliding_window
         if context_length is None:
             if window is not None and window < self.max_position_embeddings:

@@ -179,16 +179,22 @@ def test_target_aux_hidden_states_match_hf(target):
         runner.model.set_aux_hidden_state_layers([1, 8, 2])
 
 
-@pytest.mark.parametrize("variant", ["shared_embedding", "own_embedding"])
+@pytest.mark.parametrize("variant", ["shared_embedding", "own_embedding", "tied"])
 def test_draft_matches_reference(variant, target, tmp_path):
     """Prefill of two prompts from the target's aux hidden states, then two single-token draft steps on the KV
     cache, each from the head's own hidden state and its drafted token (mapped to the target vocabulary by d2t):
     duet's logits and hidden states equal the plain reference's. shared_embedding: the checkpoint has no
-    embedding and reads the target's; own_embedding: a head of another width than its target (32) with its own."""
+    embedding and reads the target's; own_embedding: a head of another width than its target (32) with its own;
+    tied: a full-vocabulary head whose LM head is the (target's) embedding table."""
     _, _, target_runner = target
-    own = variant == "own_embedding"
+    own, tied = variant == "own_embedding", variant == "tied"
     cfg = eagle3_config(target_hidden_size=32) if own else eagle3_config()
+    if tied:
+        cfg = eagle3_config(draft_vocab_size=VOCAB, tie_word_embeddings=True)
     w = eagle3_tensors(cfg, seed=1, own_embedding=own)
+    if tied:  # the published tied layout: no head, no map
+        for name in ("lm_head.weight", "d2t", "t2d"):
+            del w[name]
     runner = ModelRunner(RunnerConfig(model_path=str(save_eagle3(tmp_path / "head", cfg, w)), draft=True,
                                       max_running_requests=4, max_total_tokens=256))
     head = runner.model
@@ -196,7 +202,9 @@ def test_draft_matches_reference(variant, target, tmp_path):
     assert head.needs_target_embedding is not own
     head.share_target_embedding(target_runner.model)
     table = w["embed_tokens.weight"] if own else target_runner.model.model.embed_tokens.weight.detach()
-    d2t_map = w["d2t"] + torch.arange(DRAFT_VOCAB)
+    d2t_map = torch.arange(VOCAB) if tied else w["d2t"] + torch.arange(DRAFT_VOCAB)
+    if tied:
+        w["lm_head.weight"] = table
 
     prompts = [[5, 17, 230, 41, 9], [300, 12, 8]]
     if own:
@@ -212,7 +220,7 @@ def test_draft_matches_reference(variant, target, tmp_path):
 
     rows, fb = prefill(runner, prompts)
     out = draft_forward(runner, fb, torch.cat(aux))
-    assert out.logits.shape == (2, DRAFT_VOCAB)
+    assert out.logits.shape == (2, cfg["draft_vocab_size"])
     seqs = [list(p) for p in prompts]
     g = [a @ w["fc.weight"].T for a in aux]  # the reference's per-token hidden inputs
     last = (fb.extend_start_loc + fb.extend_seq_lens - 1).long()
@@ -278,6 +286,8 @@ def test_config_errors(tmp_path, target):
     # vLLM's top-level key counts layer inputs: 2, 4, 5 are the outputs of layers 1, 3, 4
     cfg = ModelConfig.from_dict(eagle3_config(eagle_aux_hidden_state_layer_ids=[2, 4, 5]), draft=True)
     assert aux_layer_ids(cfg, tcfg) == (1, 3, 4)
+    # a head serves its target's context, past its own max_position_embeddings (512)
+    assert ModelConfig.from_dict(eagle3_config(), draft=True).check_context_length(4096) == 4096
     with pytest.raises(ModelConfigError, match="draft_vocab_size 400"):
         ModelConfig.from_dict(eagle3_config(draft_vocab_size=400), draft=True)
 
