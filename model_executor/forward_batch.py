@@ -55,6 +55,9 @@ class ForwardBatch:
     # by the logits head, model_executor/pooling.py).
     pooling_plan: PoolingPlan | None = None
     pooled: PooledHidden | None = None
+    # Set by a target model that captures the hidden states an EAGLE-3 draft head reads
+    # (LlamaForCausalLM.set_aux_hidden_state_layers): [num_tokens, layers * H], the layers' outputs side by side.
+    aux_hidden_states: torch.Tensor | None = None
     # Where the LM head writes the float32 logits [bs, vocab], if given (a decode graph's static output: the
     # logits land there without a copy after the head); None: a new tensor.
     logits_out: torch.Tensor | None = None

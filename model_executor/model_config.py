@@ -16,6 +16,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
                            "LlamaForSequenceClassification", "MistralForSequenceClassification",
                            "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+# Draft heads for speculative decoding: loaded only as a draft model (from_pretrained(..., draft=True)); they
+# take the target's hidden states and cannot be served on their own.
+DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 # The rope types whose tables duet builds (through transformers' ROPE_INIT_FUNCTIONS: layers/rotary.py).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2Model", "Qwen3Model",
@@ -57,6 +60,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to one
     moe_layers: tuple[int, ...] = ()
+    # EAGLE-3 draft heads (LlamaForCausalLMEagle3): the reduced vocabulary of the head (vocab_size is the
+    # target's, which d2t maps into), the width of the target's hidden states (3 of them go into fc), and the
+    # target layers whose outputs it reads (None: the default for the target's depth,
+    # models/eagle3.aux_layer_ids).
+    draft_vocab_size: int | None = None
+    target_hidden_size: int | None = None
+    aux_hidden_state_layer_ids: tuple[int, ...] | None = None
     # The attention window (Mistral v0.1: 4096); None: full attention. duet serves at most this many
     # tokens per request instead of masking (check_context_length), which is exact for such contexts.
     sliding_window: int | None = None
@@ -73,9 +83,14 @@ class ModelConfig:
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> ModelConfig:
+    def from_dict(cls, cfg: dict, draft: bool = False) -> ModelConfig:
+        """draft: the config of a speculative draft model (a draft head's architecture is accepted)."""
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        head = next((a for a in archs if a in DRAFT_ARCHITECTURES), None)
+        if head is not None and not draft:
+            raise ModelConfigError(f"model architecture {head!r} is an EAGLE-3 draft head, not a model to serve "
+                                   f"on its own: give it as the speculative draft model of its target")
+        arch = head or next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             name = ", ".join(archs) or cfg.get("model_type", "unknown")
             if cfg.get("auto_map"):
@@ -127,6 +142,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             qk_norm=arch.startswith("Qwen3"),
             **moe,
+            **_eagle3_fields(arch, cfg),
             sliding_window=_sliding_window(arch, cfg),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
@@ -136,7 +152,8 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
+    def from_pretrained(cls, model_path: str | Path, draft: bool = False) -> ModelConfig:
+        """draft: the folder holds a speculative draft model (a draft head's architecture is accepted)."""
         path = Path(model_path)
         if not path.is_dir():
             raise ModelConfigError(f"model path {str(path)!r} is not a folder")
@@ -157,7 +174,7 @@ class ModelConfig:
                 ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
                 cfg = {**cfg, "eos_token_id": sorted(ids)}
         try:
-            return cls.from_dict(cfg)
+            return cls.from_dict(cfg, draft=draft)
         except KeyError as e:
             raise ModelConfigError(f"{config_file} has no {e.args[0]!r}, which the model needs") from None
 
@@ -181,6 +198,10 @@ class ModelConfig:
 
         With a sliding window, at most the window: attention over a context that fits the window is full
         attention, so duet needs no windowed mask (its attention backends have none)."""
+        if self.draft_vocab_size is not None:
+            # A draft head serves its target's context: past its own positions its drafts may be accepted less
+            # often, never wrongly (the target checks every token); the RoPE table is built that long.
+            return context_length or self.context_len
         window = self.sliding_window
         if context_length is None:
             if window is not None and window < self.max_position_embeddings:
@@ -244,3 +265,39 @@ def _num_labels(arch: str, cfg: dict) -> int:
     if not arch.endswith("ForSequenceClassification"):
         return 0
     return int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
+def _eagle3_fields(arch: str, cfg: dict) -> dict:
+    """ModelConfig's EAGLE-3 fields from a LlamaForCausalLMEagle3 config.json; empty for other models.
+
+    The target layers come from eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's and SpecForge's
+    layout: the outputs of those layers), or a top-level eagle_aux_hidden_state_layer_ids (vLLM's layout,
+    counted as the inputs of those layers: id i there is the output of layer i - 1)."""
+    if arch not in DRAFT_ARCHITECTURES:
+        return {}
+    if cfg["num_hidden_layers"] != 1:
+        raise ModelConfigError(f"config.json of {arch} has num_hidden_layers {cfg['num_hidden_layers']}; "
+                               f"duet runs EAGLE-3 heads of one decoder layer")
+    vocab = cfg["vocab_size"]
+    draft_vocab = cfg.get("draft_vocab_size") or vocab
+    if not 0 < draft_vocab <= vocab:
+        raise ModelConfigError(f"config.json of {arch}: draft_vocab_size {draft_vocab} must be in 1..vocab_size "
+                               f"({vocab})")
+    if cfg.get("tie_word_embeddings") and draft_vocab != vocab:
+        raise ModelConfigError(f"config.json of {arch} ties the LM head to the embedding but its draft_vocab_size "
+                               f"{draft_vocab} is not vocab_size {vocab}")
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    ids = None
+    if nested is not None:
+        ids = tuple(int(i) for i in nested)
+    if top is not None:
+        from_top = tuple(int(i) - 1 for i in top)
+        if ids is not None and ids != from_top:
+            raise ModelConfigError(f"config.json of {arch} names two different target layer lists: "
+                                   f"eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} and "
+                                   f"eagle_aux_hidden_state_layer_ids {list(top)} (layer inputs)")
+        ids = from_top
+    if ids is not None and (len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0):
+        raise ModelConfigError(f"config.json of {arch}: eagle_aux_hidden_state_layer_ids must name 3 distinct "
+                               f"target layers, got {list(nested if nested is not None else top)}")
+    return {"draft_vocab_size": draft_vocab, "target_hidden_size": cfg.get("target_hidden_size") or cfg["hidden_size"],
+            "aux_hidden_state_layer_ids": ids}

@@ -121,6 +121,37 @@ _DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I1
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
+def _reads_pytorch_bin(cfg: ModelConfig) -> bool:
+    """Whether the architecture's weights may come as PyTorch *.bin shards (draft heads are often published so)."""
+    return getattr(_model_class(cfg), "reads_pytorch_bin", False)
+
+
+def _load_bin(file: Path, meta: bool = False) -> dict[str, torch.Tensor]:
+    """A PyTorch *.bin shard's tensors (weights_only: no code runs), memory-mapped where its format allows; meta:
+    their shapes and dtypes only."""
+    try:
+        try:
+            tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (torch.load raises many types for a bad file)
+        raise WeightLoadError(f"{file} is not a readable PyTorch weight file ({type(e).__name__})") from None
+    if not isinstance(tensors, dict):
+        raise WeightLoadError(f"{file} holds no tensor dictionary")
+    if meta:
+        return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in tensors.items()}
+    return tensors
+
+
+def _iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor | LazySlice]]:
+    """(name, tensor) of safetensors or PyTorch *.bin shards, in file order."""
+    if files and files[0].suffix == ".bin":
+        for file in files:
+            yield from _load_bin(file).items()
+        return
+    yield from _iter_safetensors(files)
+
+
 def _iter_safetensors(files: list[Path], lazy: bool | None = None) -> Iterator[tuple[str, torch.Tensor | LazySlice]]:
     """(name, tensor) in file order. lazy (default: under tensor parallelism) yields LazySlices, so each
     rank reads only the shard its layers narrow them to."""
@@ -187,7 +218,7 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
 
     Raises WeightLoadError (files) or CheckpointMismatchError (the first mismatching tensor)."""
     path = Path(path)
-    files = checkpoint_files(path)
+    files = checkpoint_files(path, allow_bin=_reads_pytorch_bin(cfg))
     try:  # a pre-quantized checkpoint's tensors are its method's (online quantization keeps the names)
         model = build_meta_model(cfg, quant=checkpoint_quant_config(cfg.hf_config))
     except QuantizationError as e:
@@ -195,6 +226,9 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
 
     def meta_tensors():
         for file in files:
+            if file.suffix == ".bin":
+                yield from _load_bin(file, meta=True).items()
+                continue
             for name, info in read_header(file).items():
                 dtype = _HEADER_DTYPES.get(info.get("dtype"), torch.float32)
                 yield name, torch.empty(info.get("shape", ()), dtype=dtype, device="meta")
@@ -205,11 +239,11 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
 def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                max_positions: int | None = None, quant: QuantConfig | None = None) -> torch.nn.Module:
     path = Path(model_path)
-    files = checkpoint_files(path)
+    files = checkpoint_files(path, allow_bin=_reads_pytorch_bin(cfg))
     model = build_model(cfg, dtype, device, max_positions, quant)
     with torch.no_grad():
         found: dict[tuple[int, int], torch.Tensor] = {}
-        loaded = model.load_weights(_take_kv_scales(_iter_safetensors(files), found))
+        loaded = model.load_weights(_take_kv_scales(_iter_weights(files), found))
     _check_complete(model, loaded, path)
     finish_loading(model)
     model.kv_scales = kv_scales_from(found, cfg.num_hidden_layers)  # for an FP8 KV cache

@@ -78,6 +78,8 @@ class RunnerConfig:
     # An embedding server's model (--is-embedding): the backbone's hidden states are its output, its LM head is
     # never read (model_executor/models/llama.LlamaEmbeddingModel).
     embedding_only: bool = False
+    # A speculative draft model: its folder may hold a draft head (an EAGLE-3 head's architecture is accepted).
+    draft: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -102,7 +104,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.model_config = ModelConfig.from_pretrained(config.model_path, draft=config.draft)
         if config.embedding_only:
             self.model_config = replace(self.model_config, embedding_only=True)
         self.context_len = self.model_config.check_context_length(config.context_length)

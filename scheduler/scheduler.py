@@ -33,13 +33,19 @@ import torch
 from model_executor.forward_batch import ForwardMode
 from model_executor.memory_pool import OutOfSlotsError
 from model_executor.penalties import PenaltyState
+from model_executor.pooling import PooledHidden, PoolingPlan
 from model_executor.sampler import HostSample
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
 from scheduler.batch_facts import BatchFacts
 from scheduler.grammar import GrammarCompilerPool, GrammarDeadEnd, GrammarManager
-from model_executor.pooling import PooledHidden, PoolingPlan
-from scheduler.io_struct import DETOKENIZER_CONTEXT_TOKENS, FinishReason, PoolingSpec, PromptLogprobs, TokenLogprob
+from scheduler.io_struct import (
+    DETOKENIZER_CONTEXT_TOKENS,
+    FinishReason,
+    PoolingSpec,
+    PromptLogprobs,
+    TokenLogprob,
+)
 from scheduler.policy import order_waiting
 from scheduler.prompt_logprobs import LaunchedPromptLogprobs, plan_prompt_logprobs
 from scheduler.radix_cache import RadixCache

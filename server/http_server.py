@@ -48,14 +48,6 @@ from server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from server.protocol_embedding import (
-    EmbeddingRequest,
-    EmbeddingResponse,
-    RerankRequest,
-    RerankResponse,
-    ScoreRequest,
-    ScoreResponse,
-)
 from server.protocol_anthropic import (
     AnthropicCountTokensRequest,
     AnthropicErrorResponse,
@@ -64,6 +56,14 @@ from server.protocol_anthropic import (
     AnthropicTokenCount,
     anthropic_error_body,
     uses_anthropic_errors,
+)
+from server.protocol_embedding import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
 )
 from server.protocol_responses import ResponsesRequest
 from server.serving_chat import create_chat_completion

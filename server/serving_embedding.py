@@ -50,9 +50,7 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, request: 
 async def encode_inputs(ctx: ServingContext, value) -> list[list[int]]:
     """`input` as token id lists: a string, strings, token ids, or lists of token ids; each checked."""
     tm = ctx.tm
-    if isinstance(value, str):
-        value = [value]
-    elif value and isinstance(value[0], int):
+    if isinstance(value, str) or value and isinstance(value[0], int):
         value = [value]
     if not value:
         raise ApiError(400, "input is empty", "input")

@@ -1,5 +1,6 @@
 """The model classes, by the `architectures` name of a checkpoint's config.json."""
 
+from model_executor.models.eagle3 import Eagle3ForCausalLM
 from model_executor.models.llama import LlamaEmbeddingModel, LlamaForCausalLM, LlamaForSequenceClassification
 from model_executor.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -21,6 +22,7 @@ MODEL_REGISTRY = {
     "MistralForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
+    "LlamaForCausalLMEagle3": Eagle3ForCausalLM,  # a draft head (ModelConfig's DRAFT_ARCHITECTURES)
 }
 # A dense causal LM served for embeddings (ModelConfig.embedding_only) loads as this class.
 EMBEDDING_CLASS = LlamaEmbeddingModel

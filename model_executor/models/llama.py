@@ -108,14 +108,19 @@ class LlamaModel(nn.Module):
                                           original_max_position=cfg.max_position_embeddings, seq_len=served)
         self.layers = nn.ModuleList(decoder_layer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The layers whose outputs forward also gives, in ascending order (set_aux_hidden_state_layers); empty:
+        # none, and nothing is captured.
+        self.aux_layer_ids: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
                 lm_head: ParallelLMHead | None = None) -> torch.Tensor | PrenormedRow:
         """The final norm's output, [tokens, H]. With lm_head (a decode batch, for its logits only): at up to 16 rows
         where the small-M kernels fuse, a PrenormedRow of it instead, made in the last down projection's epilogue
-        (the norm's own launch goes; the LM head's GEMV scales by 1 / rms)."""
+        (the norm's own launch goes; the LM head's GEMV scales by 1 / rms). With aux_layer_ids, the residual
+        stream after each of those layers goes into fb.aux_hidden_states, side by side: [tokens, len * H]."""
         hidden = self.embed_tokens(input_ids)
         residual = None
+        aux = []
         for i, layer in enumerate(self.layers):
             if i + 1 < len(self.layers):
                 nxt = self.layers[i + 1]
@@ -123,6 +128,11 @@ class LlamaModel(nn.Module):
             else:
                 next_input = None if lm_head is None else (self.norm, lm_head)
             hidden, residual = layer(positions, hidden, residual, fb, next_input)
+            if self.aux_layer_ids and i in self.aux_layer_ids:
+                # the stream is hidden + residual, or residual itself where the next norm's sums were taken
+                aux.append(residual if isinstance(hidden, PrenormedRow) else hidden + residual)
+        if aux:
+            fb.aux_hidden_states = torch.cat(aux, dim=-1)
         if isinstance(hidden, PrenormedRow):
             return hidden
         hidden, _ = self.norm(hidden, residual)
@@ -153,6 +163,19 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_layer(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> nn.Module:
         return LlamaDecoderLayer(cfg, layer_id, rotary_emb)
+
+    def set_aux_hidden_state_layers(self, layer_ids: Iterable[int] | None) -> None:
+        """From now on, each forward also sets fb.aux_hidden_states: the outputs of these layers (the residual
+        stream after each, before any norm), side by side in ascending layer order, for every token of the
+        batch: what an EAGLE-3 draft head reads (models/eagle3.aux_layer_ids picks them). None or empty: off.
+
+        ValueError (one line) for a layer this model does not have or a repeated one."""
+        ids = tuple(layer_ids or ())
+        n = self.config.num_hidden_layers
+        if len(set(ids)) != len(ids) or any(not 0 <= i < n for i in ids):
+            raise ValueError(f"hidden-state layers {list(ids)} must be distinct layers of the model's {n} "
+                             f"(0..{n - 1})")
+        self.model.aux_layer_ids = tuple(sorted(ids))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits [bs, vocab] of each request's last token."""
