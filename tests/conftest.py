@@ -64,22 +64,22 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.line(line)
 
 
-TINY_LLAMA = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
-    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2,
-)
-TINY_QWEN2 = dict(
-    architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=320, hidden_size=64,
-    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-    bos_token_id=1, eos_token_id=2,
-)
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+TINY_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 320, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
 TINY_LLAMA3 = dict(
     TINY_LLAMA, rope_theta=500000.0, tie_word_embeddings=True,
-    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=64),
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
 )
 
 

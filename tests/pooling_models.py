@@ -11,10 +11,10 @@ import torch
 
 from tests.fake_scheduler import build_tiny_model_folder
 
-TINY_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=336, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1e6,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 336, "hidden_size": 64,
+                  "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                  "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def tiny_tokenizer_folder(path: Path) -> Path:
@@ -93,7 +93,7 @@ def fuzz_routes(url: str, paths: list[str], examples: int = 25) -> dict:
             @given(case=operation.as_strategy(generation_mode=mode))
             def fuzz(case):
                 resp = case.call(base_url=url, timeout=60)
-                counts = seen.setdefault(path, {})
+                counts = seen.setdefault(path, {})  # noqa: B023 (called within this iteration)
                 counts[resp.status_code] = counts.get(resp.status_code, 0) + 1
                 assert resp.status_code < 500, (resp.status_code, resp.text[:300], case.body)
                 if resp.status_code >= 400:

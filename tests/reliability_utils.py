@@ -195,7 +195,7 @@ def metric_values(url: str, name: str) -> dict[str, float]:
     """Samples of one Prometheus metric: label text (e.g. 'finish_reason="length"') -> value."""
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             key, value = line.rsplit(" ", 1)
             out[key[len(name):].strip("{}")] = float(value)
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import torch
+
 from tests.triton_mode import DEVICE
 
 FP8 = torch.float8_e4m3fn

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests import triton_mode
 from tests.small_m_helpers import (
     FP8,

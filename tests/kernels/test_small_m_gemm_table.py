@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests import triton_mode
 from tests.small_m_helpers import FP8, TUNED, install_table, kernel_on_cpu
 from tests.triton_mode import in_process, interpreter_only

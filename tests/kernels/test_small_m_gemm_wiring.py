@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests import triton_mode
 from tests.small_m_helpers import assert_matches_reference, install_table, kernel_on_cpu, reference
 from tests.triton_mode import DEVICE, in_process, interpreter_only
@@ -289,9 +290,8 @@ def test_llama_mlp_fuses_the_activation_where_the_table_has_a_gemv(quant, table,
 def test_llama_decode_row_folds_the_input_norm_into_qkv(tiny_llama, table, monkeypatch):
     """A bf16 Llama decode step of one request: every layer's input norm runs inside its qkv GEMV (none
     falling back), and the logits stay within bf16 rounding of the same step with the norms run apart."""
-    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
-
     from runners.model_runner import ModelRunner, RunnerConfig
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     kernel_on_cpu(monkeypatch)
     gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
@@ -330,12 +330,11 @@ def test_llama_triton_decode_token_runs_norm_qkv_rope_and_store_in_one_kernel(ti
     same step with the rotary and store run by the backend (the qkv GEMV with the norm, then rotary_store_kv).
     Attention after the one kernel is told so (after_qkv: it preloads, and on sm_90 is launched with PDL);
     after rotary_store_kv it is not."""
-    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
-
     from model_executor.layers.attention import triton_backend as tb
     from model_executor.layers.attention.radix_attention import RadixAttention
     from model_executor.layers.attention.triton_backend import TritonAttnBackend
     from runners.model_runner import ModelRunner, RunnerConfig
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     kernel_on_cpu(monkeypatch)
     gemv = {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True}
@@ -389,12 +388,11 @@ def test_llama_decode_row_runs_its_norms_in_the_gemvs_around_them(tiny_llama, ta
     tiles, which take every fusion but the RMSNorm inside the K loop: layer 0's input norm runs as a norm. The
     logits and the K/V stored stay within bf16 rounding of the same step with o_proj, down and the norms run
     apart (and the greedy token is the same)."""
-    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
-
     from model_executor.layers import linear as linear_layers
     from model_executor.layers.attention.triton_backend import TritonAttnBackend
     from model_executor.layers.norm import RMSNorm
     from runners.model_runner import ModelRunner, RunnerConfig
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     kernel_on_cpu(monkeypatch)
     gemv = {key: {"BLOCK_N": 8, "BLOCK_K": 32, "GEMV": True} for key in ("1", "2")}
@@ -464,10 +462,9 @@ def test_disable_small_m_gemm_runs_every_linear_on_its_plain_path(tiny_llama, ta
     """RunnerConfig(disable_small_m_gemm=True) (the server's --disable-small-m-gemm): a decode step whose every
     linear the table gives a fusing GEMV launches no small-M kernel, and its logits are the plain path's bits
     (the kernel not allowed on this device); with the path on, the same step runs the kernel."""
-    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
-
     from model_executor.layers.triton_ops import small_m_gemm_dispatch as dispatch
     from runners.model_runner import ModelRunner, RunnerConfig
+    from tests.runners.test_cuda_graph_runner import make_decode_batch, release
 
     monkeypatch.setattr(dispatch, "_switch", dispatch._Switch())  # (the runner sets it for the process)
     kernel_on_cpu(monkeypatch)

@@ -132,7 +132,7 @@ def test_decode_graph_replay_equals_fp8_eager(variant, block_fp8_shape):
               f"{torch.equal(graphed.argmax(-1), eager.argmax(-1))}")
         # padded sizes (3, 13) run other GEMM shapes in the graph: rounding may differ slightly
         torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2)
-    del graphs, runner
+    del graphs
 
 
 def test_fp8_kv_cache_vs_bf16_kv(bf16_1b):
@@ -244,4 +244,4 @@ def test_activation_quantization_in_the_norm_and_silu_kernels_keeps_the_bits(var
     release_extend(runner, rows, fb)
     print(f"{variant} extend [40, 7]: fused vs unfused max |diff| {(fused - unfused).abs().max().item():.2e}")
     assert torch.equal(fused, unfused)
-    del graphs, runner
+    del graphs

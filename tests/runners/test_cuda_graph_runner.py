@@ -63,8 +63,8 @@ def test_explicit_token_levels_are_captured_as_given():
 def test_the_server_captures_the_explicit_lists_exactly():
     """--cuda-graph-bs and --piecewise-cuda-graph-tokens, through the runner config the server builds: the
     sizes and levels given, and no others."""
-    from server.scheduler_entry import runner_config
     from server.args import parse_args
+    from server.scheduler_entry import runner_config
 
     args = parse_args(["--device", "cuda", "--cuda-graph-bs", "1", "2", "4", "16", "--piecewise-cuda-graph-tokens",
                        "24", "256", "--max-running-requests", "64"])
