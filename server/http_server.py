@@ -286,7 +286,7 @@ def create_app(state: AppState) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/health_generate")
-    async def health_generate():
+    async def health_generate(request: Request):
         """SGLang's deep health check: 200 once a 1-token generation went through the engine, else 503."""
         tm.check_alive()
         gen = [GenRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
@@ -299,9 +299,9 @@ def create_app(state: AppState) -> FastAPI:
         try:
             await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            return _json_error(503, f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s")
+            return _json_error(request, 503, f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s")
         except ApiError as e:
-            return _json_error(503, f"a 1-token generation failed: {e.message}")
+            return _json_error(request, 503, f"a 1-token generation failed: {e.message}")
         return Response(status_code=200)
 
     @app.get("/version")

@@ -279,6 +279,16 @@ class ChoiceOutput:
         return "tool_calls" if self.calls and reason == "stop" and self.plan.mode != "named" else reason
 
 
+def chunk_deltas(out: ChoiceOutput, text: str, finished: bool) -> list[dict]:
+    """The non-empty deltas one engine chunk streams: its text's, then, when it is the last, the finish's. Two
+    deltas, not one merged: the finish's fields may repeat the text's keys (held-back text, a named call's
+    last arguments)."""
+    deltas = [out.feed(text)] if text else []
+    if finished:
+        deltas.append(out.finish())
+    return [d for d in deltas if d]
+
+
 @dataclass
 class ChatJob:
     """A chat request made ready to run: its prompt, one scheduler request per choice, and per choice the state
@@ -373,13 +383,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                     lp = None
                     if num_top is not None and c.logprobs:
                         lp = {"content": chat_logprobs(tm, c.logprobs, num_top, as_ids)}
-                    delta = out.feed(c.text) if c.text else {}
-                    finish = None
-                    if c.finish:
-                        delta.update(out.finish())
-                        finish = out.finish_reason(c.finish.openai_reason)
-                    if delta or lp or finish:
-                        yield chunk(c.index, delta, lp, finish)
+                    deltas = chunk_deltas(out, c.text, c.finish is not None)  # (finish() parses the calls)
+                    finish = out.finish_reason(c.finish.openai_reason) if c.finish else None
+                    deltas = deltas or ([{}] if lp or finish else [])
+                    for k, delta in enumerate(deltas):  # logprobs with the first, the finish with the last
+                        yield chunk(c.index, delta, lp if k == 0 else None, finish if k == len(deltas) - 1 else None)
                 if include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                "model": model, "choices": [], "usage": usage.body()})

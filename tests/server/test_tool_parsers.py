@@ -185,3 +185,30 @@ def test_named_call_streams_its_arguments_as_the_whole_reply():
     cut, _ = run([text[:-5]])  # max_tokens: the arguments written so far, as OpenAI returns them
     assert cut.calls[0].arguments == '{"zone": "UTC"}'
     assert whole.finish_reason("stop") == "stop"
+
+
+@pytest.mark.parametrize("plan,parser,pieces", [
+    ("auto", "hermes", ["Hello <"]),  # "<" held back (a call may start there), released by the finish
+    ("auto", "hermes", ["Hi", " there <"]),
+    ("named", "hermes", None),  # the last chunk holds the arguments' end and the closing text
+])
+def test_last_chunk_streams_its_text_and_the_finish_both(plan, parser, pieces):
+    """A chat stream's last engine chunk carries text and the finish: its deltas (serving_chat.chunk_deltas)
+    send both, so the streamed reply equals the whole one."""
+    from server.chat_tools import ChatFormat
+    from server.serving_chat import ChoiceOutput, ToolPlan, chunk_deltas
+
+    if plan == "named":
+        head, tail = named_call_affixes(parser, "get_time")
+        text = head + '{"zone": "UTC"}' + tail
+        pieces = [text[:len(head) + 4], text[len(head) + 4:]]
+    tool_plan = ToolPlan(plan, WEATHER, "get_time" if plan == "named" else None)
+    whole = ChoiceOutput(tool_plan, ChatFormat(parser))
+    whole.feed("".join(pieces))
+    whole.finish()
+    out = ChoiceOutput(tool_plan, ChatFormat(parser))
+    deltas = [d for i, p in enumerate(pieces) for d in chunk_deltas(out, p, i == len(pieces) - 1)]
+    assert "".join(d.get("content", "") for d in deltas) == whole.content
+    arguments = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
+    assert arguments == "".join(c.arguments for c in whole.calls)
+    assert (whole.content or arguments) and all(deltas)
