@@ -98,6 +98,7 @@ def ready_info(config: SchedulerProcessConfig, runner: ModelRunner) -> dict:
         "sampling_backend": runner.sampler.backend,
         "chunked_prefill_size": config.scheduler.chunked_prefill_size,
         "enable_mixed_chunk": config.scheduler.enable_mixed_chunk,
+        "speculative": config.scheduler.speculative.info() if config.scheduler.speculative is not None else None,
         "vocab_size": runner.model_config.vocab_size,
         "eos_token_ids": list(runner.model_config.eos_token_ids),
         "scheduler_pid": os.getpid(),
