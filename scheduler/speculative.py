@@ -31,7 +31,7 @@ class SpeculativeConfig:
     num_draft_tokens: int  # tokens verified per request and step: the last sampled token + up to this - 1 drafts
     ngram_min_window: int = 1
     ngram_max_window: int = 12
-    miss_limit: int = 2
+    miss_limit: int = 2  # 0: never pause (benchmarks measuring the cost of missing drafts)
     max_backoff_steps: int = 32
     max_batch_drafts: int = 64
 
@@ -107,13 +107,7 @@ class Speculator:
                 st.skip -= 1
                 out.append([])
                 continue
-            idx = st.index
-            n_in = len(req.input_ids)
-            if len(idx) < n_in:
-                idx.extend(req.input_ids[len(idx):])
-            idx.extend(req.output_ids[len(idx) - n_in:])
-            k = min(self.config.max_drafts, req.max_output - req.num_sampled - 1)
-            draft = idx.propose(k)
+            draft = self.propose(req, min(self.config.max_drafts, req.max_output - req.num_sampled - 1))
             out.append(draft)
             total += len(draft)
         budget = min(room, self.config.max_batch_drafts)
@@ -121,18 +115,26 @@ class Speculator:
             out = self._trim(out, max(budget, 0))
         return out
 
+    def propose(self, req: Req, k: int) -> list[int]:
+        """Up to k drafts to follow req's tokens (NGRAM: from its own prompt and output)."""
+        idx = self.state(req).index
+        n_in = len(req.input_ids)
+        if len(idx) < n_in:
+            idx.extend(req.input_ids[len(idx):])
+        idx.extend(req.output_ids[len(idx) - n_in:])
+        return idx.propose(k)
+
     @staticmethod
     def _trim(drafts: list[list[int]], budget: int) -> list[list[int]]:
-        """At most budget drafts in all: an even share each, what is left to the first ones."""
+        """At most budget drafts in all: an even share each (one more for the first ones while some are left)."""
         proposing = sum(1 for d in drafts if d)
         share = budget // proposing
         extra = budget - share * proposing
         trimmed = []
         for d in drafts:
             n = min(len(d), share)
-            if d and n < len(d) and extra:
-                more = min(extra, len(d) - n)
-                n, extra = n + more, extra - more
+            if n < len(d) and extra:
+                n, extra = n + 1, extra - 1
             trimmed.append(d[:n])
         return trimmed
 
@@ -150,7 +152,7 @@ class Speculator:
             st.misses, st.backoff = 0, 0
             return
         st.misses += 1
-        if st.misses >= self.config.miss_limit:
+        if self.config.miss_limit and st.misses >= self.config.miss_limit:
             st.backoff = min(max(1, 2 * st.backoff), self.config.max_backoff_steps)
             st.skip = st.backoff
 
