@@ -83,6 +83,22 @@ class PromptLogprobs:
         self.top_logprobs += other.top_logprobs
 
 
+@dataclass(frozen=True)
+class SpecCounts:
+    """One request's speculative decoding so far (SGLang's meta_info names)."""
+
+    spec_verify_ct: int  # decode steps that verified drafts of it
+    spec_accept_token_num: int  # drafts accepted
+    spec_draft_token_num: int  # drafts verified
+
+    def meta(self) -> dict:
+        ct = self.spec_verify_ct
+        return {"spec_verify_ct": ct, "spec_accept_token_num": self.spec_accept_token_num,
+                "spec_draft_token_num": self.spec_draft_token_num,
+                # tokens emitted per verify step (accepted drafts + the token after them)
+                "spec_accept_length": round((self.spec_accept_token_num + ct) / ct, 4) if ct else 0.0}
+
+
 # Prompt tokens sent along with a request's first output tokens: the detokenizer decodes after them.
 DETOKENIZER_CONTEXT_TOKENS = 5
 
@@ -106,6 +122,9 @@ class BatchTokenOut:
     # SamplingParams.decode_options of each request reporting its first output, when not the defaults (else
     # None). None: defaults for every request in this batch.
     decode_options: list[tuple | None] | None = None
+    # Speculative decoding: each request's SpecCounts so far (verify steps, accepted drafts, drafts), or None
+    # for all when speculation is off.
+    spec_counts: list[SpecCounts | None] | None = None
 
 
 @dataclass
@@ -121,6 +140,7 @@ class BatchStrOut:
     cached_tokens: list[int]
     logprobs: list[list[TokenLogprob] | None]
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    spec_counts: list[SpecCounts | None] | None = None  # (BatchTokenOut's)
 
 
 # ---- scheduler -> HTTP process (control replies) ----------------------------------------------

@@ -39,7 +39,13 @@ from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner
 from scheduler.batch_facts import BatchFacts
 from scheduler.grammar import GrammarCompilerPool, GrammarDeadEnd, GrammarManager
-from scheduler.io_struct import DETOKENIZER_CONTEXT_TOKENS, FinishReason, PromptLogprobs, TokenLogprob
+from scheduler.io_struct import (
+    DETOKENIZER_CONTEXT_TOKENS,
+    FinishReason,
+    PromptLogprobs,
+    SpecCounts,
+    TokenLogprob,
+)
 from scheduler.policy import order_waiting
 from scheduler.prompt_logprobs import LaunchedPromptLogprobs, plan_prompt_logprobs
 from scheduler.radix_cache import RadixCache
@@ -103,6 +109,7 @@ class ReqOutput:
     context_ids: list[int] = dataclasses.field(default_factory=list)  # last prompt tokens, with the first output
     prompt_logprobs: PromptLogprobs | None = None  # with the first output
     decode_options: tuple | None = None  # SamplingParams.decode_options, with the first output
+    spec_counts: SpecCounts | None = None  # with speculative decoding on
 
 
 class Scheduler:
@@ -781,6 +788,7 @@ class Scheduler:
     def _collect_outputs(self) -> list[ReqOutput]:
         outputs = []
         append = outputs.append
+        spec = self.speculator is not None
         for req in self._outbox.values():
             pending, num_out = req.pending_ids, len(req.output_ids)
             first = 0 < len(pending) == num_out
@@ -790,13 +798,19 @@ class Scheduler:
             # Positional (ReqOutput's field order): a keyword call costs more per request.
             append(ReqOutput(req.rid, pending, req.finish_reason, len(req.input_ids), num_out, req.cached_tokens,
                              logprobs, req.input_ids[-DETOKENIZER_CONTEXT_TOKENS:] if first else [],
-                             req.pending_prompt_logprobs, req.params.decode_options if first else None))
+                             req.pending_prompt_logprobs, req.params.decode_options if first else None,
+                             self._spec_counts(req) if spec else None))
             req.pending_ids = []
             req.pending_prompt_logprobs = None
             if req.finish_reason is not None:
                 del self.reqs[req.rid]
         self._outbox = {}
         return outputs
+
+    @staticmethod
+    def _spec_counts(req: Req) -> SpecCounts:
+        st = req.spec
+        return SpecCounts(0, 0, 0) if st is None else SpecCounts(st.verify_ct, st.accepted, st.drafted)
 
     # ---- introspection ---------------------------------------------------------------------------
     def num_held_slots(self) -> int:

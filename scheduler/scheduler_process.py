@@ -80,6 +80,7 @@ def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
                          if any(o.prompt_logprobs is not None for o in outputs) else None),
         decode_options=([o.decode_options for o in outputs]
                         if any(o.decode_options is not None for o in outputs) else None),
+        spec_counts=[o.spec_counts for o in outputs] if outputs and outputs[0].spec_counts is not None else None,
     )
 
 

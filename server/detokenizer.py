@@ -130,6 +130,7 @@ class IncrementalDetokenizer:
             rids=batch.rids, text_deltas=deltas, new_token_ids=batch.new_token_ids, finished=batch.finished,
             prompt_tokens=batch.prompt_tokens, completion_tokens=batch.completion_tokens,
             cached_tokens=batch.cached_tokens, logprobs=batch.logprobs, prompt_logprobs=batch.prompt_logprobs,
+            spec_counts=batch.spec_counts,
         )
 
 

@@ -36,6 +36,7 @@ from scheduler.io_struct import (
     ControlReply,
     FinishReason,
     PromptLogprobs,
+    SpecCounts,
     TokenizedGenerateReq,
     TokenLogprob,
 )
@@ -92,6 +93,7 @@ class GenChunk:
     completion_tokens: int
     cached_tokens: int
     prompt_logprobs: PromptLogprobs | None = None  # with the first output tokens, when asked for
+    spec_counts: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
 
 
 @dataclass
@@ -104,6 +106,7 @@ class _Fragment:
     completion_tokens: int
     cached_tokens: int
     prompt_logprobs: PromptLogprobs | None = None
+    spec_counts: SpecCounts | None = None
 
 
     def merged(self, later: _Fragment) -> _Fragment:
@@ -114,7 +117,8 @@ class _Fragment:
         # Prompt logprobs come with a request's first output only: the earlier fragment's, if any.
         return _Fragment(self.text + later.text, self.token_ids + later.token_ids, logprobs, later.finish,
                          later.prompt_tokens, later.completion_tokens, later.cached_tokens,
-                         self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+                         self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+                         later.spec_counts if later.spec_counts is not None else self.spec_counts)
 
 
 def _coalesce(items: list[tuple]) -> list[tuple]:
@@ -526,7 +530,7 @@ class TokenizerManager:
         if not text and not frag.token_ids and finish is None and frag.prompt_logprobs is None:
             return None
         return GenChunk(st.index, text, frag.token_ids, frag.logprobs, finish, st.prompt_tokens,
-                        st.completion_tokens, st.cached_tokens, frag.prompt_logprobs)
+                        st.completion_tokens, st.cached_tokens, frag.prompt_logprobs, frag.spec_counts)
 
     def _finish(self, st: _ReqState, finish: FinishReason) -> None:
         st.done = True
@@ -630,7 +634,8 @@ class TokenizerManager:
                 logprobs=out.logprobs[i] if out.logprobs else None, finish=out.finished[i],
                 prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
                 cached_tokens=out.cached_tokens[i],
-                prompt_logprobs=out.prompt_logprobs[i] if out.prompt_logprobs else None)))
+                prompt_logprobs=out.prompt_logprobs[i] if out.prompt_logprobs else None,
+                spec_counts=out.spec_counts[i] if out.spec_counts else None)))
 
     async def _watch_loop(self) -> None:
         while self.healthy:
