@@ -13,6 +13,9 @@ batch size (that many copies of the request, decoding together) it runs, interle
 * `never` (--never): drafts that never match (plain's token + 1): `never_raw` with the backoff off (the cost of
   verifying k + 1 tokens where 1 would do) and `never` with the default backoff (what a missing draft costs).
 
+With --verify-cost it also times the forward pass alone (no scheduler) of a verify batch of k + 1 = 2..9
+tokens per request against one decode step, at each batch size, after --context-len tokens of KV each.
+
 Decode tokens/s counts the output tokens after each request's first over the time after the prefill step; the
 table gives the median over repeats, the ratio to plain's in the same run, the mean accept length (tokens per
 request and verify step) and whether the output equals plain's. Writes the table's numbers as JSON (--json).
@@ -31,6 +34,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from model_executor.forward_batch import ForwardMode
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -88,6 +92,46 @@ def run(s: Scheduler, prompt: list[int], bs: int, output_len: int) -> dict:
             "total_s": end - t0, "stats": s.stats()}
 
 
+def sync(runner: ModelRunner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def verify_cost(runner: ModelRunner, bs: int, context: int, sizes: list[int], steps: int) -> dict[int, float]:
+    """Median ms of one forward pass with n tokens per request (n = 1: the decode step, graph if captured; n > 1:
+    the eager verify batch) after `context` tokens of KV per request."""
+    width = context + max(sizes)
+    rows = [runner.req_to_token_pool.alloc() for _ in range(bs)]
+    slots = runner.allocator.alloc(bs * width)
+    try:
+        for i, row in enumerate(rows):
+            runner.req_to_token_pool.write(row, 0, slots[i * width:(i + 1) * width])
+        out = {}
+        for n in sizes:
+            loc = torch.cat([slots[i * width + context:i * width + context + n] for i in range(bs)])
+            seq_lens = [context + n] * bs
+            times = []
+            for _ in range(steps + 2):
+                if n == 1:
+                    fb = runner.build_batch(ForwardMode.DECODE, [1] * bs, rows, seq_lens, loc)
+                    sync(runner)
+                    t = time.perf_counter()
+                    runner.forward(fb)
+                else:
+                    fb = runner.build_verify_batch([1] * (bs * n), rows, seq_lens, loc, [n] * bs)
+                    sync(runner)
+                    t = time.perf_counter()
+                    runner.forward_verify(fb)
+                sync(runner)
+                times.append((time.perf_counter() - t) * 1e3)
+            out[n] = statistics.median(times[2:])
+        return out
+    finally:
+        runner.allocator.free(slots)
+        for row in rows:
+            runner.req_to_token_pool.free(row)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_speculative", description=__doc__.splitlines()[0])
     p.add_argument("--model-path", help="HF folder (default: the converted default model)")
@@ -101,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--oracle", action="store_true", help="also drafts from plain's own output (the ceiling)")
     p.add_argument("--never", action="store_true", help="also drafts that never match (the overhead)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--verify-cost", action="store_true", help="also time verify passes of 2..9 tokens per request")
+    p.add_argument("--context-len", type=int, default=256, help="KV tokens per request for --verify-cost")
+    p.add_argument("--skip-workloads", action="store_true", help="only --verify-cost")
     p.add_argument("--json", dest="json_out", help="write the results here")
     return p.parse_args(argv)
 
@@ -129,7 +176,15 @@ def main(argv=None) -> int:
         "repeats": args.repeats, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {os.cpu_count()} cores",
         "load_average": round(os.getloadavg()[0], 2)}
-    for workload in args.workloads:
+    cost_rows = []
+    if args.verify_cost:
+        for bs in args.batch_size:
+            ms = verify_cost(runner, bs, args.context_len, list(range(1, 10)), steps=5 if args.device == "cpu" else 20)
+            cost_rows.append({"batch_size": bs, "context_len": args.context_len,
+                              "ms": {n: round(v, 3) for n, v in ms.items()},
+                              "ratio_to_decode": {n: round(v / ms[1], 3) for n, v in ms.items()}})
+            print(json.dumps(cost_rows[-1]), file=sys.stderr)
+    for workload in ([] if args.skip_workloads else args.workloads):
         messages = [{"role": "user", "content": WORKLOADS[workload]}]
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = tok.encode(text, add_special_tokens=False)
@@ -173,9 +228,15 @@ def main(argv=None) -> int:
         acc = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
         print(f"{r['workload']:<9} {r['batch_size']:>3} {r['config']:<14} {r['decode_tok_s']:>8.1f} "
               f"{r['ratio']:>8.2f} {acc:>10} {str(r['identical']):>9}")
+    if cost_rows:
+        print(f"\nverify pass / decode step (context {args.context_len}), k+1 tokens per request:")
+        print(f"{'bs':>3} {'decode ms':>9} " + " ".join(f"{n:>6}" for n in range(2, 10)))
+        for r in cost_rows:
+            print(f"{r['batch_size']:>3} {r['ms'][1]:>9.2f} "
+                  + " ".join(f"{r['ratio_to_decode'][n]:>6.2f}" for n in range(2, 10)))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+            json.dump({"meta": meta, "rows": rows, "verify_cost": cost_rows}, f, indent=2)
     return 0
 
 
