@@ -10,8 +10,8 @@ batch size (that many copies of the request, decoding together) it runs, interle
 * `plain`: no speculation; its outputs are the reference;
 * `ngram`: --speculative-algorithm NGRAM at each --num-draft-tokens; outputs must equal plain's token for token;
 * `oracle` (--oracle): drafts are plain's own greedy continuation (the mechanism's ceiling: every draft hits);
-* `never` (--never): drafts that never match (plain's token + 1): `never_raw` with the backoff off (the cost of
-  verifying k + 1 tokens where 1 would do) and `never` with the default backoff (what a missing draft costs).
+* `never` (--never): drafts that never match (plain's token + 1): `never_raw` with the adaptivity off (the cost of
+  verifying k + 1 tokens where 1 would do) and `never` with the default adaptivity (what a missing draft costs).
 
 With --verify-cost it also times the forward pass alone (no scheduler) of a verify batch of k + 1 = 2..9
 tokens per request against one decode step, at each batch size, after --context-len tokens of KV each.
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
                 if len(results["plain"]) < args.repeats:
                     results["plain"].append(run(make_scheduler(runner, bs, None), prompt, bs, args.output_len))
                 for name, n, kind in configs:
-                    spec = SpeculativeConfig("NGRAM", n, miss_limit=0 if kind == "never_raw" else 2)
+                    spec = SpeculativeConfig("NGRAM", n, adaptive=kind != "never_raw")
                     s = make_scheduler(runner, bs, spec)
                     if kind is not None:
                         s.speculator = RecordedSpeculator(spec, recorded, vocab, never=kind != "oracle")

@@ -9,9 +9,10 @@ they verify their one token), those that sample randomly with a seed (they keep 
 identical to plain decoding's), and those one token from their length limit. Drafts never pass a request's
 max_tokens (a run is at most the tokens it may still produce).
 
-Adaptivity, so a request whose drafts keep missing is not slower than plain decoding: after `miss_limit`
-verify steps in a row that accepted none of its drafts, a request stops proposing for a backoff of steps that
-doubles with every further miss (up to `max_backoff_steps`); an accepted draft resets it. A batch drafts at
+Adaptivity, so a request whose drafts keep missing is not slower than plain decoding: a request drafts at most
+one token more than its last verify step accepted (a run accepted whole grows it by one, up to the maximum);
+after `miss_limit` verify steps in a row that accepted none of its drafts, it stops proposing for a backoff of
+steps that doubles with every further miss (up to `max_backoff_steps`); an accepted draft resets it. A batch drafts at
 most `max_batch_drafts` tokens in all (split evenly when more are proposed), and never more than the KV
 slots free after each request's own next slot.
 """
@@ -31,7 +32,10 @@ class SpeculativeConfig:
     num_draft_tokens: int  # tokens verified per request and step: the last sampled token + up to this - 1 drafts
     ngram_min_window: int = 1
     ngram_max_window: int = 12
-    miss_limit: int = 2  # 0: never pause (benchmarks measuring the cost of missing drafts)
+    miss_limit: int = 2
+    # False: every request drafts all it can every step, however its drafts fare (benchmarks measuring the cost
+    # of missing drafts, tests that need drafts verified).
+    adaptive: bool = True
     max_backoff_steps: int = 32
     max_batch_drafts: int = 64
 
@@ -60,13 +64,14 @@ class SpecState:
     misses: int = 0  # verify steps in a row with none of its drafts accepted
     backoff: int = 0  # the current pause length (0: none yet)
     skip: int = 0  # steps left without proposing
+    cap: int | None = None  # the most drafts it proposes next (None: the maximum)
     verify_ct: int = 0  # steps that verified drafts of it
     drafted: int = 0
     accepted: int = 0
 
 
 @dataclass
-class SpecCounts:
+class SpecTotals:
     verify_steps: int = 0  # request-steps that verified at least one draft
     drafted: int = 0
     accepted: int = 0
@@ -80,7 +85,7 @@ class SpecCounts:
 class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self.counts = SpecCounts()
+        self.counts = SpecTotals()
 
     def state(self, req: Req) -> SpecState:
         if req.spec is None:
@@ -107,7 +112,9 @@ class Speculator:
                 st.skip -= 1
                 out.append([])
                 continue
-            draft = self.propose(req, min(self.config.max_drafts, req.max_output - req.num_sampled - 1))
+            k = min(st.cap or self.config.max_drafts if self.config.adaptive else self.config.max_drafts,
+                    req.max_output - req.num_sampled - 1)
+            draft = self.propose(req, k)
             out.append(draft)
             total += len(draft)
         budget = min(room, self.config.max_batch_drafts)
@@ -148,11 +155,14 @@ class Speculator:
         c.verify_steps += 1
         c.drafted += drafted
         c.accepted += accepted
+        if not self.config.adaptive:
+            return
+        st.cap = min(self.config.max_drafts, accepted + 1)
         if accepted:
             st.misses, st.backoff = 0, 0
             return
         st.misses += 1
-        if self.config.miss_limit and st.misses >= self.config.miss_limit:
+        if st.misses >= self.config.miss_limit:
             st.backoff = min(max(1, 2 * st.backoff), self.config.max_backoff_steps)
             st.skip = st.backoff
 

@@ -156,7 +156,7 @@ def test_rejected_drafts_free_their_slots_and_never_reach_the_prefix_cache(tiny_
     reqs = [(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
             for i, p in enumerate(prompts)]
     reference = run_all(make_scheduler(tiny_llama[0], None), reqs)
-    s = make_scheduler(tiny_llama[0], SpeculativeConfig("NGRAM", 5, miss_limit=0))
+    s = make_scheduler(tiny_llama[0], SpeculativeConfig("NGRAM", 5, adaptive=False))
     s.speculator = NeverSpeculator(s.speculator.config, {rid: v[0] for rid, v in reference.items()})
     out = run_all(s, reqs)
     assert {rid: v[0] for rid, v in out.items()} == {rid: v[0] for rid, v in reference.items()}
@@ -272,7 +272,7 @@ def test_sampling_with_speculation_keeps_the_joint_distribution_of_the_first_thr
     best = max(joint, key=joint.get)
     torch.manual_seed(0)
     n = 20_000
-    s = make_scheduler(path, SpeculativeConfig("NGRAM", 3, miss_limit=0, max_batch_drafts=4096), slots=16384,
+    s = make_scheduler(path, SpeculativeConfig("NGRAM", 3, adaptive=False, max_batch_drafts=4096), slots=16384,
                        max_running=1024)
     s.speculator = ForcedSpeculator(s.speculator.config, list(best))
     params = SamplingParams(max_new_tokens=4, temperature=TEMP, top_p=TOP_P, ignore_eos=True)
