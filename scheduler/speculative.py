@@ -12,9 +12,10 @@ max_tokens (a run is at most the tokens it may still produce).
 Adaptivity, so a request whose drafts keep missing is not slower than plain decoding: a request drafts at most
 one token more than its last verify step accepted (a run accepted whole grows it by one, up to the maximum);
 after `miss_limit` verify steps in a row that accepted none of its drafts, it stops proposing for a backoff of
-steps that doubles with every further miss (up to `max_backoff_steps`); an accepted draft resets it. A batch drafts at
-most `max_batch_drafts` tokens in all (split evenly when more are proposed), and never more than the KV
-slots free after each request's own next slot.
+steps that doubles with every further miss (up to `max_backoff_steps`); an accepted draft resets it. A batch drafts
+at most `max_batch_drafts` tokens in all (split evenly when more are proposed), never more than the KV slots free
+after each request's own next slot, and nothing when more than `max_batch_size` requests decode (where a verify
+pass costs more than its accepted tokens save: on the CPU past 4 requests, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     max_backoff_steps: int = 32
     max_batch_drafts: int = 64
+    max_batch_size: int = 64
 
     def __post_init__(self):
         if self.algorithm != "NGRAM":
@@ -53,7 +55,7 @@ class SpeculativeConfig:
         return {"algorithm": self.algorithm, "num_draft_tokens": self.num_draft_tokens,
                 "ngram_min_match_window_size": self.ngram_min_window,
                 "ngram_max_match_window_size": self.ngram_max_window,
-                "max_batch_drafts": self.max_batch_drafts}
+                "max_batch_drafts": self.max_batch_drafts, "max_batch_size": self.max_batch_size}
 
 
 @dataclass
@@ -101,6 +103,8 @@ class Speculator:
     def drafts(self, reqs: list[Req], room: int) -> list[list[int]]:
         """Each request's drafts for this step ([]: it decodes its one token); room: KV slots the drafts may
         take in all."""
+        if len(reqs) > self.config.max_batch_size:
+            return [[] for _ in reqs]
         out: list[list[int]] = []
         total = 0
         for req in reqs:

@@ -90,9 +90,12 @@ def scheduler_config(args: ServerArgs) -> SchedulerConfig:
 def speculative_config(args: ServerArgs) -> SpeculativeConfig | None:
     if args.speculative_algorithm is None:
         return None
+    # On the CPU a verify pass grows with its tokens (compute-bound): past 4 decoding requests drafts that miss
+    # cost more than plain decoding (docs/benchmarks.md, "Speculative decoding").
     return SpeculativeConfig(algorithm=args.speculative_algorithm, num_draft_tokens=args.resolved_num_draft_tokens,
                              ngram_min_window=args.speculative_ngram_min_match_window_size,
-                             ngram_max_window=args.speculative_ngram_max_match_window_size)
+                             ngram_max_window=args.speculative_ngram_max_match_window_size,
+                             max_batch_size=4 if args.device == "cpu" else 64)
 
 
 def scheduler_process_config(args: ServerArgs,

@@ -71,6 +71,9 @@ def test_a_batch_draft_budget_is_shared():
     drafts = spec.drafts(reqs, room=100)
     assert [len(d) for d in drafts] == [2, 2, 1, 1]
     assert [len(d) for d in spec.drafts(reqs, room=3)] == [1, 1, 1, 0]
+    small = Speculator(SpeculativeConfig("NGRAM", 5, max_batch_size=3))
+    assert small.drafts(reqs, room=100) == [[], [], [], []]  # more requests decode than it drafts for
+    assert all(small.drafts(reqs[:3], room=100))
 
 
 def test_missing_drafts_back_off_and_a_hit_resets():
