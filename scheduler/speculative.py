@@ -33,7 +33,7 @@ class SpeculativeConfig:
     num_draft_tokens: int  # tokens verified per request and step: the last sampled token + up to this - 1 drafts
     ngram_min_window: int = 1
     ngram_max_window: int = 12
-    miss_limit: int = 2
+    miss_limit: int = 1
     # False: every request drafts all it can every step, however its drafts fare (benchmarks measuring the cost
     # of missing drafts, tests that need drafts verified).
     adaptive: bool = True
