@@ -272,8 +272,8 @@ def test_sampling_with_speculation_keeps_the_joint_distribution_of_the_first_thr
     best = max(joint, key=joint.get)
     torch.manual_seed(0)
     n = 20_000
-    s = make_scheduler(path, SpeculativeConfig("NGRAM", 3, adaptive=False, max_batch_drafts=4096), slots=16384,
-                       max_running=1024)
+    config = SpeculativeConfig("NGRAM", 3, adaptive=False, max_batch_drafts=4096, max_batch_size=4096)
+    s = make_scheduler(path, config, slots=16384, max_running=1024)
     s.speculator = ForcedSpeculator(s.speculator.config, list(best))
     params = SamplingParams(max_new_tokens=4, temperature=TEMP, top_p=TOP_P, ignore_eos=True)
     out = run_all(s, [(f"s{i}", PROMPT, params) for i in range(n)])
