@@ -169,7 +169,9 @@ def main(argv=None) -> int:
     runner = ModelRunner(RunnerConfig(model_path=model_path, device=args.device, max_running_requests=max_bs,
                                       random_weights=args.random_weights, max_total_tokens=(
                                           None if args.device != "cpu" else 16384),
-                                      disable_cuda_graph=args.device == "cpu"))
+                                      disable_cuda_graph=args.device == "cpu",
+                                      # plain decode steps replay decode graphs on a GPU (verify runs eagerly)
+                                      cuda_graph_bs=() if args.device == "cpu" else tuple(sorted(set(args.batch_size)))))
     vocab = runner.model_config.vocab_size
     rows, meta = [], {
         "model_path": model_path, "device": args.device, "threads": threads, "output_len": args.output_len,
