@@ -61,6 +61,9 @@ class ForwardBatch:
     # Where the LM head writes the float32 logits [bs, vocab], if given (a decode graph's static output: the
     # logits land there without a copy after the head); None: a new tensor.
     logits_out: torch.Tensor | None = None
+    # Extend only: logits of every token instead of each request's last (a speculative verify batch, whose
+    # tokens are [last sampled token, drafts...] per request: the logits at each give the next token's).
+    all_token_logits: bool = False
 
     @property
     def num_tokens(self) -> int:

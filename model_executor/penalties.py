@@ -61,11 +61,22 @@ class PenaltyState:
                                       torch.ones(tokens.shape, dtype=torch.int32, device=self.device),
                                       accumulate=True)
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams]) -> None:
-        """Penalties and logit bias on logits [bs, vocab] in place; rows[i] is batch row i's request row."""
+    def count_tokens(self, row: int, tokens: Sequence[int]) -> None:
+        """Count tokens (host ids) as output of the request in `row` (a verify step's accepted run)."""
+        if self.output_counts is None or not tokens:
+            return
+        out = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
+        self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+              drafted: Sequence[Sequence[int]] | None = None) -> None:
+        """Penalties and logit bias on logits [bs, vocab] in place; rows[i] is batch row i's request row.
+        drafted[i]: tokens batch row i counts as output on top of its row's counts (a speculative verify row:
+        the drafts before it), or None."""
         batch = [i for i, p in enumerate(params) if p.has_penalties]
         if batch and self.output_counts is not None:
-            self._apply_penalties(logits, [rows[i] for i in batch], [params[i] for i in batch], batch)
+            self._apply_penalties(logits, [rows[i] for i in batch], [params[i] for i in batch], batch,
+                                  [drafted[i] for i in batch] if drafted is not None else None)
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
         if bias:
             idx = torch.tensor([(i, t) for i, t, _ in bias], dtype=torch.int64).to(logits.device, non_blocking=True)
@@ -73,13 +84,18 @@ class PenaltyState:
             logits.index_put_((idx[:, 0], idx[:, 1]), values, accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
-                         batch: list[int]) -> None:
+                         batch: list[int], drafted: list[Sequence[int]] | None) -> None:
         dev = logits.device
         values = torch.tensor([(p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in params],
                               dtype=torch.float32).to(dev, non_blocking=True)
         row_idx = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         batch_idx = torch.tensor(batch, dtype=torch.int64).to(dev, non_blocking=True)
-        counts = self.output_counts[row_idx].to(dev)
+        counts = self.output_counts[row_idx].to(dev)  # (a copy: drafted tokens go into it alone)
+        extra = [(j, t) for j, tokens in enumerate(drafted or ()) for t in tokens]
+        if extra:
+            at = torch.tensor(extra, dtype=torch.int64).to(dev, non_blocking=True)
+            counts.index_put_((at[:, 0], at[:, 1]), torch.ones(len(extra), dtype=counts.dtype, device=dev),
+                              accumulate=True)
         seen = counts > 0
         x = logits[batch_idx].float()
         rep = values[:, 2:3]

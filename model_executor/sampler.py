@@ -338,6 +338,17 @@ class Sampler:
         # Exponential race in log space: argmax(log p - log E); -inf (filtered) never wins.
         return torch.argmax(self._filter(scaled, info) - noise.log(), dim=-1)
 
+    def filtered_logits(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Each random row's sampling distribution as float32 logits: tempered, then top-k, top-p and min-p
+        (removed tokens -inf), exactly as this sampler draws from it; its softmax is the distribution. Greedy
+        rows come out unscaled (their temperature slot holds 1.0) and filtered by their unused settings."""
+        return self._filter(logits.float() / info.temperatures, info)
+
+    def race(self, filtered: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """One token of each row of filtered logits (filtered_logits, perhaps with more tokens removed) by the
+        exponential race, with each row's noise (a seeded row: its (seed, step) stream, as __call__ uses)."""
+        return torch.argmax(filtered - self._exponential_noise(filtered, info).log(), dim=-1)
+
     @staticmethod
     def _exponential_noise(like: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Exp(1) noise [bs, vocab]: global RNG for unseeded rows, (seed, step) streams for seeded."""

@@ -24,6 +24,7 @@ from model_executor.model_config import ModelConfig
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from model_executor.sampling_flashinfer import create_flashinfer_sampler
 from model_executor.sampling_params import SamplingParams
+from model_executor.speculative_sampling import VerifyOutput, verify_drafts
 from model_executor.weight_loader import build_model, init_random_weights, load_model, weight_bytes
 from runners.memory_plan import MemorySplit, estimate_graph_reserve, plan_kv_cache
 
@@ -347,6 +348,30 @@ class ModelRunner:
             positions=positions_d, req_pool_indices=rows_d, seq_lens=seq_lens_d,
             out_cache_loc=slots_d, req_to_token_pool=self.req_to_token_pool, kv_cache=self.kv_cache,
             attn_backend=self.attn_backend, seq_lens_cpu=list(seq_lens))
+
+    def build_verify_batch(self, input_ids: list[int], req_pool_indices: list[int], seq_lens: list[int],
+                           out_cache_loc: torch.Tensor, extend_seq_lens: list[int]) -> ForwardBatch:
+        """A speculative verify batch: each request's [last sampled token, drafts...] at consecutive positions
+        after its KV prefix (an extend, causal within the request's tokens), with logits at every token."""
+        fb = self.build_batch(ForwardMode.EXTEND, input_ids, req_pool_indices, seq_lens, out_cache_loc,
+                              extend_seq_lens=extend_seq_lens)
+        fb.all_token_logits = True
+        return fb
+
+    @torch.inference_mode()
+    def forward_verify(self, fb: ForwardBatch) -> torch.Tensor:
+        """Runs a verify batch; float32 logits [tokens, vocab]. Eager: verify graphs would replay here."""
+        self.path_counts["verify_eager"] += 1
+        return self.forward_eager(fb)
+
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, info: SamplingBatchInfo, drafts: torch.Tensor, num_rows: list[int],
+               rows: torch.Tensor) -> VerifyOutput:
+        """Accept each request's drafts (model_executor/speculative_sampling.py) and record its run's last token
+        as the last token of its request row (rows: one per request), which the next decode step reads."""
+        out = verify_drafts(self.sampler, logits, info, drafts, num_rows)
+        self.last_token_ids[rows] = out.final_tokens
+        return out
 
     # ---- forward ------------------------------------------------------------------------------
     @torch.inference_mode()

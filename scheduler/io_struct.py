@@ -100,6 +100,22 @@ class PromptLogprobs:
         self.top_logprobs += other.top_logprobs
 
 
+@dataclass(frozen=True)
+class SpecCounts:
+    """One request's speculative decoding so far (SGLang's meta_info names)."""
+
+    spec_verify_ct: int  # decode steps that verified drafts of it
+    spec_accept_token_num: int  # drafts accepted
+    spec_draft_token_num: int  # drafts verified
+
+    def meta(self) -> dict:
+        ct = self.spec_verify_ct
+        return {"spec_verify_ct": ct, "spec_accept_token_num": self.spec_accept_token_num,
+                "spec_draft_token_num": self.spec_draft_token_num,
+                # tokens emitted per verify step (accepted drafts + the token after them)
+                "spec_accept_length": round((self.spec_accept_token_num + ct) / ct, 4) if ct else 0.0}
+
+
 # Prompt tokens sent along with a request's first output tokens: the detokenizer decodes after them.
 DETOKENIZER_CONTEXT_TOKENS = 5
 
@@ -126,6 +142,9 @@ class BatchTokenOut:
     # The pooled vector (float32 numpy array) of each pooling request that finished (else None). None: no
     # pooling output in this batch.
     embeddings: list | None = None
+    # Speculative decoding: each request's SpecCounts so far (verify steps, accepted drafts, drafts), or None
+    # for all when speculation is off.
+    spec_counts: list[SpecCounts | None] | None = None
 
 
 @dataclass
@@ -142,6 +161,7 @@ class BatchStrOut:
     logprobs: list[list[TokenLogprob] | None]
     prompt_logprobs: list[PromptLogprobs | None] | None = None
     embeddings: list | None = None  # (BatchTokenOut's)
+    spec_counts: list[SpecCounts | None] | None = None  # (BatchTokenOut's)
 
 
 # ---- scheduler -> HTTP process (control replies) ----------------------------------------------

@@ -56,6 +56,8 @@ class Req:
     embedding: object | None = None
     pool_sum: torch.Tensor | None = None
     pool_first: torch.Tensor | None = None
+    # Speculative decoding (scheduler/speculative.py): the request's drafting state and counts, made on first use.
+    spec: object | None = None
     # Derived once from params for the per-step checks (Scheduler._add_request lowers max_output to what the
     # context length leaves): the request stops by length once it has max_output tokens, and on any token of
     # stop_ids (its stop_token_ids, and EOS unless ignore_eos) once it has min_new_tokens.

@@ -36,6 +36,7 @@ from model_executor.penalties import PenaltyState
 from model_executor.pooling import PooledHidden, PoolingPlan
 from model_executor.sampler import HostSample
 from model_executor.sampling_params import SamplingParams
+from model_executor.speculative_sampling import HostVerify
 from runners.model_runner import ModelRunner
 from scheduler.batch_facts import BatchFacts
 from scheduler.grammar import GrammarCompilerPool, GrammarDeadEnd, GrammarManager
@@ -44,12 +45,14 @@ from scheduler.io_struct import (
     FinishReason,
     PoolingSpec,
     PromptLogprobs,
+    SpecCounts,
     TokenLogprob,
 )
 from scheduler.policy import order_waiting
 from scheduler.prompt_logprobs import LaunchedPromptLogprobs, plan_prompt_logprobs
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req, ReqStatus
+from scheduler.speculative import SpeculativeConfig, Speculator
 
 logger = logging.getLogger("duet.scheduler")
 
@@ -68,6 +71,8 @@ class SchedulerConfig:
     # alternating extend and decode steps: their inter-token latency stays steady while prompts arrive.
     enable_mixed_chunk: bool = False
     grammar_backend: str = "xgrammar"  # or "none"
+    # Speculative decoding (scheduler/speculative.py); None: off. It runs with overlap scheduling off.
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -82,6 +87,18 @@ class LaunchedSample:
     prompt_logprobs: LaunchedPromptLogprobs | None = None
     # Pooling requests whose last prompt chunk this batch ran, with their vectors (on the device until read).
     pooled: list[tuple[Req, torch.Tensor]] | None = None
+    verify: LaunchedVerify | None = None  # a verify batch's outcome (then result is None)
+
+
+@dataclass
+class LaunchedVerify:
+    """A verify batch's acceptance on its way to the host, and what applying it needs: each request's drafts,
+    its KV length before the batch, and the batch's slots (each request's len(drafts) + 1, in order)."""
+
+    result: HostVerify
+    drafts: list[list[int]]
+    starts: list[int]
+    out_loc: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -97,10 +114,16 @@ class ReqOutput:
     prompt_logprobs: PromptLogprobs | None = None  # with the first output
     decode_options: tuple | None = None  # SamplingParams.decode_options, with the first output
     embedding: object | None = None  # a pooling request's vector (float32 numpy array), when it finishes
+    spec_counts: SpecCounts | None = None  # with speculative decoding on
 
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, tokenizer=None):
+        if config.speculative is not None and config.enable_overlap:
+            # A verify step's input is its requests' accepted tokens, known only once the previous step is read.
+            logger.info("speculative decoding (%s): overlap scheduling is off", config.speculative.algorithm)
+            config = dataclasses.replace(config, enable_overlap=False)
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.runner = runner
         self.config = config
         self.tokenizer = tokenizer  # needed only for stop strings
@@ -497,7 +520,96 @@ class Scheduler:
         reqs = self._make_room_for_decode()
         if not reqs:
             return []
+        drafts = self._drafts(reqs) if self.speculator is not None else None
+        if drafts is not None:
+            return [sample for _, sample in self._run_isolated(self._verify_forward, reqs, drafts)]
         return [sample for _, sample in self._run_isolated(self._decode_forward, reqs)]
+
+    # ---- speculative verify ------------------------------------------------------------------------
+    def _drafts(self, reqs: list[Req]) -> list[list[int]] | None:
+        """Each request's drafts this step, within the KV slots left after each one's own next slot (None:
+        nobody drafts, a plain decode step)."""
+        room = self.allocator.available_size() + self._evictable() - len(reqs)
+        drafts = self.speculator.drafts(reqs, room)
+        return drafts if any(drafts) else None
+
+    def _verify_forward(self, reqs: list[Req], drafts: list[list[int]]) -> LaunchedSample:
+        """One extend-like pass over each request's [last sampled token, drafts...] (its KV prefix before
+        them), then the acceptance of the drafts; every request emits at least one token."""
+        lens = [len(d) + 1 for d in drafts]
+        out_loc = self._alloc_slots(sum(lens))
+        start = [r.kv_len for r in reqs]
+        try:
+            input_ids, seq_lens, offset = [], [], 0
+            for req, draft, n in zip(reqs, drafts, lens):
+                input_ids.append(req.output_ids[-1])  # (overlap is off: the last token is on the host)
+                input_ids.extend(draft)
+                self.req_pool.write(req.req_pool_idx, req.kv_len, out_loc[offset:offset + n])
+                req.kv_len += n
+                seq_lens.append(req.kv_len)
+                offset += n
+            fb = self.runner.build_verify_batch(input_ids, [r.req_pool_idx for r in reqs], seq_lens, out_loc, lens)
+            logits = self.runner.forward_verify(fb)
+            return self._verify_sample(logits, reqs, drafts, lens, fb.req_pool_indices, start, out_loc)
+        except BaseException:
+            self._roll_back(reqs, start, out_loc)
+            raise
+
+    def _verify_sample(self, logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]], lens: list[int],
+                       rows: torch.Tensor, start: list[int], out_loc: torch.Tensor) -> LaunchedSample:
+        """The logits of every row processed as plain sampling's (row i of a request as if d_1..d_i were
+        already its output: min_tokens, penalties counting them), then the acceptance."""
+        row_reqs = [r for r, n in zip(reqs, lens) for _ in range(n)]
+        steps = [r.num_sampled + i for r, n in zip(reqs, lens) for i in range(n)]
+        facts = BatchFacts.gather(row_reqs, self._generation)
+        drafted = [d[:i] for d in drafts for i in range(len(d) + 1)] if facts.penalized else None
+        self._process_logits(logits, row_reqs, facts, steps, drafted)
+        info = facts.sampling_info_for(steps, self.runner.device)
+        row_drafts = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64)
+        row_drafts = row_drafts.to(self.runner.device, non_blocking=True)
+        out = self.runner.verify(logits, info, row_drafts, lens, rows)
+        self.speculator.counts.verify_batches += 1
+        return LaunchedSample(reqs, [r.num_retractions for r in reqs], None,
+                              verify=LaunchedVerify(out.to_host(), drafts, start, out_loc))
+
+    def _append_verified(self, batch: LaunchedSample) -> None:
+        """Apply a verify batch: each request takes its accepted drafts and the token after them, one at a time
+        (a stop, max_tokens or a failure cuts the run there), then keeps the KV of the tokens it took and
+        frees the slots of the rest."""
+        v = batch.verify
+        row_tokens, accept_lens, chosen, top_ids, top_vals = v.result.lists()
+        now = time.monotonic()
+        offset = 0
+        for req, epoch, draft, start, accepted in zip(batch.reqs, batch.epochs, v.drafts, v.starts, accept_lens):
+            first, n = offset, len(draft) + 1
+            offset += n
+            if req.finish_reason is not None or req.num_retractions != epoch:
+                continue  # (cannot happen with overlap off: nothing runs between the launch and this read)
+            if draft:
+                self.speculator.record(req, len(draft), accepted)
+            taken, reason, failure = 0, None, None
+            for row in range(first, first + accepted + 1):
+                try:
+                    reason = self._take_token(req, row_tokens[row], now, row, chosen, top_ids, top_vals)
+                except GrammarDeadEnd as exc:
+                    reason = FinishReason("invalid", message=str(exc))
+                except Exception as exc:  # noqa: BLE001 - as in _append_sampled
+                    failure = exc
+                    break
+                taken += 1
+                if reason is not None:
+                    break
+            # The batch wrote [last token, d_1..d_k] from `start`; the request now holds its last token and the
+            # first taken - 1 tokens it took (the newest one has no KV yet, as after a decode step).
+            req.kv_len = start + taken
+            self.allocator.free(v.out_loc[first + taken:first + n])
+            req.num_sampled = len(req.output_ids)
+            if req.params.has_penalties and taken:
+                self.penalties.count_tokens(req.req_pool_idx, req.output_ids[-taken:])
+            if failure is not None:
+                self._fail(req, failure)
+            elif reason is not None:
+                self._finish(req, reason)
 
     def _decode_forward(self, reqs: list[Req]) -> LaunchedSample:
         out_loc = self._alloc_slots(len(reqs))
@@ -574,21 +686,8 @@ class Scheduler:
             # skips a released grammar); the token is discarded when read, as any token in flight past a stop.
             self._read(self._in_flight)
             self._in_flight = []
-        grammar_rows = self.grammars.fill_masks(reqs) if facts.has_grammar else []
-        # The logits before any ban, for a constrained row the bans leave with no token (none without bans).
-        banned = facts.min_tokens or facts.penalized or facts.has_logit_bias
-        raw = logits.clone() if grammar_rows and banned else None
-        if facts.min_tokens:
-            self._mask_early_stops(logits, reqs, facts.min_tokens)
-        # hook (b): logit bias and penalties, then the grammar mask (last: it must have the final say).
-        if facts.penalized or facts.has_logit_bias:
-            # The rows at launch: a request that stopped in the read above has released its row (its token
-            # here is discarded), and must not break the batch.
-            self.penalties.apply(logits, facts.rows, facts.params)
-        self.grammars.apply_filled(logits, grammar_rows)
-        if raw is not None:
-            self._keep_a_grammar_token(logits, raw)
         steps = [r.num_sampled for r in reqs]
+        self._process_logits(logits, reqs, facts, steps)
         info = facts.sampling_info_for(steps, self.runner.device)
         out = self.runner.sample(logits, facts.params, steps, rows, info=info)
         # The penalties count the new tokens on the device, before the host reads them (overlap).
@@ -598,38 +697,44 @@ class Scheduler:
             r.num_sampled += 1
         return LaunchedSample(reqs, facts.epochs, out.to_host())
 
+    def _process_logits(self, logits: torch.Tensor, reqs: list[Req], facts: BatchFacts, steps: list[int],
+                        drafted: list[list[int]] | None = None) -> None:
+        """Everything but the sampler's own settings, in place on logits [rows, vocab] (row i: reqs[i]'s output
+        token steps[i]): min_tokens bans, logit bias and penalties (drafted[i]: tokens counted as output on top
+        of the request's own, a verify row's drafts before it), then the grammar mask."""
+        grammar_rows = self.grammars.fill_masks(reqs) if facts.has_grammar else []
+        # The logits before any ban, for a constrained row the bans leave with no token (none without bans).
+        banned = facts.min_tokens or facts.penalized or facts.has_logit_bias
+        raw = logits.clone() if grammar_rows and banned else None
+        if facts.min_tokens:
+            self._mask_early_stops(logits, reqs, facts.min_tokens, steps)
+        # hook (b): logit bias and penalties, then the grammar mask (last: it must have the final say).
+        if facts.penalized or facts.has_logit_bias:
+            # The rows at launch: a request that stopped in the read above has released its row (its token
+            # here is discarded), and must not break the batch.
+            self.penalties.apply(logits, facts.rows, facts.params, drafted)
+        self.grammars.apply_filled(logits, grammar_rows)
+        if raw is not None:
+            self._keep_a_grammar_token(logits, raw)
+
     def _append_sampled(self, batch: LaunchedSample) -> None:
         """Read a launched batch's tokens (waiting for them if needed) and apply them to its requests."""
         if batch.prompt_logprobs is not None:  # before the tokens: they follow the prompt
             batch.prompt_logprobs.apply()
         if batch.pooled:
             self._finish_pooled(batch.pooled)
+        if batch.verify is not None:
+            self._append_verified(batch)
+            return
         if batch.result is None:
             return
         tokens, chosen, top_ids, top_vals = batch.result.lists()
         now = time.monotonic()
-        outbox = self._outbox
         for i, (req, token, epoch) in enumerate(zip(batch.reqs, tokens, batch.epochs)):
             if req.finish_reason is not None or req.num_retractions != epoch:
                 continue  # aborted, failed or stopped since launch; or retracted (it samples it again)
             try:
-                req.output_ids.append(token)
-                req.pending_ids.append(token)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if chosen is not None and req.params.top_logprobs is not None:
-                    k = req.params.top_logprobs
-                    top = list(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else []
-                    req.pending_logprobs.append(TokenLogprob(token, chosen[i], top))
-                outbox[req.rid] = req
-                # hook (c): the grammar accepts the token; its termination ends the request
-                reason = None
-                if req.grammar is not None:
-                    reason = self.grammars.accept(req, token)
-                # (_check_stop finds nothing unless one of these holds: most tokens skip the call)
-                if reason is None and (token in req.stop_ids or req.params.stop
-                                       or len(req.output_ids) >= req.max_output):
-                    reason = self._check_stop(req, token)
+                reason = self._take_token(req, token, now, i, chosen, top_ids, top_vals)
             except GrammarDeadEnd as exc:  # the request's own grammar cannot go on: a client error
                 reason = FinishReason("invalid", message=str(exc))
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer failing on this request's output
@@ -649,6 +754,27 @@ class Scheduler:
                 req.embedding = vec
                 self._finish(req, FinishReason("stop"))
 
+    def _take_token(self, req: Req, token: int, now: float, row: int, chosen: list[float] | None,
+                    top_ids: list[list[int]] | None, top_vals: list[list[float]] | None) -> FinishReason | None:
+        """Append one sampled token (row: its row in the batch's logprob lists) and check what it ends."""
+        req.output_ids.append(token)
+        req.pending_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if chosen is not None and req.params.top_logprobs is not None:
+            k = req.params.top_logprobs
+            top = list(zip(top_ids[row][:k], top_vals[row][:k])) if top_ids is not None else []
+            req.pending_logprobs.append(TokenLogprob(token, chosen[row], top))
+        self._outbox[req.rid] = req
+        # hook (c): the grammar accepts the token; its termination ends the request
+        reason = None
+        if req.grammar is not None:
+            reason = self.grammars.accept(req, token)
+        # (_check_stop finds nothing unless one of these holds: most tokens skip the call)
+        if reason is None and (token in req.stop_ids or req.params.stop or len(req.output_ids) >= req.max_output):
+            reason = self._check_stop(req, token)
+        return reason
+
     def _keep_a_grammar_token(self, logits: torch.Tensor, raw: torch.Tensor) -> None:
         """A row whose bans and penalties left no token its grammar accepts (every logit -inf or NaN) falls
         back to its logits before them, under the grammar mask alone: the grammar is the hard constraint, the
@@ -658,12 +784,14 @@ class Scheduler:
         self.grammars.reapply(raw)
         logits.copy_(torch.where(dead, raw, logits))
 
-    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Req], positions: list[int]) -> None:
+    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Req], positions: list[int],
+                          steps: list[int]) -> None:
         """Before min_tokens is reached, EOS and stop tokens cannot be sampled (unless a grammar allows nothing
-        else: _keep_a_grammar_token). positions: the batch rows whose requests have a min_tokens."""
+        else: _keep_a_grammar_token). positions: the batch rows whose requests have a min_tokens; steps: each
+        row's output token index."""
         for i in positions:
             req = reqs[i]
-            if req.num_sampled < req.params.min_new_tokens and req.stop_ids:
+            if steps[i] < req.params.min_new_tokens and req.stop_ids:
                 logits[i, sorted(req.stop_ids)] = float("-inf")
 
     def _check_stop(self, req: Req, token: int) -> FinishReason | None:
@@ -722,6 +850,7 @@ class Scheduler:
     def _collect_outputs(self) -> list[ReqOutput]:
         outputs = []
         append = outputs.append
+        spec = self.speculator is not None
         for req in self._outbox.values():
             pending, num_out = req.pending_ids, len(req.output_ids)
             first = 0 < len(pending) == num_out
@@ -732,13 +861,19 @@ class Scheduler:
             append(ReqOutput(req.rid, pending, req.finish_reason, len(req.input_ids), num_out, req.cached_tokens,
                              logprobs, req.input_ids[-DETOKENIZER_CONTEXT_TOKENS:] if first else [],
                              req.pending_prompt_logprobs, req.params.decode_options if first else None,
-                             req.embedding))
+                             req.embedding,
+                             self._spec_counts(req) if spec else None))
             req.pending_ids = []
             req.pending_prompt_logprobs = None
             if req.finish_reason is not None:
                 del self.reqs[req.rid]
         self._outbox = {}
         return outputs
+
+    @staticmethod
+    def _spec_counts(req: Req) -> SpecCounts:
+        st = req.spec
+        return SpecCounts(0, 0, 0) if st is None else SpecCounts(st.verify_ct, st.accepted, st.drafted)
 
     # ---- introspection ---------------------------------------------------------------------------
     def num_held_slots(self) -> int:
@@ -771,4 +906,5 @@ class Scheduler:
             "num_finished": self.num_finished,
             "num_retractions": self.num_retractions,
             "path_counts": dict(self.runner.path_counts),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -81,6 +81,7 @@ def _batch_out(outputs: list[ReqOutput]) -> BatchTokenOut:
         decode_options=([o.decode_options for o in outputs]
                         if any(o.decode_options is not None for o in outputs) else None),
         embeddings=([o.embedding for o in outputs] if any(o.embedding is not None for o in outputs) else None),
+        spec_counts=[o.spec_counts for o in outputs] if outputs and outputs[0].spec_counts is not None else None,
     )
 
 
@@ -102,6 +103,7 @@ def ready_info(config: SchedulerProcessConfig, runner: ModelRunner, phases: dict
         "chunked_prefill_size": config.scheduler.chunked_prefill_size,
         "max_prefill_tokens": config.scheduler.max_prefill_tokens,
         "enable_mixed_chunk": config.scheduler.enable_mixed_chunk,
+        "speculative": config.scheduler.speculative.info() if config.scheduler.speculative is not None else None,
         "vocab_size": runner.model_config.vocab_size,
         "hidden_size": runner.model_config.hidden_size,  # an embedding's size
         "eos_token_ids": list(runner.model_config.eos_token_ids),

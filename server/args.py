@@ -19,6 +19,11 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 QUANTIZATION_CHOICES = ("none", "fp8", "int8", "int4")  # --quantization (server and offline CLI)
 DP_ROUTINGS = ("least_load", "prefix")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE3")
+SPECULATIVE_BUILT = ("NGRAM",)
+# NGRAM: tokens verified per step and request (the last sampled token and 3 drafts); docs/speculative.md.
+NGRAM_DEFAULT_NUM_DRAFT_TOKENS = 4
+MAX_SPECULATIVE_NUM_DRAFT_TOKENS = 64
 
 
 API_KEY_ENV = "DUET_API_KEY"
@@ -155,6 +160,20 @@ class ServerArgs:
                                   "*ForSequenceClassification model (detected) scores with its head; a causal LM "
                                   "as Qwen3-Reranker, p(yes) of its 'yes'/'no' logits after Qwen3-Reranker's prompt")
     chat_template: str | None = _f(None, "chat template replacing the model's: a file path or the template text")
+    # Speculative decoding (SGLang's flags; docs/speculative.md).
+    speculative_algorithm: str | None = _f(None, "speculative decoding: NGRAM drafts tokens from a suffix match "
+                                                 "over the request's own prompt and output (no draft model); "
+                                                 "STANDALONE and EAGLE3 are not built yet; default: off",
+                                           choices=SPECULATIVE_ALGORITHMS)
+    speculative_num_draft_tokens: int | None = _f(None, "tokens the target verifies per step and request: the "
+                                                        "last sampled token and up to this minus one drafts "
+                                                        f"(default: {NGRAM_DEFAULT_NUM_DRAFT_TOKENS} for NGRAM)")
+    speculative_ngram_min_match_window_size: int = _f(1, "NGRAM: the shortest suffix of the request's tokens that "
+                                                         "may match an earlier occurrence (default: 1)")
+    speculative_ngram_max_match_window_size: int = _f(12, "NGRAM: the longest suffix tried first (default: 12)")
+    speculative_draft_model_path: str | None = _f(None, "STANDALONE / EAGLE3: the draft model's folder")
+    speculative_num_steps: int | None = _f(None, "STANDALONE / EAGLE3: draft steps per verify")
+    speculative_eagle_topk: int | None = _f(None, "EAGLE3: draft tokens branched per step (1: a chain)")
     max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body accepted (413 above)")
 
     def validate(self) -> None:
@@ -198,6 +217,7 @@ class ServerArgs:
             raise ArgsError("--sampling-backend flashinfer: flashinfer is not installed; "
                             "install it with `pip install 'duet[flashinfer]'` (needs a CUDA GPU)")
         self._validate_quantization()
+        self._validate_speculative(positive)
         if not self.status_interval >= 0:
             raise ArgsError(f"--status-interval must be >= 0 seconds, got {self.status_interval}")
         if self.chat_template is not None and not os.path.isfile(os.path.expanduser(self.chat_template)) \
@@ -231,6 +251,47 @@ class ServerArgs:
             raise ArgsError(f"--watchdog-timeout must be >= 0 seconds, got {self.watchdog_timeout}")
         if not self.dist_timeout > 0:
             raise ArgsError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+    def _validate_speculative(self, positive) -> None:
+        algo = self.speculative_algorithm
+        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_match_window_size", "speculative_num_steps", "speculative_eagle_topk"):
+            positive(name, getattr(self, name))
+        if algo is None:
+            given = [f for f in ("speculative_num_draft_tokens", "speculative_draft_model_path",
+                                 "speculative_num_steps", "speculative_eagle_topk")
+                     if getattr(self, f) is not None]
+            given += [f for f, default in (("speculative_ngram_min_match_window_size", 1),
+                                           ("speculative_ngram_max_match_window_size", 12))
+                      if getattr(self, f) != default]
+            if given:
+                raise ArgsError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
+            return
+        if algo not in SPECULATIVE_BUILT:
+            raise ArgsError(f"--speculative-algorithm {algo} is not built yet (built: {', '.join(SPECULATIVE_BUILT)})")
+        for name in ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk"):
+            if getattr(self, name) is not None:
+                raise ArgsError(f"--{name.replace('_', '-')} does not apply to --speculative-algorithm {algo}")
+        n = self.speculative_num_draft_tokens
+        if n is not None and not 2 <= n <= MAX_SPECULATIVE_NUM_DRAFT_TOKENS:
+            raise ArgsError(f"--speculative-num-draft-tokens must be in [2, {MAX_SPECULATIVE_NUM_DRAFT_TOKENS}] "
+                            f"(the last token and at least one draft), got {n}")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if lo > hi:
+            raise ArgsError(f"--speculative-ngram-min-match-window-size ({lo}) must not exceed "
+                            f"--speculative-ngram-max-match-window-size ({hi})")
+        if self.tp_size > 1:
+            raise ArgsError("--speculative-algorithm with --tp-size > 1 is not built yet")
+        if self.is_embedding or self.is_reranker:
+            flag = "--is-embedding" if self.is_embedding else "--is-reranker"
+            raise ArgsError(f"--speculative-algorithm does not apply to {flag}: such a server decodes nothing")
+
+    @property
+    def resolved_num_draft_tokens(self) -> int | None:
+        """Tokens verified per step and request (None: speculation off)."""
+        if self.speculative_algorithm is None:
+            return None
+        return self.speculative_num_draft_tokens or NGRAM_DEFAULT_NUM_DRAFT_TOKENS
+
     def _validate_quantization(self) -> None:
         """FP8 needs an sm89+ GPU, int8 is CPU-only, the FP8 KV cache needs triton or flashinfer: refused
         here, before anything starts (the device is known once `auto` is resolved). The GPU's compute

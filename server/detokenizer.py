@@ -131,6 +131,7 @@ class IncrementalDetokenizer:
             prompt_tokens=batch.prompt_tokens, completion_tokens=batch.completion_tokens,
             cached_tokens=batch.cached_tokens, logprobs=batch.logprobs, prompt_logprobs=batch.prompt_logprobs,
             embeddings=batch.embeddings,
+            spec_counts=batch.spec_counts,
         )
 
 

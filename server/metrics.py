@@ -61,6 +61,15 @@ class _SchedulerStatsCollector:
             c = CounterMetricFamily("duet_scheduler_finished_requests", "requests finished by the scheduler")
             c.add_metric([], float(s["num_finished"]))
             yield c
+        if s.get("spec_verify_steps") is not None:  # speculative decoding is on
+            yield gauge("duet_spec_accept_length", "speculative decoding: mean tokens a request emits per verify "
+                        "step (accepted drafts + 1)", s.get("spec_accept_length"))
+            for key, doc in (("spec_verify_steps", "request-steps that verified drafts"),
+                             ("spec_draft_tokens", "draft tokens verified"),
+                             ("spec_accepted_tokens", "draft tokens accepted")):
+                c = CounterMetricFamily(f"duet_{key}", f"speculative decoding: {doc}")
+                c.add_metric([], float(s[key]))
+                yield c
         paths = s.get("path_counts") or {}
         c = CounterMetricFamily("duet_forward_passes", "forward passes by path (CUDA graph or eager)",
                                 labels=["path"])

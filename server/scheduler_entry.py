@@ -19,6 +19,7 @@ from runners.model_runner import RunnerConfig
 from scheduler import scheduler_process
 from scheduler.ipc import IpcPaths
 from scheduler.scheduler import SchedulerConfig
+from scheduler.speculative import SpeculativeConfig
 from server.args import ServerArgs
 from server.parallel import SchedulerRank
 
@@ -104,7 +105,19 @@ def scheduler_config(args: ServerArgs) -> SchedulerConfig:
         enable_overlap=not args.disable_overlap_schedule,
         enable_mixed_chunk=args.enable_mixed_chunk,
         grammar_backend=args.grammar_backend,
+        speculative=speculative_config(args),
     )
+
+
+def speculative_config(args: ServerArgs) -> SpeculativeConfig | None:
+    if args.speculative_algorithm is None:
+        return None
+    # On the CPU a verify pass grows with its tokens (compute-bound): past 4 decoding requests drafts that miss
+    # cost more than plain decoding (docs/benchmarks.md, "Speculative decoding").
+    return SpeculativeConfig(algorithm=args.speculative_algorithm, num_draft_tokens=args.resolved_num_draft_tokens,
+                             ngram_min_window=args.speculative_ngram_min_match_window_size,
+                             ngram_max_window=args.speculative_ngram_max_match_window_size,
+                             max_batch_size=4 if args.device == "cpu" else 64)
 
 
 def scheduler_process_config(args: ServerArgs,

@@ -99,6 +99,8 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
         meta = {"id": rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
                 "cached_tokens": c.cached_tokens,
                 "finish_reason": None if c.finish is None else {"type": c.finish.kind, "matched": c.finish.matched}}
+        if c.spec_counts is not None:
+            meta.update(c.spec_counts.meta())
         if req.return_logprob:
             meta["input_token_logprobs"] = acc.input_lps
             meta["input_top_logprobs"] = acc.input_top

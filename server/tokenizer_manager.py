@@ -37,6 +37,7 @@ from scheduler.io_struct import (
     FinishReason,
     PoolingSpec,
     PromptLogprobs,
+    SpecCounts,
     TokenizedGenerateReq,
     TokenLogprob,
 )
@@ -95,6 +96,7 @@ class GenChunk:
     cached_tokens: int
     prompt_logprobs: PromptLogprobs | None = None  # with the first output tokens, when asked for
     embedding: object | None = None  # a pooling request's vector (float32 numpy array), with its finish
+    spec_counts: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
 
 
 @dataclass
@@ -108,6 +110,8 @@ class _Fragment:
     cached_tokens: int
     prompt_logprobs: PromptLogprobs | None = None
     embedding: object | None = None
+    spec_counts: SpecCounts | None = None
+
 
     def merged(self, later: _Fragment) -> _Fragment:
         """This fragment followed by `later` (same request) as one: the texts, tokens and logprobs joined,
@@ -118,7 +122,8 @@ class _Fragment:
         return _Fragment(self.text + later.text, self.token_ids + later.token_ids, logprobs, later.finish,
                          later.prompt_tokens, later.completion_tokens, later.cached_tokens,
                          self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-                         later.embedding)
+                         later.embedding,
+                         later.spec_counts if later.spec_counts is not None else self.spec_counts)
 
 
 def _coalesce(items: list[tuple]) -> list[tuple]:
@@ -541,7 +546,8 @@ class TokenizerManager:
         if not text and not frag.token_ids and finish is None and frag.prompt_logprobs is None:
             return None
         return GenChunk(st.index, text, frag.token_ids, frag.logprobs, finish, st.prompt_tokens,
-                        st.completion_tokens, st.cached_tokens, frag.prompt_logprobs, frag.embedding)
+                        st.completion_tokens, st.cached_tokens, frag.prompt_logprobs, frag.embedding,
+                        frag.spec_counts)
 
     def _finish(self, st: _ReqState, finish: FinishReason) -> None:
         st.done = True
@@ -646,7 +652,8 @@ class TokenizerManager:
                 prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
                 cached_tokens=out.cached_tokens[i],
                 prompt_logprobs=out.prompt_logprobs[i] if out.prompt_logprobs else None,
-                embedding=out.embeddings[i] if out.embeddings else None)))
+                embedding=out.embeddings[i] if out.embeddings else None,
+                spec_counts=out.spec_counts[i] if out.spec_counts else None)))
 
     async def _watch_loop(self) -> None:
         while self.healthy:
