@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from model_executor.layers.attention.base import AttentionBackend
+    from model_executor.lora.layer import LoraBatch
     from model_executor.memory_pool import KVCache, ReqToTokenPool
     from model_executor.pooling import PooledHidden, PoolingPlan
     from model_executor.prompt_logprobs import PromptLogprobPlan, PromptLogprobsOutput
@@ -61,6 +62,8 @@ class ForwardBatch:
     # Where the LM head writes the float32 logits [bs, vocab], if given (a decode graph's static output: the
     # logits land there without a copy after the head); None: a new tensor.
     logits_out: torch.Tensor | None = None
+    # The requests' LoRA adapters (model_executor/lora/layer.py: each token's pool slot); None: none uses one.
+    lora: LoraBatch | None = None
 
     @property
     def num_tokens(self) -> int:
