@@ -29,8 +29,8 @@ from scheduler.io_struct import (
     FlushCacheReq,
     GetStatsReq,
     LoadLoraReq,
-    UnloadLoraReq,
     TokenizedGenerateReq,
+    UnloadLoraReq,
 )
 from scheduler.ipc import IpcPaths, bind_pull, connect_push
 from scheduler.scheduler import ReqOutput, Scheduler, SchedulerConfig

@@ -44,7 +44,7 @@ def test_decode_replay_equals_eager_after_loading_an_adapter(tmp_path, backend):
         locs.append(loc)
     lens = [len(p) for p in prompts]
     slots = lora.prepare(uids)
-    runner.forward_eager(runner.build_batch(ForwardMode.EXTEND, sum(prompts, []), rows, lens,
+    runner.forward_eager(runner.build_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, lens,
                                             torch.cat([loc[:n] for loc, n in zip(locs, lens)]),
                                             extend_seq_lens=lens, lora_slots=slots))
     decode_loc = torch.stack([loc[n] for loc, n in zip(locs, lens)])

@@ -76,7 +76,7 @@ def test_base_and_three_adapters_in_one_batch_equal_peft(setup):
 
 
 def test_prefill_logits_equal_peft(setup):
-    base, hf, adapters = setup
+    _base, hf, adapters = setup
     s = make_scheduler(setup)
     runner = s.runner
     names = [None, "a1", "a2", "a3"]
@@ -138,7 +138,7 @@ def test_unknown_adapter_fails_only_that_request(setup):
 
 
 def test_bad_adapters_are_one_line_errors_and_serving_goes_on(setup, tmp_path):
-    base, hf, adapters = setup
+    _base, hf, adapters = setup
     s = make_scheduler(setup, names=("a1",), max_rank=8, target_modules=("q_proj", "v_proj", "o_proj"))
     lora = s.runner.lora
     big = save_adapter(hf, tmp_path / "big", seed=5, r=16, target_modules=["q_proj"])
