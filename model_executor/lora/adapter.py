@@ -99,7 +99,7 @@ def read_adapter(name: str, path: str | Path) -> LoraAdapter:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(file), framework="pt") as f:
-            for key in f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 m = _KEY.search(key)
                 if m is None:
                     raise LoraError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a decoder "
