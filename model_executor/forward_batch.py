@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from model_executor.layers.attention.base import AttentionBackend
+    from model_executor.lora.layer import LoraBatch
     from model_executor.memory_pool import KVCache, ReqToTokenPool
     from model_executor.pooling import PooledHidden, PoolingPlan
     from model_executor.prompt_logprobs import PromptLogprobPlan, PromptLogprobsOutput
@@ -64,6 +65,8 @@ class ForwardBatch:
     # Extend only: logits of every token instead of each request's last (a speculative verify batch, whose
     # tokens are [last sampled token, drafts...] per request: the logits at each give the next token's).
     all_token_logits: bool = False
+    # The requests' LoRA adapters (model_executor/lora/layer.py: each token's pool slot); None: none uses one.
+    lora: LoraBatch | None = None
 
     @property
     def num_tokens(self) -> int:

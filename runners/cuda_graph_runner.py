@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode
+from model_executor.lora.layer import LoraBatch
 from runners.capture_lists import pick_size
 from runners.graph_seam import GraphCapturer, default_capturer, frozen_gc
 
@@ -37,12 +38,16 @@ class GraphInputBuffers:
     out_cache_loc: torch.Tensor  # [max_bs] int64
     logits: torch.Tensor  # [max_bs, vocab] float32, outside the graph pool
     seq_len_fill: int
+    # Each row's LoRA pool slot (0: no adapter), with LoRA on: the graphs read it like the ids, so loading an
+    # adapter (a copy into the pool) never recaptures. None: LoRA off.
+    lora_slots: torch.Tensor | None = None
     # Views of the first bs rows, made once per bs: a replay's host time comes before its graph is queued,
     # and each tensor slice is a dispatcher call (profile_decode_host, docs/benchmarks.md).
     _rows: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def allocate(cls, max_bs: int, vocab_size: int, seq_len_fill: int, device) -> GraphInputBuffers:
+    def allocate(cls, max_bs: int, vocab_size: int, seq_len_fill: int, device,
+                 lora: bool = False) -> GraphInputBuffers:
         def zeros(dtype):
             return torch.zeros(max_bs, dtype=dtype, device=device)
 
@@ -50,24 +55,27 @@ class GraphInputBuffers:
                    seq_lens=torch.full((max_bs,), seq_len_fill, dtype=torch.int64, device=device),
                    out_cache_loc=zeros(torch.int64),
                    logits=torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device),
-                   seq_len_fill=seq_len_fill)
+                   seq_len_fill=seq_len_fill, lora_slots=zeros(torch.int64) if lora else None)
 
     def batch(self, bs: int, model_runner, backend) -> ForwardBatch:
         """A decode batch over the first bs rows of the buffers (all padding until `load` fills them)."""
-        (input_ids, positions, req_pool_indices, out_cache_loc, seq_lens), logits = self.rows(bs)
+        (input_ids, positions, req_pool_indices, out_cache_loc, seq_lens, *lora), logits = self.rows(bs)
         return ForwardBatch(
             mode=ForwardMode.DECODE, batch_size=bs, input_ids=input_ids, positions=positions,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens,
             out_cache_loc=out_cache_loc, req_to_token_pool=model_runner.req_to_token_pool,
             kv_cache=model_runner.kv_cache, attn_backend=backend, seq_lens_cpu=[self.seq_len_fill] * bs,
-            logits_out=logits)
+            logits_out=logits, lora=LoraBatch(token_slots=lora[0], decode=True) if lora else None)
 
     def rows(self, bs: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """([input_ids, positions, req_pool_indices, out_cache_loc, seq_lens][:bs], logits[:bs]), cached."""
+        """([input_ids, positions, req_pool_indices, out_cache_loc, seq_lens, (lora_slots)][:bs], logits[:bs]),
+        cached."""
         views = self._rows.get(bs)
         if views is None:
-            views = self._rows[bs] = ([self.input_ids[:bs], self.positions[:bs], self.req_pool_indices[:bs],
-                                       self.out_cache_loc[:bs], self.seq_lens[:bs]], self.logits[:bs])
+            ints = [self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc, self.seq_lens]
+            if self.lora_slots is not None:
+                ints.append(self.lora_slots)
+            views = self._rows[bs] = ([t[:bs] for t in ints], self.logits[:bs])
         return views
 
     def load(self, fb: ForwardBatch, padded_bs: int) -> None:
@@ -75,12 +83,14 @@ class GraphInputBuffers:
         rows go as one multi-tensor launch rather than a copy each (a replay waits for them; each launch is
         host time before it): torch takes that path only for rows of one dtype, hence int64 seq_lens."""
         bs = fb.batch_size
-        torch._foreach_copy_(self.rows(bs)[0],
-                             [fb.input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc, fb.seq_lens],
-                             non_blocking=True)
+        src = [fb.input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc, fb.seq_lens]
+        zeroed = [self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc]
+        if self.lora_slots is not None:  # a batch without adapters: every row's slot 0
+            src.append(fb.lora.token_slots if fb.lora is not None else self.lora_slots.new_zeros(bs))
+            zeroed.append(self.lora_slots)
+        torch._foreach_copy_(self.rows(bs)[0], src, non_blocking=True)
         if padded_bs > bs:
-            torch._foreach_zero_([buf[bs:padded_bs] for buf in (self.input_ids, self.positions,
-                                                                self.req_pool_indices, self.out_cache_loc)])
+            torch._foreach_zero_([buf[bs:padded_bs] for buf in zeroed])
             self.seq_lens[bs:padded_bs].fill_(self.seq_len_fill)
 
 
@@ -88,13 +98,14 @@ class CudaGraphRunner:
     def __init__(self, model_runner, batch_sizes: list[int], capturer: GraphCapturer | None = None):
         self.model_runner = model_runner
         self.model = model_runner.model
+        self.lora = getattr(model_runner, "lora", None)  # the LoRA manager, or None
         self.backend = model_runner.attn_backend
         self.batch_sizes = sorted(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
         self.capturer = capturer or default_capturer(model_runner.device)
         self.buffers = GraphInputBuffers.allocate(self.max_bs, model_runner.model_config.vocab_size,
                                                   self.backend.get_cuda_graph_seq_len_fill_value(),
-                                                  model_runner.device)
+                                                  model_runner.device, lora=self.lora is not None)
         self.backend.init_cuda_graph_state(self.max_bs)
         self.static_batches = {bs: self._static_batch(bs) for bs in self.batch_sizes}
         self.graphs: dict[tuple[int, object], object] = {}  # by (batch size, the backend's plan)
@@ -107,6 +118,8 @@ class CudaGraphRunner:
 
     def _forward(self, fb: ForwardBatch) -> None:
         """The model's step into the static logits (fb.logits_out: the LM head writes them there)."""
+        if self.lora is not None:
+            self.lora.batch = fb.lora  # the static batch's: its slot ids are the buffer's rows
         logits = self.model(fb.input_ids, fb.positions, fb)
         if logits.data_ptr() != fb.logits_out.data_ptr():  # (a model that does not honour logits_out)
             fb.logits_out.copy_(logits)

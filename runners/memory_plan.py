@@ -57,6 +57,7 @@ class MemorySplit:
     activations: int = 0  # reserve: the profiled peak of the largest eager extend (measured)
     graphs: int = 0  # reserve for graph capture (computed)
     graphs_measured: int | None = None  # what capture really took, once it ran
+    lora: int = 0  # the LoRA adapters' device pool (model_executor/lora/manager.py), allocated before the KV
 
     def as_dict(self) -> dict:
         """For /server_info: sizes in GiB (`*_gib`), the slot count as is."""
@@ -70,12 +71,13 @@ class MemorySplit:
         def g(b: int) -> str:
             return f"{b / GiB:.2f}"
 
+        lora = f", LoRA pool {g(self.lora)} GiB" if self.lora else ""
         if self.total == 0:
-            return (f"memory ({self.device}): weights {g(self.weights)} GiB, KV {g(self.kv)} GiB "
+            return (f"memory ({self.device}): weights {g(self.weights)} GiB{lora}, KV {g(self.kv)} GiB "
                     f"({self.num_slots} slots, a token budget), no graph or activation reserve")
         measured = "" if self.graphs_measured is None else f" (capture took {g(self.graphs_measured)})"
         return (f"memory ({self.device}, {g(self.total)} GiB, budget {g(self.budget)} GiB): weights "
-                f"{g(self.weights)} GiB, KV {g(self.kv)} GiB ({self.num_slots} slots), graphs reserve "
+                f"{g(self.weights)} GiB{lora}, KV {g(self.kv)} GiB ({self.num_slots} slots), graphs reserve "
                 f"{g(self.graphs)} GiB{measured}, activations reserve {g(self.activations)} GiB, other "
                 f"{g(self.other)} GiB")
 

@@ -19,6 +19,8 @@ from model_executor.layers.attention import create_attention_backend, resolve_ba
 from model_executor.layers.quantization import QuantizationError, resolve_quant_config
 from model_executor.layers.quantization.config import FP8_KV_BACKENDS
 from model_executor.layers.triton_ops import small_m_gemm_dispatch
+from model_executor.lora.layer import LoraBatch
+from model_executor.lora.manager import LoraConfig, LoraManager
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
@@ -81,6 +83,8 @@ class RunnerConfig:
     embedding_only: bool = False
     # A speculative draft model: its folder may hold a draft head (an EAGLE-3 head's architecture is accepted).
     draft: bool = False
+    # Multi-LoRA serving (model_executor/lora/): the adapters' pool and flags; None: off.
+    lora: LoraConfig | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -141,6 +145,8 @@ class ModelRunner:
             self.model = load_model(Path(config.model_path), self.model_config, self.dtype, self.device,
                                     max_positions=self.context_len, quant=self.quant)
         self.load_seconds = time.perf_counter() - t0
+        # The adapters' device pool, allocated once beside the weights (before the KV cache takes the rest).
+        self.lora = LoraManager(config.lora, self.model, self.dtype, self.device) if config.lora else None
         self.profile_seconds: float | None = None  # the activation profile's (a GPU runs one)
         # Peak device memory while loading (the weights plus what streaming needed on top of them).
         self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base if cuda else 0
@@ -155,6 +161,10 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(config.attention_backend, self)
         self.sampler = Sampler(create_flashinfer_sampler(config.sampling_backend, self.device))
         self.memory_split = self._plan_memory()
+        if self.lora is not None:
+            pool = self.lora.pool_bytes
+            self.memory_split = replace(self.memory_split, lora=pool, other=max(self.memory_split.other - pool, 0)
+                                        if cuda else 0)
         num_slots = self.memory_split.num_slots
         k_scales, v_scales = self._kv_scales()
         self.kv_cache = KVCache(num_slots, cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim,
@@ -177,6 +187,9 @@ class ModelRunner:
         """Capture decode graphs, then extend pieces, then whole extend graphs at the small levels; each is
         skipped when disabled or unsupported."""
         cfg = self.config
+        if self.lora is not None and self.device.type == "cpu":
+            logger.info("LoRA: decode runs eagerly on a CPU (the inductor decode graphs take no adapters)")
+            return
         if self.device.type == "cpu":  # the CPU analogue: decode compiled by inductor; no extend pieces
             if not cfg.disable_cuda_graph and cfg.cuda_graph_bs:
                 from runners.cpu_graph_runner import CpuGraphRunner
@@ -190,6 +203,9 @@ class ModelRunner:
                 self.decode_graph_runner = CudaGraphRunner(self, list(cfg.cuda_graph_bs))
             else:
                 logger.warning("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
+        if self.lora is not None:
+            logger.info("LoRA: extend batches run eagerly (decode graphs read the adapters' slots)")
+            return
         if not cfg.disable_piecewise_cuda_graph and cfg.piecewise_cuda_graph_tokens:
             # Attention runs eagerly between the pieces, so every backend works here.
             from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
@@ -308,19 +324,26 @@ class ModelRunner:
     # ---- batches ------------------------------------------------------------------------------
     def build_batch(self, mode: ForwardMode, input_ids: list[int] | None, req_pool_indices: list[int],
                     seq_lens: list[int], out_cache_loc: torch.Tensor,
-                    extend_seq_lens: list[int] | None = None, num_decode_tail: int = 0) -> ForwardBatch:
+                    extend_seq_lens: list[int] | None = None, num_decode_tail: int = 0,
+                    lora_slots: list[int] | None = None) -> ForwardBatch:
         """An extend batch from host lists, or a decode batch; a decode batch also records its new slots in
         the request rows, and with input_ids None it reads each row's last sampled token on the device. In an
         extend batch, the last `num_decode_tail` requests take one decode step (one token each, whose id is
-        read the same way; their entries in input_ids are placeholders)."""
+        read the same way; their entries in input_ids are placeholders). lora_slots: each request's LoRA pool slot
+        (LoraManager.prepare; 0: the base model)."""
         if mode.is_decode():
-            return self._build_decode(input_ids, req_pool_indices, seq_lens, out_cache_loc)
+            fb = self._build_decode(input_ids, req_pool_indices, seq_lens, out_cache_loc)
+            if lora_slots is not None:
+                fb.lora = LoraBatch.build(lora_slots, None, self.device)
+            return fb
         fb = ForwardBatch.build(
             mode, input_ids, req_pool_indices, seq_lens, out_cache_loc, extend_seq_lens=extend_seq_lens,
             req_to_token_pool=self.req_to_token_pool, kv_cache=self.kv_cache, attn_backend=self.attn_backend,
             device=self.device)
         if num_decode_tail:
             fb.input_ids[-num_decode_tail:] = self.last_token_ids[fb.req_pool_indices[-num_decode_tail:]]
+        if lora_slots is not None:
+            fb.lora = LoraBatch.build(lora_slots, extend_seq_lens, self.device)
         return fb
 
     def _build_decode(self, input_ids: list[int] | None, rows: list[int], seq_lens: list[int],
@@ -391,6 +414,8 @@ class ModelRunner:
 
     def forward_eager(self, fb: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(fb)
+        if self.lora is not None:
+            self.lora.batch = fb.lora
         return self.model(fb.input_ids, fb.positions, fb)
 
     def startup_phases(self) -> dict[str, float]:

@@ -35,6 +35,7 @@ class TokenizedGenerateReq:
     input_ids: list[int]
     params: SamplingParams
     pooling: PoolingSpec | None = None  # a pooling request (params.max_new_tokens 0)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     # Decoded prompt text is not needed by the scheduler; stop strings are checked on output tokens.
 
 
@@ -51,6 +52,20 @@ class FlushCacheReq:
 @dataclass
 class GetStatsReq:
     rid: str
+
+
+@dataclass
+class LoadLoraReq:
+    rid: str
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclass
+class UnloadLoraReq:
+    rid: str
+    lora_name: str
 
 
 # ---- scheduler -> detokenizer -> HTTP process -------------------------------------------------

@@ -3,6 +3,10 @@
 Each node holds a run of token ids and the KV slots computed for them. `lock_ref` counts the running
 requests that use a node (and so all its ancestors); only unlocked leaves are evicted, least recently
 used first. Slots held by the tree are either evictable (unlocked) or protected (locked).
+
+A key may have a namespace (a LoRA adapter's id): the same tokens under two namespaces are two entries (their
+KV differs), so a namespace's entries hang below the root under (namespace, first token); None is the base
+model's, under the first token alone.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ class TreeNode:
         self.parent = parent
         self.key: list[int] = key or []
         self.value: torch.Tensor = value if value is not None else torch.empty(0, dtype=torch.int64)
-        self.children: dict[int, TreeNode] = {}
+        self.children: dict[object, TreeNode] = {}  # by first token (below the root: with the namespace)
+        self.namespace = None if parent is None else parent.namespace
         self.lock_ref = 0
         self.last_access = time.monotonic()
 
@@ -63,12 +68,17 @@ class RadixCache:
         return self._evictable + self._protected
 
     # ---- lookup and insert ---------------------------------------------------------------------
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached prefix of key: its slots and the deepest node (split to end exactly there)."""
+    def _edge(self, node: TreeNode, token: int, namespace) -> object:
+        """The children key of `token` under `node`: below the root, with the namespace (unless None)."""
+        return (namespace, token) if node is self.root and namespace is not None else token
+
+    def match_prefix(self, key: list[int], namespace=None) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of key (in namespace): its slots and the deepest node (split to end exactly
+        there)."""
         node, values, now = self.root, [], time.monotonic()
         node.last_access = now
         while key:
-            child = node.children.get(key[0])
+            child = node.children.get(self._edge(node, key[0], namespace))
             if child is None:
                 break
             n = _common_prefix_len(child.key, key)
@@ -80,18 +90,20 @@ class RadixCache:
         slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         return slots, node
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert key -> slots; returns how many leading tokens were already cached.
+    def insert(self, key: list[int], value: torch.Tensor, namespace=None) -> int:
+        """Insert key -> slots (in namespace); returns how many leading tokens were already cached.
 
         The caller owns value[:returned] and must free those duplicate slots: the tree keeps its own.
         """
         assert len(key) == value.numel()
         node, done, now = self.root, 0, time.monotonic()
         while done < len(key):
-            child = node.children.get(key[done])
+            edge = self._edge(node, key[done], namespace)
+            child = node.children.get(edge)
             if child is None:
                 new = TreeNode(node, key[done:], value[done:].clone())
-                node.children[key[done]] = new
+                new.namespace = namespace
+                node.children[edge] = new
                 self._evictable += len(new.key)
                 return done
             n = _common_prefix_len(child.key, key[done:])
@@ -104,9 +116,10 @@ class RadixCache:
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split child after n tokens; returns the new upper node (same lock count as child)."""
         upper = TreeNode(child.parent, child.key[:n], child.value[:n].clone())
+        upper.namespace = child.namespace
         upper.lock_ref = child.lock_ref
         upper.children = {child.key[n]: child}
-        child.parent.children[child.key[0]] = upper
+        child.parent.children[self._edge(child.parent, child.key[0], child.namespace)] = upper
         child.parent = upper
         child.key, child.value = child.key[n:], child.value[n:].clone()
         return upper
@@ -141,7 +154,7 @@ class RadixCache:
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             parent = leaf.parent
-            del parent.children[leaf.key[0]]
+            del parent.children[self._edge(parent, leaf.key[0], leaf.namespace)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         return freed

@@ -61,6 +61,9 @@ class Req:
     # Derived once from params for the per-step checks (Scheduler._add_request lowers max_output to what the
     # context length leaves): the request stops by length once it has max_output tokens, and on any token of
     # stop_ids (its stop_token_ids, and EOS unless ignore_eos) once it has min_new_tokens.
+    # The LoRA adapter the request runs with (LoraManager's id; None: the base model). Also its prefix cache's
+    # namespace: KV computed under one adapter is never reused under another.
+    lora_id: int | None = None
     max_output: int = field(init=False)
     stop_ids: frozenset[int] = field(init=False)
 

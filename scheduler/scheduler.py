@@ -159,10 +159,11 @@ class Scheduler:
 
     # ---- requests in -----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams,
-                    pooling: PoolingSpec | None = None) -> None:
-        """pooling: a pooling request, which returns a vector instead of tokens (io_struct.PoolingSpec)."""
+                    pooling: PoolingSpec | None = None, lora_name: str | None = None) -> None:
+        """pooling: a pooling request, which returns a vector instead of tokens (io_struct.PoolingSpec).
+        lora_name: the LoRA adapter it runs with (None: the base model)."""
         try:
-            self._add_request(rid, input_ids, params, pooling)
+            self._add_request(rid, input_ids, params, pooling, lora_name)
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
             req = self.reqs.get(rid)
             if req is None:
@@ -172,7 +173,7 @@ class Scheduler:
             self._fail(req, exc)
 
     def _add_request(self, rid: str, input_ids: list[int], params: SamplingParams,
-                     pooling: PoolingSpec | None = None) -> None:
+                     pooling: PoolingSpec | None = None, lora_name: str | None = None) -> None:
         if params.top_k > self.runner.model_config.vocab_size:
             # Keeping the best k > vocab tokens keeps them all (top-k off); a k beyond int64 would also
             # overflow the sampler's tensor and take the whole scheduler down.
@@ -181,17 +182,54 @@ class Scheduler:
             params = dataclasses.replace(params, max_new_tokens=0, prompt_logprob_start=None, grammar=None)
         req = Req(rid, list(input_ids), params)
         req.pooling = pooling
+        lora_error = self._resolve_lora(req, lora_name)
         req.max_output = min(params.max_new_tokens, self.runner.context_len - len(req.input_ids))
         if not params.ignore_eos:
             req.stop_ids = req.stop_ids | self.eos_ids
         self.reqs[rid] = req
         error = self._admission_error(req)
-        if error is not None:
+        if lora_error is not None:
+            self._finish(req, FinishReason("invalid", message=lora_error))
+        elif error is not None:
             self._finish(req, FinishReason("error", message=error))
         elif params.max_new_tokens == 0 and pooling is None:
             self._finish(req, FinishReason("length"))
         elif not self.grammars.defer(req):  # hook (a): a request with a grammar waits for its compilation
             self.waiting.append(req)
+
+    def _resolve_lora(self, req: Req, name: str | None) -> str | None:
+        """Set the request's adapter id; an error message when it names one that is not loaded."""
+        if name is None:
+            return None
+        lora = self.runner.lora
+        req.lora_id = lora.uid(name) if lora is not None else None
+        if req.lora_id is None:
+            return f"LoRA adapter {name!r} is not loaded" if lora is not None else \
+                "this server serves no LoRA adapters (start it with --enable-lora)"
+        return None
+
+    def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
+        """Load an adapter (LoraError, one line, when it cannot be served)."""
+        self.runner.lora.load(name, path, pinned)
+
+    def unload_lora(self, name: str) -> str | None:
+        """Unload an adapter; an error message when it is not loaded or requests still use it."""
+        lora = self.runner.lora
+        uid = lora.uid(name)
+        if uid is None:
+            return f"LoRA adapter {name!r} is not loaded"
+        users = sum(r.lora_id == uid for r in self.reqs.values() if not r.is_finished)
+        if users:
+            return f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish"
+        lora.unload(name)
+        return None
+
+    def lora_names(self) -> list[str]:
+        return self.runner.lora.names() if self.runner.lora is not None else []
+
+    def _lora_slots(self, reqs: list[Req]) -> list[int] | None:
+        """Each request's LoRA pool slot for a batch of them (loading their adapters into the pool)."""
+        return None if self.runner.lora is None else self.runner.lora.prepare([r.lora_id for r in reqs])
 
     def _admission_error(self, req: Req) -> str | None:
         total = len(req.input_ids) + req.params.max_new_tokens
@@ -332,6 +370,10 @@ class Scheduler:
             if lens and lens[-1] < reqs[-1].num_uncomputed:
                 break  # one partly-prefilled request per batch, and it goes last
             req = self.waiting[0]
+            if self.runner.lora is not None and not self.runner.lora.fits(
+                    {r.lora_id for r in (*self._admitted(), *reqs, req)} | ({pending_req.lora_id} if pending_req
+                                                                               else set())):
+                break  # one more adapter than a batch holds: it waits for a running adapter to finish
             locked = None
             try:
                 prefix, node = self._match(req)
@@ -375,7 +417,7 @@ class Scheduler:
             limit = min(limit, req.prompt_logprob_next)  # rows to score need their hidden states: no cache there
         if req.pooling is not None and req.pooling.needs_every_row:
             limit = 0
-        return self.tree.match_prefix(req.fill_ids[:limit])
+        return self.tree.match_prefix(req.fill_ids[:limit], req.lora_id)
 
     def _lock(self, node) -> None:
         if node is not None:
@@ -432,7 +474,8 @@ class Scheduler:
                 seq_lens.append(req.kv_len)
                 offset += n
             fb = self.runner.build_batch(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
-                                         out_loc, extend_seq_lens=lens, num_decode_tail=sum(decoding))
+                                         out_loc, extend_seq_lens=lens, num_decode_tail=sum(decoding),
+                                         lora_slots=self._lora_slots(reqs))
             scoring = plan_prompt_logprobs(reqs, lens, start, self.runner.device, self.runner.pin_memory)
             fb.prompt_logprob_plan = scoring.plan if scoring is not None else None
             pooling = [i for i, r in enumerate(reqs) if r.pooling is not None]
@@ -622,7 +665,8 @@ class Scheduler:
                 r.kv_len += 1
                 seq_lens.append(r.kv_len)
             # Input ids None: each row's last sampled token, read on the device.
-            fb = self.runner.build_batch(ForwardMode.DECODE, None, facts.rows, seq_lens, out_loc)
+            fb = self.runner.build_batch(ForwardMode.DECODE, None, facts.rows, seq_lens, out_loc,
+                                         lora_slots=self._lora_slots(reqs))
             return self._sample(self.runner.forward(fb), reqs, fb.req_pool_indices, facts)
         except BaseException:
             self._roll_back(reqs[: len(seq_lens)], [n - 1 for n in seq_lens], out_loc)
@@ -837,7 +881,7 @@ class Scheduler:
         slots = self.req_pool.slots(req.req_pool_idx, req.kv_len)
         if self.tree is not None:
             num_prefix = len(req.prefix_slots)
-            already = self.tree.insert(req.fill_ids[: req.kv_len], slots)
+            already = self.tree.insert(req.fill_ids[: req.kv_len], slots, req.lora_id)
             self.allocator.free(slots[num_prefix:already])  # duplicates of what the tree now holds
             self._unlock(req.last_node)
         else:

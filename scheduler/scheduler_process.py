@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import zmq
 
 from model_executor.distributed import parallel_state as ps
+from model_executor.lora.adapter import LoraError
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.cpu_threads import configure_scheduler_threads
 from scheduler.io_struct import (
@@ -27,7 +28,9 @@ from scheduler.io_struct import (
     ControlReply,
     FlushCacheReq,
     GetStatsReq,
+    LoadLoraReq,
     TokenizedGenerateReq,
+    UnloadLoraReq,
 )
 from scheduler.ipc import IpcPaths, bind_pull, connect_push
 from scheduler.scheduler import ReqOutput, Scheduler, SchedulerConfig
@@ -107,6 +110,7 @@ def ready_info(config: SchedulerProcessConfig, runner: ModelRunner, phases: dict
         "vocab_size": runner.model_config.vocab_size,
         "hidden_size": runner.model_config.hidden_size,  # an embedding's size
         "eos_token_ids": list(runner.model_config.eos_token_ids),
+        "lora": runner.lora.info() if runner.lora is not None else None,
         "scheduler_pid": os.getpid(),
         **graph,
         "startup": {"phases": phases, "ready_at": time.perf_counter()},
@@ -249,7 +253,7 @@ class SchedulerLoop:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):
-            self.scheduler.add_request(msg.rid, msg.input_ids, msg.params, msg.pooling)
+            self.scheduler.add_request(msg.rid, msg.input_ids, msg.params, msg.pooling, msg.lora_name)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
@@ -258,5 +262,15 @@ class SchedulerLoop:
                 "message": "cannot flush the cache while requests are running"}))
         elif isinstance(msg, GetStatsReq):
             self.to_http.send_pyobj(ControlReply(msg.rid, True, self.scheduler.stats()))
+        elif isinstance(msg, LoadLoraReq):
+            try:
+                self.scheduler.load_lora(msg.lora_name, msg.lora_path, msg.pinned)
+                self.to_http.send_pyobj(ControlReply(msg.rid, True, {"adapters": self.scheduler.lora_names()}))
+            except LoraError as e:
+                self.to_http.send_pyobj(ControlReply(msg.rid, False, {"message": str(e)}))
+        elif isinstance(msg, UnloadLoraReq):
+            error = self.scheduler.unload_lora(msg.lora_name)
+            self.to_http.send_pyobj(ControlReply(msg.rid, error is None, {"message": error} if error else
+                                                 {"adapters": self.scheduler.lora_names()}))
         else:
             logger.warning("ignoring unknown message %r", type(msg).__name__)

@@ -159,6 +159,24 @@ class ServerArgs:
     is_reranker: bool = _f(False, "serve /v1/rerank and /v1/score instead of generation: a "
                                   "*ForSequenceClassification model (detected) scores with its head; a causal LM "
                                   "as Qwen3-Reranker, p(yes) of its 'yes'/'no' logits after Qwen3-Reranker's prompt")
+    # Multi-LoRA serving (model_executor/lora/, docs/lora.md).
+    enable_lora: bool = _f(False, "serve LoRA adapters (also on when --lora-paths are given)")
+    lora_paths: tuple[str, ...] | None = _f(None, "LoRA adapters loaded at start-up: NAME=PATH (or PATH: its "
+                                                  "folder name is the name), PEFT folders with adapter_config.json "
+                                                  "and adapter_model.safetensors", nargs="+",
+                                            aliases=("--lora-modules",))
+    max_loras_per_batch: int = _f(8, "adapters one batch may use: the device pool's slots (its memory is "
+                                     "allocated at start-up)", aliases=("--max-loras",))
+    max_loaded_loras: int | None = _f(None, "adapters held in host memory at once (default: no limit); loading "
+                                            "one more is refused", aliases=("--max-cpu-loras",))
+    max_lora_rank: int | None = _f(None, "the pool's rank: the largest adapter rank that can be loaded (default: "
+                                         "the largest of --lora-paths; needed without them)")
+    lora_target_modules: tuple[str, ...] | None = _f(None, "projections adapters may target: q_proj k_proj "
+                                                           "v_proj o_proj gate_proj up_proj down_proj, or all "
+                                                           "(default: those of --lora-paths; needed without them)",
+                                                     nargs="+")
+    lora_backend: str = _f("auto", "LoRA kernels: triton (SGMV / per-row) or torch; auto: triton on a GPU, torch "
+                                   "on a CPU", choices=("auto", "triton", "torch"))
     chat_template: str | None = _f(None, "chat template replacing the model's: a file path or the template text")
     # Speculative decoding (SGLang's flags; docs/speculative.md).
     speculative_algorithm: str | None = _f(None, "speculative decoding: NGRAM drafts tokens from a suffix match "
@@ -228,6 +246,82 @@ class ServerArgs:
                             "scores")
         if self.api_key is not None and not self.api_key:
             raise ArgsError("--api-key must not be empty")
+        self._validate_lora(positive)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """--lora-paths as (name, folder) pairs (NAME=PATH, or PATH named by its folder)."""
+        out = []
+        for item in self.lora_paths or ():
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = os.path.basename(os.path.normpath(item)), item
+            out.append((name, path))
+        return out
+
+    def _validate_lora(self, positive) -> None:
+        """LoRA flags, each adapter's adapter_config.json (rank, targets), and what LoRA does not run with."""
+        if not self.lora_enabled:
+            return
+        from model_executor.lora.adapter import TARGET_MODULES, LoraError, config_targets, read_config
+
+        positive("max_loras_per_batch", self.max_loras_per_batch, allow_none=False)
+        positive("max_loaded_loras", self.max_loaded_loras)
+        positive("max_lora_rank", self.max_lora_rank)
+        adapters = self.lora_adapters()
+        names = [n for n, _ in adapters]
+        if any(not n or not p for n, p in adapters):
+            raise ArgsError(f"--lora-paths: expected NAME=PATH or PATH, got {list(self.lora_paths)}")
+        if len(set(names)) != len(names):
+            raise ArgsError(f"--lora-paths: adapter names must be distinct, got {names}")
+        if self.max_loaded_loras is not None and len(adapters) > self.max_loaded_loras:
+            raise ArgsError(f"--max-loaded-loras {self.max_loaded_loras} is fewer than the {len(adapters)} "
+                            "--lora-paths")
+        targets = self.lora_target_modules
+        if targets is not None:
+            unknown = sorted(set(targets) - set(TARGET_MODULES) - {"all", "all-linear"})
+            if unknown:
+                raise ArgsError(f"--lora-target-modules: {unknown} are not supported; choose from "
+                                f"{', '.join(TARGET_MODULES)} or all")
+        ranks, union = [], set()
+        for name, path in adapters:
+            try:
+                cfg = read_config(path, name)
+                union |= config_targets(cfg, name)
+            except LoraError as e:
+                raise ArgsError(f"--lora-paths: {e}") from None
+            ranks.append(cfg["r"])
+            if self.max_lora_rank is not None and cfg["r"] > self.max_lora_rank:
+                raise ArgsError(f"--lora-paths: adapter {name!r} has rank {cfg['r']} > --max-lora-rank "
+                                f"{self.max_lora_rank}")
+        if not adapters and self.max_lora_rank is None:
+            raise ArgsError("--enable-lora without --lora-paths needs --max-lora-rank (the pool's rank)")
+        if not adapters and targets is None:
+            raise ArgsError("--enable-lora without --lora-paths needs --lora-target-modules")
+        refused = [(self.tp_size > 1, "--tp-size > 1"), (self.dp_size > 1, "--dp-size > 1"),
+                   (self.quantization not in (None, "none"), f"--quantization {self.quantization}"),
+                   (self.is_embedding or self.is_reranker, "--is-embedding / --is-reranker"),
+                   (self.speculative_algorithm is not None, "--speculative-algorithm")]
+        for bad, what in refused:
+            if bad:
+                raise ArgsError(f"LoRA adapters are not served with {what} (not built)")
+
+    def lora_config(self):
+        """The runner's LoraConfig, or None with LoRA off."""
+        if not self.lora_enabled:
+            return None
+        from model_executor.lora.adapter import TARGET_MODULES
+        from model_executor.lora.manager import LoraConfig
+
+        targets = tuple(self.lora_target_modules or ())
+        if {"all", "all-linear"} & set(targets):
+            targets = TARGET_MODULES
+        return LoraConfig(paths=tuple(self.lora_adapters()), max_per_batch=self.max_loras_per_batch,
+                          max_loaded=self.max_loaded_loras, max_rank=self.max_lora_rank or 0,
+                          target_modules=targets, backend=self.lora_backend)
 
     def _validate_parallel(self, positive) -> None:
         for name in ("tp_size", "dp_size", "nnodes"):
@@ -347,13 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
         help_text = meta.pop("help")
+        flags = [flag, *meta.pop("aliases", ())]  # vLLM's names for the same flag
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+            parser.add_argument(*flags, action="store_true", default=f.default, help=help_text)
             continue
         kind = _arg_type(f)
         if f.default is not None and "default" not in help_text:  # else the help text names its default
             help_text = f"{help_text} (default: {f.default})"
-        parser.add_argument(flag, type=kind, default=f.default, help=help_text, **meta)
+        parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text, **meta)
     return parser
 
 
@@ -364,7 +459,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     values = vars(ns)
     if values["api_key"] is None:  # a key on the command line is visible to every local user (ps, /proc)
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
-    for name in ("cuda_graph_bs", "piecewise_cuda_graph_tokens"):
+    for name in ("cuda_graph_bs", "piecewise_cuda_graph_tokens", "lora_paths", "lora_target_modules"):
         if values[name] is not None:
             values[name] = tuple(values[name])
     args = ServerArgs(**values)

@@ -43,9 +43,11 @@ from server.protocol import (
     DetokenizeRequest,
     ErrorResponse,
     GenerateRequest,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     error_body,
 )
 from server.protocol_anthropic import (
@@ -71,6 +73,7 @@ from server.serving_common import ServingContext
 from server.serving_completions import create_completion
 from server.serving_embedding import create_embedding
 from server.serving_generate import generate
+from server.serving_lora import load_lora_adapter, unload_lora_adapter
 from server.serving_messages import count_tokens, create_message
 from server.serving_rerank import create_rerank, yes_no_token_ids
 from server.serving_responses import ResponseStore, create_response, delete_response, retrieve_response
@@ -272,6 +275,7 @@ def create_app(state: AppState) -> FastAPI:
     yes_no = yes_no_token_ids(tm.tokenizer) if pooling is not None and pooling.reranker == "yes_no" else None
     ctx = ServingContext(tm, args, sampling, state.served_model_name, chat_format, pooling, yes_no)
     check_model = ctx.check_model
+    ctx.lora_adapters.update(args.lora_adapters())
 
     def model_card() -> ModelCard:
         return ModelCard(id=state.served_model_name, created=state.created, root=str(args.model_path),
@@ -315,12 +319,18 @@ def create_app(state: AppState) -> FastAPI:
                 "served_model_name": state.served_model_name, "is_generation": pooling is None,
                 "max_model_len": tm.context_len, "preferred_sampling_params": None}
 
+    def adapter_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=state.created, root=ctx.lora_adapters[name],
+                         parent=state.served_model_name, max_model_len=tm.context_len)
+
     @app.get("/v1/models")
     async def list_models():
-        return ModelList(data=[model_card()]).model_dump()
+        return ModelList(data=[model_card(), *map(adapter_card, ctx.lora_adapters)]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
+        if model_id in ctx.lora_adapters:
+            return adapter_card(model_id).model_dump()
         check_model(model_id)
         return model_card().model_dump()
 
@@ -360,6 +370,17 @@ def create_app(state: AppState) -> FastAPI:
             raise ApiError(400, str(reply.data.get("message") or reply.data.get("error")
                                     or "the cache cannot be flushed now (requests are running)"))
         return {"success": True, "message": "cache flushed", **reply.data}
+
+    # ---- LoRA adapters (server/serving_lora.py) ----------------------------------------------------
+    @app.post("/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", operation_id="load_lora_adapter_v1")
+    async def load_lora(req: LoadLoraAdapterRequest):
+        return await load_lora_adapter(ctx, req)
+
+    @app.post("/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", operation_id="unload_lora_adapter_v1")
+    async def unload_lora(req: UnloadLoraAdapterRequest):
+        return await unload_lora_adapter(ctx, req)
 
     @app.get("/metrics")
     async def metrics():

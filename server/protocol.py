@@ -155,6 +155,7 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
+    lora_path: str | None = None  # SGLang: the LoRA adapter (its name) the request runs with
     # A string, a list of token ids, or a batch of either.
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -209,6 +210,7 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    lora_path: str | None = None  # SGLang: the LoRA adapter (its name) the request runs with
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -259,6 +261,17 @@ class GenerateRequest(_Request):
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False  # each logprob entry carries its token's text
     priority: int | None = None  # SGLang: only 0 (this server schedules first come, first served)
+    lora_path: str | None = None  # the LoRA adapter (its name) the request runs with
+
+
+class LoadLoraAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False  # kept in the device pool: never evicted for another adapter
+
+
+class UnloadLoraAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1)
 
 
 class TokenizeRequest(_Request):
@@ -411,6 +424,7 @@ class ModelCard(_Response):
     root: str | None = None
     max_model_len: int | None = None
     capabilities: dict | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(_Response):

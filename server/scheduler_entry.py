@@ -86,6 +86,7 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         kv_cache_dtype=args.kv_cache_dtype,
         sampling_backend=args.sampling_backend,
         embedding_only=args.is_embedding,
+        lora=args.lora_config(),
     )
     if rank is None:
         return config

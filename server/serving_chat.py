@@ -307,7 +307,7 @@ class ChatJob:
 async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatJob:
     """Everything before generation: checks, the rendered prompt, sampling parameters, tool plan."""
     tm = ctx.tm
-    model = ctx.check_model(req.model)
+    model, lora = ctx.resolve_model(req.model, req.lora_path)
     check_stream_options(req)
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -348,7 +348,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatJ
     tm.check_length(len(input_ids), max_tokens, "messages", max_param)
     tm.check_alive()
     n = req.n
-    gen = [GenRequest(input_ids, p, grammar_param) for p in choices_params(params, n)]
+    gen = [GenRequest(input_ids, p, grammar_param, lora_name=lora) for p in choices_params(params, n)]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     outs = [ChoiceOutput(plan, ctx.chat_format) for _ in range(n)]

@@ -37,6 +37,8 @@ class ServingContext:
     # What a pooling server serves (--is-embedding / --is-reranker, model_executor/pooling.py); None: generation.
     pooling: PoolingConfig | None = None
     yes_no_ids: tuple[int, int] | None = None  # a yes/no reranker's "no" and "yes" token ids
+    # The LoRA adapters loaded now, name -> folder (updated by /load_lora_adapter and /unload_lora_adapter).
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def task(self) -> str:
@@ -67,6 +69,30 @@ class ServingContext:
             raise ApiError(404, f"The model '{name}' does not exist; this server serves "
                                 f"'{self.served_model_name}'.", "model", "NotFoundError")
         return self.served_model_name
+
+    def resolve_model(self, name: str | None, lora_path: str | None = None) -> tuple[str, str | None]:
+        """(the model name the response names, the LoRA adapter or None) for a generation request's `model`
+        (the base model, an adapter's name as vLLM, or "base:adapter" as SGLang) and `lora_path` (SGLang's
+        field: an adapter's name); 404 naming what is not loaded."""
+        if lora_path is not None:
+            if lora_path not in self.lora_adapters:
+                raise ApiError(404, f"The LoRA adapter '{lora_path}' is not loaded.", "lora_path", "NotFoundError")
+            if name is not None and name not in (self.served_model_name, str(self.args.model_path), lora_path):
+                self.check_model(name)
+            return lora_path, lora_path
+        if name is not None and name not in (self.served_model_name, str(self.args.model_path)):
+            base, sep, adapter = name.partition(":")
+            if name in self.lora_adapters:
+                return name, name
+            if sep and base in (self.served_model_name, str(self.args.model_path)):
+                if adapter not in self.lora_adapters:
+                    raise ApiError(404, f"The LoRA adapter '{adapter}' is not loaded.", "model", "NotFoundError")
+                return name, adapter
+            if self.lora_adapters:
+                raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+                                    f"'{self.served_model_name}' and the LoRA adapters "
+                                    f"{sorted(self.lora_adapters)}.", "model", "NotFoundError")
+        return self.check_model(name), None
 
 
 _encode = json.JSONEncoder(ensure_ascii=False).encode  # (json.dumps without its per-call set-up)

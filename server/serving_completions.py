@@ -55,7 +55,7 @@ def check_unsupported(req: CompletionRequest) -> None:
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request):
     tm = ctx.tm
-    model = ctx.check_model(req.model)
+    model, lora = ctx.resolve_model(req.model, req.lora_path)
     check_stream_options(req)
     check_unsupported(req)
     check_priority(req.priority)
@@ -94,7 +94,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         tm.check_length(len(ids), max_tokens, "prompt", "max_tokens")
     tm.check_alive()
     n = req.n
-    gen = [GenRequest(ids, p, grammar_param) for ids, _ in prompts for p in choices_params(params, n)]
+    gen = [GenRequest(ids, p, grammar_param, lora_name=lora) for ids, _ in prompts for p in choices_params(params, n)]
     prompt_ids = [g.input_ids for g in gen]
     echoes = []
     if req.echo:

@@ -38,6 +38,7 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids", "text")
     check_priority(req.priority)
+    _, lora = ctx.resolve_model(None, req.lora_path)
     if req.text is not None:
         ids, param = (await tm.encode_prompts_async([req.text]))[0], "text"
     else:
@@ -77,7 +78,7 @@ async def generate(ctx: ServingContext, req: GenerateRequest, request: Request):
     tm.check_length(len(ids), sp.max_new_tokens, param, "sampling_params.max_new_tokens")
     tm.check_alive()
     rid = f"gen-{uuid.uuid4().hex}"
-    gen = [GenRequest(ids, params, grammar_param)]
+    gen = [GenRequest(ids, params, grammar_param, lora_name=lora)]
     acc = _Accumulator()
     # SGLang's entries: [logprob, token id, its text (return_text_in_logprobs) or None].
     text_of = tm.token_str if req.return_text_in_logprobs else (lambda _: None)

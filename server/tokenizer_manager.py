@@ -80,6 +80,7 @@ class GenRequest:
     params: SamplingParams
     constraint_param: str | None = None
     pooling: PoolingSpec | None = None  # a pooling request: its finishing chunk carries the vector
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -452,7 +453,8 @@ class TokenizerManager:
                 self._reqs[st.rid] = st
                 st.replica = self.router.choose(r.input_ids) if self.router else 0
                 await self._socket(st.replica).send_pyobj(TokenizedGenerateReq(rid=st.rid, input_ids=r.input_ids,
-                                                                               params=params, pooling=r.pooling))
+                                                                               params=params, pooling=r.pooling,
+                                                                               lora_name=r.lora_name))
             remaining = len(states)
             while remaining:
                 items = await queue.get_all()
@@ -579,12 +581,13 @@ class TokenizerManager:
         except Exception:
             logger.debug("could not send %s", type(obj).__name__, exc_info=True)
 
-    async def control(self, req_cls, timeout: float = CONTROL_TIMEOUT_S) -> ControlReply:
+    async def control(self, req_cls, timeout: float = CONTROL_TIMEOUT_S, **fields) -> ControlReply:
         """Send a FlushCacheReq/GetStatsReq and wait for the scheduler's ControlReply (every replica's,
         merged, under data parallelism)."""
         if self.router is None:
-            return await self._control_one(req_cls, timeout, 0)
-        replies = await asyncio.gather(*(self._control_one(req_cls, timeout, d) for d in range(self.router.size)))
+            return await self._control_one(req_cls, timeout, 0, **fields)
+        replies = await asyncio.gather(*(self._control_one(req_cls, timeout, d, **fields)
+                                         for d in range(self.router.size)))
         failed = next((r for r in replies if not r.ok), None)
         if failed is not None:
             return ControlReply(replies[0].rid, False, failed.data)
@@ -593,13 +596,13 @@ class TokenizerManager:
                             for r, n, m in zip(replies, self.router.inflight, self.router.routed)]
         return ControlReply(replies[0].rid, True, data)
 
-    async def _control_one(self, req_cls, timeout: float, replica: int) -> ControlReply:
+    async def _control_one(self, req_cls, timeout: float, replica: int, **fields) -> ControlReply:
         self.check_alive()
         rid = self.new_rid("ctl-")
         fut = asyncio.get_running_loop().create_future()
         self._controls[rid] = fut
         try:
-            await self._socket(replica).send_pyobj(req_cls(rid=rid))
+            await self._socket(replica).send_pyobj(req_cls(rid=rid, **fields))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise ApiError(503, f"the scheduler did not answer {req_cls.__name__} within {timeout:g} s") from None

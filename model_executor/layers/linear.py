@@ -72,6 +72,11 @@ _silu_and_mul = SiluAndMul()
 
 
 class LinearBase(nn.Module):
+    # A LoRA layer (model_executor/lora/layer.py) when the server serves adapters and this projection is a
+    # target: forward adds each row's adapter update, and the fused paths that keep the GEMM's input or output
+    # inside one kernel step aside (None) so the update sees both.
+    lora = None
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int | None = None,
                  tp_size: int | None = None):
         super().__init__()
@@ -92,7 +97,8 @@ class LinearBase(nn.Module):
         self._load(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        y = self.quant_method.apply(self, x)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def small_m_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int] | None] | None:
         """(weight, scale, scale block) as the small-M kernel takes them, or None: a method with a GEMM of
@@ -102,6 +108,8 @@ class LinearBase(nn.Module):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """For a [gate; up] layer: silu(gate) * up in one kernel where its method can (a decode row), else
         None (the caller runs forward and SiluAndMul)."""
+        if self.lora is not None:
+            return None
         return self.quant_method.apply_silu_and_mul(self, x)
 
     def forward_normed(self, norm: RMSNorm, x: torch.Tensor | PrenormedRow,
@@ -109,7 +117,8 @@ class LinearBase(nn.Module):
         """(self(norm(h)), h) for h = x + residual (x when residual is None; residual when x is a
         PrenormedRow of it). At a decode row where the method can, the norm runs inside the layer's GEMV:
         one kernel instead of two (with a PrenormedRow, the kernel that made h did the norm's sums)."""
-        fused = self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps, residual)
+        fused = None if self.lora is not None else self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps,
+                                                                                  residual)
         if fused is not None:
             return fused
         if isinstance(x, PrenormedRow):
@@ -121,6 +130,8 @@ class LinearBase(nn.Module):
                                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """forward_normed's (y, h) where the method quantizes its input inside the norm's kernel (FP8 rows above
         the small-M kernel's), else None: there the caller keeps its own path (a decode row's GEMV fusions)."""
+        if self.lora is not None:
+            return None
         return self.quant_method.apply_rmsnorm_quant(self, x, norm.weight, norm.eps, residual)
 
     def forward_normed_rope(self, norm: RMSNorm, x: torch.Tensor | PrenormedRow, residual: torch.Tensor | None,
@@ -130,6 +141,8 @@ class LinearBase(nn.Module):
         cannot: the caller then runs forward_normed and attention's own rotary and store. Where the norm cannot
         go into the kernel (a tl.dot tile: above 4 rows, or the table's choice) but the rotary can, the norm runs
         as its own kernel first."""
+        if self.lora is not None:
+            return None
         fused = self.quant_method.apply_rmsnorm(self, x, norm.weight, norm.eps, residual, rope)
         if fused is not None or isinstance(x, PrenormedRow):
             return fused
@@ -176,12 +189,15 @@ class RowParallelLinear(LinearBase):
         self._load(param, loaded if dim is None else _shard(loaded, dim, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ps.tensor_model_parallel_all_reduce(self.quant_method.apply(self, x))
+        y = ps.tensor_model_parallel_all_reduce(self.quant_method.apply(self, x))
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """self(silu(gate) * up) for gate_up = [gate; up] where the method makes its input in the activation's
         kernel (FP8 rows above the small-M kernel's: the activation quantization goes there), else None: the
         caller runs SiluAndMul, then the layer."""
+        if self.lora is not None:
+            return None
         out = self.quant_method.apply_gated(self, gate_up)
         return None if out is None else ps.tensor_model_parallel_all_reduce(out)
 
@@ -299,7 +315,7 @@ def all_reduce_add_rmsnorm(linear: RowParallelLinear, x: torch.Tensor, residual:
     where linear's all-reduce is the one-shot kernel. The kernel takes the residual add and the sums of h^2
     for norm(h), and `row` goes to `consumer` as linear_add_rmsnorm's does. None where that cannot run (tp 1,
     no one-shot sum for this row, a consumer whose GEMM at one row is not the small-M kernel's)."""
-    if linear.tp_size == 1 or not ps.can_all_reduce_add_rmsnorm(residual):
+    if linear.tp_size == 1 or linear.lora is not None or not ps.can_all_reduce_add_rmsnorm(residual):
         return None
     ops = consumer.small_m_operands()
     if ops is None or small_m_kernel(residual, ops[0], ops[2]) is None:  # (the consumer's GEMV takes the row)
@@ -318,7 +334,7 @@ def linear_add_rmsnorm(linear: LinearBase, x: torch.Tensor, residual: torch.Tens
     GEMM of its own, no fusing table config for linear or consumer. The caller then runs linear and the
     norm apart. after_attention: x is decode attention's output (o_proj: where all of K fits one tile, its GEMV
     loads its weights while attention runs, triton_ops/pdl.py)."""
-    if linear.tp_size > 1:
+    if linear.tp_size > 1 or linear.lora is not None or getattr(consumer, "lora", None) is not None:
         return None
     ops = linear.small_m_operands()
     consumer_ops = consumer.small_m_operands()
