@@ -1,6 +1,7 @@
 """The model classes, by the `architectures` name of a checkpoint's config.json."""
 
 from model_executor.models.eagle3 import Eagle3ForCausalLM
+from model_executor.models.gemma3 import Gemma3ForCausalLM
 from model_executor.models.llama import LlamaEmbeddingModel, LlamaForCausalLM, LlamaForSequenceClassification
 from model_executor.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from model_executor.models.phi3 import Phi3ForCausalLM
@@ -15,6 +16,8 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # the text tower
     # Pooling models (--is-embedding): a backbone-only embedding checkpoint, a reranker with a score head.
     "LlamaModel": LlamaEmbeddingModel,
     "MistralModel": LlamaEmbeddingModel,
