@@ -306,7 +306,7 @@ def _gemma3_text_config(arch: str, cfg: dict) -> dict:
     keep = {k: v for k, v in text.items() if k not in ("architectures", "model_type", "auto_map")}
     full = Gemma3TextConfig(**keep).to_dict()
     for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
-        if k in cfg and k not in text:
+        if k in cfg and cfg is not text:  # the served model's own (outer) config wins
             full[k] = cfg[k]
     full["architectures"] = [arch]
     glob = (full.get("rope_parameters") or {}).get("full_attention") or {}

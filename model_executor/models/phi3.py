@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from model_executor.model_config import CheckpointMismatchError
 from model_executor.models.llama import LlamaForCausalLM
 
 
@@ -35,10 +36,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
                 continue
             if tensor.shape[0] != total:
-                # the named error of the layers' checked copy: hand the whole tensor to the first piece
-                piece = next(iter(pieces))
-                yield name.replace(fused, f".{piece}."), tensor
-                continue
+                raise CheckpointMismatchError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the "
+                                              f"config.json shape ({total} rows: {', '.join(pieces)})")
             for piece, (start, size) in pieces.items():
                 yield name.replace(fused, f".{piece}."), tensor.narrow(0, start, size)
 
