@@ -196,3 +196,26 @@ def test_gemma3_server_greedy_tokens_equal_hf(tmp_path, model_dir):
         assert r.json()["meta_info"]["cached_tokens"] > 0
     finally:
         assert srv.stop() == 0
+
+
+def test_gemma3_piecewise_stand_in_equals_eager(tiny):
+    """Traced for the piecewise runner (attention an opaque op: each layer's window reaches the backend from
+    its RadixAttention), replays through the CPU stand-in graphs equal the eager forward."""
+    from runners.graph_seam import StandInCapturer
+    from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
+    from tests.runners.test_piecewise_runner import make_extend_batch, release
+
+    path, _ = tiny("gemma3")
+    runner = ModelRunner(RunnerConfig(model_path=str(path), max_running_requests=8, max_total_tokens=1024,
+                                      context_length=128))
+    torch._dynamo.reset()
+    try:
+        pw = PiecewiseCudaGraphRunner(runner, [4, 16, 64], capturer=StandInCapturer())
+        for ext, pre in (([5], [0]), ([3, 20, 1], [0, 7, 30])):
+            fb, rows = make_extend_batch(runner, ext, pre, seed=sum(ext))
+            assert pw.can_run(fb)
+            graphed = pw.replay(fb).clone()
+            torch.testing.assert_close(graphed, runner.forward_eager(fb), rtol=1e-5, atol=1e-5)
+            release(runner, rows, fb)
+    finally:
+        torch._dynamo.reset()
