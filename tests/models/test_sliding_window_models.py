@@ -219,3 +219,16 @@ def test_gemma3_piecewise_stand_in_equals_eager(tiny):
             release(runner, rows, fb)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3"])
+def test_embedding_serving_is_refused_by_name(name, tiny):
+    """--is-embedding builds the Llama backbone: the other blocks are refused, not loaded into it."""
+    import dataclasses
+
+    from model_executor.weight_loader import build_meta_model
+
+    path, _ = tiny(name)
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(path), embedding_only=True)
+    with pytest.raises(ValueError, match=f"{CONFIGS[name]['architectures'][0]} cannot be served for embeddings"):
+        build_meta_model(cfg)
