@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-logger = logging.getLogger("duet.model_config")
-
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
+                           # Gemma 3's multimodal checkpoints: their text tower (models/gemma3.py)
+                           "Gemma3ForConditionalGeneration",
                            # Embedding checkpoints (the backbone alone, no LM head) and rerankers with a
                            # classification head (model_executor/models/llama.py); served with --is-embedding.
                            "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
@@ -67,9 +66,19 @@ class ModelConfig:
     draft_vocab_size: int | None = None
     target_hidden_size: int | None = None
     aux_hidden_state_layer_ids: tuple[int, ...] | None = None
-    # The attention window (Mistral v0.1: 4096); None: full attention. duet serves at most this many
-    # tokens per request instead of masking (check_context_length), which is exact for such contexts.
+    # The attention window (Mistral v0.1: 4096; Gemma 3: 1024) of the layers sliding_window_layers names: a query
+    # at position p attends to positions p - sliding_window + 1 .. p there (HF's window); None: full attention.
     sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] = ()
+    # The MLP's gated activation: silu, or gelu_pytorch_tanh (Gemma 3)
+    hidden_act: str = "silu"
+    # The fraction of each head the rotary turns (its first dims; Phi-4-mini: 0.75)
+    partial_rotary_factor: float = 1.0
+    # Gemma 3: the RoPE base of the sliding-window layers (the global ones take rope_theta and rope_scaling),
+    # the attention scale's denominator (query_pre_attn_scalar ** -0.5) and the final logits' tanh cap.
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
     # The context length being served (build_model sets it): the RoPE table covers it, and the dynamic /
     # longrope tables are computed for it (layers/rotary.py).
     served_context_len: int | None = None
@@ -100,11 +109,16 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported model architecture {name!r}; duet supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch.startswith("Gemma3"):
+            cfg = _gemma3_text_config(arch, cfg)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
+        partial = float(cfg.get("partial_rotary_factor", 1.0) or 1.0)
+        if isinstance(cfg.get("rope_parameters"), dict):
+            partial = float(cfg["rope_parameters"].get("partial_rotary_factor", partial) or 1.0)
         if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):  # transformers >= 5 layout
             rope_theta = cfg["rope_parameters"].get("rope_theta")
             if rope_scaling is None and cfg["rope_parameters"].get("rope_type", "default") != "default":
@@ -113,17 +127,27 @@ class ModelConfig:
             rope_scaling = None
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind == "su" and arch == "Phi3ForCausalLM":  # Phi-3's name for longrope (HF's Phi-3 renames it)
+                kind = "longrope"
             if kind not in SUPPORTED_ROPE_TYPES:
                 raise ModelConfigError(f"config.json rope_type {kind!r} is not supported; duet supports "
                                        f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-            if float(rope_scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-                raise ModelConfigError("config.json partial_rotary_factor != 1 is not supported (duet rotates "
-                                       "the whole head)")
-            rope_scaling = {**rope_scaling, "rope_type": kind}
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k not in ("type", "partial_rotary_factor")}
+            rope_scaling["rope_type"] = kind
+            if kind == "longrope" and "original_max_position_embeddings" not in rope_scaling:
+                # Phi-3 keeps it at the top level of config.json
+                rope_scaling["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings",
+                                                                           cfg.get("max_position_embeddings", 2048))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        if not 0.0 < partial <= 1.0 or int(head_dim * partial) % 2:
+            raise ModelConfigError(f"config.json partial_rotary_factor {partial} must be in (0, 1] and turn an even "
+                                   f"number of the head's {head_dim} dims")
         moe = _moe_fields(arch, cfg)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"config.json hidden_act {cfg['hidden_act']!r} is not supported for {arch}; "
-                                   f"duet's MLP and experts use silu")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        if act not in ("silu", "gelu_pytorch_tanh") or (act != "silu" and not arch.startswith("Gemma3")):
+            raise ModelConfigError(f"config.json hidden_act {act!r} is not supported for {arch}; duet's MLP and "
+                                   f"experts use silu (Gemma 3: gelu_pytorch_tanh)")
+        window, window_layers = _sliding_window(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -132,7 +156,7 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=num_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
@@ -140,10 +164,14 @@ class ModelConfig:
             # Qwen2 always has q/k/v bias; Llama only when attention_bias says so.
             attention_bias=arch.startswith("Qwen2") or bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
-            qk_norm=arch.startswith("Qwen3"),
+            qk_norm=arch.startswith(("Qwen3", "Gemma3")),
             **moe,
             **_eagle3_fields(arch, cfg),
-            sliding_window=_sliding_window(arch, cfg),
+            sliding_window=window,
+            sliding_window_layers=window_layers,
+            hidden_act=act,
+            partial_rotary_factor=partial,
+            **_gemma3_fields(arch, cfg),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -180,8 +208,12 @@ class ModelConfig:
 
     @property
     def context_len(self) -> int:
-        """The default context length: max_position_embeddings, at most the sliding window."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        """The default context length: max_position_embeddings."""
+        return self.max_position_embeddings
+
+    def layer_sliding_window(self, layer_id: int) -> int | None:
+        """The attention window of a layer (None: full attention)."""
+        return self.sliding_window if layer_id in self.sliding_window_layers else None
 
     @property
     def max_context_len(self) -> int:
@@ -194,24 +226,13 @@ class ModelConfig:
         return limit
 
     def check_context_length(self, context_length: int | None) -> int:
-        """The context length to serve: the flag's value when the positions support it, else the model's.
-
-        With a sliding window, at most the window: attention over a context that fits the window is full
-        attention, so duet needs no windowed mask (its attention backends have none)."""
+        """The context length to serve: the flag's value when the positions support it, else the model's."""
         if self.draft_vocab_size is not None:
             # A draft head serves its target's context: past its own positions its drafts may be accepted less
             # often, never wrongly (the target checks every token); the RoPE table is built that long.
             return context_length or self.context_len
-        window = self.sliding_window
         if context_length is None:
-            if window is not None and window < self.max_position_embeddings:
-                logger.info("context length capped at the sliding window (%d tokens, config.json "
-                            "sliding_window): duet's attention has no window mask", window)
             return self.context_len
-        if window is not None and context_length > window:
-            raise ModelConfigError(f"--context-length {context_length} is above the model's sliding window "
-                                   f"({window} tokens, config.json sliding_window), which duet's attention "
-                                   f"does not implement; use at most {window}")
         if context_length > self.max_context_len:
             why = "with its RoPE scaling" if self.rope_scaling is not None else "and config.json has no RoPE scaling"
             raise ModelConfigError(f"--context-length {context_length} is above the model's "
@@ -222,7 +243,8 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = 4 * h if self.architecture.startswith("Gemma3") else 2 * h  # Gemma 3: pre- and post-norms
+        per_layer = h * (q + 2 * kv) + q * h + norms + (2 * self.head_dim if self.qk_norm else 0)
         mlp = 3 * h * i * (self.num_hidden_layers - len(self.moe_layers))
         experts = len(self.moe_layers) * self.num_experts * (3 * h * self.moe_intermediate_size + h)
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + mlp + experts + h
@@ -249,15 +271,63 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
                 "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": layers}
 
 
-def _sliding_window(arch: str, cfg: dict) -> int | None:
-    """The window HF's attention applies: Mistral and Mixtral whenever sliding_window is set; Qwen only with
-    use_sliding_window (then on some layers; capping the context at the window is exact for all of them)."""
+def _sliding_window(arch: str, cfg: dict) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers it applies to) as HF's attention applies it: layer_types' sliding_attention layers
+    where config.json lists them (Gemma 3 without it: every sliding_window_pattern-th layer is global); Qwen
+    only with use_sliding_window (the layers from max_window_layers on, without layer_types); Mistral, Mixtral
+    and Phi-3 on every layer whenever sliding_window is set; Llama never."""
     window = cfg.get("sliding_window")
-    if arch in _QWEN and not cfg.get("use_sliding_window", False):
-        return None
-    if arch.startswith("Llama"):
-        return None
-    return int(window) if window else None
+    n = cfg["num_hidden_layers"]
+    if not window or arch.startswith("Llama") or (arch in _QWEN and not cfg.get("use_sliding_window", False)):
+        return None, ()
+    window = int(window)
+    types = cfg.get("layer_types")
+    if arch.startswith("Gemma3") and not types:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if types and not arch.startswith(("Mistral", "Mixtral")):  # (HF's Mistral ignores layer_types)
+        if len(types) != n:
+            raise ModelConfigError(f"config.json layer_types has {len(types)} entries for {n} layers")
+        return window, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if arch in _QWEN and "Moe" not in arch:
+        return window, tuple(range(int(cfg.get("max_window_layers", n)), n))
+    return window, tuple(range(n))
+
+
+def _gemma3_text_config(arch: str, cfg: dict) -> dict:
+    """A Gemma 3 config.json's text model: the text_config of a multimodal checkpoint, with HF's defaults for
+    what it leaves out (transformers' Gemma3TextConfig fills them; rope_parameters in its layout)."""
+    from transformers import Gemma3TextConfig
+
+    text = cfg.get("text_config", cfg) if arch == "Gemma3ForConditionalGeneration" else cfg
+    keep = {k: v for k, v in text.items() if k not in ("architectures", "model_type", "auto_map")}
+    full = Gemma3TextConfig(**keep).to_dict()
+    for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if k in cfg and cfg is not text:  # the served model's own (outer) config wins
+            full[k] = cfg[k]
+    full["architectures"] = [arch]
+    glob = (full.get("rope_parameters") or {}).get("full_attention") or {}
+    full["rope_theta"] = glob.get("rope_theta", 1_000_000.0)
+    full["rope_scaling"] = glob if glob.get("rope_type", "default") != "default" else None
+    return full
+
+
+def _gemma3_fields(arch: str, cfg: dict) -> dict:
+    """ModelConfig's Gemma 3 fields (cfg: _gemma3_text_config's); empty for other models."""
+    if not arch.startswith("Gemma3"):
+        return {}
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelConfigError("config.json attn_logit_softcapping is not supported (Gemma 3 has none)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelConfigError("config.json use_bidirectional_attention is not supported (a causal LM is served)")
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ModelConfigError(f"config.json rope_parameters.sliding_attention rope_type {local['rope_type']!r} "
+                               f"is not supported (duet scales only the global layers' RoPE)")
+    cap = cfg.get("final_logit_softcapping")
+    return {"rope_local_theta": float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+            "final_logit_softcapping": float(cap) if cap else None}
 
 
 def _num_labels(arch: str, cfg: dict) -> int:

@@ -47,7 +47,7 @@ _HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float
 def _model_class(cfg: ModelConfig):
     cls = MODEL_REGISTRY[cfg.architecture]
     if cfg.embedding_only and cls is not EMBEDDING_CLASS:
-        if cfg.num_experts or cfg.num_labels:
+        if cfg.num_experts or cfg.num_labels or cls is not MODEL_REGISTRY["LlamaForCausalLM"]:
             raise ValueError(f"{cfg.architecture} cannot be served for embeddings (--is-embedding supports the "
                              "dense Llama and Qwen families)")
         return EMBEDDING_CLASS

@@ -52,6 +52,6 @@ def norm_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, r
     if qk_norm is None:
         return rotary_emb(positions, q, k)
     q_norm, k_norm = qk_norm
-    if q.is_cuda:
+    if q.is_cuda and not rotary_emb.partial:
         return qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rotary_emb.cos_sin_cache)
     return rotary_emb(positions, q_norm(q), k_norm(k))

@@ -57,12 +57,17 @@ class RotaryEmbedding(nn.Module):
 
     max_position: the table's length; original_max_position: config.json's max_position_embeddings, which
     dynamic / yarn / longrope read; seq_len: the served context length the dynamic and longrope tables are
-    computed for (both default to max_position)."""
+    computed for (both default to max_position). rotary_dim: the leading dims of each head that turn (partial
+    rotary, Phi-4-mini: 0.75 of the head), the rest pass unchanged; default the whole head. The fused kernels
+    turn whole heads: a partial table runs the plain path (`partial`)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
-                 original_max_position: int | None = None, seq_len: int | None = None):
+                 original_max_position: int | None = None, seq_len: int | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
-        self.head_dim = head_dim
+        self.full_head_dim = head_dim
+        head_dim = rotary_dim or head_dim
+        self.head_dim = head_dim  # the table's width: the dims that turn
         self.max_position = max_position
         self.original_max_position = original_max_position or max_position
         self.seq_len = seq_len or max_position
@@ -97,13 +102,22 @@ class RotaryEmbedding(nn.Module):
 
         On CUDA, one fused Triton kernel rotates q and k in place and returns them; on CPU, rotated copies.
         """
-        if q.is_cuda:
+        if q.is_cuda and not self.partial:
             return triton_ops.apply_rotary(positions, q, k, self.cos_sin_cache)
         return self.forward_native(positions, q, k)
+
+    @property
+    def partial(self) -> bool:
+        """Whether only the leading dims of a head turn (the fused kernels cannot take the table then)."""
+        return self.head_dim != self.full_head_dim
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """The plain PyTorch path (CPU; the reference of the fused kernel): rotated copies of q and k."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        if self.partial:
+            d = self.head_dim
+            return (torch.cat([_rotate(q[..., :d], cos, sin), q[..., d:]], dim=-1),
+                    torch.cat([_rotate(k[..., :d], cos, sin), k[..., d:]], dim=-1))
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

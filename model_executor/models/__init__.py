@@ -1,8 +1,10 @@
 """The model classes, by the `architectures` name of a checkpoint's config.json."""
 
 from model_executor.models.eagle3 import Eagle3ForCausalLM
+from model_executor.models.gemma3 import Gemma3ForCausalLM
 from model_executor.models.llama import LlamaEmbeddingModel, LlamaForCausalLM, LlamaForSequenceClassification
 from model_executor.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from model_executor.models.phi3 import Phi3ForCausalLM
 
 # Mistral, Qwen2 and Qwen3 share the Llama block; Qwen2's q/k/v bias comes from ModelConfig.attention_bias,
 # Qwen3's q/k norms from ModelConfig.qk_norm, the MoE layers from ModelConfig.moe_layers.
@@ -13,6 +15,9 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # the text tower
     # Pooling models (--is-embedding): a backbone-only embedding checkpoint, a reranker with a score head.
     "LlamaModel": LlamaEmbeddingModel,
     "MistralModel": LlamaEmbeddingModel,

@@ -63,7 +63,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, hd**-0.5,
                                    rotary_emb=rotary_emb,
-                                   qk_norm=(self.q_norm, self.k_norm) if cfg.qk_norm else None)
+                                   qk_norm=(self.q_norm, self.k_norm) if cfg.qk_norm else None,
+                                   sliding_window=cfg.layer_sliding_window(layer_id))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | PrenormedRow, residual: torch.Tensor | None,
                 norm: RMSNorm, fb: ForwardBatch,
@@ -105,7 +106,8 @@ class LlamaModel(nn.Module):
         served = cfg.served_context_len
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, max(cfg.max_position_embeddings, served or 0),
                                           cfg.rope_theta, cfg.rope_scaling,
-                                          original_max_position=cfg.max_position_embeddings, seq_len=served)
+                                          original_max_position=cfg.max_position_embeddings, seq_len=served,
+                                          rotary_dim=int(cfg.head_dim * cfg.partial_rotary_factor))
         self.layers = nn.ModuleList(decoder_layer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The layers whose outputs forward also gives, in ascending order (set_aux_hidden_state_layers); empty:

@@ -128,3 +128,35 @@ def test_bf16_pool_plans_bf16_without_scales(monkeypatch, mode):
     assert plan[3]["kv_data_type"] == torch.bfloat16
     runs = [c for c in calls if c[:2] == (kind, "run")]
     assert len(runs) == LAYERS and all(set(r[3]) == {"out"} for r in runs)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_sliding_window_layers_plan_and_run_their_own_wrapper(monkeypatch, mode):
+    """A model with a window on layer 0 and full attention on layer 1: one wrapper per window, planned with
+    window_left = W - 1 (none for the full one), and each layer runs the wrapper of its window."""
+    mod, calls = fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    pool = ReqToTokenPool(4, 32, "cpu")
+    config = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                   num_hidden_layers=LAYERS, sliding_window=4, sliding_window_layers=(0,))
+    runner = types.SimpleNamespace(model_config=config, dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                                   device=torch.device("cpu"), req_to_token_pool=pool)
+    backend = FlashInferAttnBackend(runner)
+    kv = KVCache(64, LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu", None, None)
+    kind = "decode" if mode.is_decode() else "prefill"
+    wrappers = backend.decode_wrappers if mode.is_decode() else backend.prefill_wrappers
+    assert sorted(wrappers) == [-1, 3]
+    fb = batch(mode, backend, pool, kv)
+    backend.init_forward_metadata(fb)
+    plans = [c for c in calls if c[:2] == (kind, "plan")]
+    assert sorted(p[3].get("window_left", -1) for p in plans) == [-1, 3]
+    ran = []
+    for w in wrappers.values():
+        w.run = lambda q, paged, _w=w, **kw: (ran.append(_w), kw["out"].zero_())
+    n = fb.input_ids.shape[0]
+    for layer_id, window in ((0, 4), (1, None)):
+        layer = RadixAttention(layer_id, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, sliding_window=window)
+        q = torch.randn(n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+        k = torch.randn(n, KV_HEADS * HEAD_DIM, dtype=torch.bfloat16)
+        backend.forward(q, k, k.clone(), layer, fb)
+    assert ran == [wrappers[3], wrappers[-1]]

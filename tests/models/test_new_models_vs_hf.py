@@ -99,19 +99,26 @@ def test_greedy_tokens_equal_hf_generate(name, tiny):
     assert greedy(runner, prompt, 32) == ref
 
 
-def test_sliding_window_caps_the_context():
-    from model_executor.model_config import ModelConfig, ModelConfigError
+def test_sliding_window_layers_from_config():
+    """The window and the layers it applies to, as HF's attention reads each config; the context is not cut."""
+    from model_executor.model_config import ModelConfig
 
     mistral = ModelConfig.from_dict(dict(TINY_LLAMA_BASE, architectures=["MistralForCausalLM"], sliding_window=64,
                                          max_position_embeddings=512))
-    assert mistral.check_context_length(None) == 64 and mistral.check_context_length(64) == 64
-    with pytest.raises(ModelConfigError, match="--context-length 65 is above the model's sliding window"):
-        mistral.check_context_length(65)
-    # Qwen configs carry a sliding_window that HF applies only with use_sliding_window.
+    assert mistral.check_context_length(None) == 512 and mistral.check_context_length(512) == 512
+    assert [mistral.layer_sliding_window(i) for i in range(2)] == [64, 64]
+    # Qwen configs carry a sliding_window that HF applies only with use_sliding_window, from max_window_layers on.
     qwen = ModelConfig.from_dict(dict(TINY_QWEN3, sliding_window=64, use_sliding_window=False))
-    assert qwen.check_context_length(None) == 512
-    qwen_sliding = ModelConfig.from_dict(dict(TINY_QWEN3, sliding_window=64, use_sliding_window=True))
-    assert qwen_sliding.check_context_length(None) == 64
+    assert qwen.check_context_length(None) == 512 and qwen.sliding_window_layers == ()
+    qwen_sliding = ModelConfig.from_dict(dict(TINY_QWEN3, sliding_window=64, use_sliding_window=True,
+                                              max_window_layers=1))
+    assert qwen_sliding.check_context_length(None) == 512
+    assert [qwen_sliding.layer_sliding_window(i) for i in range(2)] == [None, 64]
+    typed = ModelConfig.from_dict(dict(TINY_QWEN3, sliding_window=64, use_sliding_window=True,
+                                       layer_types=["sliding_attention", "full_attention"]))
+    assert typed.sliding_window_layers == (0,)
+    llama = ModelConfig.from_dict(dict(TINY_LLAMA_BASE, sliding_window=64))
+    assert llama.sliding_window is None and llama.sliding_window_layers == ()
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "mrope", "factor": 2.0}, {"type": "su", "factor": 2.0}])

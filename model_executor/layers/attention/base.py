@@ -25,6 +25,8 @@ class AttentionLayer(Protocol):
     scaling: float
     rotary_emb: RotaryEmbedding | None  # for backends that fuse the rotary into the KV store
     qk_norm: tuple[RMSNorm, RMSNorm] | None  # Qwen3's per-head q/k norms, applied with the rotary
+    # A query at position p attends to positions p - sliding_window + 1 .. p; None: to all up to p
+    sliding_window: int | None
 
 
 class AttentionBackend(ABC):

@@ -10,6 +10,10 @@ softmax scale and multiplies the output by v_scale. Extends then run flashinfer'
 take bf16 queries over FP8 K/V; its Hopper (FA3) kernels need Q and K of one type. An extend stores its new K/V
 first and attends over the pool, so its tokens see each other's K/V as stored (rounded to FP8), where the
 triton backend's extend kernel reads them unrounded.
+
+Sliding windows: flashinfer takes a window at plan time (window_left = W - 1 keys before the query), so a model
+with windowed layers gets one wrapper per distinct window (Gemma 3: its local window and -1, none, for the
+global layers), each planned over the same KV indices, and each layer runs the wrapper of its window.
 """
 
 from __future__ import annotations
@@ -45,12 +49,17 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=runner.device)
         # Tensor-core decode kernels pay off once several query heads share a KV head (SGLang's rule).
         self.decode_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2" if self.fp8_kv else "auto")
-        self.graph_wrappers: dict[int, object] = {}
-        self._decode = self.decode_wrapper
+        # The model's windows as flashinfer's window_left (-1: full attention), one wrapper pair each
+        window = getattr(cfg, "sliding_window", None)
+        windowed = set(getattr(cfg, "sliding_window_layers", ()))
+        self.window_lefts = sorted({window - 1 if i in windowed else -1 for i in range(cfg.num_hidden_layers)}
+                                   if window and windowed else {-1})
+        self.decode_wrappers = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores) for w in self.window_lefts}
+        self.prefill_wrappers = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2" if self.fp8_kv else "auto") for w in self.window_lefts}
+        self.graph_wrappers: dict[int, dict[int, object]] = {}  # batch size -> window_left -> wrapper
+        self._decode = self.decode_wrappers
 
     # ---- metadata --------------------------------------------------------------------------------
     def _kv_indices(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,21 +76,32 @@ class FlashInferAttnBackend(AttentionBackend):
         last = torch.ones(fb.batch_size, dtype=torch.int32)
         return indptr, self.req_to_token[rows, positions], last
 
-    def _plan_decode(self, wrapper, fb: ForwardBatch) -> None:
+    @staticmethod
+    def _window(window_left: int) -> dict:
+        """plan()'s window argument: none for full attention (the call stays as without windows)."""
+        return {} if window_left < 0 else {"window_left": window_left}
+
+    def _layer_window_left(self, layer: AttentionLayer) -> int:
+        window = getattr(layer, "sliding_window", None)
+        return -1 if window is None else window - 1
+
+    def _plan_decode(self, wrappers: dict, fb: ForwardBatch) -> None:
         indptr, indices, last = self._kv_indices(fb)
-        wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
-                     q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+        for window_left, wrapper in wrappers.items():
+            wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
+                         q_data_type=self.dtype, kv_data_type=self.kv_dtype, **self._window(window_left))
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode.is_decode():
-            self._decode = self.decode_wrapper
+            self._decode = self.decode_wrappers
             self._plan_decode(self._decode, fb)
             return
         indptr, indices, last = self._kv_indices(fb)
         qo_indptr = torch.tensor([0, *accumulate(fb.extend_seq_lens_cpu)], dtype=torch.int32)
-        self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_qo_heads, self.num_kv_heads,
-                                  self.head_dim, 1, causal=True, q_data_type=self.dtype,
-                                  kv_data_type=self.kv_dtype)
+        for window_left, wrapper in self.prefill_wrappers.items():
+            wrapper.plan(qo_indptr, indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
+                         causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                         **self._window(window_left))
 
     # ---- attention -------------------------------------------------------------------------------
     def _paged(self, fb: ForwardBatch, layer: AttentionLayer):
@@ -98,12 +118,14 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch,
                        out: torch.Tensor) -> None:
-        self._decode.run(q, self._paged(fb, layer), out=out, **self._scales(fb, layer))
+        self._decode[self._layer_window_left(layer)].run(q, self._paged(fb, layer), out=out,
+                                                         **self._scales(fb, layer))
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
         fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        self.prefill_wrapper.run(q, self._paged(fb, layer), out=out, **self._scales(fb, layer))
+        self.prefill_wrappers[self._layer_window_left(layer)].run(q, self._paged(fb, layer), out=out,
+                                                                  **self._scales(fb, layer))
 
     # ---- graph hooks -----------------------------------------------------------------------------
     def _max_graph_indices(self, max_bs: int) -> int:
@@ -129,13 +151,14 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch, variant=None) -> None:
         bs = fb.batch_size
-        wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        # (the windows' wrappers plan the same indices into the same buffers)
+        wrappers = {w: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.graph_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.graph_indices,
-            paged_kv_last_page_len_buffer=self.graph_last_page[:bs])
-        self.graph_wrappers[bs] = wrapper
-        self._decode = wrapper
-        self._plan_decode(wrapper, fb)
+            paged_kv_last_page_len_buffer=self.graph_last_page[:bs]) for w in self.window_lefts}
+        self.graph_wrappers[bs] = wrappers
+        self._decode = wrappers
+        self._plan_decode(wrappers, fb)
 
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
         self._decode = self.graph_wrappers[fb.batch_size]

@@ -28,8 +28,13 @@ from model_executor.layers.triton_ops.small_m_gemm_dispatch import MAX_FUSED_ROW
 
 class RadixAttention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-                 rotary_emb: RotaryEmbedding | None = None, qk_norm: tuple[RMSNorm, RMSNorm] | None = None):
+                 rotary_emb: RotaryEmbedding | None = None, qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding window {sliding_window} must be at least 1")
+        # A query at position p attends to positions p - sliding_window + 1 .. p (None: all before it)
+        self.sliding_window = sliding_window
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -50,7 +55,8 @@ class RadixAttention(nn.Module):
         # (tracing first: a traced token count compared with 1 would add a guard to the graph)
         if forward_context.is_active() or torch.compiler.is_compiling():
             return None
-        if self.rotary_emb is None or self.qk_norm is not None or positions.shape[0] > SMALL_M_FUSED_ROWS:
+        if (self.rotary_emb is None or self.rotary_emb.partial or self.qk_norm is not None
+                or positions.shape[0] > SMALL_M_FUSED_ROWS):
             return None
         target = fb.attn_backend.kv_store_target(self, fb)
         if target is None:
@@ -71,7 +77,8 @@ class RadixAttention(nn.Module):
             if positions is None:
                 raise ValueError("this attention layer applies the rotary embedding: positions are required")
             # (inside a piecewise pass the op below is opaque to tracing: the rotary stays in the pieces)
-            if not forward_context.is_active() and fb.attn_backend.fuses_rotary(fb):
+            if (not forward_context.is_active() and not self.rotary_emb.partial
+                    and fb.attn_backend.fuses_rotary(fb)):
                 return fb.attn_backend.forward(q, k, v, self, fb, positions=positions)
             t = q.shape[0]
             q, k = norm_and_rotate(positions, q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim),

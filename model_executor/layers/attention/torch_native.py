@@ -7,11 +7,15 @@ ride as the query-length dimension of SDPA, so grouped-query attention needs no 
 one SDPA per request: without a cached prefix the new tokens' own K/V with is_causal; with one, the
 request's slots gathered once and a causal mask shifted by the prefix, built for a bounded block of query
 rows at a time so memory stays linear in the prompt.
+
+A layer with a sliding window W (layer.sliding_window) masks the keys more than W - 1 positions before each
+query: positions are absolute (a cached prefix and earlier chunks count), and keys outside the window stay in
+the pool, unread.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +32,19 @@ class DecodeMetadata:
     batch: ForwardBatch  # the batch these were built for
     slots: torch.Tensor  # [bs, max_len] int64 KV slots (past each request's length: row padding, masked)
     mask: torch.Tensor | None  # [bs, 1, 1, max_len] True = attend; None when every request has max_len
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window: mask and the window's
+
+    def window_mask(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer with this sliding window (None: self.mask): request b attends to positions
+        seq_len[b] - window .. seq_len[b] - 1, built once per window and batch."""
+        if window is None or window >= self.slots.shape[1]:
+            return self.mask
+        if window not in self.window_masks:
+            fb = self.batch
+            positions = torch.arange(self.slots.shape[1], device=self.slots.device)[None, :]
+            lens = fb.seq_lens[:, None]
+            self.window_masks[window] = ((positions < lens) & (positions >= lens - window))[:, None, None, :]
+        return self.window_masks[window]
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -57,8 +74,8 @@ class TorchNativeBackend(AttentionBackend):
         k = k_buf[meta.slots].transpose(1, 2)
         v = v_buf[meta.slots].transpose(1, 2)
         qg = q.view(bs, hk, layer.num_heads // hk, layer.head_dim)
-        o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.mask,
-                                           scale=layer.scaling)
+        mask = meta.window_mask(getattr(layer, "sliding_window", None))
+        o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=layer.scaling)
         out.copy_(o.reshape(out.shape))
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
@@ -68,6 +85,7 @@ class TorchNativeBackend(AttentionBackend):
         req_to_token = fb.req_to_token_pool.req_to_token
         rows = fb.req_pool_indices.tolist()
         start = 0
+        window = getattr(layer, "sliding_window", None)
         for row, seq_len, ext_len in zip(rows, fb.seq_lens_cpu, fb.extend_seq_lens_cpu):
             prefix = seq_len - ext_len
             qi = q[start : start + ext_len].transpose(0, 1)[None]  # [1, Hq, T, D]
@@ -77,22 +95,32 @@ class TorchNativeBackend(AttentionBackend):
                 slots = req_to_token[row, :seq_len].long()
                 ki, vi = k_buf[slots].to(q.dtype), v_buf[slots].to(q.dtype)
             ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hk, S, D]
-            out[start : start + ext_len] = _causal_attention(qi, ki, vi, prefix, layer.scaling)[0].transpose(0, 1)
+            o = _causal_attention(qi, ki, vi, prefix, layer.scaling, window)
+            out[start : start + ext_len] = o[0].transpose(0, 1)
             start += ext_len
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
-    """q: [1, Hq, T, D] at positions prefix..prefix+T, k/v: [1, Hk, prefix+T, D] -> [1, Hq, T, D]."""
-    if prefix == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float,
+                      window: int | None = None) -> torch.Tensor:
+    """q: [1, Hq, T, D] at positions prefix..prefix+T, k/v: [1, Hk, prefix+T, D] -> [1, Hq, T, D]; with a
+    window, each query sees only the `window` positions up to its own."""
     t, s = q.shape[2], k.shape[2]
-    kv_pos = torch.arange(s, device=q.device)
+    if window is not None and window >= s:
+        window = None  # no query reaches past its window
+    if prefix == 0 and window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     blocks = []
     for lo in range(0, t, PREFIX_QUERY_BLOCK):
         hi = min(lo + PREFIX_QUERY_BLOCK, t)
+        # Keys after the block's last query, or before its first query's window, are masked for every row of
+        # it: leave them out of the call.
+        first = 0 if window is None else max(0, prefix + lo - window + 1)
+        kv_pos = torch.arange(first, prefix + hi, device=q.device)
         q_pos = torch.arange(prefix + lo, prefix + hi, device=q.device)
-        # Keys after the block's last query are masked for every row of it: leave them out of the call.
-        mask = kv_pos[None, : prefix + hi] <= q_pos[:, None]
-        blocks.append(F.scaled_dot_product_attention(q[:, :, lo:hi], k[:, :, : prefix + hi], v[:, :, : prefix + hi],
-                                                     attn_mask=mask, scale=scale, enable_gqa=True))
+        mask = kv_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - window
+        blocks.append(F.scaled_dot_product_attention(q[:, :, lo:hi], k[:, :, first : prefix + hi],
+                                                     v[:, :, first : prefix + hi], attn_mask=mask, scale=scale,
+                                                     enable_gqa=True))
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)

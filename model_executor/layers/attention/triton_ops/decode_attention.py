@@ -28,6 +28,10 @@ After the qkv kernel (after_qkv, at one or two requests: preload_after_qkv): sta
 (triton_ops/pdl.py) and loads its first step's K/V, but the newest position's, before it waits for that
 kernel; after the wait it reads q and the newest position's K/V and takes that step as the loop would.
 
+A sliding window W (a layer's, decode_attention_fwd's sliding_window) keeps a request to its last W positions:
+the chunks below cover seq_len - W .. seq_len - 1 as they would a request of W tokens (the window is a runtime
+argument, one compiled kernel for windowed and global layers; NO_WINDOW stands for none).
+
 Chunking, from `seq_lens` read on the device: a request of length L uses n = min(cdiv(L, min_chunk),
 num_kv_splits) chunks of `round_up(cdiv(L, n), BLOCK_N)` positions, so a short request uses few splits
 and their programs do real work; the programs of splits past a request's last chunk only exit, and stage 2
@@ -149,6 +153,8 @@ PROGRAMS_PER_SM_FP16_DOTS = 8
 MIN_SPLITS_FP16_DOTS = 3
 
 _LOG2E = 1.4426950408889634
+# The window a layer without one passes: longer than any context, so its first position is always 0.
+NO_WINDOW = 1 << 30
 # Triton's CPU interpreter (chosen by the environment before triton is first imported) cannot run the inline PTX
 # of _e4m3_words_to_f16; read once, not per call.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -269,6 +275,12 @@ def alloc_decode_workspace(max_bs: int, num_heads: int, head_dim: int, num_kv_sp
     attn_lse = torch.empty((max_bs, num_heads, num_kv_splits), dtype=torch.float32, device=device)
     counters = torch.zeros((max_bs, num_heads), dtype=torch.int32, device=device)
     return DecodeWorkspace(attn_logits, attn_lse, counters)
+
+
+@triton.jit
+def _window_start(seq_len, window):
+    """The first position a sliding window of `window` positions keeps of a request of seq_len tokens."""
+    return tl.maximum(seq_len - window, 0)
 
 
 @triton.jit
@@ -433,7 +445,7 @@ def _attend_in_warp_splits(q, K_Buffer, V_Buffer, Req_to_token, req_row, stride_
 @triton.jit
 def _decode_stage1_kernel(
     Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse, O, Counters,
-    qk_scale, v_scale, num_kv_splits, min_chunk,
+    qk_scale, v_scale, num_kv_splits, min_chunk, window,
     stride_qb, stride_qh,
     stride_kbs, stride_kh,
     stride_vbs, stride_vh,
@@ -482,13 +494,17 @@ def _decode_stage1_kernel(
 
     seq_len = tl.load(Seq_lens + cur_batch).to(tl.int32)
     req_row = tl.load(Req_pool_indices + cur_batch).to(tl.int64)
+    kv_start = _window_start(seq_len, window)
+    kept = seq_len - kv_start  # the positions the window keeps, chunked from kv_start
     if SINGLE_STAGE:  # every position; a request of no tokens still writes its output (zeros)
-        split_start = seq_len * 0
+        split_start = kv_start
         split_end = seq_len
         has_work = split_end >= split_start
     else:
-        split_start, split_end, num_chunks = _split_bounds(seq_len, split_id, num_kv_splits, min_chunk, BLOCK_N)
+        split_start, split_end, num_chunks = _split_bounds(kept, split_id, num_kv_splits, min_chunk, BLOCK_N)
         has_work = split_end > split_start
+        split_start += kv_start
+        split_end += kv_start
     if PRELOAD:  # the first step's tile but the newest position: the qkv kernel before stores only that one
         offs_n0 = split_start + tl.arange(0, BLOCK_N)
         mask_n0 = offs_n0 < split_end
@@ -571,7 +587,7 @@ def _decode_stage1_kernel(
                 # In Triton's CPU interpreter the programs run one after another, so there the highest
                 # split always combines; tests/kernels/test_decode_combine_gpu.py covers any arrival order.
                 # .cg: from L2, past this SM's L1, which other programs' stores did not update
-                _merge_block(Att_Out, Att_Lse, O, cur_batch, kv_head, head_block, seq_len, num_kv_splits,
+                _merge_block(Att_Out, Att_Lse, O, cur_batch, kv_head, head_block, kept, num_kv_splits,
                              min_chunk, stride_mid_ob, stride_mid_oh, stride_mid_os, stride_lse_b, stride_lse_h,
                              stride_ob, stride_oh, offs_d, mask_d, KV_GROUP_NUM, BLOCK_H, MERGE_HEADS, SPLITS_P2,
                              BLOCK_N, ".cg")
@@ -581,7 +597,7 @@ def _decode_stage1_kernel(
 @triton.jit
 def _decode_stage2_kernel(
     Att_Out, Att_Lse, O, Seq_lens,
-    num_kv_splits, min_chunk,
+    num_kv_splits, min_chunk, window,
     stride_mid_ob, stride_mid_oh, stride_mid_os,
     stride_lse_b, stride_lse_h,
     stride_ob, stride_oh,
@@ -606,7 +622,8 @@ def _decode_stage2_kernel(
     else:
         mask_d = offs_d < HEAD_DIM
     seq_len = tl.load(Seq_lens + cur_batch).to(tl.int32)
-    _merge_block(Att_Out, Att_Lse, O, cur_batch, pid_h // HEAD_BLOCKS, pid_h % HEAD_BLOCKS, seq_len, num_kv_splits,
+    kept = seq_len - _window_start(seq_len, window)
+    _merge_block(Att_Out, Att_Lse, O, cur_batch, pid_h // HEAD_BLOCKS, pid_h % HEAD_BLOCKS, kept, num_kv_splits,
                  min_chunk, stride_mid_ob, stride_mid_oh, stride_mid_os, stride_lse_b, stride_lse_h,
                  stride_ob, stride_oh, offs_d, mask_d, KV_GROUP_NUM, BLOCK_H, MERGE_HEADS, SPLITS_P2,
                  SPLIT_ALIGN, "")
@@ -632,6 +649,7 @@ def decode_attention_fwd(
     fused_combine: bool | None = None,
     v_words: bool | None = None,
     after_qkv: bool = False,
+    sliding_window: int | None = None,
 ) -> None:
     """Decode attention; writes `o` in place.
 
@@ -659,6 +677,7 @@ def decode_attention_fwd(
     rotary and KV store) and nothing else this call reads. Where preload_after_qkv says so, stage 1 loads its
     first step's K/V but the newest position's before it reads q, and on sm_90+ is launched with PDL and waits
     for that kernel only then (triton_ops/pdl.py). Same bits either way.
+    sliding_window: attend only to each request's last sliding_window positions (None: all of them).
     No host reads of device data, no allocations: safe to capture in a CUDA graph. On sm_90+ each kernel
     signals at its start that a kernel launched with PDL after it may start (triton_ops/pdl.py).
     """
@@ -669,6 +688,8 @@ def decode_attention_fwd(
     assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
     assert req_to_token.stride(-1) == 1
     assert num_kv_splits >= 1 and min_chunk >= 1
+    assert sliding_window is None or 1 <= sliding_window < NO_WINDOW
+    window = NO_WINDOW if sliding_window is None else sliding_window
     assert attn_logits.dtype == torch.float32 and attn_lse.dtype == torch.float32
     assert attn_logits.shape[0] >= bs and attn_logits.shape[1] == num_heads
     assert attn_logits.shape[2] >= num_kv_splits and attn_logits.shape[3] == head_dim
@@ -706,7 +727,7 @@ def decode_attention_fwd(
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse, o,
         counters if fused else attn_lse,  # (a placeholder pointer when there is no combine in stage 1)
-        qk_scale, v_scale, num_kv_splits, min_chunk,
+        qk_scale, v_scale, num_kv_splits, min_chunk, window,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -743,7 +764,7 @@ def decode_attention_fwd(
         return
     _decode_stage2_kernel[(bs, num_kv_heads * head_blocks)](
         attn_logits, attn_lse, o, seq_lens,
-        num_kv_splits, min_chunk,
+        num_kv_splits, min_chunk, window,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
         o.stride(0), o.stride(1),

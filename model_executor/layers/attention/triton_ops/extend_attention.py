@@ -107,12 +107,16 @@ def _attend_block_range(
     IN_PRECISION: tl.constexpr,
     STAGES: tl.constexpr,
     FULL_BLOCKS: tl.constexpr = False,
+    SLIDING: tl.constexpr = False,
+    window=0,
 ):
     """Online softmax over key positions kv_start..kv_end, the loop software-pipelined in STAGES stages. K / V
     point at the KV head's first element; FROM_POOL: position p is row slot_table[p] (the pool); otherwise row
     row_base + p (the new tokens). qk_scale includes the pool's K scale and v_scale is its V scale (applied
     only FROM_POOL: the new tokens have none). FULL_BLOCKS (not CAUSAL): the caller guarantees that
-    kv_end - kv_start is a multiple of BLOCK_N, so no key needs a mask.
+    kv_end - kv_start is a multiple of BLOCK_N, so no key needs a mask. SLIDING: each row also masks the keys
+    `window` or more positions before its own (a row may then see no key of a block: its running max stays
+    -inf, and the block adds nothing).
 
     The per-key arithmetic is what bounds this loop on Hopper: the scale is folded into the exponent (one
     multiply-add a score), masks are applied only where a block can hold hidden keys, and P @ V accumulates
@@ -133,13 +137,23 @@ def _attend_block_range(
         # K transposed: [BLOCK_D, BLOCK_N]
         k = tl.load(K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_k, other=0.0)
         qk = tl.dot(q, k.to(q.dtype), input_precision=IN_PRECISION)  # unscaled
-        if CAUSAL:
+        if SLIDING:
+            visible = mask_n[None, :] & (offs_n[None, :] > q_pos[:, None] - window)
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        elif CAUSAL:
             qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
         elif not FULL_BLOCKS:
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
         n_e_max = tl.maximum(tl.max(qk, 1) * qk_scale, e_max)  # log2 domain
-        re_scale = tl.exp2(e_max - n_e_max)
-        p = tl.exp2(qk * qk_scale - n_e_max[:, None])
+        if SLIDING:  # (a row that has seen no key keeps -inf: exp2(-inf - -inf) would be NaN)
+            n_e_max_or_0 = tl.where(n_e_max == float("-inf"), 0.0, n_e_max)
+            re_scale = tl.exp2(e_max - n_e_max_or_0)
+            p = tl.exp2(qk * qk_scale - n_e_max_or_0[:, None])
+        else:
+            re_scale = tl.exp2(e_max - n_e_max)
+            p = tl.exp2(qk * qk_scale - n_e_max[:, None])
         v = tl.load(V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_v, other=0.0)
         acc = acc * re_scale[:, None]
         if FROM_POOL:
@@ -155,7 +169,7 @@ def _attend_block_range(
 def _extend_kernel(
     Q, K_New, V_New, O, K_Buffer, V_Buffer, Out_cache_loc,
     Req_to_token, Req_pool_indices, Seq_lens, Extend_seq_lens, Extend_start_loc,
-    qk_scale, k_scale, v_scale,
+    qk_scale, k_scale, v_scale, window,
     stride_qbs, stride_qh,
     stride_knbs, stride_knh,
     stride_vnbs, stride_vnh,
@@ -173,6 +187,7 @@ def _extend_kernel(
     Q_PRESCALE: tl.constexpr,
     NEW_STAGES: tl.constexpr,
     POOL_STAGES: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -226,6 +241,11 @@ def _extend_kernel(
     e_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     slot_table = Req_to_token + req_row * stride_req_b
     new_row_base = start_loc - prefix_len  # position p >= prefix_len is new row new_row_base + p
+    # The first key any row of the tile sees: 0, or with a window, the window of the tile's first query
+    if SLIDING:
+        first_key = tl.maximum(prefix_len + block_m * BLOCK_M - window + 1, 0)
+    else:
+        first_key = 0
 
     # 1. The cached prefix, from the pool: visible to every row. An FP8 pool's dots run in fp16, q scaled by
     # Q_PRESCALE (decode_attention.kv_dots_in_fp16; the new tokens' dots below keep q's dtype).
@@ -235,26 +255,30 @@ def _extend_kernel(
     else:
         q_pool = q
         pool_qk_scale = qk_scale * k_scale
-    if prefix_len > 0:  # (a pipelined loop's prologue costs even when it runs no step: 0.5-1.4 us at 128 tokens)
+    if prefix_len > first_key:  # (a pipelined loop's prologue costs even when it runs no step: 0.5-1.4 us at 128 tokens)
         acc, e_sum, e_max = _attend_block_range(
             acc, e_sum, e_max, q_pool, q_pos, k_pool, v_pool, stride_kbs, stride_vbs, slot_table, 0,
-            0, prefix_len, pool_qk_scale, v_scale, offs_d, mask_d,
-            BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION, STAGES=POOL_STAGES)
+            first_key, prefix_len, pool_qk_scale, v_scale, offs_d, mask_d,
+            BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=True, IN_PRECISION=IN_PRECISION, STAGES=POOL_STAGES,
+            SLIDING=SLIDING, window=window)
     # 2. New tokens before the tile's first query: visible to every row (block_m * BLOCK_M keys: whole blocks
     # when BLOCK_N divides BLOCK_M).
     shared_end = prefix_len + block_m * BLOCK_M
     acc, e_sum, e_max = _attend_block_range(
         acc, e_sum, e_max, q, q_pos, k_new, v_new, stride_knbs, stride_vnbs, slot_table, new_row_base,
-        prefix_len, shared_end, qk_scale, 1.0, offs_d, mask_d,
+        tl.maximum(prefix_len, first_key), shared_end, qk_scale, 1.0, offs_d, mask_d,
         BLOCK_N=BLOCK_N, CAUSAL=False, FROM_POOL=False, IN_PRECISION=IN_PRECISION, STAGES=NEW_STAGES,
-        FULL_BLOCKS=BLOCK_M % BLOCK_N == 0)
+        FULL_BLOCKS=BLOCK_M % BLOCK_N == 0 and not SLIDING, SLIDING=SLIDING, window=window)
     # 3. The tile's own band, up to its last real query position: causal mask.
     band_end = prefix_len + tl.minimum((block_m + 1) * BLOCK_M, extend_len)
     acc, e_sum, e_max = _attend_block_range(
         acc, e_sum, e_max, q, q_pos, k_new, v_new, stride_knbs, stride_vnbs, slot_table, new_row_base,
         shared_end, band_end, qk_scale, 1.0, offs_d, mask_d,
-        BLOCK_N=BLOCK_N, CAUSAL=True, FROM_POOL=False, IN_PRECISION=IN_PRECISION, STAGES=NEW_STAGES)
+        BLOCK_N=BLOCK_N, CAUSAL=True, FROM_POOL=False, IN_PRECISION=IN_PRECISION, STAGES=NEW_STAGES,
+        SLIDING=SLIDING, window=window)
 
+    if SLIDING:  # (rows past the request's last token may see no key: keep their unstored output finite)
+        e_sum = tl.maximum(e_sum, 1e-30)
     out = acc / e_sum[:, None]
     tl.store(O + new_rows[:, None] * stride_obs + cur_head * stride_oh + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=mask_md)
@@ -278,6 +302,7 @@ def extend_attention_fwd(
     config: ExtendConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> None:
     """Stores the new tokens' K/V in the pool and runs causal extend attention, in one kernel; writes `o`.
 
@@ -295,6 +320,8 @@ def extend_attention_fwd(
     memory>)`).
     k_scale, v_scale: the pool's scales: an FP8 pool stores K / k_scale and V / v_scale (saturated casts)
     and the prefix read from it is scaled back; the new tokens are attended unquantized.
+    sliding_window: each query at position p attends only to positions p - sliding_window + 1 .. p (None: all
+    up to p); the keys before a tile's window are not read.
     """
     num_tokens, num_heads, head_dim = q.shape
     bs = seq_lens.shape[0]
@@ -303,6 +330,7 @@ def extend_attention_fwd(
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and o.shape == q.shape
     assert k_buffer.shape[2] == head_dim and v_buffer.shape[2] == head_dim
     assert all(t.stride(-1) == 1 for t in (q, k, v, o, k_buffer, v_buffer, req_to_token))
+    assert sliding_window is None or sliding_window >= 1
     if bs == 0 or num_tokens == 0 or max_extend_len <= 0:
         return
     cfg = config or get_extend_config(head_dim, q.dtype, max_extend_len,
@@ -312,7 +340,7 @@ def extend_attention_fwd(
     _extend_kernel[grid](
         q, k, v, o, k_buffer, v_buffer, out_cache_loc,
         req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
-        sm_scale * _LOG2E, k_scale, v_scale,
+        sm_scale * _LOG2E, k_scale, v_scale, sliding_window or 0,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -330,6 +358,7 @@ def extend_attention_fwd(
         Q_PRESCALE=Q_PRESCALE,
         NEW_STAGES=cfg.num_stages,
         POOL_STAGES=cfg.pool_stages or cfg.num_stages,
+        SLIDING=sliding_window is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
