@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model_executor.generation_defaults import sampling_defaults
-from model_executor.pooling import resolve_pooling
+from model_executor.pooling_config import resolve_pooling
 from model_executor.sampling_params import SamplingParams
 from scheduler.io_struct import FlushCacheReq, GetStatsReq
 from server.args import ServerArgs

@@ -234,7 +234,7 @@ def check_reranker_tokenizer(args: ServerArgs, tokenizer) -> None:
     """A yes/no reranker (--is-reranker on a causal LM) needs "yes" and "no" tokens: LaunchError if not."""
     if not args.is_reranker:
         return
-    from model_executor.pooling import resolve_pooling
+    from model_executor.pooling_config import resolve_pooling
     from server.serving_rerank import yes_no_token_ids
 
     if resolve_pooling(args.model_path, args.is_embedding, args.is_reranker).reranker == "yes_no":

@@ -129,7 +129,7 @@ def check_checkpoint_tensors(folder: Path, cfg) -> None:
 def resolve_pooling_task(folder: Path, args):
     """The folder's PoolingConfig under --is-embedding / --is-reranker (None: a generation server)."""
     from model_executor.model_config import ModelConfigError
-    from model_executor.pooling import PoolingConfigError, resolve_pooling
+    from model_executor.pooling_config import PoolingConfigError, resolve_pooling
 
     try:
         return resolve_pooling(folder, args.is_embedding, args.is_reranker)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
-from model_executor.pooling import PoolingConfig
+from model_executor.pooling_config import PoolingConfig
 from scheduler.io_struct import PoolingSpec, PromptLogprobs, TokenLogprob
 from server.args import ServerArgs
 from server.chat_tools import ChatFormat

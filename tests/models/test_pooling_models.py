@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from model_executor.pooling import PoolingConfig, PoolingConfigError, resolve_pooling
+from model_executor.pooling_config import PoolingConfig, PoolingConfigError, resolve_pooling
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.io_struct import PoolingSpec

@@ -331,7 +331,10 @@ def _operations():
                           "POST /v1/messages/count_tokens",
                           # the pooling routes: a 400 on this generation server (tests/server/
                           # test_embeddings_api.py and test_rerank_api.py fuzz them on pooling servers)
-                          "POST /v1/embeddings", "POST /v1/rerank", "POST /v1/score")
+                          "POST /v1/embeddings", "POST /v1/rerank", "POST /v1/score",
+                          # LoRA adapters: a 400 on this server (no --enable-lora); tests/lora/ load real ones
+                          "POST /load_lora_adapter", "POST /unload_lora_adapter", "POST /v1/load_lora_adapter",
+                          "POST /v1/unload_lora_adapter")
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
     out += [(label, GenerationMode.POSITIVE, OTHER_EXAMPLES)
             for label in ("GET /v1/models/{model_id}", "GET /v1/models", "GET /version", "GET /get_model_info",
