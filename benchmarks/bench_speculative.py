@@ -37,7 +37,7 @@ from model_executor.forward_batch import ForwardMode
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.speculative import SpeculativeConfig, Speculator
+from scheduler.speculative import NgramProposer, SpeculativeConfig
 
 PARAGRAPH = (
     "The lighthouse stood at the end of a narrow spit of rock, where the sea broke white on three sides. For a "
@@ -53,14 +53,13 @@ WORKLOADS = {
 }
 
 
-class RecordedSpeculator(Speculator):
+class RecordedDrafts(NgramProposer):
     """Drafts from a recorded greedy output: the true continuation (oracle) or a token that never matches."""
 
-    def __init__(self, config: SpeculativeConfig, recorded: dict[str, list[int]], vocab: int, never: bool):
-        super().__init__(config)
+    def __init__(self, recorded: dict[str, list[int]], vocab: int, never: bool):
         self.recorded, self.vocab, self.never = recorded, vocab, never
 
-    def propose(self, req, k: int) -> list[int]:
+    def propose_one(self, req, k: int) -> list[int]:
         ref = self.recorded[req.rid]
         n = len(req.output_ids)
         draft = ref[n:n + k]
@@ -209,7 +208,7 @@ def main(argv=None) -> int:
                     spec = SpeculativeConfig("NGRAM", n, adaptive=kind != "never_raw")
                     s = make_scheduler(runner, bs, spec)
                     if kind is not None:
-                        s.speculator = RecordedSpeculator(spec, recorded, vocab, never=kind != "oracle")
+                        s.speculator.proposer = RecordedDrafts(recorded, vocab, never=kind != "oracle")
                     results.setdefault(name, []).append(run(s, prompt, bs, args.output_len))
             plain_tok_s = statistics.median(r["decode_tok_s"] for r in results["plain"])
             for name, runs in results.items():
