@@ -239,23 +239,30 @@ class Eagle3Drafts(DraftModelProposer):
         return self.runner.model.to_target_ids(logits.argmax(-1)).tolist()
 
 
+def check_draft_config(algorithm: str, draft: ModelConfig, target: ModelConfig) -> None:
+    """ModelConfigError (one line) where the draft model cannot draft for the target."""
+    if algorithm == "EAGLE3":
+        from model_executor.models.eagle3 import check_draft_fits_target
+
+        check_draft_fits_target(draft, target)
+    elif draft.vocab_size != target.vocab_size:
+        raise ModelConfigError(f"the draft model's vocab_size {draft.vocab_size} is not the target's "
+                               f"{target.vocab_size} (STANDALONE needs the same tokenizer)")
+
+
 def build_draft_proposer(config, target: ModelRunner) -> DraftModelProposer | None:
     """The proposer for a SpeculativeConfig with a draft model (None for NGRAM). ModelConfigError (one line) where
     the draft cannot draft for this target."""
     if config.algorithm == "NGRAM":
         return None
-    from model_executor.models.eagle3 import aux_layer_ids, check_draft_fits_target
+    from model_executor.models.eagle3 import aux_layer_ids
 
     eagle = config.algorithm == "EAGLE3"
-    draft_cfg = ModelConfig.from_pretrained(config.draft_model_path, draft=eagle)
-    if eagle:
-        check_draft_fits_target(draft_cfg, target.model_config)
-        if not hasattr(target.model, "set_aux_hidden_state_layers"):
-            raise ModelConfigError(f"EAGLE3 needs the target's hidden states, which {target.model_config.architecture} "
-                                   f"does not give")
-    elif draft_cfg.vocab_size != target.model_config.vocab_size:
-        raise ModelConfigError(f"the draft model's vocab_size {draft_cfg.vocab_size} is not the target's "
-                               f"{target.model_config.vocab_size} (STANDALONE needs the same tokenizer)")
+    check_draft_config(config.algorithm, ModelConfig.from_pretrained(config.draft_model_path, draft=eagle),
+                       target.model_config)
+    if eagle and not hasattr(target.model, "set_aux_hidden_state_layers"):
+        raise ModelConfigError(f"EAGLE3 needs the target's hidden states, which {target.model_config.architecture} "
+                               f"does not give")
     runner = ModelRunner(draft_runner_config(target, config.draft_model_path, eagle))
     if not eagle:
         return StandaloneDrafts(runner)
