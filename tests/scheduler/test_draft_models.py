@@ -202,3 +202,33 @@ def test_draft_model_errors(models):
         make_scheduler(root / "target", spec_config("EAGLE3", root / "small"))
     with pytest.raises(ValueError, match="needs a draft model path"):
         SpeculativeConfig("STANDALONE", K)
+
+
+def test_eagle3_chunked_prefill_and_mixed_chunks(models):
+    """Prompts prefilled in chunks while others decode inside the extend batches: the head gets every prompt
+    row in order (its first drafts come from the whole prompt) and the outputs equal plain decoding's."""
+    root = models[0]
+    prompts = workload(12, seed=4)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    reqs = [(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    alone = run_all(make_scheduler(root / "target", None), reqs)
+    s = make_scheduler(root / "target", spec_config("EAGLE3", root / "head"), enable_mixed_chunk=True,
+                       chunked_prefill_size=8, disable_radix_cache=True)
+    s.speculator.proposer = RecordingEagle3(s.speculator.proposer)
+    tokens: dict[str, list[int]] = {}
+    for rid, p, prm in reqs:
+        s.add_request(rid, p, prm)
+        for _ in range(2):
+            for out in s.step():
+                tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+    while s.has_work():
+        for out in s.step():
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+    assert tokens == {rid: v[0] for rid, v in alone.items()}
+    first = s.speculator.proposer.first
+    assert len(first) >= 4 and any(len(prompts[int(rid[1:])]) > 8 for rid in first)
+    for rid, (seq, _, aux) in first.items():
+        # one aux row per token with target KV (the prompt's chunks, decode steps inside extend batches): no gap
+        assert len(aux) == len(seq) - 1, rid
+    s.check_invariant()
+    assert s.speculator.proposer.seqs == {}
