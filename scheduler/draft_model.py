@@ -25,7 +25,7 @@ catch-up extend runs over the rows pending since the head last drafted, and its 
 computed for the request: a prompt prefix the target took from its radix cache has no hidden states, so the head
 sees the request from there on (its positions count from there too; rotary attention only sees distances). A
 request whose pending rows pass `MAX_PENDING_ROWS` (it did not draft for that long: many requests decoding, or
-its drafts kept missing) starts over from its newest rows.
+its drafts kept missing, or a longer prompt) keeps only the newest of them and the head starts over there.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from scheduler.req import Req
 logger = logging.getLogger("duet.draft_model")
 
 # EAGLE3: aux rows a request may hold for the head before it starts over from its newest ones.
-MAX_PENDING_ROWS = 4096
+MAX_PENDING_ROWS = 2048
 
 
 @dataclass
@@ -100,9 +100,6 @@ class DraftModelProposer:
             slots = self.runner.req_to_token_pool.slots(seq.row, seq.length)[keep:]
             self.runner.allocator.free(slots)
             seq.length = keep
-
-    def num_held_slots(self) -> int:
-        return sum(s.length for s in self.seqs.values())
 
     # ---- drafting ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -195,8 +192,7 @@ class Eagle3Drafts(DraftModelProposer):
 
     def observe(self, req: Req, start: int, hidden: torch.Tensor | None) -> None:
         seq = self.seqs.get(req.rid)
-        if seq is not None and (hidden is None or seq.base + seq.length + seq.num_pending != start
-                                or seq.num_pending + len(hidden) > MAX_PENDING_ROWS):
+        if seq is not None and (hidden is None or seq.base + seq.length + seq.num_pending != start):
             self.release(req)  # a gap in what the head has seen: it starts over from these rows
             seq = None
         if hidden is None or not len(hidden):
@@ -205,6 +201,19 @@ class Eagle3Drafts(DraftModelProposer):
             seq = self.seqs[req.rid] = DraftSeq(base=start)
         seq.pending.append(hidden)
         seq.num_pending += len(hidden)
+        if seq.num_pending > MAX_PENDING_ROWS:
+            self._keep_newest(seq)
+
+    def _keep_newest(self, seq: DraftSeq) -> None:
+        """Only the newest MAX_PENDING_ROWS pending rows stay; the head starts over from the first of them (its KV,
+        which they no longer follow, goes back)."""
+        length = seq.length
+        if length:
+            self._drop_kv(seq)
+        extra = seq.num_pending - MAX_PENDING_ROWS
+        seq.pending = [torch.cat(seq.pending)[extra:]]
+        seq.num_pending = MAX_PENDING_ROWS
+        seq.base += length + extra
 
     def _catch_up_ids(self, req: Req, seq: DraftSeq) -> list[int]:
         # Head rows base + length .. (pending) pair target positions p with tokens p + 1.

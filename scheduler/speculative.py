@@ -152,10 +152,14 @@ class Speculator:
         return req.spec
 
     @staticmethod
-    def may_draft(req: Req) -> bool:
+    def may_ever_draft(req: Req) -> bool:
         p = req.params
         seeded_random = p.seed is not None and not (p.is_greedy or p.temperature < GREEDY_TEMPERATURE_EPS)
-        return req.grammar is None and not seeded_random and req.max_output - req.num_sampled > 1
+        return req.grammar is None and req.pooling is None and not seeded_random
+
+    @classmethod
+    def may_draft(cls, req: Req) -> bool:
+        return cls.may_ever_draft(req) and req.max_output - req.num_sampled > 1
 
     def drafts(self, reqs: list[Req], room: int) -> list[list[int]]:
         """Each request's drafts for this step ([]: it decodes its one token); room: KV slots the drafts may
@@ -194,7 +198,7 @@ class Speculator:
         return self.proposer.wants_hidden
 
     def observe(self, req: Req, start: int, hidden: torch.Tensor | None) -> None:
-        if req.grammar is None and req.pooling is None:  # (requests that never draft keep nothing)
+        if self.may_ever_draft(req):  # (requests that never draft keep nothing)
             self.proposer.observe(req, start, hidden)
 
     @staticmethod

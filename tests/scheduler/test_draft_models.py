@@ -138,20 +138,42 @@ def test_standalone_retraction_and_abort(models):
 
 
 class RecordingEagle3(Eagle3Drafts):
-    """Records each request's first proposal and the aux hidden states the head drafted it from."""
+    """Records each request's first proposal from an empty head: the target position of head row 0, the tokens
+    the head rows take (position p + 1 for row p), the drafts, and the aux hidden states they came from."""
 
     def __init__(self, inner: Eagle3Drafts):
         super().__init__(inner.runner)
-        self.first: dict[str, tuple[list[int], list[int], torch.Tensor]] = {}
+        self.first: dict[str, tuple[int, list[int], list[int], torch.Tensor]] = {}
 
     def propose(self, reqs, ks):
-        pending = {r.rid: torch.cat(self.seqs[r.rid].pending) for r in reqs
+        pending = {r.rid: (self.seqs[r.rid].base, torch.cat(self.seqs[r.rid].pending)) for r in reqs
                    if r.rid not in self.first and r.rid in self.seqs and self.seqs[r.rid].length == 0}
         out = super().propose(reqs, ks)
         for r, d in zip(reqs, out):
-            if r.rid in pending and self.seqs[r.rid].base == 0:
-                self.first[r.rid] = (r.input_ids + r.output_ids, d, pending[r.rid])
+            if r.rid in pending:
+                base, aux = pending[r.rid]
+                self.first[r.rid] = (base, (r.input_ids + r.output_ids)[base + 1:], d, aux)
         return out
+
+
+def check_head_drafts(s, cfg, w) -> int:
+    """Each recorded first proposal's two drafts against the plain reference run of the head: head row p takes
+    token p + 1 and the target's states at p; the second step feeds the head's own output back. Returns how
+    many were checked."""
+    table = s.runner.model.model.embed_tokens.weight.detach()
+    d2t = w["d2t"] + torch.arange(cfg["draft_vocab_size"])
+    checked = 0
+    for _, ids, drafts, aux in s.speculator.proposer.first.values():
+        if len(drafts) < 2:
+            continue
+        assert len(aux) == len(ids)
+        g = aux @ w["fc.weight"].T
+        logits, hidden = reference_eagle3(w, cfg, table, ids, g)
+        d1 = int(d2t[logits[-1].argmax()])
+        logits, _ = reference_eagle3(w, cfg, table, ids + [d1], torch.cat([g, hidden[-1:]]))
+        assert drafts[:2] == [d1, int(d2t[logits[-1].argmax()])]
+        checked += 1
+    return checked
 
 
 def test_eagle3_greedy_outputs_equal_plain_decoding_and_drafts_equal_the_heads(models, plain):
@@ -164,22 +186,7 @@ def test_eagle3_greedy_outputs_equal_plain_decoding_and_drafts_equal_the_heads(m
         assert out[rid][:2] == expected[rid][:2], rid
     assert s.stats()["spec_verify_steps"] > 100
     assert_drained(s)
-    # The head's first two drafts against the plain reference: head row p takes token p + 1 and the target's
-    # states at p; the second step feeds its own output back.
-    table = s.runner.model.model.embed_tokens.weight.detach()
-    d2t = w["d2t"] + torch.arange(cfg["draft_vocab_size"])
-    checked = 0
-    for seq, drafts, aux in s.speculator.proposer.first.values():
-        if len(drafts) < 2:
-            continue
-        g = aux @ w["fc.weight"].T
-        ids = seq[1:]
-        logits, hidden = reference_eagle3(w, cfg, table, ids, g)
-        d1 = int(d2t[logits[-1].argmax()])
-        logits, _ = reference_eagle3(w, cfg, table, ids + [d1], torch.cat([g, hidden[-1:]]))
-        assert drafts[:2] == [d1, int(d2t[logits[-1].argmax()])]
-        checked += 1
-    assert checked > 20
+    assert check_head_drafts(s, cfg, w) > 20
 
 
 def test_eagle3_retraction(models):
@@ -227,8 +234,45 @@ def test_eagle3_chunked_prefill_and_mixed_chunks(models):
     assert tokens == {rid: v[0] for rid, v in alone.items()}
     first = s.speculator.proposer.first
     assert len(first) >= 4 and any(len(prompts[int(rid[1:])]) > 8 for rid in first)
-    for rid, (seq, _, aux) in first.items():
-        # one aux row per token with target KV (the prompt's chunks, decode steps inside extend batches): no gap
-        assert len(aux) == len(seq) - 1, rid
+    for rid, (base, ids, _, aux) in first.items():
+        # from the first token: every row with target KV (the prompt's chunks, decode steps inside extend batches)
+        assert base == 0 and len(aux) == len(ids), rid
     s.check_invariant()
     assert s.speculator.proposer.seqs == {}
+
+
+def test_eagle3_keeps_the_newest_pending_rows(models, monkeypatch):
+    """A request with more pending rows than the head keeps (here 6: every prompt here is longer) drafts from its
+    newest ones, with the head's positions starting there; outputs unchanged, both pools drained."""
+    import scheduler.draft_model as draft_model
+
+    monkeypatch.setattr(draft_model, "MAX_PENDING_ROWS", 6)
+    root, cfg, w = models
+    reqs = [(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(workload(12, seed=5)) if len(p) > 6]
+    alone = run_all(make_scheduler(root / "target", None), reqs)
+    s = make_scheduler(root / "target", spec_config("EAGLE3", root / "head"))
+    s.speculator.proposer = RecordingEagle3(s.speculator.proposer)
+    out = run_all(s, reqs)
+    assert {rid: v[0] for rid, v in out.items()} == {rid: v[0] for rid, v in alone.items()}
+    assert_drained(s)
+    assert all(base > 0 and len(aux) == 6 for base, _, _, aux in s.speculator.proposer.first.values())
+    assert check_head_drafts(s, cfg, w) >= 4
+
+
+def test_eagle3_after_a_radix_cache_hit(models):
+    """A prompt the target takes from its radix cache has no hidden states: the head starts at the first token
+    the target computes, and drafts from there as the reference does."""
+    root, cfg, w = models
+    prompts = workload(6, seed=6)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    s = make_scheduler(root / "target", spec_config("EAGLE3", root / "head"))
+    s.speculator.proposer = RecordingEagle3(s.speculator.proposer)
+    plain = make_scheduler(root / "target", None)
+    for tag in ("a", "b"):  # the second round finds each prompt in the cache
+        reqs = [(f"{tag}{i}", p, params) for i, p in enumerate(prompts)]
+        assert run_all(s, reqs) == run_all(plain, reqs)
+    first = s.speculator.proposer.first
+    assert all(first[f"a{i}"][0] == 0 and first[f"b{i}"][0] == len(p) - 1 for i, p in enumerate(prompts))
+    assert check_head_drafts(s, cfg, w) == 2 * len(prompts)
+    assert_drained(s)
