@@ -276,3 +276,28 @@ def test_eagle3_after_a_radix_cache_hit(models):
     assert all(first[f"a{i}"][0] == 0 and first[f"b{i}"][0] == len(p) - 1 for i, p in enumerate(prompts))
     assert check_head_drafts(s, cfg, w) == 2 * len(prompts)
     assert_drained(s)
+
+
+def test_start_up_checks_the_draft_against_the_target(models):
+    """server/model_source.check_draft_model: one line naming the flag before anything loads."""
+    from types import SimpleNamespace
+
+    from model_executor.model_config import ModelConfig
+    from server.model_source import ModelSourceError, check_draft_model
+
+    root = models[0]
+    target = ModelConfig.from_pretrained(root / "target")
+
+    def check(algorithm, draft):
+        args = SimpleNamespace(speculative_algorithm=algorithm, speculative_draft_model_path=str(root / draft),
+                               download_dir=None)
+        return check_draft_model(args, target)
+
+    assert check("STANDALONE", "small") == {"speculative_draft_model_path": str(root / "small")}
+    assert check("EAGLE3", "head")["speculative_draft_model_path"] == str(root / "head")
+    for algorithm, draft, message in [("STANDALONE", "other_vocab", "vocab_size 330 is not the target's 320"),
+                                      ("EAGLE3", "small", "not an EAGLE-3 head"),
+                                      ("STANDALONE", "head", "EAGLE-3 draft head, not a model to serve")]:
+        with pytest.raises(ModelSourceError, match=f"--speculative-draft-model-path: .*{message}") as e:
+            check(algorithm, draft)
+        assert "\n" not in str(e.value)
