@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     vocab = runner.model_config.vocab_size
     draft_algorithm = None
     if args.draft_model_path:
-        arch = json.load(open(os.path.join(args.draft_model_path, "config.json"))).get("architectures") or [""]
+        with open(os.path.join(args.draft_model_path, "config.json")) as f:
+            arch = json.load(f).get("architectures") or [""]
         draft_algorithm = "EAGLE3" if arch[0] == "LlamaForCausalLMEagle3" else "STANDALONE"
     rows, meta = [], {
         "model_path": model_path, "draft_model_path": args.draft_model_path, "device": args.device, "threads": threads, "output_len": args.output_len,

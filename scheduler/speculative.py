@@ -34,7 +34,6 @@ from model_executor.sampler import GREEDY_TEMPERATURE_EPS
 from scheduler.ngram import NgramIndex
 from scheduler.req import Req
 
-
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE3")
 
 
@@ -77,6 +76,8 @@ class SpeculativeConfig:
 class DraftProposer(Protocol):
     """Where drafts come from. `propose` gets the requests that draft this step (each may draft ks[i] >= 1 tokens)
     and returns each one's greedy drafts (at most ks[i]; fewer or none where it has nothing to offer)."""
+
+    wants_hidden: bool  # True: it drafts from the target's aux hidden states, which `observe` hands over
 
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]: ...
 

@@ -244,7 +244,7 @@ def test_eagle3_chunked_prefill_and_mixed_chunks(models):
 def test_eagle3_keeps_the_newest_pending_rows(models, monkeypatch):
     """A request with more pending rows than the head keeps (here 6: every prompt here is longer) drafts from its
     newest ones, with the head's positions starting there; outputs unchanged, both pools drained."""
-    import scheduler.draft_model as draft_model
+    from scheduler import draft_model
 
     monkeypatch.setattr(draft_model, "MAX_PENDING_ROWS", 6)
     root, cfg, w = models
