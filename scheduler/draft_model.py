@@ -65,13 +65,20 @@ def token_slice(req: Req, start: int, end: int) -> list[int]:
     return req.input_ids[start:end] + (req.output_ids[:end - n_in] if end > n_in else [])
 
 
+# A GPU: the draft runner is built after the target's, whose KV cache took its --mem-fraction-static share; the
+# draft plans its weights, activations and KV within this share of the device (a memory plan that reserves the
+# draft's room before the target's KV cache is not built yet; a lower --mem-fraction-static leaves it more).
+DRAFT_MEM_FRACTION = 0.95
+
+
 def draft_runner_config(target: ModelRunner, path: str, draft: bool) -> RunnerConfig:
-    """The draft's runner: the target's device, dtype, attention backend, context, running requests and KV slots;
-    no graphs (it runs eagerly)."""
+    """The draft's runner: the target's device, dtype, attention backend, context, running requests, KV slots and
+    largest extend; no graphs (it runs eagerly)."""
     cfg = target.config
     return RunnerConfig(model_path=path, device=cfg.device, dtype=cfg.dtype, attention_backend=cfg.attention_backend,
                         context_length=target.context_len, max_running_requests=target.req_to_token_pool.size,
-                        max_total_tokens=target.allocator.num_slots, seed=cfg.seed, draft=draft)
+                        max_total_tokens=target.allocator.num_slots, max_prefill_tokens=cfg.max_prefill_tokens,
+                        mem_fraction_static=DRAFT_MEM_FRACTION, seed=cfg.seed, draft=draft)
 
 
 class DraftModelProposer:
