@@ -83,7 +83,7 @@ def draft_runner_config(target: ModelRunner, path: str, draft: bool) -> RunnerCo
 
 class DraftModelProposer:
     """What STANDALONE and EAGLE3 share: the draft runner, each request's DraftSeq, the catch-up extend and the
-    draft decode steps. Subclasses say what a forward takes and gives (`_forward`)."""
+    draft decode steps. Subclasses say what a forward takes and gives (`_forward_extend`, `_forward_decode`)."""
 
     wants_hidden = False
 
@@ -111,6 +111,16 @@ class DraftModelProposer:
     # ---- drafting ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        try:
+            return self._propose(reqs, ks)
+        except Exception as exc:  # noqa: BLE001 - a failing draft costs drafts, never a request
+            logger.error("the draft model failed (%s: %s): %d requests verify no drafts this step and draft again "
+                         "from scratch", type(exc).__name__, exc, len(reqs), exc_info=exc)
+            for req in reqs:
+                self.release(req)
+            return [[] for _ in reqs]
+
+    def _propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in reqs]
         batch = []  # (index, seq, input ids of the catch-up)
         for i, req in enumerate(reqs):
@@ -148,21 +158,23 @@ class DraftModelProposer:
         step_slots = []
         live = list(range(len(batch)))  # positions in `batch` still drafting
         step = 1
-        while True:
-            live = [j for j in live if ks[batch[j][0]] > step]
-            if not live:
-                break
-            loc = alloc.alloc(len(live))
-            step_slots.append(loc)
-            fb = self.runner.build_batch(ForwardMode.DECODE, [out[batch[j][0]][-1] for j in live],
-                                         [batch[j][1].row for j in live], [batch[j][1].length + step for j in live],
-                                         loc)
-            tokens, state = self._forward_decode(fb, state, live)
-            for j, t in zip(live, tokens):
-                out[batch[j][0]].append(t)
-            step += 1
-        for loc in step_slots:
-            alloc.free(loc)
+        try:
+            while True:
+                live = [j for j in live if ks[batch[j][0]] > step]
+                if not live:
+                    break
+                loc = alloc.alloc(len(live))
+                step_slots.append(loc)
+                fb = self.runner.build_batch(ForwardMode.DECODE, [out[batch[j][0]][-1] for j in live],
+                                             [batch[j][1].row for j in live],
+                                             [batch[j][1].length + step for j in live], loc)
+                tokens, state = self._forward_decode(fb, state, live)
+                for j, t in zip(live, tokens):
+                    out[batch[j][0]].append(t)
+                step += 1
+        finally:
+            for loc in step_slots:
+                alloc.free(loc)
         return out
 
     def _catch_up_ids(self, req: Req, seq: DraftSeq) -> list[int]:

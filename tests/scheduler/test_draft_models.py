@@ -301,3 +301,27 @@ def test_start_up_checks_the_draft_against_the_target(models):
         with pytest.raises(ModelSourceError, match=f"--speculative-draft-model-path: .*{message}") as e:
             check(algorithm, draft)
         assert "\n" not in str(e.value)
+
+
+def test_a_failing_draft_model_costs_drafts_not_requests(models, monkeypatch):
+    """The draft's forward raising now and then: those steps verify no drafts, the draft starts those requests
+    over, outputs equal plain decoding's and both pools drain."""
+    root = models[0]
+    reqs = [(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(workload(8, seed=8))]
+    alone = run_all(make_scheduler(root / "target", None), reqs)
+    s = make_scheduler(root / "target", spec_config("STANDALONE", root / "target"))
+    draft = s.speculator.proposer.runner
+    forward, calls = draft.forward, []
+
+    def flaky(fb):
+        calls.append(fb.mode)
+        if len(calls) % 3 == 2:
+            raise RuntimeError("injected")
+        return forward(fb)
+
+    monkeypatch.setattr(draft, "forward", flaky)
+    out = run_all(s, reqs)
+    assert {rid: v[0] for rid, v in out.items()} == {rid: v[0] for rid, v in alone.items()}
+    assert len(calls) > 6 and s.stats()["spec_accepted_tokens"] > 0
+    assert_drained(s)
