@@ -113,7 +113,7 @@ class DraftModelProposer:
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
         try:
             return self._propose(reqs, ks)
-        except Exception as exc:  # noqa: BLE001 - a failing draft costs drafts, never a request
+        except Exception as exc:  # a failing draft costs drafts, never a request
             logger.error("the draft model failed (%s: %s): %d requests verify no drafts this step and draft again "
                          "from scratch", type(exc).__name__, exc, len(reqs), exc_info=exc)
             for req in reqs:
