@@ -1,7 +1,7 @@
 """bench_speculative: speculative decoding against plain decoding, in-process (Scheduler, no HTTP), greedy.
 
     python -m benchmarks.bench_speculative [--model-path P] [--device cpu] [--batch-size 1 4 16 64]
-        [--num-draft-tokens 4] [--oracle] [--never] [--json out.json]
+        [--num-draft-tokens 4] [--oracle] [--never] [--draft-model-path D] [--json out.json]
 
 Workloads (chat-formatted for the model's template): `rewrite` asks the model to repeat a given paragraph (its
 answer quotes its prompt: NGRAM's case) and `prose` asks for new text (little to match). For each workload and
@@ -9,6 +9,10 @@ batch size (that many copies of the request, decoding together) it runs, interle
 
 * `plain`: no speculation; its outputs are the reference;
 * `ngram`: --speculative-algorithm NGRAM at each --num-draft-tokens; outputs must equal plain's token for token;
+* `standalone` / `eagle3` (--draft-model-path): drafts from that model (an EAGLE-3 head's folder gives EAGLE3, any
+  other model STANDALONE) at each --num-draft-tokens, adaptivity off; outputs must equal plain's. With the target
+  itself as the draft on a CPU this is a correctness and overhead check (every draft hits, but the draft costs as
+  much as the target), not a speed-up to expect;
 * `oracle` (--oracle): drafts are plain's own greedy continuation (the mechanism's ceiling: every draft hits);
 * `never` (--never): drafts that never match (plain's token + 1): `never_raw` with the adaptivity off (the cost of
   verifying k + 1 tokens where 1 would do) and `never` with the default adaptivity (what a missing draft costs).
@@ -37,7 +41,7 @@ from model_executor.forward_batch import ForwardMode
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.speculative import SpeculativeConfig, Speculator
+from scheduler.speculative import NgramProposer, SpeculativeConfig
 
 PARAGRAPH = (
     "The lighthouse stood at the end of a narrow spit of rock, where the sea broke white on three sides. For a "
@@ -53,14 +57,13 @@ WORKLOADS = {
 }
 
 
-class RecordedSpeculator(Speculator):
+class RecordedDrafts(NgramProposer):
     """Drafts from a recorded greedy output: the true continuation (oracle) or a token that never matches."""
 
-    def __init__(self, config: SpeculativeConfig, recorded: dict[str, list[int]], vocab: int, never: bool):
-        super().__init__(config)
+    def __init__(self, recorded: dict[str, list[int]], vocab: int, never: bool):
         self.recorded, self.vocab, self.never = recorded, vocab, never
 
-    def propose(self, req, k: int) -> list[int]:
+    def propose_one(self, req, k: int) -> list[int]:
         ref = self.recorded[req.rid]
         n = len(req.output_ids)
         draft = ref[n:n + k]
@@ -143,6 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="NGRAM's tokens verified per step and request (each a run)")
     p.add_argument("--oracle", action="store_true", help="also drafts from plain's own output (the ceiling)")
     p.add_argument("--never", action="store_true", help="also drafts that never match (the overhead)")
+    p.add_argument("--draft-model-path", help="also draft with this model (STANDALONE) or EAGLE-3 head (EAGLE3)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--verify-cost", action="store_true", help="also time verify passes of 2..9 tokens per request")
     p.add_argument("--context-len", type=int, default=256, help="KV tokens per request for --verify-cost")
@@ -172,8 +176,13 @@ def main(argv=None) -> int:
                                       # plain decode steps replay decode graphs on a GPU (verify runs eagerly)
                                       cuda_graph_bs=() if args.device == "cpu" else tuple(sorted(set(args.batch_size)))))
     vocab = runner.model_config.vocab_size
+    draft_algorithm = None
+    if args.draft_model_path:
+        with open(os.path.join(args.draft_model_path, "config.json")) as f:
+            arch = json.load(f).get("architectures") or [""]
+        draft_algorithm = "EAGLE3" if arch[0] == "LlamaForCausalLMEagle3" else "STANDALONE"
     rows, meta = [], {
-        "model_path": model_path, "device": args.device, "threads": threads, "output_len": args.output_len,
+        "model_path": model_path, "draft_model_path": args.draft_model_path, "device": args.device, "threads": threads, "output_len": args.output_len,
         "repeats": args.repeats, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {os.cpu_count()} cores",
         "load_average": round(os.getloadavg()[0], 2)}
@@ -196,6 +205,8 @@ def main(argv=None) -> int:
             configs: list[tuple[str, int, object]] = []
             for n in args.num_draft_tokens:
                 configs.append((f"ngram k+1={n}", n, None))
+                if draft_algorithm is not None:
+                    configs.append((f"{draft_algorithm.lower()} k+1={n}", n, draft_algorithm))
             if args.oracle:
                 configs.append(("oracle", max(args.num_draft_tokens), "oracle"))
             if args.never:
@@ -206,11 +217,15 @@ def main(argv=None) -> int:
                 if len(results["plain"]) < args.repeats:
                     results["plain"].append(run(make_scheduler(runner, bs, None), prompt, bs, args.output_len))
                 for name, n, kind in configs:
-                    spec = SpeculativeConfig("NGRAM", n, adaptive=kind != "never_raw")
+                    if kind in ("STANDALONE", "EAGLE3"):
+                        spec = SpeculativeConfig(kind, n, draft_model_path=args.draft_model_path, adaptive=False)
+                    else:
+                        spec = SpeculativeConfig("NGRAM", n, adaptive=kind != "never_raw")
                     s = make_scheduler(runner, bs, spec)
-                    if kind is not None:
-                        s.speculator = RecordedSpeculator(spec, recorded, vocab, never=kind != "oracle")
+                    if kind in ("oracle", "never", "never_raw"):
+                        s.speculator.proposer = RecordedDrafts(recorded, vocab, never=kind != "oracle")
                     results.setdefault(name, []).append(run(s, prompt, bs, args.output_len))
+                    runner.model.set_aux_hidden_state_layers(None)  # (EAGLE3 turned them on for its run)
             plain_tok_s = statistics.median(r["decode_tok_s"] for r in results["plain"])
             for name, runs in results.items():
                 tok_s = statistics.median(r["decode_tok_s"] for r in runs)
@@ -224,10 +239,10 @@ def main(argv=None) -> int:
                     "runs_tok_s": [round(r["decode_tok_s"], 2) for r in runs]})
                 print(json.dumps(rows[-1]), file=sys.stderr)
     meta["load_average_after"] = round(os.getloadavg()[0], 2)
-    print(f"\n{'workload':<9} {'bs':>3} {'config':<14} {'tok/s':>8} {'x plain':>8} {'accept len':>10} {'identical':>9}")
+    print(f"\n{'workload':<9} {'bs':>3} {'config':<18} {'tok/s':>8} {'x plain':>8} {'accept len':>10} {'identical':>9}")
     for r in rows:
         acc = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
-        print(f"{r['workload']:<9} {r['batch_size']:>3} {r['config']:<14} {r['decode_tok_s']:>8.1f} "
+        print(f"{r['workload']:<9} {r['batch_size']:>3} {r['config']:<18} {r['decode_tok_s']:>8.1f} "
               f"{r['ratio']:>8.2f} {acc:>10} {r['identical']!s:>9}")
     if cost_rows:
         print(f"\nverify pass / decode step (context {args.context_len}), k+1 tokens per request:")

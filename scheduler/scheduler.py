@@ -39,6 +39,7 @@ from model_executor.sampling_params import SamplingParams
 from model_executor.speculative_sampling import HostVerify
 from runners.model_runner import ModelRunner
 from scheduler.batch_facts import BatchFacts
+from scheduler.draft_model import build_draft_proposer
 from scheduler.grammar import GrammarCompilerPool, GrammarDeadEnd, GrammarManager
 from scheduler.io_struct import (
     DETOKENIZER_CONTEXT_TOKENS,
@@ -99,6 +100,7 @@ class LaunchedVerify:
     drafts: list[list[int]]
     starts: list[int]
     out_loc: torch.Tensor
+    hidden: torch.Tensor | None = None  # the target's aux hidden states of every row (EAGLE3)
 
 
 @dataclass(slots=True)
@@ -123,7 +125,9 @@ class Scheduler:
             # A verify step's input is its requests' accepted tokens, known only once the previous step is read.
             logger.info("speculative decoding (%s): overlap scheduling is off", config.speculative.algorithm)
             config = dataclasses.replace(config, enable_overlap=False)
-        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        self.speculator = None
+        if config.speculative is not None:
+            self.speculator = Speculator(config.speculative, build_draft_proposer(config.speculative, runner))
         self.runner = runner
         self.config = config
         self.tokenizer = tokenizer  # needed only for stop strings
@@ -483,6 +487,8 @@ class Scheduler:
                 kinds = {reqs[i].pooling.kind for i in pooling}
                 fb.pooling_plan = PoolingPlan(sums="mean" in kinds, firsts="cls" in kinds)
             logits = self.runner.forward(fb)
+            if self.speculator is not None and self.speculator.wants_hidden:
+                self._observe_hidden(reqs, start, lens, fb.aux_hidden_states)
             scored = scoring.launched(fb.prompt_logprobs) if scoring is not None else None
             done = [i for i, r in enumerate(reqs) if decoding[i] or (r.num_uncomputed == 0 and r.pooling is None)]
             if not done:
@@ -593,7 +599,9 @@ class Scheduler:
                 offset += n
             fb = self.runner.build_verify_batch(input_ids, [r.req_pool_idx for r in reqs], seq_lens, out_loc, lens)
             logits = self.runner.forward_verify(fb)
-            return self._verify_sample(logits, reqs, drafts, lens, fb.req_pool_indices, start, out_loc)
+            sample = self._verify_sample(logits, reqs, drafts, lens, fb.req_pool_indices, start, out_loc)
+            sample.verify.hidden = fb.aux_hidden_states
+            return sample
         except BaseException:
             self._roll_back(reqs, start, out_loc)
             raise
@@ -646,6 +654,8 @@ class Scheduler:
             # first taken - 1 tokens it took (the newest one has no KV yet, as after a decode step).
             req.kv_len = start + taken
             self.allocator.free(v.out_loc[first + taken:first + n])
+            if self.speculator.wants_hidden:  # (before a finish below releases the draft's state)
+                self.speculator.observe(req, start, None if v.hidden is None else v.hidden[first:first + taken])
             req.num_sampled = len(req.output_ids)
             if req.params.has_penalties and taken:
                 self.penalties.count_tokens(req.req_pool_idx, req.output_ids[-taken:])
@@ -653,6 +663,15 @@ class Scheduler:
                 self._fail(req, failure)
             elif reason is not None:
                 self._finish(req, reason)
+
+    def _observe_hidden(self, reqs: list[Req], starts: list[int], lens: list[int],
+                        hidden: torch.Tensor | None) -> None:
+        """Hand each request's rows of the target's aux hidden states (positions starts[i].., lens[i] of them) to
+        the draft (EAGLE3)."""
+        offset = 0
+        for req, start, n in zip(reqs, starts, lens):
+            self.speculator.observe(req, start, None if hidden is None else hidden[offset:offset + n])
+            offset += n
 
     def _decode_forward(self, reqs: list[Req]) -> LaunchedSample:
         out_loc = self._alloc_slots(len(reqs))
@@ -667,7 +686,10 @@ class Scheduler:
             # Input ids None: each row's last sampled token, read on the device.
             fb = self.runner.build_batch(ForwardMode.DECODE, None, facts.rows, seq_lens, out_loc,
                                          lora_slots=self._lora_slots(reqs))
-            return self._sample(self.runner.forward(fb), reqs, fb.req_pool_indices, facts)
+            logits = self.runner.forward(fb)
+            if self.speculator is not None and self.speculator.wants_hidden:
+                self._observe_hidden(reqs, [n - 1 for n in seq_lens], [1] * len(reqs), fb.aux_hidden_states)
+            return self._sample(logits, reqs, fb.req_pool_indices, facts)
         except BaseException:
             self._roll_back(reqs[: len(seq_lens)], [n - 1 for n in seq_lens], out_loc)
             raise
@@ -887,6 +909,8 @@ class Scheduler:
         else:
             self.allocator.free(slots)
         self.req_pool.free(req.req_pool_idx)
+        if self.speculator is not None:
+            self.speculator.release(req)  # the draft model's KV of it
         self._generation += 1
         req.req_pool_idx, req.kv_len, req.last_node = None, 0, None
         req.prefix_slots = torch.empty(0, dtype=torch.int64)

@@ -20,8 +20,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 QUANTIZATION_CHOICES = ("none", "fp8", "int8", "int4")  # --quantization (server and offline CLI)
 DP_ROUTINGS = ("least_load", "prefix")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE3")
-SPECULATIVE_BUILT = ("NGRAM",)
-# NGRAM: tokens verified per step and request (the last sampled token and 3 drafts); docs/speculative.md.
+SPECULATIVE_BUILT = ("NGRAM", "STANDALONE", "EAGLE3")
+SPECULATIVE_DRAFT_MODELS = ("STANDALONE", "EAGLE3")
+# Tokens verified per step and request (the last sampled token and 3 drafts); docs/speculative.md.
 NGRAM_DEFAULT_NUM_DRAFT_TOKENS = 4
 MAX_SPECULATIVE_NUM_DRAFT_TOKENS = 64
 
@@ -181,17 +182,22 @@ class ServerArgs:
     # Speculative decoding (SGLang's flags; docs/speculative.md).
     speculative_algorithm: str | None = _f(None, "speculative decoding: NGRAM drafts tokens from a suffix match "
                                                  "over the request's own prompt and output (no draft model); "
-                                                 "STANDALONE and EAGLE3 are not built yet; default: off",
+                                                 "STANDALONE drafts with a smaller model of the same tokenizer; "
+                                                 "EAGLE3 with an EAGLE-3 head; default: off",
                                            choices=SPECULATIVE_ALGORITHMS)
     speculative_num_draft_tokens: int | None = _f(None, "tokens the target verifies per step and request: the "
                                                         "last sampled token and up to this minus one drafts "
-                                                        f"(default: {NGRAM_DEFAULT_NUM_DRAFT_TOKENS} for NGRAM)")
+                                                        f"(default: --speculative-num-steps + 1, else "
+                                                        f"{NGRAM_DEFAULT_NUM_DRAFT_TOKENS})")
     speculative_ngram_min_match_window_size: int = _f(1, "NGRAM: the shortest suffix of the request's tokens that "
                                                          "may match an earlier occurrence (default: 1)")
     speculative_ngram_max_match_window_size: int = _f(12, "NGRAM: the longest suffix tried first (default: 12)")
     speculative_draft_model_path: str | None = _f(None, "STANDALONE / EAGLE3: the draft model's folder")
-    speculative_num_steps: int | None = _f(None, "STANDALONE / EAGLE3: draft steps per verify")
-    speculative_eagle_topk: int | None = _f(None, "EAGLE3: draft tokens branched per step (1: a chain)")
+    speculative_num_steps: int | None = _f(None, "STANDALONE / EAGLE3: draft tokens (steps of the draft "
+                                                          "model) per verify (default: --speculative-num-draft-"
+                                                          "tokens - 1)")
+    speculative_eagle_topk: int | None = _f(None, "STANDALONE / EAGLE3: draft tokens branched per "
+                                                         "step; only 1 (a chain) is built")
     max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body accepted (413 above)")
 
     def validate(self) -> None:
@@ -362,10 +368,13 @@ class ServerArgs:
             return
         if algo not in SPECULATIVE_BUILT:
             raise ArgsError(f"--speculative-algorithm {algo} is not built yet (built: {', '.join(SPECULATIVE_BUILT)})")
-        for name in ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk"):
-            if getattr(self, name) is not None:
-                raise ArgsError(f"--{name.replace('_', '-')} does not apply to --speculative-algorithm {algo}")
-        n = self.speculative_num_draft_tokens
+        if algo in SPECULATIVE_DRAFT_MODELS:
+            self._validate_draft_model(algo)
+        else:
+            for name in ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk"):
+                if getattr(self, name) is not None:
+                    raise ArgsError(f"--{name.replace('_', '-')} does not apply to --speculative-algorithm {algo}")
+        n = self.resolved_num_draft_tokens
         if n is not None and not 2 <= n <= MAX_SPECULATIVE_NUM_DRAFT_TOKENS:
             raise ArgsError(f"--speculative-num-draft-tokens must be in [2, {MAX_SPECULATIVE_NUM_DRAFT_TOKENS}] "
                             f"(the last token and at least one draft), got {n}")
@@ -384,7 +393,24 @@ class ServerArgs:
         """Tokens verified per step and request (None: speculation off)."""
         if self.speculative_algorithm is None:
             return None
+        if self.speculative_num_draft_tokens is None and self.speculative_num_steps is not None:
+            return self.speculative_num_steps + 1  # a chain: the last token and one draft per step
         return self.speculative_num_draft_tokens or NGRAM_DEFAULT_NUM_DRAFT_TOKENS
+
+    def _validate_draft_model(self, algo: str) -> None:
+        if self.speculative_draft_model_path is None:
+            raise ArgsError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ArgsError(f"--speculative-eagle-topk {self.speculative_eagle_topk} (tree drafts) is not built yet; "
+                            f"chains (1) are")
+        steps, n = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is not None and n is not None and n != steps + 1:
+            raise ArgsError(f"--speculative-num-draft-tokens ({n}) must be --speculative-num-steps + 1 ({steps + 1}) "
+                            f"with chain drafts")
+        for name, default in (("speculative_ngram_min_match_window_size", 1),
+                              ("speculative_ngram_max_match_window_size", 12)):
+            if getattr(self, name) != default:
+                raise ArgsError(f"--{name.replace('_', '-')} does not apply to --speculative-algorithm {algo}")
 
     def _validate_quantization(self) -> None:
         """FP8 needs an sm89+ GPU, int8 is CPU-only, the FP8 KV cache needs triton or flashinfer: refused

@@ -137,6 +137,25 @@ def resolve_pooling_task(folder: Path, args):
         raise ModelSourceError(str(e)) from None
 
 
+def check_draft_model(args, target_cfg) -> dict:
+    """--speculative-draft-model-path as a local folder whose config can draft for the target (STANDALONE: the same
+    vocabulary; EAGLE3: an EAGLE-3 head that fits the target); {} without one."""
+    if args.speculative_draft_model_path is None:
+        return {}
+    from model_executor.model_config import ModelConfig, ModelConfigError, WeightLoadError
+    from scheduler.draft_model import check_draft_config
+
+    flag = "--speculative-draft-model-path"
+    folder, _ = resolve_folder(args.speculative_draft_model_path, flag=flag, revision=None,
+                               download_dir=args.download_dir)
+    try:
+        draft = ModelConfig.from_pretrained(folder, draft=args.speculative_algorithm == "EAGLE3")
+        check_draft_config(args.speculative_algorithm, draft, target_cfg)
+    except (ModelConfigError, WeightLoadError) as e:
+        raise ModelSourceError(f"{flag}: {e}") from None
+    return {"speculative_draft_model_path": str(folder)}
+
+
 def resolve_model_source(args) -> dict:
     """The ServerArgs changes that make --model-path / --tokenizer-path local, checked folders."""
     model, from_hub = resolve_folder(args.model_path, flag="--model-path", revision=args.revision,
@@ -159,6 +178,7 @@ def resolve_model_source(args) -> dict:
     if check_weights:
         check_checkpoint_tensors(model, cfg)
     changes = {"model_path": str(model), "tokenizer_path": str(tokenizer),
+               **check_draft_model(args, cfg),
                # what the folder serves, detected where the flags leave it open (model_executor/pooling.py)
                "is_embedding": pooling is not None and pooling.task == "embed",
                "is_reranker": pooling is not None and pooling.task == "rerank"}

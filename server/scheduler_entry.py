@@ -55,7 +55,10 @@ def default_max_prefill_tokens(args: ServerArgs) -> int:
 def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> RunnerConfig:
     device = args.device
     max_running = default_max_running_requests(args)
-    graphs = device == "cuda"
+    # EAGLE3 reads the target's aux hidden states after every forward pass, which graph replays do not give yet:
+    # the target runs eagerly.
+    graphs = device == "cuda" and args.speculative_algorithm != "EAGLE3"
+    compile_decode = args.enable_torch_compile and args.speculative_algorithm != "EAGLE3"
     # A pooling server's requests never decode: no decode graphs to capture.
     pooling = args.is_embedding or args.is_reranker
     chunk = default_chunked_prefill_size(args)
@@ -74,9 +77,9 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         seed=args.random_seed,
         # CPU: --enable-torch-compile compiles the decode list with inductor (runners/cpu_graph_runner.py);
         # off by default, eager measured faster end to end (docs/benchmarks.md).
-        disable_cuda_graph=args.disable_cuda_graph or pooling or not (graphs or args.enable_torch_compile),
+        disable_cuda_graph=args.disable_cuda_graph or pooling or not (graphs or compile_decode),
         cuda_graph_bs=(resolve_decode_capture_list(args, max_running)
-                       if (graphs or args.enable_torch_compile) and not pooling else ()),
+                       if (graphs or compile_decode) and not pooling else ()),
         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph or not graphs,
         piecewise_cuda_graph_tokens=resolve_extend_token_levels(args, chunk) if graphs else (),
         full_extend_graph_max_tokens=resolve_full_extend_max_tokens(args) if graphs else 0,
@@ -116,6 +119,7 @@ def speculative_config(args: ServerArgs) -> SpeculativeConfig | None:
     # On the CPU a verify pass grows with its tokens (compute-bound): past 4 decoding requests drafts that miss
     # cost more than plain decoding (docs/benchmarks.md, "Speculative decoding").
     return SpeculativeConfig(algorithm=args.speculative_algorithm, num_draft_tokens=args.resolved_num_draft_tokens,
+                             draft_model_path=args.speculative_draft_model_path,
                              ngram_min_window=args.speculative_ngram_min_match_window_size,
                              ngram_max_window=args.speculative_ngram_max_match_window_size,
                              max_batch_size=4 if args.device == "cpu" else 64)

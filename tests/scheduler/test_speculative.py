@@ -13,7 +13,7 @@ from model_executor.sampler import Sampler, SamplingBatchInfo
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.speculative import SpeculativeConfig, Speculator
+from scheduler.speculative import NgramProposer, SpeculativeConfig
 from tests.conftest import TINY_LLAMA, save_tiny_hf_model
 
 NGRAM = SpeculativeConfig("NGRAM", 4)
@@ -69,15 +69,14 @@ def variant(i: int, plain_out: list[int] | None) -> SamplingParams:
     return SamplingParams(**base)
 
 
-class OracleSpeculator(Speculator):
+class OracleDrafts(NgramProposer):
     """Drafts plain greedy decoding's own continuation: every draft hits, so stops, max_tokens and penalties
     land inside accepted runs."""
 
-    def __init__(self, config, reference: dict[str, list[int]]):
-        super().__init__(config)
+    def __init__(self, reference: dict[str, list[int]]):
         self.reference = reference
 
-    def propose(self, req, k):
+    def propose_one(self, req, k):
         n = len(req.output_ids)
         return self.reference[req.rid][n:n + k]
 
@@ -92,7 +91,7 @@ def lossless_runs(tiny_llama):
     plain = run_all(make_scheduler(path, None), reqs)
     ngram = make_scheduler(path, NGRAM)
     oracle = make_scheduler(path, SpeculativeConfig("NGRAM", 4, max_batch_drafts=4096))
-    oracle.speculator = OracleSpeculator(oracle.speculator.config, {rid: v[0] for rid, v in plain.items()})
+    oracle.speculator.proposer = OracleDrafts({rid: v[0] for rid, v in plain.items()})
     return plain, {"ngram": (run_all(ngram, reqs), ngram), "oracle": (run_all(oracle, reqs), oracle)}
 
 
@@ -128,14 +127,13 @@ def test_logprobs_equal_plain_decodings(lossless_runs, drafts):
     assert compared > 100
 
 
-class NeverSpeculator(Speculator):
+class NeverDrafts(NgramProposer):
     """Drafts that are always wrong (one more than the token plain greedy decoding gives)."""
 
-    def __init__(self, config, reference: dict[str, list[int]]):
-        super().__init__(config)
+    def __init__(self, reference: dict[str, list[int]]):
         self.reference = reference
 
-    def propose(self, req, k):
+    def propose_one(self, req, k):
         ref = self.reference[req.rid]
         return [(t + 1) % 320 for t in ref[len(req.output_ids):len(req.output_ids) + k]]
 
@@ -157,7 +155,7 @@ def test_rejected_drafts_free_their_slots_and_never_reach_the_prefix_cache(tiny_
             for i, p in enumerate(prompts)]
     reference = run_all(make_scheduler(tiny_llama[0], None), reqs)
     s = make_scheduler(tiny_llama[0], SpeculativeConfig("NGRAM", 5, adaptive=False))
-    s.speculator = NeverSpeculator(s.speculator.config, {rid: v[0] for rid, v in reference.items()})
+    s.speculator.proposer = NeverDrafts({rid: v[0] for rid, v in reference.items()})
     out = run_all(s, reqs)
     assert {rid: v[0] for rid, v in out.items()} == {rid: v[0] for rid, v in reference.items()}
     assert s.stats()["spec_draft_tokens"] > 200 and s.stats()["spec_accepted_tokens"] == 0
@@ -254,14 +252,13 @@ def exact_joint(model) -> dict[tuple[int, int, int], float]:
     return joint
 
 
-class ForcedSpeculator(Speculator):
+class ForcedDrafts(NgramProposer):
     """Drafts the most likely continuation of the prompt, whatever was sampled so far (it hits often)."""
 
-    def __init__(self, config, continuation: list[int]):
-        super().__init__(config)
+    def __init__(self, continuation: list[int]):
         self.continuation = continuation
 
-    def propose(self, req, k):
+    def propose_one(self, req, k):
         n = len(req.output_ids)
         return self.continuation[n:n + k]
 
@@ -274,7 +271,7 @@ def test_sampling_with_speculation_keeps_the_joint_distribution_of_the_first_thr
     n = 20_000
     config = SpeculativeConfig("NGRAM", 3, adaptive=False, max_batch_drafts=4096, max_batch_size=4096)
     s = make_scheduler(path, config, slots=16384, max_running=1024)
-    s.speculator = ForcedSpeculator(s.speculator.config, list(best))
+    s.speculator.proposer = ForcedDrafts(list(best))
     params = SamplingParams(max_new_tokens=4, temperature=TEMP, top_p=TOP_P, ignore_eos=True)
     out = run_all(s, [(f"s{i}", PROMPT, params) for i in range(n)])
     stats = s.stats()

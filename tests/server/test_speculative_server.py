@@ -153,8 +153,11 @@ def test_quoting_prompts_give_the_plain_servers_tokens(default_server, spec_serv
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative-algorithm", "EAGLE3"], "not built yet"),
-    (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "x"], "not built yet"),
+    (["--speculative-algorithm", "EAGLE3"], "needs --speculative-draft-model-path"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x", "--speculative-eagle-topk", "4"],
+     "tree drafts"),
+    (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "x", "--speculative-num-steps",
+      "3", "--speculative-num-draft-tokens", "3"], "must be --speculative-num-steps + 1"),
     (["--speculative-num-draft-tokens", "4"], "needs --speculative-algorithm"),
     (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"], "must be in [2,"),
     (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "5",
@@ -170,3 +173,11 @@ def test_flag_errors_are_one_line_with_exit_2(argv, message):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch_server: error:") and message in lines[0], proc.stderr
+
+
+def test_a_missing_draft_model_is_one_line():
+    proc = subprocess.run([sys.executable, "-m", "server.launch_server", "--device", "cpu", "--speculative-algorithm",
+                           "STANDALONE", "--speculative-draft-model-path", "x"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and "--speculative-draft-model-path" in lines[0], proc.stderr
