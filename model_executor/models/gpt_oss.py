@@ -1,0 +1,199 @@
+"""gpt-oss (`GptOssForCausalLM`): pre-norm decoder layers of attention and a mixture of experts.
+
+Its differences from the Llama block (llama.py) and the other MoE models (moe.py):
+- attention has biases on q, k, v and o, and a learned sink logit per query head (RadixAttention's sinks: it
+  joins each query's softmax denominator with no value); layers alternate between a sliding window (128) and
+  full attention by config.json's layer_types; the RoPE is YaRN (through transformers' init, layers/rotary.py);
+- the router is a linear layer with a bias; each token takes the top-k experts by logit, weighted by a softmax
+  over those k logits;
+- each expert is gate_up (with bias) -> clamped SwiGLU: gate clamped above at swiglu_limit, up to
+  +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate) -> down (with bias).
+
+The experts run as a plain PyTorch loop over the experts the batch routes to (GptOssExperts.forward): the
+fused MoE kernels (layers/moe) have no biases or clamped SwiGLU yet.
+
+Checkpoints: the bf16 / fp32 layout that transformers' save_pretrained writes. The experts' tensors are stacked
+over experts and stored input-major: `experts.gate_up_proj` [E, H, 2I] with the gate and up columns interleaved
+(gate 0, up 0, gate 1, ...), `experts.down_proj` [E, I, H], and their biases; they load into the [E, 2I, H]
+(gate rows, then up rows) and [E, H, I] layout of the fused MoE path. MXFP4 checkpoints (`*_blocks` /
+`*_scales`) are refused at start-up (layers/quantization/config.py).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.attention.radix_attention import RadixAttention
+from model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model_executor.layers.linear import (
+    LinearBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from model_executor.layers.logits import compute_logits
+from model_executor.layers.norm import RMSNorm
+from model_executor.layers.quantization.base import quantization_context
+from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.model_config import ModelConfig
+from model_executor.models.llama import LlamaForCausalLM
+
+
+def _checked(param: torch.Tensor, loaded: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != shape:
+        raise ValueError(f"expected {shape}")
+
+
+def _load_gate_up(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """[E, H, 2I] with interleaved gate / up columns -> [E, 2I, H]: the gate rows, then the up rows."""
+    e, two_i, h = param.shape
+    _checked(param, loaded, (e, h, two_i))
+    w = loaded.transpose(1, 2)
+    default_weight_loader(param, torch.cat([w[:, 0::2], w[:, 1::2]], dim=1))
+
+
+def _load_gate_up_bias(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """[E, 2I] interleaved -> [E, 2I]: the gate biases, then the up biases."""
+    _checked(param, loaded, tuple(param.shape))
+    default_weight_loader(param, torch.cat([loaded[:, 0::2], loaded[:, 1::2]], dim=1))
+
+
+def _load_down(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """[E, I, H] -> [E, H, I]."""
+    e, h, i = param.shape
+    _checked(param, loaded, (e, i, h))
+    default_weight_loader(param, loaded.transpose(1, 2))
+
+
+class GptOssExperts(nn.Module):
+    """Every expert's weights, stacked: w13_weight [E, 2I, H] (gate rows, then up rows) and w13_bias [E, 2I];
+    w2_weight [E, H, I] and w2_bias [E, H]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.top_k, self.intermediate_size = e, cfg.num_experts_per_tok, i
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
+        self.w13_weight.weight_loader = _load_gate_up
+        self.w13_bias.weight_loader = _load_gate_up_bias
+        self.w2_weight.weight_loader = _load_down
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H]: the top-k experts' outputs, weighted by a softmax over their
+        logits."""
+        top, ids = torch.topk(router_logits, self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+        out = torch.zeros_like(x)
+        i = self.intermediate_size
+        for e in ids.unique().tolist():
+            tokens, slot = torch.where(ids == e)
+            h = torch.addmm(self.w13_bias[e], x[tokens], self.w13_weight[e].t())
+            gate = h[:, :i].clamp(max=self.limit)
+            up = h[:, i:].clamp(min=-self.limit, max=self.limit)
+            act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            y = torch.addmm(self.w2_bias[e], act, self.w2_weight[e].t())
+            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
+        return out
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        with quantization_context(None):  # the router stays unquantized (moe.py's SparseMoeBlock does too)
+            self.router = LinearBase(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.experts = GptOssExperts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.router(x))
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        hd = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
+        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, hd**-0.5,
+                                   rotary_emb=rotary_emb, sliding_window=cfg.layer_sliding_window(layer_id),
+                                   sinks=True)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.o_proj(self.attn(q, k, v, fb, positions))
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = GptOssAttention(cfg, layer_id, rotary_emb)
+        self.mlp = GptOssMoE(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) after the layer: the stream is x + residual (the MoE's output and the sum before it)."""
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x, fb), residual)
+        return self.mlp(x), residual
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        served = cfg.served_context_len
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max(cfg.max_position_embeddings, served or 0),
+                                          cfg.rope_theta, cfg.rope_scaling,
+                                          original_max_position=cfg.max_position_embeddings, seq_len=served)
+        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """The final norm's output, [tokens, H]."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """Loads through LlamaForCausalLM's mapping (q/k/v into the fused projection) with the renames below."""
+
+    supports_tensor_parallel = False  # (the experts and sinks are not sharded yet)
+    # (the bias renames first: `gate_up_proj` is a prefix of `gate_up_proj_bias`)
+    renames: ClassVar[tuple[tuple[str, str], ...]] = (
+        (".self_attn.sinks", ".self_attn.attn.sinks"),
+        (".experts.gate_up_proj_bias", ".experts.w13_bias"),
+        (".experts.gate_up_proj", ".experts.w13_weight"),
+        (".experts.down_proj_bias", ".experts.w2_bias"),
+        (".experts.down_proj", ".experts.w2_weight"),
+    )
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = GptOssModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def set_aux_hidden_state_layers(self, layer_ids) -> None:
+        raise ValueError(f"{self.config.architecture} does not give hidden states to a draft head")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Returns float32 logits [bs, vocab] of each request's last token."""
+        return compute_logits(self.lm_head, self.model(input_ids, positions, fb), fb)

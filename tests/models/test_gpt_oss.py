@@ -1,0 +1,132 @@
+"""gpt-oss on a tiny random checkpoint saved by HF transformers (float32): sliding (window 8) and full layers,
+attention sinks, YaRN RoPE, biased router and experts with the clamped SwiGLU. duet's logits and greedy tokens
+equal HF's for prompts shorter and longer than the window, through decode, chunked prefill across the window
+and a radix-cache hit; what duet does not read is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from model_executor.forward_batch import ForwardMode
+from model_executor.model_config import ModelConfig
+from runners.model_runner import ModelRunner, RunnerConfig
+from tests.models.test_model_vs_hf import hf_last_logits, rel_err, run_prefill_and_decode
+from tests.models.test_new_models_vs_hf import greedy
+
+WINDOW = 8
+VOCAB = 320
+# sliding, full, sliding; 4 experts, 2 a token; a small swiglu_limit so that the clamps bite at these scales
+TINY_GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": VOCAB, "hidden_size": 64,
+    "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "max_position_embeddings": 256,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False},
+    "swiglu_limit": 0.5, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0}
+
+
+def save_tiny_gpt_oss(path, cfg: dict = TINY_GPT_OSS, seed: int = 0):
+    """An HF GptOssForCausalLM with random weights (sinks of order 1, so that they weigh in every softmax),
+    saved as float32 safetensors."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.GptOssConfig.from_dict({k: v for k, v in cfg.items() if k != "model_type"})
+    model = transformers.GptOssForCausalLM(hf_cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif name.endswith("sinks"):
+                p.normal_(0, 1.0)
+            else:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    return path, save_tiny_gpt_oss(path)
+
+
+def runner_for(path) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model_path=str(path), max_running_requests=4, max_total_tokens=512,
+                                    context_length=128))
+
+
+def _prompts(n):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, VOCAB, (k,), generator=gen).tolist() for k in n]
+
+
+def test_config_reads_layers_sinks_and_experts(tiny):
+    mc = ModelConfig.from_dict(json.loads((tiny[0] / "config.json").read_text()))
+    assert [mc.layer_sliding_window(i) for i in range(3)] == [WINDOW, None, WINDOW]
+    assert mc.attention_sinks and mc.attention_bias and mc.norm_topk_prob
+    assert (mc.num_experts, mc.num_experts_per_tok, mc.moe_intermediate_size) == (4, 2, 32)
+    assert (mc.swiglu_alpha, mc.swiglu_limit) == (1.702, 0.5)
+    assert mc.rope_scaling["rope_type"] == "yarn"
+
+
+def test_logits_match_hf_shorter_and_longer_than_the_window(tiny):
+    path, hf_model = tiny
+    # 5 and 1 tokens fit the window until decode passes it; 19 exceed it from the prefill on
+    errors = run_prefill_and_decode(runner_for(path), hf_model, _prompts((5, 1, 19)), decode_steps=12)
+    assert max(errors) < 1e-4, errors
+
+
+def test_greedy_tokens_equal_hf_generate(tiny):
+    path, hf_model = tiny
+    prompt = _prompts((10,))[0]
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert greedy(runner_for(path), prompt, 12) == ref
+
+
+def test_chunked_prefill_and_radix_hit_match_hf(tiny):
+    """A 23-token prompt prefilled in chunks of 6, 5 and 12 tokens (the window's edge inside chunks, its keys
+    in earlier ones), then a second request on the first 13 tokens' KV slots (a radix-cache hit) that
+    prefills 9 of its own: each last-token logits equal HF's over the whole sequence."""
+    path, hf_model = tiny
+    runner = runner_for(path)
+    ids, tail = _prompts((23, 9))
+    row = runner.req_to_token_pool.alloc()
+    loc = runner.allocator.alloc(len(ids))
+    runner.req_to_token_pool.write(row, 0, loc)
+    done = 0
+    for chunk in (6, 5, 12):
+        logits = runner.forward(runner.build_batch(ForwardMode.EXTEND, ids[done : done + chunk], [row],
+                                                   [done + chunk], loc[done : done + chunk],
+                                                   extend_seq_lens=[chunk]))
+        done += chunk
+    assert rel_err(logits[0], hf_last_logits(hf_model, ids)) < 1e-4
+    hit = 13
+    row2 = runner.req_to_token_pool.alloc()
+    loc2 = runner.allocator.alloc(len(tail))
+    runner.req_to_token_pool.write(row2, 0, loc[:hit])
+    runner.req_to_token_pool.write(row2, hit, loc2)
+    logits = runner.forward(runner.build_batch(ForwardMode.EXTEND, tail, [row2], [hit + len(tail)], loc2,
+                                               extend_seq_lens=[len(tail)]))
+    assert rel_err(logits[0], hf_last_logits(hf_model, ids[:hit] + tail)) < 1e-4
+
+
+def test_mxfp4_checkpoint_is_refused_by_name(tiny, tmp_path):
+    from model_executor.weight_loader import WeightLoadError
+
+    path, _ = tiny
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(path / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises((WeightLoadError, ValueError), match="mxfp4"):
+        runner_for(tmp_path)
