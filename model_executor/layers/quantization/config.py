@@ -93,6 +93,9 @@ def checkpoint_quant_config(hf_config: dict) -> QuantConfig | None:
         return _from_fp8_method(qc)
     if method == "compressed-tensors":
         return _from_compressed_tensors(qc)
+    if method == "mxfp4":
+        raise QuantizationError("config.json quantization_config quant_method 'mxfp4' (gpt-oss MXFP4 experts: "
+                                "*_blocks / *_scales tensors) is not supported; serve a bf16 checkpoint of the model")
     raise QuantizationError(f"config.json quantization_config quant_method {method!r} is not supported; "
                             "duet reads fp8 and compressed-tensors (FP8) checkpoints")
 
