@@ -12,10 +12,16 @@ import pytest
 import torch
 
 from model_executor.forward_batch import ForwardMode
+from model_executor.layers.attention.triton_backend import TritonAttnBackend
 from model_executor.model_config import ModelConfig
 from runners.model_runner import ModelRunner, RunnerConfig
+from tests import triton_mode
 from tests.models.test_model_vs_hf import hf_last_logits, rel_err, run_prefill_and_decode
 from tests.models.test_new_models_vs_hf import greedy
+from tests.triton_mode import DEVICE, in_process
+
+# (the triton-backend test, re-run with the interpreter on where triton came up compiled)
+test_in_subprocess = triton_mode.subprocess_test(__file__, "-k", "triton_backend")
 
 WINDOW = 8
 VOCAB = 320
@@ -118,6 +124,20 @@ def test_chunked_prefill_and_radix_hit_match_hf(tiny):
     logits = runner.forward(runner.build_batch(ForwardMode.EXTEND, tail, [row2], [hit + len(tail)], loc2,
                                                extend_seq_lens=[len(tail)]))
     assert rel_err(logits[0], hf_last_logits(hf_model, ids[:hit] + tail)) < 1e-4
+
+
+@in_process
+def test_triton_backend_matches_hf(tiny):
+    """The Triton decode and extend kernels with sinks and the window (the interpreter without CUDA), the
+    rotary fused into the KV store in decode: HF's logits through prefill and 12 decode steps."""
+    path, hf_model = tiny
+    runner = ModelRunner(RunnerConfig(model_path=str(path), device=DEVICE, dtype="float32",
+                                      attention_backend="torch_native", max_running_requests=4,
+                                      max_total_tokens=512, context_length=128, disable_cuda_graph=True,
+                                      disable_piecewise_cuda_graph=True))
+    runner.attn_backend = TritonAttnBackend(runner)  # (the product refuses triton without CUDA)
+    errors = run_prefill_and_decode(runner, hf_model, _prompts((5, 1, 19)), decode_steps=12)
+    assert max(errors) < 1e-4, errors
 
 
 def test_mxfp4_checkpoint_is_refused_by_name(tiny, tmp_path):
