@@ -9,8 +9,9 @@ Its differences from the Llama block (llama.py) and the other MoE models (moe.py
 - each expert is gate_up (with bias) -> clamped SwiGLU: gate clamped above at swiglu_limit, up to
   +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate) -> down (with bias).
 
-The experts run as a plain PyTorch loop over the experts the batch routes to (GptOssExperts.forward): the
-fused MoE kernels (layers/moe) have no biases or clamped SwiGLU yet.
+The experts run in plain PyTorch (GptOssExperts.forward): eagerly a loop over the experts the batch routes to,
+in compiled or captured decode every expert on every token: the fused MoE kernels (layers/moe) have no biases
+or clamped SwiGLU yet.
 
 Checkpoints: the bf16 / fp32 layout that transformers' save_pretrained writes. The experts' tensors are stacked
 over experts and stored input-major: `experts.gate_up_proj` [E, H, 2I] with the gate and up columns interleaved
@@ -88,20 +89,35 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]: the top-k experts' outputs, weighted by a softmax over their
-        logits."""
+        logits. Eagerly, a loop over the experts the batch routes to; inside a traced or captured forward (the
+        decode graphs: a data-dependent loop cannot be traced), every expert over every token, weighted by zeros
+        where not routed."""
         top, ids = torch.topk(router_logits, self.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1)
+        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self._forward_dense(x, torch.zeros_like(router_logits).scatter(1, ids, weights))
         out = torch.zeros_like(x)
-        i = self.intermediate_size
         for e in ids.unique().tolist():
             tokens, slot = torch.where(ids == e)
-            h = torch.addmm(self.w13_bias[e], x[tokens], self.w13_weight[e].t())
-            gate = h[:, :i].clamp(max=self.limit)
-            up = h[:, i:].clamp(min=-self.limit, max=self.limit)
-            act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            y = torch.addmm(self.w2_bias[e], act, self.w2_weight[e].t())
+            y = self._expert(x[tokens], self.w13_weight[e], self.w13_bias[e], self.w2_weight[e], self.w2_bias[e])
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
         return out
+
+    def _forward_dense(self, x: torch.Tensor, dense_weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token ([E, T, ...] intermediates), summed with dense_weights [T, E]."""
+        y = self._expert(x[None], self.w13_weight, self.w13_bias[:, None], self.w2_weight, self.w2_bias[:, None])
+        return torch.einsum("eth,te->th", y, dense_weights.to(y.dtype)).to(x.dtype)
+
+    def _expert(self, x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor, w2: torch.Tensor,
+                b2: torch.Tensor) -> torch.Tensor:
+        """gate_up -> clamped SwiGLU -> down, for one expert (x [T, H]) or all of them (x [1, T, H], weights
+        stacked over experts)."""
+        h = torch.matmul(x, w13.transpose(-1, -2)) + b13
+        i = self.intermediate_size
+        gate = h[..., :i].clamp(max=self.limit)
+        up = h[..., i:].clamp(min=-self.limit, max=self.limit)
+        act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return torch.matmul(act, w2.transpose(-1, -2)) + b2
 
 
 class GptOssMoE(nn.Module):

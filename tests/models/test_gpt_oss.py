@@ -64,9 +64,9 @@ def tiny(tmp_path_factory):
     return path, save_tiny_gpt_oss(path)
 
 
-def runner_for(path) -> ModelRunner:
+def runner_for(path, **kwargs) -> ModelRunner:
     return ModelRunner(RunnerConfig(model_path=str(path), max_running_requests=4, max_total_tokens=512,
-                                    context_length=128))
+                                    context_length=128, **kwargs))
 
 
 def _prompts(n):
@@ -88,6 +88,17 @@ def test_logits_match_hf_shorter_and_longer_than_the_window(tiny):
     # 5 and 1 tokens fit the window until decode passes it; 19 exceed it from the prefill on
     errors = run_prefill_and_decode(runner_for(path), hf_model, _prompts((5, 1, 19)), decode_steps=12)
     assert max(errors) < 1e-4, errors
+
+
+def test_compiled_decode_matches_hf(tiny):
+    """Decode through the CPU graph runner (inductor, one dynamic trace): the experts' traceable path, every
+    expert on every token, gives HF's logits too."""
+    path, hf_model = tiny
+    runner = runner_for(path, cuda_graph_bs=(1, 2, 4))
+    assert runner.decode_graph_runner is not None
+    errors = run_prefill_and_decode(runner, hf_model, _prompts((5, 1, 19)), decode_steps=3)
+    assert max(errors) < 1e-4, errors
+    assert runner.path_counts["decode_graph"] == 3, runner.path_counts
 
 
 def test_greedy_tokens_equal_hf_generate(tiny):
