@@ -151,6 +151,13 @@ def test_triton_backend_matches_hf(tiny):
     assert max(errors) < 1e-4, errors
 
 
+def test_flashinfer_is_refused_for_sinks(tiny):
+    from model_executor.layers.attention import AttentionBackendError
+
+    with pytest.raises(AttentionBackendError, match="flashinfer .* does not take attention sinks"):
+        runner_for(tiny[0], attention_backend="flashinfer")
+
+
 def test_mxfp4_checkpoint_is_refused_by_name(tiny, tmp_path):
     from model_executor.weight_loader import WeightLoadError
 
