@@ -16,12 +16,16 @@ or clamped SwiGLU yet.
 Checkpoints: the bf16 / fp32 layout that transformers' save_pretrained writes. The experts' tensors are stacked
 over experts and stored input-major: `experts.gate_up_proj` [E, H, 2I] with the gate and up columns interleaved
 (gate 0, up 0, gate 1, ...), `experts.down_proj` [E, I, H], and their biases; they load into the [E, 2I, H]
-(gate rows, then up rows) and [E, H, I] layout of the fused MoE path. MXFP4 checkpoints (`*_blocks` /
-`*_scales`) are refused at start-up (layers/quantization/config.py).
+(gate rows, then up rows) and [E, H, I] layout of the fused MoE path. MXFP4 checkpoints (the released
+weights: each expert tensor as `*_blocks`, two e2m1 values a byte in blocks of 32 along the input, and
+`*_scales`, one e8m0 exponent a block) are dequantized to the model dtype as they load (dequantize_mxfp4):
+the experts then take the bf16 weights' memory, about 4x the checkpoint's.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
 import torch
@@ -40,8 +44,58 @@ from model_executor.layers.logits import compute_logits
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.quantization.base import quantization_context
 from model_executor.layers.rotary import RotaryEmbedding
-from model_executor.model_config import ModelConfig
+from model_executor.model_config import CheckpointMismatchError, ModelConfig
 from model_executor.models.llama import LlamaForCausalLM
+
+# The e2m1 values of the 16 four-bit codes (sign bit 3)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MXFP4 = re.compile(r"^(.*\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 -> dtype: blocks [E, R, G, 16] bytes (two e2m1 codes each, the low nibble first) and scales
+    [E, R, G] (e8m0: 2 ** (s - 127) for each block of 32 values) -> [E, R, 32 G]. One expert at a time, so the
+    float32 intermediates stay one expert's size."""
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair up "
+                         f"(blocks [E, R, G, 16], scales [E, R, G])")
+    e, r, g, _ = blocks.shape
+    if blocks.is_meta or scales.is_meta:  # (the header check: shapes only)
+        return torch.empty(e, r, 32 * g, dtype=dtype, device="meta")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    out = torch.empty(e, r, 32 * g, dtype=dtype)
+    for i in range(e):
+        codes = blocks[i].to(torch.uint8).long()
+        values = torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1).flatten(-2)  # [R, G, 32]
+        exponent = scales[i].to(torch.int32).sub(127).float()
+        out[i] = (values * torch.exp2(exponent)[..., None]).flatten(-2).to(dtype)
+    return out
+
+
+def _dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each MXFP4 pair (`X_blocks`, `X_scales`) as the bf16 checkpoint's `X`, in
+    its layout ([E, H, 2I] / [E, I, H]: the dequantized [E, out, in] transposed)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        m = _MXFP4.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        pair = pending.setdefault(m.group(1), {})
+        pair[m.group(2)] = tensor
+        if len(pair) == 2:
+            del pending[m.group(1)]
+            try:
+                full = dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
+            except ValueError as e:
+                raise CheckpointMismatchError(f"checkpoint tensor {name!r}: {e}") from None
+            yield m.group(1), full.transpose(1, 2)
+    if pending:
+        base, pair = next(iter(pending.items()))
+        missing = "scales" if "blocks" in pair else "blocks"
+        raise CheckpointMismatchError(f"checkpoint has {base}_{next(iter(pair))!s} but no {base}_{missing} "
+                                      f"(MXFP4 tensors come in pairs)")
 
 
 def _checked(param: torch.Tensor, loaded: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -213,3 +267,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits [bs, vocab] of each request's last token."""
         return compute_logits(self.lm_head, self.model(input_ids, positions, fb), fb)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """LlamaForCausalLM's loading, MXFP4 expert tensors dequantized to the model dtype first."""
+        return super().load_weights(_dequantized(weights, self.model.embed_tokens.weight.dtype))

@@ -158,16 +158,50 @@ def test_flashinfer_is_refused_for_sinks(tiny):
         runner_for(tiny[0], attention_backend="flashinfer")
 
 
-def test_mxfp4_checkpoint_is_refused_by_name(tiny, tmp_path):
-    from model_executor.weight_loader import WeightLoadError
+def _mxfp4(shape, gen):
+    """Random MXFP4 tensors of a [E, R, C] weight: blocks [E, R, C / 32, 16] and scales [E, R, C / 32] (values
+    up to 6 * 2 ** -3, the scale of the other weights)."""
+    e, r, c = shape
+    blocks = torch.randint(0, 256, (e, r, c // 32, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(121, 125, (e, r, c // 32), generator=gen, dtype=torch.uint8)
+    return blocks, scales
 
-    path, _ = tiny
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    shutil.copy(path / "model.safetensors", tmp_path / "model.safetensors")
-    with pytest.raises((WeightLoadError, ValueError), match="mxfp4"):
-        runner_for(tmp_path)
+
+def test_mxfp4_checkpoint_matches_hf_on_the_dequantized_weights(tmp_path):
+    """The released MXFP4 layout (expert tensors as *_blocks / *_scales, quantization_config mxfp4) loads
+    dequantized: duet's logits equal HF's model holding transformers' own dequantization of the same bytes."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    cfg = dict(TINY_GPT_OSS, hidden_size=64, intermediate_size=64)  # (32-value blocks along both inputs)
+    hf_model = save_tiny_gpt_oss(tmp_path, cfg, seed=4)
+    tensors = load_file(tmp_path / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+    for layer in range(cfg["num_hidden_layers"]):
+        experts = hf_model.model.layers[layer].mlp.experts
+        for proj, shape in (("gate_up_proj", (e, 2 * i, h)), ("down_proj", (e, h, i))):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            del tensors[name]
+            blocks, scales = _mxfp4(shape, gen)
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    errors = run_prefill_and_decode(runner_for(tmp_path), hf_model.eval(), _prompts((5, 19)), decode_steps=3)
+    assert max(errors) < 1e-4, errors
+
+
+def test_mxfp4_is_refused_for_other_architectures():
+    from model_executor.layers.quantization import QuantizationError, checkpoint_quant_config
+
+    with pytest.raises(QuantizationError, match="mxfp4.*GptOssForCausalLM only"):
+        checkpoint_quant_config({"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "mxfp4"}})
 
 
 def test_server_greedy_tokens_equal_hf(tmp_path, model_dir):
