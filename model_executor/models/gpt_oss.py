@@ -124,6 +124,19 @@ def _load_down(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None
     default_weight_loader(param, loaded.transpose(1, 2))
 
 
+class GptOssRMSNorm(RMSNorm):
+    """RMSNorm whose plain path multiplies by the weight in float32 before the cast, as HF's gpt-oss norm does
+    (HF keeps the norms in float32)."""
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
 class GptOssExperts(nn.Module):
     """Every expert's weights, stacked: w13_weight [E, 2I, H] (gate rows, then up rows) and w13_bias [E, 2I];
     w2_weight [E, H, I] and w2_bias [E, H]."""
@@ -206,8 +219,8 @@ class GptOssDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = GptOssAttention(cfg, layer_id, rotary_emb)
         self.mlp = GptOssMoE(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +242,7 @@ class GptOssModel(nn.Module):
                                           cfg.rope_theta, cfg.rope_scaling,
                                           original_max_position=cfg.max_position_embeddings, seq_len=served)
         self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """The final norm's output, [tokens, H]."""
