@@ -10,8 +10,8 @@ Its differences from the Llama block (llama.py) and the other MoE models (moe.py
   +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate) -> down (with bias).
 
 The experts run in plain PyTorch (GptOssExperts.forward): eagerly a loop over the experts the batch routes to,
-in compiled or captured decode every expert on every token: the fused MoE kernels (layers/moe) have no biases
-or clamped SwiGLU yet.
+inside a compiled or captured forward (decode graphs, extend pieces) every expert on every token, one expert
+at a time: the fused MoE kernels (layers/moe) have no biases or clamped SwiGLU yet.
 
 Checkpoints: the bf16 / fp32 layout that transformers' save_pretrained writes. The experts' tensors are stacked
 over experts and stored input-major: `experts.gate_up_proj` [E, H, 2I] with the gate and up columns interleaved
@@ -171,14 +171,17 @@ class GptOssExperts(nn.Module):
         return out
 
     def _forward_dense(self, x: torch.Tensor, dense_weights: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token ([E, T, ...] intermediates), summed with dense_weights [T, E]."""
-        y = self._expert(x[None], self.w13_weight, self.w13_bias[:, None], self.w2_weight, self.w2_bias[:, None])
-        return torch.einsum("eth,te->th", y, dense_weights.to(y.dtype)).to(x.dtype)
+        """Every expert on every token, one expert at a time (a loop of fixed length: traceable, and the
+        intermediates stay one expert's [T, 2I]), summed with dense_weights [T, E]."""
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            y = self._expert(x, self.w13_weight[e], self.w13_bias[e], self.w2_weight[e], self.w2_bias[e])
+            out += (y * dense_weights[:, e, None]).to(x.dtype)
+        return out
 
     def _expert(self, x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor, w2: torch.Tensor,
                 b2: torch.Tensor) -> torch.Tensor:
-        """gate_up -> clamped SwiGLU -> down, for one expert (x [T, H]) or all of them (x [1, T, H], weights
-        stacked over experts)."""
+        """gate_up -> clamped SwiGLU -> down of one expert: x [T, H] -> [T, H]."""
         h = torch.matmul(x, w13.transpose(-1, -2)) + b13
         i = self.intermediate_size
         gate = h[..., :i].clamp(max=self.limit)
