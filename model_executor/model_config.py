@@ -9,7 +9,7 @@ from pathlib import Path
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
                            # Gemma 3's multimodal checkpoints: their text tower (models/gemma3.py)
-                           "Gemma3ForConditionalGeneration",
+                           "Gemma3ForConditionalGeneration", "GptOssForCausalLM",
                            # Embedding checkpoints (the backbone alone, no LM head) and rerankers with a
                            # classification head (model_executor/models/llama.py); served with --is-embedding.
                            "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
@@ -79,6 +79,11 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # gpt-oss: a learned sink logit per query head in every attention layer, and the experts' clamped SwiGLU
+    # ((up + 1) * gate * sigmoid(alpha * gate), gate clamped above at swiglu_limit, up to +-swiglu_limit).
+    attention_sinks: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
     # The context length being served (build_model sets it): the RoPE table covers it, and the dynamic /
     # longrope tables are computed for it (layers/rotary.py).
     served_context_len: int | None = None
@@ -162,7 +167,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama only when attention_bias says so.
-            attention_bias=arch.startswith("Qwen2") or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch.startswith("Qwen2") or bool(cfg.get("attention_bias", arch == "GptOssForCausalLM")),
             rope_scaling=rope_scaling,
             qk_norm=arch.startswith(("Qwen3", "Gemma3")),
             **moe,
@@ -172,6 +177,7 @@ class ModelConfig:
             hidden_act=act,
             partial_rotary_factor=partial,
             **_gemma3_fields(arch, cfg),
+            **_gpt_oss_fields(arch, cfg),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -251,7 +257,12 @@ class ModelConfig:
 
 
 def _moe_fields(arch: str, cfg: dict) -> dict:
-    """ModelConfig's MoE fields from an HF config (Qwen3-MoE or Mixtral); empty for dense models."""
+    """ModelConfig's MoE fields from an HF config (Qwen3-MoE, Mixtral or gpt-oss); empty for dense models."""
+    if arch == "GptOssForCausalLM":  # top-k of the router's logits, softmax over those k: renormalised
+        return {"num_experts": cfg["num_local_experts"],
+                "num_experts_per_tok": cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4)),
+                "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True,
+                "moe_layers": tuple(range(cfg["num_hidden_layers"]))}
     if arch == "MixtralForCausalLM":
         num_experts = cfg["num_local_experts"]
         return {"num_experts": num_experts, "num_experts_per_tok": cfg.get("num_experts_per_tok", 2),
@@ -282,6 +293,8 @@ def _sliding_window(arch: str, cfg: dict) -> tuple[int | None, tuple[int, ...]]:
         return None, ()
     window = int(window)
     types = cfg.get("layer_types")
+    if arch == "GptOssForCausalLM" and not types:  # (HF's default: sliding first, then alternating)
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     if arch.startswith("Gemma3") and not types:
         pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
@@ -328,6 +341,14 @@ def _gemma3_fields(arch: str, cfg: dict) -> dict:
     return {"rope_local_theta": float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
             "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
             "final_logit_softcapping": float(cap) if cap else None}
+
+
+def _gpt_oss_fields(arch: str, cfg: dict) -> dict:
+    """ModelConfig's gpt-oss fields (HF's defaults where config.json leaves them out); empty for other models."""
+    if arch != "GptOssForCausalLM":
+        return {}
+    return {"attention_sinks": True, "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(cfg.get("swiglu_limit", 7.0))}
 
 
 def _num_labels(arch: str, cfg: dict) -> int:

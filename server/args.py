@@ -145,13 +145,14 @@ class ServerArgs:
                                           "required/named): xgrammar, or none to refuse them",
                               choices=("xgrammar", "none"))
     tool_call_parser: str | None = _f(None, "the tool-call format calls are written and read in: hermes (Qwen), "
-                                            "llama3 (JSON), mistral or qwen3_coder (XML); none: tool_choice auto "
-                                            "answers in text (default: detected from the chat template; a template "
+                                            "llama3 (JSON), mistral, qwen3_coder (XML) or gpt-oss (harmony); none: "
+                                            "tool_choice auto answers in text (default: detected from the chat template; a template "
                                             "without tools gets duet's own hermes-style format)",
-                                      choices=("hermes", "llama3", "mistral", "qwen3_coder", "none"))
-    reasoning_parser: str | None = _f(None, "split <think> reasoning into reasoning_content: qwen3 or deepseek-r1; "
+                                      choices=("hermes", "llama3", "mistral", "qwen3_coder", "gpt-oss", "none"))
+    reasoning_parser: str | None = _f(None, "split reasoning into reasoning_content: qwen3 or deepseek-r1 (<think>), "
+                                            "gpt-oss (harmony's analysis channel); "
                                             "none: never (default: detected from the chat template)",
-                                      choices=("qwen3", "deepseek-r1", "none"))
+                                      choices=("qwen3", "deepseek-r1", "gpt-oss", "none"))
     # Pooling servers (model_executor/pooling.py, server/serving_embedding.py, server/serving_rerank.py).
     is_embedding: bool = _f(False, "serve /v1/embeddings instead of generation (also detected: a "
                                    "sentence-transformers modules.json or 1_Pooling/config.json, or a *Model "

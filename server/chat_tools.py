@@ -73,6 +73,12 @@ class ChatFormat:
     reasoning_parser: str | None = None
     reasoning_source: str = "none"
 
+    @property
+    def reads_special_tokens(self) -> bool:
+        """Whether replies are detokenized with their special tokens: the harmony format (gpt-oss) marks its
+        channels and calls with them, and its parsers take them out of the content."""
+        return "gpt-oss" in (self.tool_parser, self.reasoning_parser)
+
     def describe(self) -> list[str]:
         """The start-up log lines saying what was chosen and why."""
         tools = {
@@ -87,7 +93,7 @@ class ChatFormat:
             tools += "; the chat template does not render tools: they are described in duet's default (hermes) format"
         reasoning = {
             "flag": f"reasoning: {self.reasoning_parser or 'not split'} (--reasoning-parser)",
-            "template": f"reasoning: {self.reasoning_parser} <think> format, detected from the chat template",
+            "template": f"reasoning: {self.reasoning_parser} format, detected from the chat template",
             "none": "reasoning: not split (the chat template has no <think>)",
         }[self.reasoning_source]
         return [tools, reasoning]
@@ -118,6 +124,8 @@ def detect_tool_format(tokenizer, template: str | dict | None) -> str | None:
     texts = [_render(tokenizer, template, [_USER], tools=[_PROBE_TOOL], add_generation_prompt=True),
              _render(tokenizer, template, [_USER, _PROBE_CALL], tools=[_PROBE_TOOL])]
     text = "\n".join(t for t in texts if t)
+    if "<|channel|>" in text and f"to=functions.{_PROBE}" in text:
+        return "gpt-oss"
     if f"<function={_PROBE}>" in text or ("<function=" in text and "<parameter=" in text):
         return "qwen3_coder"
     if "<tool_call>" in text:
@@ -135,6 +143,8 @@ def detect_reasoning_format(tokenizer, template: str | dict | None) -> str | Non
     if not template:
         return None
     source = template if isinstance(template, str) else "\n".join(str(t) for t in template.values())
+    if "<|channel|>" in source and "analysis" in source:  # the harmony format (gpt-oss)
+        return "gpt-oss"
     if "<think>" not in source:
         return None
     prompt = _render(tokenizer, template, [_USER], add_generation_prompt=True) or ""

@@ -5,12 +5,16 @@ message's `reasoning_content` and `content`.
   (a leading `<think>` is dropped) and the answer follows `</think>`; without `</think>` it is all reasoning.
 - qwen3: the model writes `<think>` itself when it thinks; output that does not start with it is all answer
   (thinking off, e.g. `chat_template_kwargs: {"enable_thinking": false}`).
+- gpt-oss (the harmony format; its output is read with its special tokens): the `analysis` channel's
+  messages are the reasoning, the `final` (and other) channels' the answer; a message to a function
+  (`to=functions.NAME` in its header) goes to the content as written, header and `<|call|>` included, for
+  the gpt-oss tool-call parser (server/tool_parsers.py) to read. Header markup is never content.
 The same state machine serves streaming and non-streaming replies, so both split the text identically.
 """
 
 from __future__ import annotations
 
-REASONING_PARSERS = ("qwen3", "deepseek-r1")
+REASONING_PARSERS = ("qwen3", "deepseek-r1", "gpt-oss")
 START, END = "<think>", "</think>"
 
 
@@ -19,6 +23,64 @@ def _partial(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+# The harmony format's markers (special tokens of gpt-oss's tokenizer)
+H_START, H_MESSAGE, H_END, H_CALL, H_RETURN = "<|start|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"
+_H_BODY_ENDS = (H_END, H_CALL, H_RETURN, H_START)
+
+
+class HarmonyStream:
+    """ReasoningStream's gpt-oss kind: harmony messages (header `...<|message|>`, body up to `<|end|>`,
+    `<|call|>`, `<|return|>` or the next `<|start|>`) split by channel."""
+
+    def __init__(self):
+        self.buf = ""
+        self.dest: str | None = None  # the body being read: "reasoning", "content" or "call"; None: a header
+
+    def _hold(self) -> int:
+        """How much of buf's end may be the start of a marker that ends a body."""
+        return max(_partial(self.buf, m) for m in _H_BODY_ENDS)
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self.buf += delta
+        reasoning = content = ""
+        while self.buf:
+            if self.dest is None:  # a header; text that does not start one is plain answer
+                if not self.buf.startswith("<|") and not "<|".startswith(self.buf):
+                    self.dest = "content"
+                    continue
+                i = self.buf.find(H_MESSAGE)
+                if i < 0:
+                    break
+                header, self.buf = self.buf[:i], self.buf[i + len(H_MESSAGE):]
+                if "to=" in header:
+                    self.dest = "call"
+                    content += header + H_MESSAGE
+                else:
+                    self.dest = "reasoning" if "<|channel|>analysis" in header else "content"
+                continue
+            ends = [(self.buf.find(m), m) for m in _H_BODY_ENDS if m in self.buf]
+            if ends:
+                j, marker = min(ends)
+                text, self.buf = self.buf[:j], self.buf[j + (0 if marker == H_START else len(marker)):]
+            else:
+                keep = self._hold()
+                text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            if self.dest == "reasoning":
+                reasoning += text
+            else:
+                content += text + (H_CALL if ends and self.dest == "call" else "")
+            if not ends:
+                break
+            self.dest = None
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buf = self.buf, ""
+        if self.dest is None:  # (an unfinished header: markup, not answer)
+            return "", ""
+        return (rest, "") if self.dest == "reasoning" else ("", rest)
 
 
 class ReasoningStream:
@@ -69,9 +131,16 @@ class ReasoningStream:
         return "", rest
 
 
+def make_reasoning_stream(kind: str) -> ReasoningStream | HarmonyStream:
+    """The state machine of a REASONING_PARSERS kind (feed(delta) -> (reasoning, content); finish())."""
+    return HarmonyStream() if kind == "gpt-oss" else ReasoningStream(kind)
+
+
 def split_reasoning(kind: str, text: str) -> tuple[str | None, str]:
-    stream = ReasoningStream(kind)
+    stream = make_reasoning_stream(kind)
     r1, c1 = stream.feed(text)
     r2, c2 = stream.finish()
     reasoning = r1 + r2
+    if kind == "gpt-oss":
+        return reasoning or None, c1 + c2
     return (reasoning if stream.state != "content" or reasoning or kind == "deepseek-r1" else None), c1 + c2

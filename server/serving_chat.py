@@ -42,7 +42,7 @@ from server.protocol_convert import (
     logit_bias_pairs,
     request_grammar,
 )
-from server.reasoning_parser import ReasoningStream
+from server.reasoning_parser import HarmonyStream, ReasoningStream, make_reasoning_stream
 from server.serving_common import (
     SSE_DONE,
     SSE_HEADERS,
@@ -166,7 +166,7 @@ class ChoiceOutput:
 
     plan: ToolPlan
     fmt: ChatFormat
-    reasoning: ReasoningStream | None = None
+    reasoning: ReasoningStream | HarmonyStream | None = None
     tool_stream: ToolCallStream | None = None
     reasoning_text: str = ""
     content: str = ""
@@ -178,7 +178,7 @@ class ChoiceOutput:
 
     def __post_init__(self):
         if self.fmt.reasoning_parser is not None and self.plan.mode in ("none", "auto"):
-            self.reasoning = ReasoningStream(self.fmt.reasoning_parser)
+            self.reasoning = make_reasoning_stream(self.fmt.reasoning_parser)
         if self.plan.mode == "auto" and self.fmt.tool_parser is not None:
             self.tool_stream = ToolCallStream(make_tool_parser(self.fmt.tool_parser, self.plan.tools))
         self.affixes = (named_call_affixes(self.fmt.tool_parser, self.plan.name)
@@ -339,7 +339,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatJ
                           min_tokens=req.min_tokens, top_logprobs=num_top,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty, logit_bias=logit_bias_pairs(req.logit_bias),
-                          grammar=grammar, skip_special_tokens=req.skip_special_tokens,
+                          grammar=grammar,
+                          skip_special_tokens=req.skip_special_tokens and not ctx.chat_format.reads_special_tokens,
                           spaces_between_special_tokens=req.spaces_between_special_tokens,
                           include_stop_str_in_output=req.include_stop_str_in_output,
                           param_names={"max_tokens": max_param})

@@ -10,6 +10,10 @@ Each parser knows one model family's format:
   </function>\n</tool_call>`, repeated; each value is text, converted to the type the function's JSON schema
   gives the parameter (number, boolean, object...; a string, or a parameter the schema does not type, stays
   text).
+- gpt-oss (harmony): messages to `functions.NAME`, the recipient in the header
+  (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`, or
+  `<|start|>assistant to=functions.NAME<|channel|>...`); the gpt-oss reasoning parser passes them on as
+  written and keeps every other message's markup out of the content.
 Text the parser cannot read as calls stays content (vLLM's behaviour): a call is never invented. Which
 parser a server uses: server/chat_tools.py (the flag, or detected from the chat template).
 
@@ -25,7 +29,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral", "qwen3_coder", "gpt-oss")
 
 
 @dataclass
@@ -198,12 +202,38 @@ class Qwen3CoderParser(HermesParser):
         return _content(text[:pos]), calls
 
 
+class HarmonyParser(ToolParser):
+    _MESSAGE = re.compile(r"((?:<\|start\|>[^<]*)?<\|channel\|>[^<]*(?:<\|constrain\|>[^<]*)?)<\|message\|>"
+                          r"(.*?)(?:<\|call\|>|<\|end\|>|$)", re.DOTALL)
+    _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+    _HEADS = ("<|start|>", "<|channel|>")
+
+    def scan(self, text):
+        starts = [i for i in (text.find(h) for h in self._HEADS) if i >= 0]
+        if starts:
+            return min(starts), min(starts)
+        return None, len(text) - max(_held_back(text, h) for h in self._HEADS)
+
+    def extract(self, text):
+        calls, first = [], None
+        for m in self._MESSAGE.finditer(text):
+            recipient = self._RECIPIENT.search(m.group(1))
+            if recipient is None:
+                continue
+            first = m.start() if first is None else first
+            calls.append(ParsedToolCall(recipient.group(1), m.group(2).strip()))
+        if not calls:
+            return _content(text), []
+        return _content(text[:first]), calls
+
+
 def make_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
     """The parser of a format (TOOL_CALL_PARSERS); tools (the request's function definitions) type the
     qwen3_coder parameters."""
     if name == "qwen3_coder":
         return Qwen3CoderParser(tools)
-    return {"hermes": HermesParser, "llama3": Llama3JsonParser, "mistral": MistralParser}[name]()
+    return {"hermes": HermesParser, "llama3": Llama3JsonParser, "mistral": MistralParser,
+            "gpt-oss": HarmonyParser}[name]()
 
 
 class ToolCallStream:

@@ -158,23 +158,25 @@ def cases():
                          torch.zeros(8, 2, d, dtype=bf16), torch.zeros(8, 2, d, dtype=bf16), 4, 2), \
             torch.randn(heads * d, 512, dtype=bf16)
 
-    def decode(pool_dtype, fused, v_words=None, tile=None, bs=2, after_qkv=False):
+    def decode(pool_dtype, fused, v_words=None, tile=None, bs=2, after_qkv=False, splits=4, sinks=None, window=None):
         hq, hk, d = 8, 2, 64
         q = torch.randn(bs, hq, d, dtype=bf16)
         pool = torch.randn(64, hk, d).to(pool_dtype)
         logits, lse, counters = dec.alloc_decode_workspace(bs, hq, d, 4, "cpu")
         dec.decode_attention_fwd(q, pool, pool, torch.empty_like(q), torch.zeros(3, 64, dtype=torch.int32),
-                                 torch.tensor([1, 2][:bs]), torch.tensor([40, 50][:bs]), logits, lse, 4, 0.125,
+                                 torch.tensor([1, 2][:bs]), torch.tensor([40, 50][:bs]), logits, lse, splits, 0.125,
                                  counters=counters, fused_combine=fused, v_words=v_words, tile=tile,
-                                 after_qkv=after_qkv)
+                                 after_qkv=after_qkv, sliding_window=window,
+                                 sinks=None if sinks is None else torch.randn(hq, dtype=sinks))
 
-    def extend(pool_dtype):
+    def extend(pool_dtype, sinks=None, window=None):
         n, hq, hk, d = 16, 8, 2, 64
         q, k = torch.randn(n, hq, d, dtype=bf16), torch.randn(n, hk, d, dtype=bf16)
         pool = torch.randn(64, hk, d).to(pool_dtype)
         t = lambda *v: torch.tensor(v)
         ext.extend_attention_fwd(q, k, k.clone(), torch.empty_like(q), pool, pool, torch.arange(n),
-                                 torch.zeros(2, 64, dtype=torch.int32), t(1), t(40), t(n), t(0), n, 1 / math.sqrt(d))
+                                 torch.zeros(2, 64, dtype=torch.int32), t(1), t(40), t(n), t(0), n, 1 / math.sqrt(d),
+                                 sliding_window=window, sinks=None if sinks is None else torch.randn(hq, dtype=sinks))
 
     def w8a8_block():
         a = torch.randn(20, 256, dtype=bf16)
@@ -311,6 +313,12 @@ def cases():
         ("decode attention, warp splits, both pools (FP8: V as words)",
          (dec._decode_stage1_kernel, dec._decode_stage2_kernel),
          lambda: (decode(bf16, True, tile=(16, 2, 3, True)), decode(fp8, False, tile=(32, 1, 3, True)))),
+        ("decode attention with attention sinks and a window: one stage, merge in stage 1, stage 2",
+         (dec._decode_stage1_kernel, dec._decode_stage2_kernel),
+         lambda: (decode(bf16, None, splits=1, sinks=bf16, window=8), decode(bf16, True, sinks=bf16, window=8),
+                  decode(bf16, False, sinks=bf16))),
+        ("extend attention with attention sinks and a window", (ext._extend_kernel,),
+         lambda: extend(bf16, sinks=bf16, window=8)),
         ("extend attention, bf16 pool", (ext._extend_kernel,), lambda: extend(bf16)),
         ("extend attention, FP8 pool", (ext._extend_kernel,), lambda: extend(fp8)),
         ("FP8 activation quantization + W8A8 block GEMM",

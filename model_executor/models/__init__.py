@@ -2,6 +2,7 @@
 
 from model_executor.models.eagle3 import Eagle3ForCausalLM
 from model_executor.models.gemma3 import Gemma3ForCausalLM
+from model_executor.models.gpt_oss import GptOssForCausalLM
 from model_executor.models.llama import LlamaEmbeddingModel, LlamaForCausalLM, LlamaForSequenceClassification
 from model_executor.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from model_executor.models.phi3 import Phi3ForCausalLM
@@ -18,6 +19,7 @@ MODEL_REGISTRY = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # the text tower
+    "GptOssForCausalLM": GptOssForCausalLM,
     # Pooling models (--is-embedding): a backbone-only embedding checkpoint, a reranker with a score head.
     "LlamaModel": LlamaEmbeddingModel,
     "MistralModel": LlamaEmbeddingModel,

@@ -38,6 +38,10 @@ def create_attention_backend(name: str, runner) -> AttentionBackend:
 
         backend = TritonAttnBackend(runner)
     elif name == "flashinfer":
+        cfg = getattr(runner, "model_config", None)
+        if getattr(cfg, "attention_sinks", False):
+            raise AttentionBackendError(f"the flashinfer attention backend does not take attention sinks "
+                                        f"({cfg.architecture}); use --attention-backend triton")
         if runner.device.type != "cuda":
             raise AttentionBackendError("the flashinfer attention backend needs a CUDA device")
         if importlib.util.find_spec("flashinfer") is None:

@@ -27,6 +27,9 @@ class AttentionLayer(Protocol):
     qk_norm: tuple[RMSNorm, RMSNorm] | None  # Qwen3's per-head q/k norms, applied with the rotary
     # A query at position p attends to positions p - sliding_window + 1 .. p; None: to all up to p
     sliding_window: int | None
+    # [num_heads] sink logits (gpt-oss): each joins its head's softmax denominator as a key with no value;
+    # None: none
+    sinks: torch.Tensor | None
 
 
 class AttentionBackend(ABC):

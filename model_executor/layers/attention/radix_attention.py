@@ -29,7 +29,7 @@ from model_executor.layers.triton_ops.small_m_gemm_dispatch import MAX_FUSED_ROW
 class RadixAttention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
                  rotary_emb: RotaryEmbedding | None = None, qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, sinks: bool = False):
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding window {sliding_window} must be at least 1")
@@ -46,6 +46,9 @@ class RadixAttention(nn.Module):
         # (q_norm, k_norm): the model's modules, held in a tuple so that they are not registered here too
         # (their parameters keep the checkpoint's names, under the model's attention module)
         self.qk_norm = qk_norm
+        # gpt-oss: a learned logit per query head that joins each query's softmax denominator with no value
+        # (loaded from the checkpoint's `self_attn.sinks`); None: plain softmax
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
 
     def rope_store(self, fb: ForwardBatch, positions: torch.Tensor) -> RopeStore | None:
         """For a decode batch of up to SMALL_M_FUSED_ROWS tokens whose backend lets the qkv projection store

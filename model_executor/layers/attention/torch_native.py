@@ -11,6 +11,9 @@ rows at a time so memory stays linear in the prompt.
 A layer with a sliding window W (layer.sliding_window) masks the keys more than W - 1 positions before each
 query: positions are absolute (a cached prefix and earlier chunks count), and keys outside the window stay in
 the pool, unread.
+
+A layer with attention sinks (layer.sinks, gpt-oss) runs the same masks through an explicit softmax whose
+denominator also takes exp(sink) of the query's head (SDPA has no such term).
 """
 
 from __future__ import annotations
@@ -75,7 +78,10 @@ class TorchNativeBackend(AttentionBackend):
         v = v_buf[meta.slots].transpose(1, 2)
         qg = q.view(bs, hk, layer.num_heads // hk, layer.head_dim)
         mask = meta.window_mask(getattr(layer, "sliding_window", None))
-        o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=layer.scaling)
+        sinks = getattr(layer, "sinks", None)
+        if sinks is not None:  # query head h = kv head h // G, row h % G of SDPA's query rows
+            sinks = sinks.view(1, hk, -1, 1)
+        o = _attention(qg, k.to(q.dtype), v.to(q.dtype), mask, layer.scaling, sinks)
         out.copy_(o.reshape(out.shape))
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
@@ -95,19 +101,39 @@ class TorchNativeBackend(AttentionBackend):
                 slots = req_to_token[row, :seq_len].long()
                 ki, vi = k_buf[slots].to(q.dtype), v_buf[slots].to(q.dtype)
             ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hk, S, D]
-            o = _causal_attention(qi, ki, vi, prefix, layer.scaling, window)
+            o = _causal_attention(qi, ki, vi, prefix, layer.scaling, window, getattr(layer, "sinks", None))
             out[start : start + ext_len] = o[0].transpose(0, 1)
             start += ext_len
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q [B, H, T, D] over k/v [B, Hk, S, D] (H a multiple of Hk: grouped-query) with a boolean mask
+    (True = attend; None: all), or with sinks (broadcast to [B, H, T, 1]: a logit per query row that joins its
+    softmax denominator) an explicit softmax in float32."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [1, Hq, T, D] at positions prefix..prefix+T, k/v: [1, Hk, prefix+T, D] -> [1, Hq, T, D]; with a
-    window, each query sees only the `window` positions up to its own."""
+    window, each query sees only the `window` positions up to its own; sinks: [Hq] sink logits."""
     t, s = q.shape[2], k.shape[2]
     if window is not None and window >= s:
         window = None  # no query reaches past its window
-    if prefix == 0 and window is None:
+    if sinks is not None:
+        sinks = sinks.view(1, -1, 1, 1)
+    if prefix == 0 and window is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     blocks = []
     for lo in range(0, t, PREFIX_QUERY_BLOCK):
@@ -120,7 +146,6 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix:
         mask = kv_pos[None, :] <= q_pos[:, None]
         if window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - window
-        blocks.append(F.scaled_dot_product_attention(q[:, :, lo:hi], k[:, :, first : prefix + hi],
-                                                     v[:, :, first : prefix + hi], attn_mask=mask, scale=scale,
-                                                     enable_gqa=True))
+        blocks.append(_attention(q[:, :, lo:hi], k[:, :, first : prefix + hi], v[:, :, first : prefix + hi], mask,
+                                 scale, sinks))
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)

@@ -109,7 +109,7 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
                              fb.seq_lens, self.attn_logits, self.attn_lse, self._decode_splits[1], layer.scaling,
                              k_scale=k_scale, v_scale=v_scale, counters=self.combine_counters, after_qkv=after_qkv,
-                             sliding_window=getattr(layer, "sliding_window", None))
+                             sliding_window=getattr(layer, "sliding_window", None), sinks=getattr(layer, "sinks", None))
 
     def forward_decode_stored(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch,
                               out: torch.Tensor) -> None:
@@ -122,4 +122,5 @@ class TritonAttnBackend(AttentionBackend):
         extend_attention_fwd(q, k, v, out, k_buf, v_buf, fb.out_cache_loc, fb.req_to_token_pool.req_to_token,
                              fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens, fb.extend_start_loc,
                              fb.max_extend_len, layer.scaling,
-                             k_scale=k_scale, v_scale=v_scale, sliding_window=getattr(layer, "sliding_window", None))
+                             k_scale=k_scale, v_scale=v_scale, sliding_window=getattr(layer, "sliding_window", None),
+                             sinks=getattr(layer, "sinks", None))

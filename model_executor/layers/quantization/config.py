@@ -93,6 +93,11 @@ def checkpoint_quant_config(hf_config: dict) -> QuantConfig | None:
         return _from_fp8_method(qc)
     if method == "compressed-tensors":
         return _from_compressed_tensors(qc)
+    if method == "mxfp4":
+        if "GptOssForCausalLM" in (hf_config.get("architectures") or ()):
+            return None  # its experts are dequantized to the model dtype as they load (models/gpt_oss.py)
+        raise QuantizationError("config.json quantization_config quant_method 'mxfp4' is supported for "
+                                "GptOssForCausalLM only (its *_blocks / *_scales expert tensors)")
     raise QuantizationError(f"config.json quantization_config quant_method {method!r} is not supported; "
                             "duet reads fp8 and compressed-tensors (FP8) checkpoints")
 

@@ -307,11 +307,13 @@ def _written_splits(seq_len, num_kv_splits, min_chunk, SPLITS_P2: tl.constexpr, 
 def _merge_block(Att_Out, Att_Lse, O, cur_batch, kv_head, head_block, seq_len, num_kv_splits, min_chunk,
                  stride_mid_ob, stride_mid_oh, stride_mid_os, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
                  offs_d, mask_d, KV_GROUP_NUM: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_HEADS: tl.constexpr,
-                 SPLITS_P2: tl.constexpr, SPLIT_ALIGN: tl.constexpr, CACHE: tl.constexpr):
+                 SPLITS_P2: tl.constexpr, SPLIT_ALIGN: tl.constexpr, CACHE: tl.constexpr, Sinks,
+                 HAS_SINKS: tl.constexpr):
     """Merges the chunks of the query heads of one (request, kv head, head block) and stores their output:
     every head's chunks in one [MERGE_HEADS, SPLITS_P2, BLOCK_D] tile (one round trip to memory), each chunk
     weighted by exp2(lse - the head's max lse). Stage 2 and the fused combine both call it with the same
-    num_warps (a reduction's order follows the tile's layout, which follows num_warps)."""
+    num_warps (a reduction's order follows the tile's layout, which follows num_warps). HAS_SINKS: each head's
+    sink logit (Sinks[head], natural-log units) joins its softmax denominator."""
     offs_g = head_block * BLOCK_H + tl.arange(0, MERGE_HEADS)
     mask_h = offs_g < KV_GROUP_NUM
     heads = kv_head * KV_GROUP_NUM + offs_g
@@ -327,7 +329,10 @@ def _merge_block(Att_Out, Att_Lse, O, cur_batch, kv_head, head_block, seq_len, n
     # exp2(-inf) = 0 and the output zeros, rather than exp2(-inf - -inf) = NaN.
     e_max = tl.where(e_max == float("-inf"), 0.0, e_max)
     w = tl.exp2(lse - e_max[:, None])
-    out = tl.sum(w[:, :, None] * part, 1) / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
+    denom = tl.sum(w, 1)
+    if HAS_SINKS:
+        denom += tl.exp2(tl.load(Sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634 - e_max)
+    out = tl.sum(w[:, :, None] * part, 1) / tl.maximum(denom, 1e-30)[:, None]
     tl.store(O + cur_batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
@@ -444,7 +449,7 @@ def _attend_in_warp_splits(q, K_Buffer, V_Buffer, Req_to_token, req_row, stride_
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse, O, Counters,
+    Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse, O, Counters, Sinks,
     qk_scale, v_scale, num_kv_splits, min_chunk, window,
     stride_qb, stride_qh,
     stride_kbs, stride_kh,
@@ -474,6 +479,7 @@ def _decode_stage1_kernel(
     PDL_SIGNAL: tl.constexpr,
     PRELOAD: tl.constexpr,
     PDL_WAIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     if PDL_SIGNAL:  # a kernel launched with PDL after this one (o_proj) may start now (triton_ops/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
@@ -563,6 +569,9 @@ def _decode_stage1_kernel(
 
         mask_hd = mask_h[:, None] & mask_d[None, :]
         if SINGLE_STAGE:
+            if HAS_SINKS:  # the head's sink logit joins the denominator (log2 domain, relative to the max)
+                e_sum += tl.exp2(tl.load(Sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+                                 - e_max)
             out = acc * (v_scale / tl.maximum(e_sum, 1e-30))[:, None]
             tl.store(O + cur_batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                      out.to(O.dtype.element_ty), mask=mask_hd)
@@ -590,13 +599,13 @@ def _decode_stage1_kernel(
                 _merge_block(Att_Out, Att_Lse, O, cur_batch, kv_head, head_block, kept, num_kv_splits,
                              min_chunk, stride_mid_ob, stride_mid_oh, stride_mid_os, stride_lse_b, stride_lse_h,
                              stride_ob, stride_oh, offs_d, mask_d, KV_GROUP_NUM, BLOCK_H, MERGE_HEADS, SPLITS_P2,
-                             BLOCK_N, ".cg")
+                             BLOCK_N, ".cg", Sinks, HAS_SINKS)
                 tl.store(counter, 0)  # every program of the pair has arrived: zero for the next call
 
 
 @triton.jit
 def _decode_stage2_kernel(
-    Att_Out, Att_Lse, O, Seq_lens,
+    Att_Out, Att_Lse, O, Seq_lens, Sinks,
     num_kv_splits, min_chunk, window,
     stride_mid_ob, stride_mid_oh, stride_mid_os,
     stride_lse_b, stride_lse_h,
@@ -610,6 +619,7 @@ def _decode_stage2_kernel(
     SPLITS_P2: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
     PDL_SIGNAL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Program (request, kv head x head block), as stage 1's: merges that block's heads (_merge_block)."""
     if PDL_SIGNAL:
@@ -626,7 +636,7 @@ def _decode_stage2_kernel(
     _merge_block(Att_Out, Att_Lse, O, cur_batch, pid_h // HEAD_BLOCKS, pid_h % HEAD_BLOCKS, kept, num_kv_splits,
                  min_chunk, stride_mid_ob, stride_mid_oh, stride_mid_os, stride_lse_b, stride_lse_h,
                  stride_ob, stride_oh, offs_d, mask_d, KV_GROUP_NUM, BLOCK_H, MERGE_HEADS, SPLITS_P2,
-                 SPLIT_ALIGN, "")
+                 SPLIT_ALIGN, "", Sinks, HAS_SINKS)
 
 
 def decode_attention_fwd(
@@ -650,6 +660,7 @@ def decode_attention_fwd(
     v_words: bool | None = None,
     after_qkv: bool = False,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Decode attention; writes `o` in place.
 
@@ -678,6 +689,8 @@ def decode_attention_fwd(
     first step's K/V but the newest position's before it reads q, and on sm_90+ is launched with PDL and waits
     for that kernel only then (triton_ops/pdl.py). Same bits either way.
     sliding_window: attend only to each request's last sliding_window positions (None: all of them).
+    sinks: [num_heads] sink logits (gpt-oss): exp(sinks[h]) joins head h's softmax denominator, as a key with
+    no value (None: none); applied where the output is normalised (the single stage or the merge).
     No host reads of device data, no allocations: safe to capture in a CUDA graph. On sm_90+ each kernel
     signals at its start that a kernel launched with PDL after it may start (triton_ops/pdl.py).
     """
@@ -689,6 +702,7 @@ def decode_attention_fwd(
     assert req_to_token.stride(-1) == 1
     assert num_kv_splits >= 1 and min_chunk >= 1
     assert sliding_window is None or 1 <= sliding_window < NO_WINDOW
+    assert sinks is None or sinks.shape == (num_heads,)
     window = NO_WINDOW if sliding_window is None else sliding_window
     assert attn_logits.dtype == torch.float32 and attn_lse.dtype == torch.float32
     assert attn_logits.shape[0] >= bs and attn_logits.shape[1] == num_heads
@@ -727,6 +741,7 @@ def decode_attention_fwd(
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse, o,
         counters if fused else attn_lse,  # (a placeholder pointer when there is no combine in stage 1)
+        q if sinks is None else sinks,  # (a placeholder pointer without sinks)
         qk_scale, v_scale, num_kv_splits, min_chunk, window,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
@@ -756,6 +771,7 @@ def decode_attention_fwd(
         PDL_SIGNAL=pdl_signal,
         PRELOAD=preload,
         PDL_WAIT=pdl_wait,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
@@ -763,7 +779,7 @@ def decode_attention_fwd(
     if single_stage or fused:
         return
     _decode_stage2_kernel[(bs, num_kv_heads * head_blocks)](
-        attn_logits, attn_lse, o, seq_lens,
+        attn_logits, attn_lse, o, seq_lens, q if sinks is None else sinks,
         num_kv_splits, min_chunk, window,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
@@ -777,6 +793,7 @@ def decode_attention_fwd(
         SPLITS_P2=splits_p2,
         SPLIT_ALIGN=block_n,
         PDL_SIGNAL=pdl_signal,
+        HAS_SINKS=sinks is not None,
         # Stage 1's warps: the fused combine merges the same tiles inside stage 1, and a reduction's order
         # follows the tile's layout, which follows num_warps.
         num_warps=num_warps,

@@ -167,7 +167,7 @@ def _attend_block_range(
 
 @triton.jit
 def _extend_kernel(
-    Q, K_New, V_New, O, K_Buffer, V_Buffer, Out_cache_loc,
+    Q, K_New, V_New, O, K_Buffer, V_Buffer, Out_cache_loc, Sinks,
     Req_to_token, Req_pool_indices, Seq_lens, Extend_seq_lens, Extend_start_loc,
     qk_scale, k_scale, v_scale, window,
     stride_qbs, stride_qh,
@@ -188,6 +188,7 @@ def _extend_kernel(
     NEW_STAGES: tl.constexpr,
     POOL_STAGES: tl.constexpr,
     SLIDING: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -277,6 +278,8 @@ def _extend_kernel(
         BLOCK_N=BLOCK_N, CAUSAL=True, FROM_POOL=False, IN_PRECISION=IN_PRECISION, STAGES=NEW_STAGES,
         SLIDING=SLIDING, window=window)
 
+    if HAS_SINKS:  # the head's sink logit joins the denominator (log2 domain, relative to the running max)
+        e_sum += tl.exp2(tl.load(Sinks + cur_head).to(tl.float32) * 1.4426950408889634 - e_max)
     if SLIDING:  # (rows past the request's last token may see no key: keep their unstored output finite)
         e_sum = tl.maximum(e_sum, 1e-30)
     out = acc / e_sum[:, None]
@@ -303,6 +306,7 @@ def extend_attention_fwd(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Stores the new tokens' K/V in the pool and runs causal extend attention, in one kernel; writes `o`.
 
@@ -322,6 +326,8 @@ def extend_attention_fwd(
     and the prefix read from it is scaled back; the new tokens are attended unquantized.
     sliding_window: each query at position p attends only to positions p - sliding_window + 1 .. p (None: all
     up to p); the keys before a tile's window are not read.
+    sinks: [num_heads] sink logits (gpt-oss): exp(sinks[h]) joins the softmax denominator of every query of
+    head h, as a key with no value (None: none).
     """
     num_tokens, num_heads, head_dim = q.shape
     bs = seq_lens.shape[0]
@@ -331,6 +337,7 @@ def extend_attention_fwd(
     assert k_buffer.shape[2] == head_dim and v_buffer.shape[2] == head_dim
     assert all(t.stride(-1) == 1 for t in (q, k, v, o, k_buffer, v_buffer, req_to_token))
     assert sliding_window is None or sliding_window >= 1
+    assert sinks is None or sinks.shape == (num_heads,)
     if bs == 0 or num_tokens == 0 or max_extend_len <= 0:
         return
     cfg = config or get_extend_config(head_dim, q.dtype, max_extend_len,
@@ -338,7 +345,7 @@ def extend_attention_fwd(
 
     grid = (bs, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
-        q, k, v, o, k_buffer, v_buffer, out_cache_loc,
+        q, k, v, o, k_buffer, v_buffer, out_cache_loc, q if sinks is None else sinks,
         req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
         sm_scale * _LOG2E, k_scale, v_scale, sliding_window or 0,
         q.stride(0), q.stride(1),
@@ -359,6 +366,7 @@ def extend_attention_fwd(
         NEW_STAGES=cfg.num_stages,
         POOL_STAGES=cfg.pool_stages or cfg.num_stages,
         SLIDING=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
