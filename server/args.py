@@ -20,7 +20,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 QUANTIZATION_CHOICES = ("none", "fp8", "int8", "int4")  # --quantization (server and offline CLI)
 DP_ROUTINGS = ("least_load", "prefix")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE3")
-SPECULATIVE_BUILT = ("NGRAM", "STANDALONE", "EAGLE3")
 SPECULATIVE_DRAFT_MODELS = ("STANDALONE", "EAGLE3")
 # Tokens verified per step and request (the last sampled token and 3 drafts); docs/speculative.md.
 NGRAM_DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -367,8 +366,6 @@ class ServerArgs:
             if given:
                 raise ArgsError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
             return
-        if algo not in SPECULATIVE_BUILT:
-            raise ArgsError(f"--speculative-algorithm {algo} is not built yet (built: {', '.join(SPECULATIVE_BUILT)})")
         if algo in SPECULATIVE_DRAFT_MODELS:
             self._validate_draft_model(algo)
         else:
