@@ -114,7 +114,7 @@ def short_chat(client, base: str) -> dict:
     """The README's question, streamed: seconds to the first content and to the end, and the answer."""
     t0 = time.perf_counter()
     first, text = None, []
-    body = {"model": "default", "messages": [{"role": "user", "content": SHORT_QUESTION}], "temperature": 0,
+    body = {"messages": [{"role": "user", "content": SHORT_QUESTION}], "temperature": 0,
             "max_tokens": 32, "stream": True}
     with client.stream("POST", base + "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
@@ -131,7 +131,7 @@ def short_chat(client, base: str) -> dict:
 def long_completion(client, base: str, prompt: list[int], out: dict) -> None:
     t0 = time.perf_counter()
     first = None
-    body = {"model": "default", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with client.stream("POST", base + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
