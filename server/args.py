@@ -64,7 +64,7 @@ class ServerArgs:
                                               "the running requests up for one chunk's time)")
     chunked_prefill_size: int | None = _f(None, "prompts longer than this are prefilled in chunks; prompts that "
                                                 "arrive meanwhile and fit in a chunk join the next one (a batch "
-                                                "then holds up to 1.5 chunks) (default: 8192 on GPU, 256 on CPU; "
+                                                "then holds up to 1.5 chunks) (default: 8192 on GPU, 128 on CPU; "
                                                 "-1 disables)")
     schedule_policy: str = _f("fcfs", "waiting-queue order: fcfs, or lpm (longest prefix match)",
                               choices=SCHEDULE_POLICIES)

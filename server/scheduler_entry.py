@@ -29,10 +29,11 @@ def default_max_running_requests(args: ServerArgs) -> int:
 
 
 # CPU prefill chunk: its time is how long the running requests (and a prompt that arrives meanwhile) wait
-# behind a long prompt at a time. 256 tokens take at most 0.75 s on 2 cores and cost a long prompt no measurable
-# prefill speed; 128 halve a short chat's answer time behind a long prompt but slow every long prefill by
-# 15-20%; 2,048 made the chat wait 8 s (benchmarks/bench_cpu_chunking.py, docs/benchmarks.md "CPU").
-CPU_CHUNKED_PREFILL_SIZE = 256
+# behind a long prompt at a time. 128 tokens take at most 0.53 s on 2 cores: a short chat sent during a
+# 4,000-token prompt's prefill gets its first token in 0.4 s and its answer in 3 s (256: 0.6 and 5.1 s; 2,048:
+# 7.9 and 8.7 s), for 15-20% of a long prompt's prefill speed (benchmarks/bench_cpu_chunking.py,
+# docs/benchmarks.md "CPU").
+CPU_CHUNKED_PREFILL_SIZE = 128
 GPU_CHUNKED_PREFILL_SIZE = 8192
 GPU_MAX_PREFILL_TOKENS = 16384
 

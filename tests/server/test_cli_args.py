@@ -102,7 +102,7 @@ def test_cpu_prefill_chunk_bounds_every_extend_batch():
     from server.scheduler_entry import CPU_CHUNKED_PREFILL_SIZE, scheduler_config
 
     cpu = scheduler_config(parse_args(["--device", "cpu"]))
-    assert cpu.chunked_prefill_size == cpu.max_prefill_tokens == CPU_CHUNKED_PREFILL_SIZE == 256
+    assert cpu.chunked_prefill_size == cpu.max_prefill_tokens == CPU_CHUNKED_PREFILL_SIZE == 128
     gpu = scheduler_config(ServerArgs(device="cuda"))
     assert (gpu.chunked_prefill_size, gpu.max_prefill_tokens) == (8192, 16384)
     given = scheduler_config(parse_args(["--device", "cpu", "--max-prefill-tokens", "4096",
