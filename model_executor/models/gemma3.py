@@ -34,11 +34,10 @@ from model_executor.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from model_executor.layers.logits import compute_logits
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import ModelConfig
-from model_executor.models.llama import LlamaForCausalLM
+from model_executor.models.llama import OwnBackboneForCausalLM
 
 
 def _gemma_norm_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -158,27 +157,16 @@ class Gemma3Model(nn.Module):
         return hidden
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma3ForCausalLM(OwnBackboneForCausalLM):
     """Loads through LlamaForCausalLM's mapping (q/k/v and gate/up into the fused layers)."""
 
     supports_tensor_parallel = False  # (not tested sharded yet)
+    backbone_class = Gemma3Model
 
-    def __init__(self, cfg: ModelConfig):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = Gemma3Model(cfg)
+    def make_lm_head(self, cfg: ModelConfig) -> ParallelLMHead:
         cap = cfg.final_logit_softcapping
-        self.lm_head = (SoftcappedLMHead(cfg.vocab_size, cfg.hidden_size, cap) if cap
-                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size))
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def set_aux_hidden_state_layers(self, layer_ids) -> None:
-        raise ValueError(f"{self.config.architecture} does not give hidden states to a draft head")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Returns float32 logits [bs, vocab] of each request's last token."""
-        return compute_logits(self.lm_head, self.model(input_ids, positions, fb), fb)
+        return (SoftcappedLMHead(cfg.vocab_size, cfg.hidden_size, cap) if cap
+                else ParallelLMHead(cfg.vocab_size, cfg.hidden_size))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(_text_tower(weights))

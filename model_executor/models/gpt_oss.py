@@ -33,19 +33,18 @@ from torch import nn
 
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.radix_attention import RadixAttention
-from model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model_executor.layers.embedding import VocabParallelEmbedding
 from model_executor.layers.linear import (
     LinearBase,
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
 )
-from model_executor.layers.logits import compute_logits
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.quantization.base import quantization_context
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_config import CheckpointMismatchError, ModelConfig
-from model_executor.models.llama import LlamaForCausalLM
+from model_executor.models.llama import OwnBackboneForCausalLM
 
 # The e2m1 values of the 16 four-bit codes (sign bit 3)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -256,10 +255,11 @@ class GptOssModel(nn.Module):
         return hidden
 
 
-class GptOssForCausalLM(LlamaForCausalLM):
+class GptOssForCausalLM(OwnBackboneForCausalLM):
     """Loads through LlamaForCausalLM's mapping (q/k/v into the fused projection) with the renames below."""
 
     supports_tensor_parallel = False  # (the experts and sinks are not sharded yet)
+    backbone_class = GptOssModel
     # (the bias renames first: `gate_up_proj` is a prefix of `gate_up_proj_bias`)
     renames: ClassVar[tuple[tuple[str, str], ...]] = (
         (".self_attn.sinks", ".self_attn.attn.sinks"),
@@ -268,21 +268,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
         (".experts.down_proj_bias", ".experts.w2_bias"),
         (".experts.down_proj", ".experts.w2_weight"),
     )
-
-    def __init__(self, cfg: ModelConfig):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = GptOssModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def set_aux_hidden_state_layers(self, layer_ids) -> None:
-        raise ValueError(f"{self.config.architecture} does not give hidden states to a draft head")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Returns float32 logits [bs, vocab] of each request's last token."""
-        return compute_logits(self.lm_head, self.model(input_ids, positions, fb), fb)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """LlamaForCausalLM's loading, MXFP4 expert tensors dequantized to the model dtype first."""

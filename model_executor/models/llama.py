@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -252,6 +253,32 @@ class LlamaForCausalLM(nn.Module):
         for hf_frag, our_frag in self.renames:
             target = target.replace(our_frag, hf_frag)
         return target
+
+
+class OwnBackboneForCausalLM(LlamaForCausalLM):
+    """A causal LM with a backbone of its own (`backbone_class`: Gemma 3, gpt-oss) under the Llama tensor names,
+    loaded through LlamaForCausalLM's mapping; its decode rows keep the final norm outside the LM head, and it
+    gives no hidden states to a draft head."""
+
+    backbone_class: ClassVar[type[nn.Module]]
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = self.backbone_class(cfg)
+        self.lm_head = self.make_lm_head(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def make_lm_head(self, cfg: ModelConfig) -> ParallelLMHead:
+        return ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+
+    def set_aux_hidden_state_layers(self, layer_ids) -> None:
+        raise ValueError(f"{self.config.architecture} does not give hidden states to a draft head")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Returns float32 logits [bs, vocab] of each request's last token."""
+        return compute_logits(self.lm_head, self.model(input_ids, positions, fb), fb)
 
 
 class LlamaEmbeddingModel(LlamaForCausalLM):
