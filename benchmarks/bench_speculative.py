@@ -17,8 +17,9 @@ batch size (that many copies of the request, decoding together) it runs, interle
 * `never` (--never): drafts that never match (plain's token + 1): `never_raw` with the adaptivity off (the cost of
   verifying k + 1 tokens where 1 would do) and `never` with the default adaptivity (what a missing draft costs).
 
-With --verify-cost it also times the forward pass alone (no scheduler) of a verify batch of k + 1 = 2..9
-tokens per request against one decode step, at each batch size, after --context-len tokens of KV each.
+With --verify-cost it also times the forward pass alone (no scheduler) of a verify batch of k + 1 = 2..max
+--num-draft-tokens tokens per request against one decode step, at each batch size, after --context-len tokens of
+KV each (on a GPU both replay their graphs).
 
 Decode tokens/s counts the output tokens after each request's first over the time after the prefill step; the
 table gives the median over repeats, the ratio to plain's in the same run, the mean accept length (tokens per
@@ -100,8 +101,8 @@ def sync(runner: ModelRunner) -> None:
 
 
 def verify_cost(runner: ModelRunner, bs: int, context: int, sizes: list[int], steps: int) -> dict[int, float]:
-    """Median ms of one forward pass with n tokens per request (n = 1: the decode step, graph if captured; n > 1:
-    the eager verify batch) after `context` tokens of KV per request."""
+    """Median ms of one forward pass with n tokens per request (n = 1: the decode step; n > 1: the verify batch;
+    graphs where captured) after `context` tokens of KV per request."""
     width = context + max(sizes)
     rows = [runner.req_to_token_pool.alloc() for _ in range(bs)]
     slots = runner.allocator.alloc(bs * width)
@@ -148,7 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--never", action="store_true", help="also drafts that never match (the overhead)")
     p.add_argument("--draft-model-path", help="also draft with this model (STANDALONE) or EAGLE-3 head (EAGLE3)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--verify-cost", action="store_true", help="also time verify passes of 2..9 tokens per request")
+    p.add_argument("--verify-cost", action="store_true",
+                   help="also time verify passes of 2..max(--num-draft-tokens) tokens per request")
     p.add_argument("--context-len", type=int, default=256, help="KV tokens per request for --verify-cost")
     p.add_argument("--skip-workloads", action="store_true", help="only --verify-cost")
     p.add_argument("--json", dest="json_out", help="write the results here")
@@ -173,8 +175,9 @@ def main(argv=None) -> int:
                                       random_weights=args.random_weights, max_total_tokens=(
                                           None if args.device != "cpu" else 16384),
                                       disable_cuda_graph=args.device == "cpu",
-                                      # plain decode steps replay decode graphs on a GPU (verify runs eagerly)
-                                      cuda_graph_bs=() if args.device == "cpu" else tuple(sorted(set(args.batch_size)))))
+                                      # on a GPU, decode steps and verify passes replay graphs at these sizes
+                                      cuda_graph_bs=() if args.device == "cpu" else tuple(sorted(set(args.batch_size))),
+                                      speculative_tokens=max(args.num_draft_tokens), speculative_max_bs=max_bs))
     vocab = runner.model_config.vocab_size
     draft_algorithm = None
     if args.draft_model_path:
@@ -189,7 +192,8 @@ def main(argv=None) -> int:
     cost_rows = []
     if args.verify_cost:
         for bs in args.batch_size:
-            ms = verify_cost(runner, bs, args.context_len, list(range(1, 10)), steps=5 if args.device == "cpu" else 20)
+            ms = verify_cost(runner, bs, args.context_len, list(range(1, max(args.num_draft_tokens) + 1)),
+                             steps=5 if args.device == "cpu" else 20)
             cost_rows.append({"batch_size": bs, "context_len": args.context_len,
                               "ms": {n: round(v, 3) for n, v in ms.items()},
                               "ratio_to_decode": {n: round(v / ms[1], 3) for n, v in ms.items()}})
@@ -246,10 +250,11 @@ def main(argv=None) -> int:
               f"{r['ratio']:>8.2f} {acc:>10} {r['identical']!s:>9}")
     if cost_rows:
         print(f"\nverify pass / decode step (context {args.context_len}), k+1 tokens per request:")
-        print(f"{'bs':>3} {'decode ms':>9} " + " ".join(f"{n:>6}" for n in range(2, 10)))
+        sizes = range(2, max(args.num_draft_tokens) + 1)
+        print(f"{'bs':>3} {'decode ms':>9} " + " ".join(f"{n:>6}" for n in sizes))
         for r in cost_rows:
             print(f"{r['batch_size']:>3} {r['ms'][1]:>9.2f} "
-                  + " ".join(f"{r['ratio_to_decode'][n]:>6.2f}" for n in range(2, 10)))
+                  + " ".join(f"{r['ratio_to_decode'][n]:>6.2f}" for n in sizes))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "verify_cost": cost_rows}, f, indent=2)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.lora.layer import LoraBatch
 from runners.capture_lists import pick_size
-from runners.graph_seam import GraphCapturer, default_capturer, frozen_gc
+from runners.graph_seam import AuxOut, GraphCapturer, default_capturer, frozen_gc
 
 logger = logging.getLogger("duet.cuda_graph_runner")
 
@@ -109,6 +109,7 @@ class CudaGraphRunner:
         self.backend.init_cuda_graph_state(self.max_bs)
         self.static_batches = {bs: self._static_batch(bs) for bs in self.batch_sizes}
         self.graphs: dict[tuple[int, object], object] = {}  # by (batch size, the backend's plan)
+        self.aux = AuxOut(self.max_bs)
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.capture()
@@ -123,6 +124,7 @@ class CudaGraphRunner:
         logits = self.model(fb.input_ids, fb.positions, fb)
         if logits.data_ptr() != fb.logits_out.data_ptr():  # (a model that does not honour logits_out)
             fb.logits_out.copy_(logits)
+        self.aux.write(fb.aux_hidden_states)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -162,6 +164,7 @@ class CudaGraphRunner:
         variant = self.backend.decode_graph_variant(static)
         self.backend.init_forward_metadata_replay_cuda_graph(static)
         self.graphs[padded, variant].replay()
+        fb.aux_hidden_states = self.aux.read(bs)
         return self.buffers.rows(bs)[1]
 
     def info(self) -> dict:

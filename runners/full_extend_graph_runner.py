@@ -32,7 +32,7 @@ from tqdm import tqdm
 from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.layers.logits import compute_logits
 from runners.capture_lists import pick_size
-from runners.graph_seam import GraphCapturer, default_capturer, frozen_gc
+from runners.graph_seam import AuxOut, GraphCapturer, default_capturer, frozen_gc
 from runners.piecewise_cuda_graph_runner import weak_ref_tensor
 
 logger = logging.getLogger("duet.full_extend_graph_runner")
@@ -90,6 +90,8 @@ class FullExtendBuffers:
 
 
 class FullExtendGraphRunner:
+    capture_desc = "capturing full extend graphs"
+
     def __init__(self, model_runner, token_levels: list[int], max_requests: int = DEFAULT_MAX_REQUESTS,
                  capturer: GraphCapturer | None = None):
         self.model_runner = model_runner
@@ -104,17 +106,24 @@ class FullExtendGraphRunner:
         self.max_requests = min(max_requests, model_runner.req_to_token_pool.size)
         self.capturer = capturer or default_capturer(self.device)
         self.buffers = FullExtendBuffers.allocate(self.max_tokens, self.max_requests, self.device)
-        # Keyed by (level, request rows): every level has a graph of one row (a lone request, the usual extend
-        # of an interactive prompt) and one of every row it can hold.
-        self.keys = [(level, rows) for level in self.levels for rows in sorted({1, self.requests_at(level)})]
-        self.static_batches = {key: self.buffers.batch(*key, model_runner) for key in self.keys}
+        self.keys = self.graph_keys()
+        self.static_batches = {key: self.static_batch(key) for key in self.keys}
         self.graphs: dict[tuple[int, int], object] = {}
         # The hidden states each graph writes (weak references on CUDA: the pool owns the memory).
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.aux = AuxOut(self.max_tokens)
         self.replays = 0
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.capture()
+
+    def graph_keys(self) -> list[tuple[int, int]]:
+        """Graphs by (token level, request rows): every level has a graph of one row (a lone request, the usual
+        extend of an interactive prompt) and one of every row it can hold."""
+        return [(level, rows) for level in self.levels for rows in sorted({1, self.requests_at(level)})]
+
+    def static_batch(self, key: tuple[int, int]) -> ForwardBatch:
+        return self.buffers.batch(*key, self.model_runner)
 
     def requests_at(self, level: int) -> int:
         """The most request rows a level's graphs hold: a batch of `level` tokens has at most that many requests."""
@@ -127,12 +136,13 @@ class FullExtendGraphRunner:
     def _forward(self, key: tuple[int, int]) -> None:
         fb = self.static_batches[key]
         self.hidden[key] = self.backbone(fb.input_ids, fb.positions, fb)
+        self.aux.write(fb.aux_hidden_states)
 
     @torch.inference_mode()
     def capture(self) -> None:
         before = self.capturer.memory_in_use()
         start = time.perf_counter()
-        bar = tqdm(list(reversed(self.keys)), desc="capturing full extend graphs", unit="graph",
+        bar = tqdm(list(reversed(self.keys)), desc=self.capture_desc, unit="graph",
                    disable=self.device.type != "cuda")
         with frozen_gc():
             for key in bar:  # largest first: smaller graphs reuse its pool memory
@@ -151,6 +161,9 @@ class FullExtendGraphRunner:
         self.capturer.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = self.capturer.memory_in_use() - before
+        self.log_capture()
+
+    def log_capture(self) -> None:
         logger.info("captured %d full extend graphs (up to %d tokens, %d requests) in %.1f s, %.2f GiB",
                     len(self.graphs), self.max_tokens, self.max_requests, self.capture_seconds,
                     self.capture_bytes / 2**30)
@@ -164,6 +177,7 @@ class FullExtendGraphRunner:
         self.buffers.load(fb, key[1])
         self.graphs[key].replay()
         self.replays += 1
+        fb.aux_hidden_states = self.aux.read(fb.num_tokens)
         # The hidden states alias the pool: the head (prompt rows included) reads them before another replay.
         return compute_logits(self.lm_head, self.hidden[key][: fb.num_tokens], fb)
 

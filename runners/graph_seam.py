@@ -100,6 +100,28 @@ class StandInCapturer:
         pass
 
 
+class AuxOut:
+    """The aux hidden states a graph's model writes (an EAGLE-3 target's, ForwardBatch.aux_hidden_states), copied
+    inside the graph into one static buffer (allocated by the first, uncaptured warm-up run), so that every
+    replay, and the CPU stand-in's re-run alike, leaves them at the same place."""
+
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
+        self.buffer: torch.Tensor | None = None
+
+    def write(self, aux: torch.Tensor | None) -> None:
+        if aux is None:
+            return
+        if self.buffer is None:
+            self.buffer = aux.new_empty(self.max_rows, aux.shape[1])
+        self.buffer[: aux.shape[0]].copy_(aux)
+
+    def read(self, n: int) -> torch.Tensor | None:
+        """The first n rows of the last replay's (a copy: callers keep them past the next replay); None: the
+        model gives none."""
+        return None if self.buffer is None else self.buffer[:n].clone()
+
+
 def default_capturer(device: torch.device) -> GraphCapturer:
     return CudaGraphCapturer(device) if device.type == "cuda" else StandInCapturer()
 

@@ -30,13 +30,15 @@ class MemoryBudgetError(RuntimeError):
 
 
 def estimate_graph_reserve(*, activation_bytes_per_token: float, decode_max_bs: int, vocab_size: int,
-                           extend_max_tokens: int, backend_bytes: int = 0) -> int:
+                           extend_max_tokens: int, backend_bytes: int = 0, verify_max_tokens: int = 0) -> int:
     """Bytes to keep free for CUDA-graph capture: 0 when nothing is captured.
 
-    backend_bytes: what the attention backend allocates for graphs (e.g. flashinfer's index buffer)."""
+    backend_bytes: what the attention backend allocates for graphs (e.g. flashinfer's index buffer).
+    verify_max_tokens: the largest speculative verify graph's tokens (it shares the decode graphs' pool)."""
     reserve = 0
     if decode_max_bs > 0:
-        pool = max(DECODE_POOL_FLOOR, POOL_ACTIVATION_FACTOR * decode_max_bs * activation_bytes_per_token)
+        pool = max(DECODE_POOL_FLOOR,
+                   POOL_ACTIVATION_FACTOR * max(decode_max_bs, verify_max_tokens) * activation_bytes_per_token)
         reserve += int(pool) + decode_max_bs * vocab_size * LOGITS_BYTES + backend_bytes
     if extend_max_tokens > 0:
         reserve += int(max(EXTEND_POOL_FLOOR, POOL_ACTIVATION_FACTOR * extend_max_tokens * activation_bytes_per_token))

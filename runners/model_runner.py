@@ -85,6 +85,13 @@ class RunnerConfig:
     draft: bool = False
     # Multi-LoRA serving (model_executor/lora/): the adapters' pool and flags; None: off.
     lora: LoraConfig | None = None
+    # Speculative decoding: the most tokens a request verifies in one pass (its last token and its drafts); > 0
+    # captures verify graphs (runners/verify_graph_runner.py) at the decode sizes up to speculative_max_bs.
+    speculative_tokens: int = 0
+    speculative_max_bs: int = 0
+    # An EAGLE-3 target: the layers whose outputs every forward also gives (ForwardBatch.aux_hidden_states),
+    # set before the graphs are captured so that they give them too.
+    aux_hidden_state_layers: tuple[int, ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -145,6 +152,8 @@ class ModelRunner:
             self.model = load_model(Path(config.model_path), self.model_config, self.dtype, self.device,
                                     max_positions=self.context_len, quant=self.quant)
         self.load_seconds = time.perf_counter() - t0
+        if config.aux_hidden_state_layers:
+            self.model.set_aux_hidden_state_layers(config.aux_hidden_state_layers)
         # The adapters' device pool, allocated once beside the weights (before the KV cache takes the rest).
         self.lora = LoraManager(config.lora, self.model, self.dtype, self.device) if config.lora else None
         self.profile_seconds: float | None = None  # the activation profile's (a GPU runs one)
@@ -174,6 +183,7 @@ class ModelRunner:
         self.decode_graph_runner = None
         self.extend_graph_runner = None
         self.full_extend_graph_runner = None
+        self.verify_graph_runner = None
         self.init_graph_runners()
         if cuda:
             captured = sum(r.capture_bytes for r in self._graph_runners() if r)
@@ -181,7 +191,28 @@ class ModelRunner:
         logger.info(self.memory_split.line())
 
     def _graph_runners(self) -> tuple:
-        return self.decode_graph_runner, self.extend_graph_runner, self.full_extend_graph_runner
+        return (self.decode_graph_runner, self.extend_graph_runner, self.full_extend_graph_runner,
+                self.verify_graph_runner)
+
+    @property
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        backbone = getattr(self.model, "model", None)
+        return tuple(getattr(backbone, "aux_layer_ids", ()))
+
+    def set_aux_hidden_state_layers(self, layer_ids) -> None:
+        """Every forward from now on also gives these layers' outputs (an EAGLE-3 target,
+        LlamaForCausalLM.set_aux_hidden_state_layers). Graphs captured without them are captured again (a server
+        names the layers in RunnerConfig, before the first capture)."""
+        if tuple(layer_ids or ()) == self.aux_hidden_state_layers:
+            return
+        self.model.set_aux_hidden_state_layers(layer_ids)
+        if any(self._graph_runners()):
+            logger.info("capturing the graphs again: they now give the hidden states of layers %s", list(layer_ids))
+            self.decode_graph_runner = self.extend_graph_runner = None
+            self.full_extend_graph_runner = self.verify_graph_runner = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.init_graph_runners()
 
     def init_graph_runners(self) -> None:
         """Capture decode graphs, then extend pieces, then whole extend graphs at the small levels; each is
@@ -203,8 +234,19 @@ class ModelRunner:
                 self.decode_graph_runner = CudaGraphRunner(self, list(cfg.cuda_graph_bs))
             else:
                 logger.warning("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
+        self._init_verify_graphs()
         if self.lora is not None:
             logger.info("LoRA: extend batches run eagerly (decode graphs read the adapters' slots)")
+            return
+        if self.aux_hidden_state_layers and not cfg.disable_piecewise_cuda_graph:
+            # The pieces are traced: a forward's aux hidden states (a side output) do not come out of them.
+            full_levels = sorted({t for t in cfg.piecewise_cuda_graph_tokens if t <= cfg.full_extend_graph_max_tokens})
+            if full_levels and self.attn_backend.supports_extend_cuda_graph:
+                from runners.full_extend_graph_runner import FullExtendGraphRunner
+
+                self.full_extend_graph_runner = FullExtendGraphRunner(self, full_levels)
+            logger.info("EAGLE-3 target: extends over %d tokens run eagerly (no piecewise pieces)",
+                        cfg.full_extend_graph_max_tokens if full_levels else 0)
             return
         if not cfg.disable_piecewise_cuda_graph and cfg.piecewise_cuda_graph_tokens:
             # Attention runs eagerly between the pieces, so every backend works here.
@@ -222,6 +264,21 @@ class ModelRunner:
             elif full_levels:
                 logger.info("%s runs extend attention outside graphs: extends replay piecewise only",
                             type(self.attn_backend).__name__)
+
+    def _init_verify_graphs(self) -> None:
+        cfg = self.config
+        sizes = [bs for bs in cfg.cuda_graph_bs if bs <= cfg.speculative_max_bs]
+        if cfg.disable_cuda_graph or not cfg.speculative_tokens or not sizes:
+            return
+        if not self.attn_backend.supports_extend_cuda_graph:
+            logger.info("%s runs extend attention outside graphs: verify batches replay as extends",
+                        type(self.attn_backend).__name__)
+            return
+        from runners.verify_graph_runner import VerifyGraphRunner
+
+        # Into the decode graphs' pool: a verify step's graph and a decode step's never run at once.
+        capturer = self.decode_graph_runner.capturer if self.decode_graph_runner is not None else None
+        self.verify_graph_runner = VerifyGraphRunner(self, sizes, cfg.speculative_tokens, capturer=capturer)
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The KV pool's dtype; an FP8 pool needs an sm89+ GPU and the triton or flashinfer backend (their
@@ -282,7 +339,8 @@ class ModelRunner:
             vocab_size=cfg.vocab_size,
             extend_max_tokens=(0 if self.config.disable_piecewise_cuda_graph
                                else max(self.config.piecewise_cuda_graph_tokens, default=0)),
-            backend_bytes=self.attn_backend.cuda_graph_state_bytes(max(self.config.cuda_graph_bs, default=0)))
+            backend_bytes=self.attn_backend.cuda_graph_state_bytes(max(self.config.cuda_graph_bs, default=0)),
+            verify_max_tokens=self.config.speculative_tokens * self.config.speculative_max_bs)
         return plan_kv_cache(total=total, free=free, weights=weights, activations=activations, graphs=graphs,
                              fraction=self.config.mem_fraction_static, bytes_per_slot=per_slot,
                              max_total_tokens=self.config.max_total_tokens, device=str(self.device))
@@ -383,9 +441,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_verify(self, fb: ForwardBatch) -> torch.Tensor:
-        """Runs a verify batch; float32 logits [tokens, vocab]. Eager: verify graphs would replay here."""
-        self.path_counts["verify_eager"] += 1
-        return self.forward_eager(fb)
+        """Runs a verify batch; float32 logits [tokens, vocab]: its graph where one fits, else as an extend."""
+        runner = self.verify_graph_runner
+        if runner is not None and runner.can_run(fb):
+            self.path_counts["verify_graph"] += 1
+            return runner.replay(fb)
+        return self.forward(fb)
 
     @torch.inference_mode()
     def verify(self, logits: torch.Tensor, info: SamplingBatchInfo, drafts: torch.Tensor, num_rows: list[int],
@@ -424,7 +485,7 @@ class ModelRunner:
         phases = {"weights": self.load_seconds}
         if self.profile_seconds is not None:
             phases["memory_profile"] = self.profile_seconds
-        decode, extend, full = self._graph_runners()
+        decode, extend, full, verify = self._graph_runners()
         if decode is not None:
             phases["compile" if self.device.type == "cpu" else "decode_graphs"] = decode.capture_seconds
         if extend is not None:
@@ -432,6 +493,8 @@ class ModelRunner:
             phases["compile"] = extend.compile_seconds
         if full is not None:
             phases["whole_extend_graphs"] = full.capture_seconds
+        if verify is not None:
+            phases["verify_graphs"] = verify.capture_seconds
         return phases
 
     def graph_info(self) -> dict:
@@ -440,7 +503,7 @@ class ModelRunner:
         for runner in self._graph_runners():
             if runner is not None:
                 info.update(runner.info())
-        kinds = ("decode", "extend", "full_extend")
+        kinds = ("decode", "extend", "full_extend", "verify")
         info["capture_seconds"] = round(sum(info.get(f"{k}_capture_seconds", 0.0) for k in kinds), 2)
         info["capture_gib"] = round(sum(info.get(f"{k}_capture_gib", 0.0) for k in kinds), 3)
         info["memory"] = {**self.memory_split.as_dict(), "load_seconds": round(self.load_seconds, 2),

@@ -71,14 +71,19 @@ def token_slice(req: Req, start: int, end: int) -> list[int]:
 DRAFT_MEM_FRACTION = 0.95
 
 
-def draft_runner_config(target: ModelRunner, path: str, draft: bool) -> RunnerConfig:
+def draft_runner_config(target: ModelRunner, path: str, draft: bool, max_bs: int) -> RunnerConfig:
     """The draft's runner: the target's device, dtype, attention backend, context, running requests, KV slots and
-    largest extend; no graphs (it runs eagerly)."""
+    largest extend. A STANDALONE draft replays its decode steps from CUDA graphs at the target's decode sizes up
+    to max_bs (the most requests that draft); its catch-up extends and an EAGLE-3 head (whose forward takes the
+    target's hidden states besides the ids) run eagerly."""
     cfg = target.config
+    sizes = () if draft or cfg.disable_cuda_graph else tuple(bs for bs in cfg.cuda_graph_bs if bs <= max_bs)
     return RunnerConfig(model_path=path, device=cfg.device, dtype=cfg.dtype, attention_backend=cfg.attention_backend,
                         context_length=target.context_len, max_running_requests=target.req_to_token_pool.size,
                         max_total_tokens=target.allocator.num_slots, max_prefill_tokens=cfg.max_prefill_tokens,
-                        mem_fraction_static=DRAFT_MEM_FRACTION, seed=cfg.seed, draft=draft)
+                        mem_fraction_static=DRAFT_MEM_FRACTION, seed=cfg.seed, draft=draft,
+                        disable_cuda_graph=not sizes or cfg.device == "cpu", cuda_graph_bs=sizes,
+                        disable_piecewise_cuda_graph=True)
 
 
 class DraftModelProposer:
@@ -291,9 +296,10 @@ def build_draft_proposer(config, target: ModelRunner) -> DraftModelProposer | No
     if eagle and not hasattr(target.model, "set_aux_hidden_state_layers"):
         raise ModelConfigError(f"EAGLE3 needs the target's hidden states, which {target.model_config.architecture} "
                                f"does not give")
-    runner = ModelRunner(draft_runner_config(target, config.draft_model_path, eagle))
+    runner = ModelRunner(draft_runner_config(target, config.draft_model_path, eagle, config.max_batch_size))
     if not eagle:
         return StandaloneDrafts(runner)
-    target.model.set_aux_hidden_state_layers(aux_layer_ids(runner.model_config, target.model_config))
+    # (a server named them before the target's graphs were captured: this is then a no-op)
+    target.set_aux_hidden_state_layers(aux_layer_ids(runner.model_config, target.model_config))
     runner.model.share_target_embedding(target.model)
     return Eagle3Drafts(runner)

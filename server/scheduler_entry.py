@@ -57,10 +57,10 @@ def default_max_prefill_tokens(args: ServerArgs) -> int:
 def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> RunnerConfig:
     device = args.device
     max_running = default_max_running_requests(args)
-    # EAGLE3 reads the target's aux hidden states after every forward pass, which graph replays do not give yet:
-    # the target runs eagerly.
-    graphs = device == "cuda" and args.speculative_algorithm != "EAGLE3"
+    graphs = device == "cuda"
+    # (the CPU's inductor decode graphs give no aux hidden states: an EAGLE3 target decodes eagerly there)
     compile_decode = args.enable_torch_compile and args.speculative_algorithm != "EAGLE3"
+    spec = speculative_config(args)
     # A pooling server's requests never decode: no decode graphs to capture.
     pooling = args.is_embedding or args.is_reranker
     chunk = default_chunked_prefill_size(args)
@@ -92,6 +92,9 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
         sampling_backend=args.sampling_backend,
         embedding_only=args.is_embedding,
         lora=args.lora_config(),
+        speculative_tokens=spec.num_draft_tokens if spec is not None else 0,
+        speculative_max_bs=spec.max_batch_size if spec is not None else 0,
+        aux_hidden_state_layers=eagle3_aux_layers(args),
     )
     if rank is None:
         return config
@@ -113,6 +116,21 @@ def scheduler_config(args: ServerArgs) -> SchedulerConfig:
         grammar_backend=args.grammar_backend,
         speculative=speculative_config(args),
     )
+
+
+def eagle3_aux_layers(args: ServerArgs) -> tuple[int, ...]:
+    """An EAGLE3 target's aux hidden-state layers, known before its graphs are captured (empty otherwise, or
+    where the draft's config does not load: the draft's own check then says why, in one line)."""
+    if args.speculative_algorithm != "EAGLE3" or args.speculative_draft_model_path is None:
+        return ()
+    from model_executor.model_config import ModelConfig, ModelConfigError
+    from model_executor.models.eagle3 import aux_layer_ids
+
+    try:
+        return tuple(aux_layer_ids(ModelConfig.from_pretrained(args.speculative_draft_model_path, draft=True),
+                                   ModelConfig.from_pretrained(args.model_path)))
+    except (ModelConfigError, OSError, ValueError):
+        return ()
 
 
 def speculative_config(args: ServerArgs) -> SpeculativeConfig | None:
