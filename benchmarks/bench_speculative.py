@@ -4,7 +4,9 @@
         [--num-draft-tokens 4] [--oracle] [--never] [--draft-model-path D] [--json out.json]
 
 Workloads (chat-formatted for the model's template): `rewrite` asks the model to repeat a given paragraph (its
-answer quotes its prompt: NGRAM's case) and `prose` asks for new text (little to match). For each workload and
+answer quotes its prompt: NGRAM's case) and `prose` asks for new text (little to match); random weights from a
+folder without a tokenizer (`--random-weights`, a GPU shape) get one prompt of random ids instead (`random`:
+oracle and never measure the mechanism there, NGRAM finds little). For each workload and
 batch size (that many copies of the request, decoding together) it runs, interleaved, --repeats times:
 
 * `plain`: no speculation; its outputs are the reference;
@@ -56,6 +58,9 @@ WORKLOADS = {
     "rewrite": f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
     "prose": "Write a short essay about the history of the bicycle.",
 }
+
+# Random weights from a folder without a tokenizer: one prompt of random ids (workload `random`).
+RANDOM_PROMPT_TOKENS = 128
 
 
 class RecordedDrafts(NgramProposer):
@@ -169,7 +174,12 @@ def main(argv=None) -> int:
 
         model_path = str(default_model.ensure_default_model())
     threads = configure_scheduler_threads(args.device)
-    tok = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError):  # a shape folder (random weights) has no tokenizer
+        if not args.random_weights:
+            raise
+        tok = None
     max_bs = max(args.batch_size)
     runner = ModelRunner(RunnerConfig(model_path=model_path, device=args.device, max_running_requests=max_bs,
                                       random_weights=args.random_weights, max_total_tokens=(
@@ -198,10 +208,15 @@ def main(argv=None) -> int:
                               "ms": {n: round(v, 3) for n, v in ms.items()},
                               "ratio_to_decode": {n: round(v / ms[1], 3) for n, v in ms.items()}})
             print(json.dumps(cost_rows[-1]), file=sys.stderr)
-    for workload in ([] if args.skip_workloads else args.workloads):
-        messages = [{"role": "user", "content": WORKLOADS[workload]}]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = tok.encode(text, add_special_tokens=False)
+    workloads = ["random"] if tok is None else args.workloads
+    for workload in ([] if args.skip_workloads else workloads):
+        if tok is None:  # random weights without a tokenizer: a random prompt (oracle / never still measure)
+            prompt = torch.randint(3, vocab, (RANDOM_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
+            prompt = prompt.tolist()
+        else:
+            messages = [{"role": "user", "content": WORKLOADS[workload]}]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompt = tok.encode(text, add_special_tokens=False)
         for bs in args.batch_size:
             run(make_scheduler(runner, bs, None), prompt, bs, 8)  # warm-up
             plain0 = run(make_scheduler(runner, bs, None), prompt, bs, args.output_len)
