@@ -203,9 +203,6 @@ class ModelRunner:
                 self.decode_graph_runner = CudaGraphRunner(self, list(cfg.cuda_graph_bs))
             else:
                 logger.warning("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
-        if self.lora is not None:
-            logger.info("LoRA: extend batches run eagerly (decode graphs read the adapters' slots)")
-            return
         if not cfg.disable_piecewise_cuda_graph and cfg.piecewise_cuda_graph_tokens:
             # Attention runs eagerly between the pieces, so every backend works here.
             from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
