@@ -78,13 +78,15 @@ def write_adapters(folder: Path, cfg, n: int, rank: int, seed: int = 0) -> list[
 
 class LoraSwitch:
     """The runner with its LoRA layers attached (as built) or detached (the base model), each with its own graph
-    runners: the base's are captured while detached."""
+    runners and attention backend (a backend's graph state belongs to one decode graph runner): the base's are
+    made while detached."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.layers = [(m, m.lora) for m in runner.model.modules() if getattr(m, "lora", None) is not None]
         self.lora = runner.lora
         self.graphs = {True: runner._graph_runners(), False: (None, None, None)}
+        self.backends = {True: runner.attn_backend, False: runner.attn_backend}
         self.on = True
 
     def set(self, on: bool) -> None:
@@ -94,12 +96,17 @@ class LoraSwitch:
             m.lora = lora if on else None
         r.lora = self.lora if on else None
         r.decode_graph_runner, r.extend_graph_runner, r.full_extend_graph_runner = self.graphs[on]
+        r.attn_backend = self.backends[on]
         self.on = on
 
     def capture_base(self, batch_sizes: list[int], extend_len: int | None) -> None:
         """Capture the base model's decode graphs (and extend pieces at extend_len) with the LoRA layers off."""
-        self.set(False)
         r = self.runner
+        if r.device.type == "cuda":
+            from model_executor.layers.attention import create_attention_backend
+
+            self.backends[False] = create_attention_backend(r.config.attention_backend, r)
+        self.set(False)
         if r.device.type == "cuda":
             from runners.cuda_graph_runner import CudaGraphRunner
             from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
