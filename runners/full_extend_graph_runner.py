@@ -6,7 +6,8 @@ on Python, and more so on a slow host. A backend whose extend kernel reads every
 device tensors (AttentionBackend.supports_extend_cuda_graph: triton) can run inside the graph instead. This
 runner captures the backbone (embedding -> layers -> final norm) whole at each token level up to a small
 maximum, over static batches of one request row and of `max_requests` rows, whose tokens, positions, KV
-slots, lengths and starts live in static buffers.
+slots, lengths and starts live in static buffers (and, with LoRA on, each token's adapter slot: the LoRA layers
+read it through their graph-safe path, so loading an adapter never recaptures).
 
 Padding. The attention grid is sized for the level and the row count (ForwardBatch.max_extend_len_bound).
 Rows past the real requests get no new tokens, so their programs exit at once. Tokens past the real ones
@@ -31,6 +32,7 @@ from tqdm import tqdm
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.layers.logits import compute_logits
+from model_executor.lora.layer import LoraBatch
 from runners.capture_lists import pick_size
 from runners.graph_seam import AuxOut, GraphCapturer, default_capturer, frozen_gc
 from runners.piecewise_cuda_graph_runner import weak_ref_tensor
@@ -53,16 +55,20 @@ class FullExtendBuffers:
     seq_lens: torch.Tensor  # [max_requests] int64
     extend_seq_lens: torch.Tensor  # [max_requests] int32
     extend_start_loc: torch.Tensor  # [max_requests] int32
+    # Each token's LoRA pool slot (0: no adapter), with LoRA on (None: off). Loading an adapter copies into
+    # the pool, so it never recaptures.
+    lora_slots: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, max_tokens: int, max_requests: int, device) -> FullExtendBuffers:
+    def allocate(cls, max_tokens: int, max_requests: int, device, lora: bool = False) -> FullExtendBuffers:
         def zeros(n, dtype):
             return torch.zeros(n, dtype=dtype, device=device)
 
         return cls(input_ids=zeros(max_tokens, torch.int64), positions=zeros(max_tokens, torch.int64),
                    out_cache_loc=zeros(max_tokens, torch.int64), req_pool_indices=zeros(max_requests, torch.int64),
                    seq_lens=zeros(max_requests, torch.int64), extend_seq_lens=zeros(max_requests, torch.int32),
-                   extend_start_loc=zeros(max_requests, torch.int32))
+                   extend_start_loc=zeros(max_requests, torch.int32),
+                   lora_slots=zeros(max_tokens, torch.int64) if lora else None)
 
     def batch(self, level: int, requests: int, model_runner) -> ForwardBatch:
         """The static batch of one graph: `level` tokens over `requests` rows (padding until `load` fills them)."""
@@ -73,16 +79,20 @@ class FullExtendBuffers:
             req_to_token_pool=model_runner.req_to_token_pool, kv_cache=model_runner.kv_cache,
             attn_backend=model_runner.attn_backend, seq_lens_cpu=[0] * requests,
             extend_seq_lens=self.extend_seq_lens[:requests], extend_start_loc=self.extend_start_loc[:requests],
-            extend_seq_lens_cpu=[0] * requests, max_extend_len_bound=level)
+            extend_seq_lens_cpu=[0] * requests, max_extend_len_bound=level,
+            lora=None if self.lora_slots is None else LoraBatch.of_graph(self.lora_slots[:level], decode=False))
 
     def load(self, fb: ForwardBatch, requests: int) -> None:
         """Copy the real batch in; rows bs..requests get no new tokens. Nothing else of the padding is read:
         tokens n..level keep the ids and positions of an earlier batch (valid ones) and belong to no request."""
         n, bs = fb.num_tokens, fb.batch_size
-        torch._foreach_copy_([self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n],
-                              self.req_pool_indices[:bs], self.seq_lens[:bs]],
-                             [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens],
-                             non_blocking=True)
+        dst = [self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n], self.req_pool_indices[:bs],
+               self.seq_lens[:bs]]
+        src = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens]
+        if self.lora_slots is not None:  # (padding tokens keep an earlier batch's slots: their rows are cut off)
+            dst.append(self.lora_slots[:n])
+            src.append(fb.lora.token_slots if fb.lora is not None else self.lora_slots.new_zeros(n))
+        torch._foreach_copy_(dst, src, non_blocking=True)
         torch._foreach_copy_([self.extend_seq_lens[:bs], self.extend_start_loc[:bs]],
                              [fb.extend_seq_lens, fb.extend_start_loc], non_blocking=True)
         if requests > bs:
@@ -105,7 +115,9 @@ class FullExtendGraphRunner:
         self.max_tokens = self.levels[-1]
         self.max_requests = min(max_requests, model_runner.req_to_token_pool.size)
         self.capturer = capturer or default_capturer(self.device)
-        self.buffers = FullExtendBuffers.allocate(self.max_tokens, self.max_requests, self.device)
+        self.lora = getattr(model_runner, "lora", None)  # the LoRA manager, or None
+        self.buffers = FullExtendBuffers.allocate(self.max_tokens, self.max_requests, self.device,
+                                                  lora=self.lora is not None)
         self.keys = self.graph_keys()
         self.static_batches = {key: self.static_batch(key) for key in self.keys}
         self.graphs: dict[tuple[int, int], object] = {}
@@ -135,6 +147,8 @@ class FullExtendGraphRunner:
 
     def _forward(self, key: tuple[int, int]) -> None:
         fb = self.static_batches[key]
+        if self.lora is not None:
+            self.lora.batch = fb.lora  # the static batch's: its slot ids are the buffer's rows
         self.hidden[key] = self.backbone(fb.input_ids, fb.positions, fb)
         self.aux.write(fb.aux_hidden_states)
 

@@ -235,9 +235,6 @@ class ModelRunner:
             else:
                 logger.warning("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
         self._init_verify_graphs()
-        if self.lora is not None:
-            logger.info("LoRA: extend batches run eagerly (decode graphs read the adapters' slots)")
-            return
         if self.aux_hidden_state_layers and not cfg.disable_piecewise_cuda_graph:
             # The pieces are traced: a forward's aux hidden states (a side output) do not come out of them.
             full_levels = sorted({t for t in cfg.piecewise_cuda_graph_tokens if t <= cfg.full_extend_graph_max_tokens})

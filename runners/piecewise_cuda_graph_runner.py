@@ -7,7 +7,8 @@ pieces, attention runs eagerly on the real (unpadded) batch, which it reads from
 (model_executor/layers/attention/forward_context.py). A replay rounds the token count up to a level (bisect), copies ids and
 positions into static buffers and zeroes the padding (token 0, position 0), runs pieces and attention,
 slices the hidden states back to the real tokens, and runs the logits head eagerly on each request's
-last token. Above the largest level the batch runs eagerly. Prompt logprobs need no eager path: the head runs
+last token. With LoRA on, each token's adapter slot is a third static buffer (padding: slot 0) that the
+pieces' LoRA updates read (model_executor/lora/layer.py, the `duet::lora_update` op inside the pieces). Above the largest level the batch runs eagerly. Prompt logprobs need no eager path: the head runs
 outside the graphs on the replayed hidden states of every token, so it scores the prompt rows the batch's
 PromptLogprobPlan names the same way as in an eager forward (model_executor/prompt_logprobs.py).
 
@@ -43,6 +44,7 @@ from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.layers.attention.forward_context import forward_context
 from model_executor.layers.attention.radix_attention import attention_layers
 from model_executor.layers.logits import compute_logits
+from model_executor.lora.layer import LoraBatch
 from runners.capture_lists import pick_size
 from runners.fx_split import PiecewiseBackend
 from runners.graph_seam import GraphCapturer, default_capturer, frozen_gc
@@ -72,20 +74,32 @@ def _addresses(args) -> list:
 class ExtendInputBuffers:
     input_ids: torch.Tensor  # [max_tokens] int64
     positions: torch.Tensor  # [max_tokens] int64
+    # Each token's LoRA pool slot (0: no adapter), with LoRA on: the pieces read it (a graph input, like the
+    # ids), so loading an adapter (a copy into the pool) never recaptures. None: LoRA off.
+    lora_slots: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, max_tokens: int, device) -> ExtendInputBuffers:
-        return cls(input_ids=torch.zeros(max_tokens, dtype=torch.int64, device=device),
-                   positions=torch.zeros(max_tokens, dtype=torch.int64, device=device))
+    def allocate(cls, max_tokens: int, device, lora: bool = False) -> ExtendInputBuffers:
+        def zeros():
+            return torch.zeros(max_tokens, dtype=torch.int64, device=device)
+
+        return cls(input_ids=zeros(), positions=zeros(), lora_slots=zeros() if lora else None)
 
     def load(self, fb: ForwardBatch, level: int) -> None:
-        """Copy the real tokens in; tokens n..level are padding (id 0, position 0)."""
+        """Copy the real tokens in; tokens n..level are padding (id 0, position 0, slot 0)."""
         n = fb.num_tokens
         self.input_ids[:n].copy_(fb.input_ids, non_blocking=True)
         self.positions[:n].copy_(fb.positions, non_blocking=True)
+        if self.lora_slots is not None:
+            if fb.lora is not None:
+                self.lora_slots[:n].copy_(fb.lora.token_slots, non_blocking=True)
+            else:
+                self.lora_slots[:n].zero_()
         if level > n:
             self.input_ids[n:level].zero_()
             self.positions[n:level].zero_()
+            if self.lora_slots is not None:
+                self.lora_slots[n:level].zero_()
 
 
 class Phase(Enum):
@@ -177,7 +191,11 @@ class PiecewiseCudaGraphRunner:
         self.compile_seconds = 0.0
         self.capture_bytes = 0
         self._memory_before = self.capturer.memory_in_use()
-        self.buffers = ExtendInputBuffers.allocate(self.max_tokens, self.device)
+        self.lora = getattr(model_runner, "lora", None)  # the LoRA manager, or None
+        self.buffers = ExtendInputBuffers.allocate(self.max_tokens, self.device, lora=self.lora is not None)
+        # The LoRA layers' batch while tracing and capturing: the slot buffer's first `level` rows. The trace
+        # lifts them into a graph input, which each level's recorded arguments (level_args) hold.
+        self.lora_batch = LoraBatch.of_graph(self.buffers.lora_slots, decode=False) if self.lora else None
         self.level_args: dict[int, tuple] = {}  # per level: the split module's arguments at capture
         self.capture()
 
@@ -219,9 +237,15 @@ class PiecewiseCudaGraphRunner:
                 # Same buffers, token dimension dynamic: one trace serves every level (no duck-sizing recompiles).
                 torch._dynamo.mark_dynamic(input_ids, 0)
                 torch._dynamo.mark_dynamic(positions, 0)
+                if self.lora is not None:
+                    self.lora_batch.token_slots = self.buffers.lora_slots[:level]
+                    torch._dynamo.mark_dynamic(self.lora_batch.token_slots, 0)
+                    self.lora.batch = self.lora_batch
                 return self.compiled(input_ids, positions)
         finally:
             self.state.phase = Phase.EAGER
+            if self.lora is not None:
+                self.lora.batch = None
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -382,6 +382,9 @@ class ServerArgs:
                             f"--speculative-ngram-max-match-window-size ({hi})")
         if self.tp_size > 1:
             raise ArgsError("--speculative-algorithm with --tp-size > 1 is not built yet")
+        if self.lora_enabled:
+            raise ArgsError("--speculative-algorithm with LoRA adapters (--enable-lora / --lora-paths) is not built "
+                            "yet")
         if self.is_embedding or self.is_reranker:
             flag = "--is-embedding" if self.is_embedding else "--is-reranker"
             raise ArgsError(f"--speculative-algorithm does not apply to {flag}: such a server decodes nothing")

@@ -198,6 +198,7 @@ class PromptFields(_Request):
 
 class AnthropicMessagesRequest(PromptFields):
     max_tokens: int = Field(ge=1)
+    lora_path: str | None = None  # SGLang: the LoRA adapter (its name) the request runs with
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = None

@@ -64,7 +64,8 @@ class ResponsesStreamOptions(_Request):
 
 
 class ResponsesRequest(_Request):
-    model: str | None = None
+    model: str | None = None  # the base model, a LoRA adapter's name, or "base:adapter"
+    lora_path: str | None = None  # SGLang: the LoRA adapter (its name) the request runs with
     # A string (one user message) or a list of items: messages, function_call, function_call_output,
     # reasoning. Items are read by parse_input.
     input: str | list[dict]

@@ -153,7 +153,7 @@ def chat_request(req: PromptFields) -> ChatCompletionRequest:
     if kwargs:
         fields["chat_template_kwargs"] = kwargs
     if isinstance(req, AnthropicMessagesRequest):
-        fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
+        fields.update(lora_path=req.lora_path, max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                       top_p=req.top_p, top_k=req.top_k, stream=req.stream)
     try:
         return ChatCompletionRequest(**fields)

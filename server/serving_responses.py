@@ -185,7 +185,7 @@ def to_chat_request(ctx: ServingContext, store: ResponseStore, req: ResponsesReq
     if not messages:
         raise ApiError(400, "input: nothing to answer (only reasoning items)", "input")
     body = {
-        "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "model": req.model, "lora_path": req.lora_path, "messages": messages, "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req),
         "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                   for t in tools] or None,
@@ -397,7 +397,7 @@ def _sse_event(event: dict) -> str:
 
 
 async def create_response(ctx: ServingContext, store: ResponseStore, req: ResponsesRequest, request: Request):
-    model = ctx.check_model(req.model)
+    model, _ = ctx.resolve_model(req.model, req.lora_path)  # (prepare_chat resolves the adapter again)
     plan = to_chat_request(ctx, store, req)
     defaults = ctx.sampling
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None

@@ -9,9 +9,14 @@ fills the first r rows of A and columns of B and leaves the rest zero. For each 
 Slot 0 is "no adapter" (zeros, scaling 0): its rows are left as they are.
 
 Three ways to run it, the same numbers: `segments` (eager torch: one GEMM pair per adapter in the batch, over its
-rows; the rows of each adapter are known on the host), `gather` (torch, graph-safe: each row's A and B gathered,
-batched matrix-vector products; for decode graphs on a CPU stand-in), and the Triton kernels
-(model_executor/lora/kernels.py: SGMV over each request's tokens for extend, per row for decode).
+rows; the rows of each adapter are known on the host), `dense` (torch, graph-safe: every slot's shrink in one
+GEMM, each row keeps its own slot's, and one expand GEMM over all slots' ranks; rank-sized work per slot, no
+gathered weights), and the Triton kernels (model_executor/lora/kernels.py: SGMV over each request's tokens for
+eager extends, per row for decode, token blocks for extend graphs).
+
+A graph's batch (decode, piecewise and whole extend graphs) carries only the slot-id buffer; its update goes
+through the `duet::lora_update` op, opaque to torch.compile's trace (the piecewise runner's pieces hold it like
+any other kernel), which picks the graph-safe path of the backend.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ class LoraBatch:
     seg_slot: torch.Tensor | None = None
     max_seg_len: int = 0
     decode: bool = False  # one token per request (the per-row kernels)
+
+    @classmethod
+    def of_graph(cls, token_slots: torch.Tensor, decode: bool) -> LoraBatch:
+        """A graph's batch: each token's slot from a static buffer, nothing on the host."""
+        return cls(token_slots=token_slots, decode=decode)
 
     @classmethod
     def build(cls, req_slots: list[int], extend_lens: list[int] | None, device) -> LoraBatch | None:
@@ -67,6 +77,8 @@ class LoraLayer:
         self.a = a  # [slots, parts * R, in]
         self.b = b  # [slots, out, R]
         self.out_slices = out_slices  # each part's (offset, size) in the layer's output
+        self.offsets = [off for off, _ in out_slices]
+        self.sizes = [size for _, size in out_slices]
         self.rank = rank  # R
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -76,14 +88,15 @@ class LoraLayer:
             return y
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, y.shape[-1])
-        if self.state.backend == "triton":
+        if batch.groups is None:  # a graph's batch: the slot ids only
+            torch.ops.duet.lora_update(x2, y2, self.a, self.b, self.state.scaling, batch.token_slots, self.offsets,
+                                       self.sizes, self.rank, batch.decode, self.state.backend)
+        elif self.state.backend == "triton":
             from model_executor.lora import kernels
 
             kernels.lora_update(x2, y2, self.a, self.b, self.state.scaling, batch, self.out_slices, self.rank)
-        elif batch.groups is not None:
-            self._segments(x2, y2, batch.groups)
         else:
-            self._gather(x2, y2, batch.token_slots)
+            self._segments(x2, y2, batch.groups)
         return y
 
     def _segments(self, x: torch.Tensor, y: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> None:
@@ -94,11 +107,37 @@ class LoraLayer:
                                for p, (off, size) in enumerate(self.out_slices)], dim=-1)
             y.index_add_(0, rows, delta.to(y.dtype))
 
-    def _gather(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None:
-        """Graph-safe: no host values, every row computed (slot 0's update is zero)."""
-        s = torch.bmm(self.a[slots], x.unsqueeze(-1)).squeeze(-1)  # [T, parts * R]
-        s = s * self.state.scaling[slots].unsqueeze(-1).to(s.dtype)
-        r = self.rank
-        for p, (off, size) in enumerate(self.out_slices):
-            b = self.b[slots, off:off + size]  # [T, size, R]
-            y[:, off:off + size] += torch.bmm(b, s[:, p * r:(p + 1) * r].unsqueeze(-1)).squeeze(-1).to(y.dtype)
+
+@torch.library.custom_op("duet::lora_update", mutates_args=("y",))
+def lora_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+                token_slots: torch.Tensor, offsets: list[int], sizes: list[int], rank: int, decode: bool,
+                backend: str) -> None:
+    """y += each row's update, reading nothing but tensors (graph-safe): the Triton per-row (decode) or
+    token-block (extend) kernels, or the torch `dense` path."""
+    slices = list(zip(offsets, sizes))
+    if backend == "triton":
+        from model_executor.lora import kernels
+
+        kernels.lora_update(x, y, a, b, scaling, LoraBatch.of_graph(token_slots, decode), slices, rank)
+    else:
+        _dense(x, y, a, b, scaling, token_slots, slices, rank)
+
+
+@lora_update.register_fake
+def _(x, y, a, b, scaling, token_slots, offsets, sizes, rank, decode, backend):
+    return None
+
+
+def _dense(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+           slots: torch.Tensor, slices: list[tuple[int, int]], rank: int) -> None:
+    """Every slot's shrink for every row (one GEMM: slots x parts x R columns), each row's own slot kept and
+    scaled (the rest zeroed), then each part's expand as one GEMM over all slots' ranks."""
+    n_slots, pr, k = a.shape
+    t = x.shape[0]
+    s = (x.to(a.dtype) @ a.reshape(n_slots * pr, k).T).view(t, n_slots, pr)
+    keep = (slots[:, None] == torch.arange(n_slots, device=slots.device)).to(scaling.dtype) * scaling
+    s = s * keep.to(s.dtype).unsqueeze(-1)
+    for p, (off, size) in enumerate(slices):
+        sp = s[:, :, p * rank:(p + 1) * rank].reshape(t, n_slots * rank)
+        bp = b[:, off:off + size].transpose(1, 2).reshape(n_slots * rank, size)
+        y[:, off:off + size] += (sp @ bp).to(y.dtype)

@@ -1,6 +1,7 @@
-"""The LoRA update's three paths agree with a per-row reference: the torch paths (segments by adapter, and the
-graph-safe gather) and the Triton kernels (SGMV for extend, per row for decode) in the CPU interpreter, over a
-batch mixing adapters of different ranks (zero-padded to the pool's rank), fused parts and rows without one."""
+"""The LoRA update's paths agree with a per-row reference: the torch paths (segments by adapter, and the
+graph-safe dense one) and the Triton kernels (SGMV for eager extends, per row for decode, token blocks for extend
+graphs) in the CPU interpreter, over a batch mixing adapters of different ranks (zero-padded to the pool's rank),
+fused parts and rows without one."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ CASES = {
 def run(layer: LoraLayer, req_slots, lens, graph: bool = False):
     batch = LoraBatch.build(req_slots, lens, DEVICE)
     if graph:  # what a captured graph has: the slot ids only
-        batch = LoraBatch(token_slots=batch.token_slots, decode=True)
+        batch = LoraBatch.of_graph(batch.token_slots, decode=lens is None)
     n = batch.token_slots.shape[0]
     x = torch.randn(n, K, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     base = torch.randn(n, layer.b.shape[1], generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -91,3 +92,15 @@ def test_triton_decode_kernel_reads_only_the_slot_ids():
     """A decode graph's batch (token_slots alone) through the per-row kernels."""
     delta, ref = run(make_layer("triton"), [3, 0, 1, 2], None, graph=True)
     torch.testing.assert_close(delta, ref, rtol=1e-4, atol=1e-4)
+
+
+@in_process
+@pytest.mark.parametrize("case", ["extend_mixed", "extend_one_adapter"])
+def test_triton_token_block_kernels_read_only_the_slot_ids(case):
+    """An extend graph's batch (token_slots alone): blocks of 16 tokens that cross request boundaries, slot 0
+    rows in the same block as adapters' rows."""
+    req_slots, lens = CASES[case]
+    delta, ref = run(make_layer("triton"), req_slots, lens, graph=True)
+    torch.testing.assert_close(delta, ref, rtol=1e-4, atol=1e-4)
+    rows_without = [t for t, s in enumerate(LoraBatch.build(req_slots, lens, "cpu").token_slots.tolist()) if s == 0]
+    assert delta[rows_without].abs().sum() == 0

@@ -108,3 +108,62 @@ def test_load_use_unload_and_a_bad_adapter(server, models, tmp_path):
     assert complete(server, model="a2").status_code == 404
     assert httpx.post(f"{server.url}/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 404
     assert generate(server, lora_path="a1").status_code == 200
+
+
+CHAT = [{"role": "user", "content": "hello world"}]
+
+
+def chat_text(server, **body) -> str:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "messages": CHAT, "max_tokens": NEW, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def responses(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "input": CHAT[0]["content"], "max_output_tokens": NEW, "temperature": 0, **body})
+
+
+def messages(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/messages", timeout=60, json={
+        "messages": CHAT, "max_tokens": NEW, "temperature": 0, **body})
+
+
+def responses_text(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return "".join(part["text"] for item in r.json()["output"] if item["type"] == "message"
+                   for part in item["content"])
+
+
+def messages_text(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return "".join(block["text"] for block in r.json()["content"] if block["type"] == "text")
+
+
+def test_responses_and_messages_pick_adapters_like_chat(server):
+    """The same prompt and sampling as chat: each route's text under an adapter is chat's under it."""
+    base = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    want, plain = chat_text(server, model="a1"), chat_text(server)
+    assert want != plain  # (the adapter changes this prompt's greedy tokens)
+    for body in ({"lora_path": "a1"}, {"model": "a1"}, {"model": f"{base}:a1"}, {"model": base, "lora_path": "a1"}):
+        r = responses(server, **body)
+        assert responses_text(r) == want, body
+        assert r.json()["model"] == body.get("lora_path") or body["model"]
+        assert messages_text(messages(server, **{"model": base, **body})) == want, body
+    assert responses_text(responses(server)) == plain
+    assert messages_text(messages(server, model=base)) == plain
+
+
+@pytest.mark.parametrize("body", [{"model": "zz"}, {"lora_path": "zz"}, {"model": "BASE:zz"}])
+def test_unknown_adapter_on_responses_and_messages_is_a_404_in_their_shapes(server, body):
+    base = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    body = {k: v.replace("BASE", base) for k, v in body.items()}
+    r = responses(server, **body)
+    assert r.status_code == 404, r.text
+    assert "zz" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == ("lora_path" if "lora_path" in body else "model")
+    r = messages(server, **{"model": base, **body})
+    assert r.status_code == 404, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
+    assert "zz" in r.json()["error"]["message"]

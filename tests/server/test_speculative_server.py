@@ -165,6 +165,7 @@ def test_quoting_prompts_give_the_plain_servers_tokens(default_server, spec_serv
     (["--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "4"], "does not apply"),
     (["--speculative-algorithm", "NGRAM", "--tp-size", "2"], "--tp-size > 1 is not built yet"),
     (["--speculative-algorithm", "NGRAM", "--is-embedding"], "does not apply to --is-embedding"),
+    (["--speculative-algorithm", "NGRAM", "--enable-lora"], "with LoRA adapters"),
     (["--speculative-algorithm", "ngram"], "invalid choice"),
 ])
 def test_flag_errors_are_one_line_with_exit_2(argv, message):
