@@ -364,7 +364,12 @@ class ModelRunner:
             ForwardMode.EXTEND, [0] * n, rows, lens, slots, extend_seq_lens=lens,
             req_to_token_pool=self.req_to_token_pool, kv_cache=kv, attn_backend=self.attn_backend,
             device=self.device)
-        logits = self.forward_eager(fb)
+        if getattr(self.model, "aux_width", None):  # an EAGLE-3 head: its forward reads the target's hidden states
+            self.attn_backend.init_forward_metadata(fb)
+            aux = torch.zeros(n, self.model.aux_width, dtype=self.dtype, device=self.device)
+            logits = self.model(fb.input_ids, fb.positions, fb, aux).logits
+        else:
+            logits = self.forward_eager(fb)
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)] * bs
         self.sample(logits, params, [0] * bs)
         torch.cuda.synchronize(self.device)

@@ -85,7 +85,7 @@ def test_speculative_outputs_are_the_targets_greedy_tokens(models, algorithm, dr
     s = gpu_scheduler(models / "target", spec)
     out = run_all(s, reqs)
     runner = s.runner
-    assert runner.verify_graph_runner is not None and runner.path_counts["verify_graph"] > 10
+    assert runner.verify_graph_runner is not None and runner.path_counts["verify_graph"] >= 5
     assert runner.path_counts["decode_graph"] + runner.path_counts["verify_graph"] > 20
     stats = s.stats()
     assert stats["spec_verify_steps"] > 20
