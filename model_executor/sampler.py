@@ -27,7 +27,7 @@ import torch
 from model_executor.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from model_executor.sampling_flashinfer import FlashInferSampler
+    from model_executor.sampling_flashinfer import BackgroundFlashInfer, FlashInferSampler
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32, and the
 # tempered distribution is indistinguishable from argmax anyway.
@@ -233,7 +233,8 @@ class Sampler:
     tokens must not depend on the batch), greedy rows the argmax, and logprobs come from the raw logits.
     """
 
-    def __init__(self, flashinfer: FlashInferSampler | None = None, flashinfer_always: bool = False):
+    def __init__(self, flashinfer: FlashInferSampler | BackgroundFlashInfer | None = None,
+                 flashinfer_always: bool = False):
         """flashinfer: its kernels draw the unseeded random rows of the batches where the race would sort the
         vocabulary (top-p, or top-k above TOP_K_FIRST_MAX); elsewhere the race is as fast or faster
         (docs/benchmarks.md, bench_sampler on the H200). flashinfer_always: for every batch (tests)."""
@@ -242,7 +243,9 @@ class Sampler:
 
     @property
     def backend(self) -> str:
-        return "pytorch" if self.flashinfer is None else "flashinfer"
+        if self.flashinfer is None:
+            return "pytorch"
+        return "flashinfer" if self.flashinfer.get() is not None else "pytorch (flashinfer not ready)"
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         if logits.dim() != 2 or logits.shape[0] != info.batch_size:
@@ -301,13 +304,14 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo, argmax_ids: torch.Tensor) -> torch.Tensor:
         scaled = logits / info.temperatures
-        if self.flashinfer is None or not info.has_unseeded_random or not (
+        flashinfer = None if self.flashinfer is None else self.flashinfer.get()  # (None while it builds)
+        if flashinfer is None or not info.has_unseeded_random or not (
                 self.flashinfer_always or self._race_sorts(info)):
             return self._race(scaled, info)
         if info.seeded_rows:  # the race among the seeded rows alone, first: flashinfer overwrites `scaled`
             index = torch.tensor(info.seeded_rows, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
             seeded = self._race(scaled[index], info.seeded_subset(index))
-        tokens = self.flashinfer.sample(scaled, argmax_ids, top_ks=info.top_ks if info.need_top_k else None,
+        tokens = flashinfer.sample(scaled, argmax_ids, top_ks=info.top_ks if info.need_top_k else None,
                                         top_ps=info.top_ps if info.need_top_p else None,
                                         min_ps=info.min_ps if info.need_min_p else None)
         if info.seeded_rows:

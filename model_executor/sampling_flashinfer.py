@@ -6,7 +6,8 @@ relative to the best token), with per-row values passed as device tensors (no ho
 
 flashinfer is optional (CUDA only, `pip install 'duet[flashinfer]'`): it is imported here only when this
 backend is chosen. Its kernels are compiled on first use (the wheel ships sources; nvcc builds them into
-flashinfer's cache), so `load` runs one tiny draw at start-up rather than on the first request.
+flashinfer's cache): by name (`flashinfer`) they are built and tried with one tiny draw at start-up; with `auto`
+they are built in the background while the server starts and serves (BackgroundFlashInfer).
 
 The draws come from the process's default CUDA generator (seeded by --random-seed, like the torch path's
 unseeded rows): flashinfer reads its seed and offset on the host, so these calls must not be captured in a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 import time
 from types import ModuleType
 
@@ -62,9 +64,16 @@ class FlashInferSampler:
         import flashinfer.sampling as fs
 
         sampler = cls(fs, device)
-        # Builds (first run on this machine) or loads the kernels now; a broken install fails here.
-        fs.sampling_from_probs(torch.full((1, 8), 1 / 8, device=device), generator=sampler.generator)
+        sampler.warm_up()  # builds (first run on this machine) or loads the kernels now; a broken install fails
         return sampler
+
+    def warm_up(self) -> None:
+        """One tiny draw: the kernels' first launch."""
+        self.fs.sampling_from_probs(torch.full((1, 8), 1 / 8, device=self.generator.device),
+                                    generator=self.generator)
+
+    def get(self) -> FlashInferSampler:
+        return self
 
     def sample(self, scaled: torch.Tensor, fallback: torch.Tensor, top_ks: torch.Tensor | None = None,
                top_ps: torch.Tensor | None = None, min_ps: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,11 +106,70 @@ class FlashInferSampler:
         return torch.where(bad, fallback, tokens.long())
 
 
-def create_flashinfer_sampler(name: str, device: torch.device) -> FlashInferSampler | None:
+def _build_sampling_module() -> ModuleType:
+    """flashinfer.sampling with its kernels built (nvcc, on a machine's first use) and loaded; nothing launched."""
+    import flashinfer.sampling as fs
+
+    fs.get_sampling_module()
+    return fs
+
+
+class BackgroundFlashInfer:
+    """--sampling-backend auto on a GPU: flashinfer's sampling kernels built and loaded on a thread, so that a
+    machine's first start (nvcc compiles them: about a minute) never waits for them. Until they are ready, and
+    for good if they fail, `get()` gives None and the pytorch path samples every row. The thread launches
+    nothing on the GPU (a launch there could break a graph capture in progress); the first `get()` after the
+    build, on the sampling thread, makes the kernels' first launch (a tiny draw) and keeps flashinfer only if
+    it works."""
+
+    def __init__(self, device: torch.device, build=_build_sampling_module):
+        self.device = device
+        self._built: ModuleType | None = None
+        self._sampler: FlashInferSampler | None = None
+        self._done = threading.Event()
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(target=self._build, args=(build,), name="flashinfer-sampling-build",
+                                        daemon=True)
+        self._thread.start()
+
+    def _build(self, build) -> None:
+        try:
+            self._built = build()
+            logger.info("flashinfer's sampling kernels built and loaded in %.1f s, in the background",
+                        time.perf_counter() - self._start)
+        except Exception as e:  # noqa: BLE001 - an import or build failure: one line, whatever its type
+            logger.warning("flashinfer's sampling kernels do not load (%s): sampling with pytorch", _one_line(e))
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the build has finished, whether or not it worked."""
+        return self._done.wait(timeout)
+
+    def get(self) -> FlashInferSampler | None:
+        if self._built is not None:
+            module, self._built = self._built, None
+            sampler = FlashInferSampler(module, self.device)
+            try:
+                sampler.warm_up()
+                self._sampler = sampler
+                logger.info("sampling backend: flashinfer (rows with a seed: pytorch)")
+            except Exception as e:  # noqa: BLE001 - a launch failure: pytorch samples instead
+                logger.warning("flashinfer's sampling kernels do not run (%s): sampling with pytorch", _one_line(e))
+        return self._sampler
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def create_flashinfer_sampler(name: str, device: torch.device) -> FlashInferSampler | BackgroundFlashInfer | None:
     """The flashinfer sampler for `--sampling-backend name`, or None to sample every row with pytorch.
 
-    auto: flashinfer on a CUDA device when it is installed and its kernels load (a warning otherwise);
-    flashinfer: the same, but anything missing is a SamplingBackendError."""
+    auto: flashinfer on a CUDA device when it is installed, its kernels built and loaded in the background
+    (BackgroundFlashInfer: pytorch samples until then, and for good with a warning if they fail); flashinfer:
+    loaded now, and anything missing or failing is a SamplingBackendError."""
     if name not in SAMPLING_BACKENDS:
         raise SamplingBackendError(f"unknown sampling backend {name!r}; choose from {', '.join(SAMPLING_BACKENDS)}")
     if name == "pytorch":
@@ -115,18 +183,18 @@ def create_flashinfer_sampler(name: str, device: torch.device) -> FlashInferSamp
             return None
         raise SamplingBackendError("--sampling-backend flashinfer: flashinfer is not installed; install it with "
                                    "`pip install 'duet[flashinfer]'`")
-    logger.info("loading flashinfer's sampling kernels (on a machine's first use nvcc compiles them: minutes; "
-                "cached under ~/.cache/flashinfer)")
+    if name == "auto":
+        logger.info("building flashinfer's sampling kernels in the background (on a machine's first use nvcc "
+                    "compiles them: about a minute; cached under ~/.cache/flashinfer); pytorch samples until then")
+        return BackgroundFlashInfer(device)
+    logger.info("loading flashinfer's sampling kernels (on a machine's first use nvcc compiles them: about a "
+                "minute; cached under ~/.cache/flashinfer)")
     start = time.perf_counter()
     try:
         sampler = FlashInferSampler.load(device)
     except Exception as e:  # an import or kernel build failure: one line, whatever its type
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        if name == "flashinfer":
-            raise SamplingBackendError(f"--sampling-backend flashinfer: flashinfer's sampling kernels do not "
-                                       f"load ({why})") from e
-        logger.warning("flashinfer's sampling kernels do not load (%s): sampling with pytorch", why)
-        return None
+        raise SamplingBackendError(f"--sampling-backend flashinfer: flashinfer's sampling kernels do not "
+                                   f"load ({_one_line(e)})") from e
     logger.info("sampling backend: flashinfer (rows with a seed: pytorch), kernels ready in %.1f s",
                 time.perf_counter() - start)
     return sampler

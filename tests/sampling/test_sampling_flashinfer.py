@@ -8,6 +8,7 @@ import importlib.machinery
 import logging
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -213,18 +214,59 @@ def test_backend_names_match_the_cli():
 
 
 def test_which_backend_each_name_picks(fake, monkeypatch):
-    """pytorch never loads flashinfer, nor does auto on a CPU; auto on a GPU with flashinfer does."""
-    loads = []
+    """pytorch never loads flashinfer, nor does auto on a CPU; auto on a GPU builds it in the background, the
+    name loads it now."""
+    loads, builds = [], []
     monkeypatch.setattr(sfi.FlashInferSampler, "load",
                         classmethod(lambda cls, device: loads.append(device) or cls(fake, CPU)))
+    monkeypatch.setattr(sfi.BackgroundFlashInfer, "__init__", lambda self, device: builds.append(device))
     cuda = torch.device("cuda")
     assert sfi.create_flashinfer_sampler("pytorch", cuda) is None
     assert sfi.create_flashinfer_sampler("auto", CPU) is None
-    assert loads == []
-    assert isinstance(sfi.create_flashinfer_sampler("auto", cuda), sfi.FlashInferSampler)
+    assert loads == [] and builds == []
+    assert isinstance(sfi.create_flashinfer_sampler("auto", cuda), sfi.BackgroundFlashInfer)
     assert isinstance(sfi.create_flashinfer_sampler("flashinfer", cuda), sfi.FlashInferSampler)
-    assert loads == [cuda, cuda]
+    assert loads == [cuda] and builds == [cuda]
     assert Sampler(None).backend == "pytorch" and Sampler(sfi.FlashInferSampler(fake, CPU), flashinfer_always=True).backend == "flashinfer"
+
+
+def test_background_build_samples_with_pytorch_until_ready(fake):
+    """auto: until the build ends, every row goes the pytorch way; then flashinfer draws the random rows (after
+    one warm-up draw on the sampling thread)."""
+    release = threading.Event()
+
+    def build():
+        release.wait(30)
+        return fake
+
+    pending = sfi.BackgroundFlashInfer(CPU, build=build)
+    sampler = Sampler(pending, flashinfer_always=True)
+    info = SamplingBatchInfo.from_params([SamplingParams(temperature=1.0)] * 4, [0] * 4, CPU, vocab_size=50)
+    assert sampler.backend == "pytorch (flashinfer not ready)" and pending.get() is None
+    tokens = sampler(torch.randn(4, 50), info).next_token_ids
+    assert fake.kernels() == [] and not (tokens == KNOWN).all()  # the pytorch path drew them
+    release.set()
+    assert pending.wait(30)
+    assert sampler.backend == "flashinfer"
+    assert fake.kernels() == ["sampling_from_probs"]  # the warm-up draw
+    assert (sampler(torch.randn(4, 50), info).next_token_ids == KNOWN).all()
+
+
+@pytest.mark.parametrize("where", ["build", "first_draw"])
+def test_background_build_that_fails_keeps_pytorch(fake, caplog, where):
+    def build():
+        if where == "build":
+            raise RuntimeError("Ninja build failed.\nnvcc: not found")
+        return fake
+
+    pending = sfi.BackgroundFlashInfer(CPU, build=build)
+    assert pending.wait(30)
+    if where == "first_draw":
+        fake.sampling_from_probs = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no kernel image"))
+    with caplog.at_level(logging.WARNING, logger="duet.sampler"):
+        assert pending.get() is None and pending.get() is None
+    assert "sampling with pytorch" in caplog.text and caplog.text.count("WARNING") == 1
+    assert Sampler(pending).backend == "pytorch (flashinfer not ready)"
 
 
 def test_flashinfer_needs_cuda_and_the_package(monkeypatch):
@@ -239,15 +281,12 @@ def test_flashinfer_needs_cuda_and_the_package(monkeypatch):
 
 
 def test_kernels_that_do_not_load(fake, caplog, monkeypatch):
-    """The warm-up draw fails (a kernel build error): auto warns and samples with pytorch; flashinfer asked
-    for by name is a one-line error."""
+    """The warm-up draw fails (a kernel build error): flashinfer asked for by name is a one-line error (auto:
+    test_background_build_that_fails_keeps_pytorch)."""
     def load(cls, device):
         raise RuntimeError("Ninja build failed.\nnvcc: not found")
 
     monkeypatch.setattr(sfi.FlashInferSampler, "load", classmethod(load))
-    with caplog.at_level(logging.WARNING, logger="duet.sampler"):
-        assert sfi.create_flashinfer_sampler("auto", torch.device("cuda")) is None
-    assert "sampling with pytorch" in caplog.text
     with pytest.raises(sfi.SamplingBackendError, match="sampling kernels do not load.*Ninja build failed") as err:
         sfi.create_flashinfer_sampler("flashinfer", torch.device("cuda"))
     assert "\n" not in str(err.value)
