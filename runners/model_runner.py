@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from model_executor.distributed import parallel_state as ps
-from model_executor.forward_batch import ForwardBatch, ForwardMode
+from model_executor.forward_batch import ForwardBatch, ForwardMode, MultimodalBatch
 from model_executor.layers.attention import create_attention_backend, resolve_backend_name
 from model_executor.layers.quantization import QuantizationError, resolve_quant_config
 from model_executor.layers.quantization.config import FP8_KV_BACKENDS
@@ -153,6 +153,9 @@ class ModelRunner:
         logger.info("loaded %s (%s%s, %s) in %.1f s", config.model_path, self.dtype,
                     f", {self.quant.method} weights" if self.quant else "", self.device, self.load_seconds)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
+        if getattr(self.model, "uses_mrope", False):  # each request row's M-RoPE decode offset
+            self.model.mrope_deltas = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64,
+                                                  device=self.device)
         # The token each request row sampled last, kept on the device: a decode step reads its input ids
         # from here, so the next step can be launched before the previous one's tokens reach the host.
         self.last_token_ids = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=self.device)
@@ -325,12 +328,15 @@ class ModelRunner:
     def build_batch(self, mode: ForwardMode, input_ids: list[int] | None, req_pool_indices: list[int],
                     seq_lens: list[int], out_cache_loc: torch.Tensor,
                     extend_seq_lens: list[int] | None = None, num_decode_tail: int = 0,
-                    lora_slots: list[int] | None = None) -> ForwardBatch:
+                    lora_slots: list[int] | None = None, mm: MultimodalBatch | None = None,
+                    mrope_deltas: list[int] | None = None) -> ForwardBatch:
         """An extend batch from host lists, or a decode batch; a decode batch also records its new slots in
         the request rows, and with input_ids None it reads each row's last sampled token on the device. In an
         extend batch, the last `num_decode_tail` requests take one decode step (one token each, whose id is
         read the same way; their entries in input_ids are placeholders). lora_slots: each request's LoRA pool slot
-        (LoraManager.prepare; 0: the base model)."""
+        (LoraManager.prepare; 0: the base model). An extend batch of a multimodal model: mm, its positions and
+        image embeddings (host tensors; None: a text batch), and each request's M-RoPE decode offset, kept in
+        the model for the request's row."""
         if mode.is_decode():
             fb = self._build_decode(input_ids, req_pool_indices, seq_lens, out_cache_loc)
             if lora_slots is not None:
@@ -342,6 +348,13 @@ class ModelRunner:
             device=self.device)
         if num_decode_tail:
             fb.input_ids[-num_decode_tail:] = self.last_token_ids[fb.req_pool_indices[-num_decode_tail:]]
+        if mrope_deltas is not None and getattr(self.model, "uses_mrope", False):
+            self.model.mrope_deltas[fb.req_pool_indices] = torch.tensor(mrope_deltas, dtype=torch.int64,
+                                                                        device=self.device)
+        if mm is not None:
+            dev = self.device
+            fb.mm = MultimodalBatch(mm.positions.to(dev), None if mm.embed_rows is None else mm.embed_rows.to(dev),
+                                    None if mm.embeds is None else mm.embeds.to(dev))
         if lora_slots is not None:
             fb.lora = LoraBatch.build(lora_slots, extend_seq_lens, self.device)
         return fb
@@ -402,6 +415,9 @@ class ModelRunner:
         """Runs the batch; returns float32 logits [bs, vocab] of each request's last token."""
         if fb.mode.is_decode():
             runners, graph_path, eager_path = (self.decode_graph_runner,), "decode_graph", "decode_eager"
+        elif fb.mm is not None:  # M-RoPE positions [3, tokens] and image embeddings: the graphs take neither
+            runners = ()
+            graph_path, eager_path = "extend_graph", "extend_eager"
         else:  # a whole graph where the batch fits one, else pieces
             runners = (self.full_extend_graph_runner, self.extend_graph_runner)
             graph_path, eager_path = "extend_graph", "extend_eager"
@@ -417,6 +433,12 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.batch = fb.lora
         return self.model(fb.input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def encode_images(self, pixels: list[torch.Tensor], grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Each image's embeddings (a multimodal model's vision tower, one pass over all of them)."""
+        self.path_counts["vision_encoder"] += 1
+        return self.model.encode_images(pixels, grid_thw)
 
     def startup_phases(self) -> dict[str, float]:
         """Seconds of this runner's start-up phases that ran, in order: weights, the memory profile, each graph
