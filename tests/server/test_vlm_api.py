@@ -199,3 +199,12 @@ def test_http_image_fetched_with_a_size_cap(tiny_vl, monkeypatch):
             proc.fetch(ImageRef(base + "/missing.png", "p"))
     finally:
         httpd.shutdown()
+
+
+def test_tokenize_counts_the_image_tokens(server):
+    content = [image_part(make_image(56, 84, 12)), {"type": "text", "text": "Count me."}]
+    usage = chat(server, content).json()["usage"]
+    resp = httpx.post(f"{server.url}/v1/tokenize", json={"messages": [{"role": "user", "content": content}]},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["count"] == usage["prompt_tokens"]
