@@ -225,7 +225,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         embeds = None
         if fb.mode.is_decode():
-            positions = positions + self.mrope_deltas[fb.req_pool_indices]
+            # (the rows of the tokens given: a compiled decode's traced batch may hold more rows than it runs)
+            positions = positions + self.mrope_deltas[fb.req_pool_indices[: positions.shape[0]]]
         elif fb.mm is not None:
             positions = fb.mm.positions
             if fb.mm.embed_rows is not None:

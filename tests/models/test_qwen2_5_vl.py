@@ -109,3 +109,15 @@ def test_greedy_tokens_match_hf(tiny_vl, chunk):
     ours = _generate(runner, reqs, hf.config.image_token_id, chunk)
     for name, inputs in reqs.items():
         assert ours[name] == _hf_generate(hf, inputs), name
+
+
+def test_compiled_decode_with_images_matches_hf(tiny_vl):
+    """The CPU's compiled decode (inductor, the decode graphs' analogue) reads each row's M-RoPE offset."""
+    path, hf = tiny_vl
+    runner = ModelRunner(RunnerConfig(model_path=str(path), max_running_requests=4, max_total_tokens=2048,
+                                      context_length=1024, cuda_graph_bs=(1, 2, 4)))
+    reqs = {name: _inputs(path, name) for name in PROMPTS}
+    ours = _generate(runner, reqs, hf.config.image_token_id)
+    assert runner.path_counts["decode_graph"] > 0
+    for name, inputs in reqs.items():
+        assert ours[name] == _hf_generate(hf, inputs), name
