@@ -87,14 +87,19 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, dim]; mask [T, T] bool, True where a token may attend (its image or window)."""
+    def forward(self, x: torch.Tensor, segments: list[torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """x [T, dim]; segments: the token indices [n, L] of n segments of L tokens (windows or images) that
+        attend among themselves, one tensor per length (Segments)."""
         t = x.shape[0]
         q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _vision_rotate(q, cos, sin), _vision_rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask)
-        return self.proj(out.transpose(0, 1).reshape(t, -1))
+        out = torch.empty_like(q)
+        for idx in segments:  # [n, L, H, D] -> [n, H, L, D]: n segments of one length in one call
+            o = F.scaled_dot_product_attention(q[idx].transpose(1, 2), k[idx].transpose(1, 2),
+                                               v[idx].transpose(1, 2))
+            out[idx] = o.transpose(1, 2)
+        return self.proj(out.reshape(t, -1))
 
 
 class VisionMLP(nn.Module):
@@ -119,8 +124,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, vc["num_heads"])
         self.mlp = VisionMLP(dim, vc["intermediate_size"], vc.get("hidden_act", "silu"))
 
-    def forward(self, x, mask, cos, sin):
-        x = x + self.attn(self.norm1(x), mask, cos, sin)
+    def forward(self, x, segments, cos, sin):
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -166,7 +171,11 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixels [patches, C*Tp*P*P] of the images in grid_thw, in order -> [merged tokens, out_hidden]."""
-        from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
+        from transformers.vision_utils import (
+            get_vision_cu_seqlens,
+            get_vision_position_ids,
+            get_vision_window_index,
+        )
 
         device = pixels.device
         grid = torch.tensor(grid_thw, dtype=torch.int64)
@@ -186,16 +195,24 @@ class Qwen2_5_VisionTransformer(nn.Module):
         freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [n, head_dim / 2]
         freqs = window_order(torch.cat([freqs, freqs], dim=-1))
         cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
-        # Which image and which window each token (in window order) belongs to: attention stays within them.
-        image_of = torch.repeat_interleave(torch.arange(len(grid_thw)), grid.prod(-1))
-        image_of = window_order(image_of.view(-1, 1).to(device)).view(-1)
-        window_of = torch.repeat_interleave(torch.arange(len(cu_windows) - 1), cu_windows.diff().long()).to(device)
-        full_mask = image_of[:, None] == image_of[None, :]
-        window_mask = window_of[:, None] == window_of[None, :]
+        # Attention stays within each window (each image, in the full-attention blocks); in window order an
+        # image's tokens are contiguous, and so are a window's.
+        images = _segments(get_vision_cu_seqlens(grid), device)
+        windows = _segments(cu_windows, device)
         for i, block in enumerate(self.blocks):
-            x = block(x, full_mask if i in self.fullatt else window_mask, cos, sin)
+            x = block(x, images if i in self.fullatt else windows, cos, sin)
         merged = self.merger(x)
         return merged[torch.argsort(window_index)]
+
+
+def _segments(cu_seqlens: torch.Tensor, device) -> list[torch.Tensor]:
+    """Segments given by their boundaries, as token indices grouped by length: one [n, L] tensor per length L."""
+    bounds = cu_seqlens.tolist()
+    by_len: dict[int, list[int]] = {}
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            by_len.setdefault(end - start, []).append(start)
+    return [(torch.tensor(starts)[:, None] + torch.arange(n)).to(device) for n, starts in by_len.items()]
 
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
