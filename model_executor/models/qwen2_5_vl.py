@@ -21,6 +21,7 @@ checkpoints), `lm_head.*`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -209,7 +210,7 @@ def _segments(cu_seqlens: torch.Tensor, device) -> list[torch.Tensor]:
     """Segments given by their boundaries, as token indices grouped by length: one [n, L] tensor per length L."""
     bounds = cu_seqlens.tolist()
     by_len: dict[int, list[int]] = {}
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         if end > start:
             by_len.setdefault(end - start, []).append(start)
     return [(torch.tensor(starts)[:, None] + torch.arange(n)).to(device) for n, starts in by_len.items()]
