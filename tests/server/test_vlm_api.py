@@ -208,3 +208,19 @@ def test_tokenize_counts_the_image_tokens(server):
                       timeout=60)
     assert resp.status_code == 200, resp.text
     assert resp.json()["count"] == usage["prompt_tokens"]
+
+
+def test_responses_input_image_equals_the_chat_image_part(server):
+    image = make_image(84, 56, 13)
+    body = {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Hi"}, {"type": "input_image", "image_url": data_url(image), "detail": "low"}]}],
+        "max_output_tokens": NEW_TOKENS, "temperature": 0.0}
+    resp = httpx.post(f"{server.url}/v1/responses", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    ref = chat(server, [{"type": "text", "text": "Hi"}, image_part(image)], ignore_eos=False, logprobs=False)
+    assert resp.json()["usage"]["input_tokens"] == ref.json()["usage"]["prompt_tokens"]
+    assert resp.json()["output"][0]["content"][0]["text"] == ref.json()["choices"][0]["message"]["content"]
+    bad = {**body, "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                                          {"type": "input_image", "image_url": data_url(b"no")}]}]}
+    resp = httpx.post(f"{server.url}/v1/responses", json=bad, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input.0.content.1", resp.text
