@@ -224,3 +224,24 @@ def test_responses_input_image_equals_the_chat_image_part(server):
                                                           {"type": "input_image", "image_url": data_url(b"no")}]}]}
     resp = httpx.post(f"{server.url}/v1/responses", json=bad, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "input.0.content.1", resp.text
+
+
+def test_pixel_bounds_set_the_image_tokens(tiny_vl):
+    path, _ = tiny_vl
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    ref = ImageRef(data_url(make_image(224, 168, 14)), "p")
+    default = ImageProcessor.load(str(path), tok, 4).load_images([ref])[0].num_tokens
+    small = ImageProcessor.load(str(path), tok, 4, max_pixels=28 * 28 * 4).load_images([ref])[0].num_tokens
+    big = ImageProcessor.load(str(path), tok, 4, min_pixels=28 * 28 * 60, max_pixels=28 * 28 * 64)
+    assert small <= 4 < default < big.load_images([ref])[0].num_tokens
+
+
+def test_bad_image_flags_are_refused():
+    from server.args import ArgsError, ServerArgs
+
+    for kwargs in ({"limit_mm_per_prompt": "video=2"}, {"mm_min_pixels": 0},
+                   {"mm_min_pixels": 5000, "mm_max_pixels": 4000}):
+        with pytest.raises(ArgsError, match="--(limit-mm-per-prompt|mm-min-pixels)"):
+            ServerArgs(**kwargs).validate()
