@@ -59,7 +59,8 @@ def save_tiny_qwen2_5_vl(path: Path, tokenizer_dir: Path, seed: int = 0):
             else:
                 p.normal_(0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
-    image_processor = transformers.Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+    # (the Pillow backend: torchvision, the default backend's, is not a dependency)
+    image_processor = getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
                                                             patch_size=14, merge_size=2, temporal_patch_size=2)
     image_processor.save_pretrained(path)
     tok.chat_template = CHAT_TEMPLATE

@@ -172,16 +172,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixels [patches, C*Tp*P*P] of the images in grid_thw, in order -> [merged tokens, out_hidden]."""
-        from transformers.vision_utils import (
-            get_vision_cu_seqlens,
-            get_vision_position_ids,
-            get_vision_window_index,
-        )
-
         device = pixels.device
-        grid = torch.tensor(grid_thw, dtype=torch.int64)
         unit = self.merge * self.merge
-        window_index, cu_windows = get_vision_window_index(grid, self.merge, self.window_size, self.patch_size)
+        window_index, window_bounds, frame_bounds, pos = _layout(grid_thw, self.merge,
+                                                                 self.window_size // self.merge // self.patch_size)
         window_index = window_index.to(device)
         x = self.patch_embed(pixels)
         n = x.shape[0]
@@ -190,7 +184,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
             return t.reshape(n // unit, unit, -1)[window_index].reshape(n, -1)
 
         x = window_order(x)
-        pos = get_vision_position_ids(grid, self.merge).to(device)  # [n, 2] (h, w)
+        pos = pos.to(device)  # [n, 2] (h, w)
         inv_freq = 1.0 / self.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device=device)
                                         / self.rotary_dim)
         freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [n, head_dim / 2]
@@ -198,17 +192,42 @@ class Qwen2_5_VisionTransformer(nn.Module):
         cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
         # Attention stays within each window (each image, in the full-attention blocks); in window order an
         # image's tokens are contiguous, and so are a window's.
-        images = _segments(get_vision_cu_seqlens(grid), device)
-        windows = _segments(cu_windows, device)
+        images = _segments(frame_bounds, device)
+        windows = _segments(window_bounds, device)
         for i, block in enumerate(self.blocks):
             x = block(x, images if i in self.fullatt else windows, cos, sin)
         merged = self.merger(x)
         return merged[torch.argsort(window_index)]
 
 
-def _segments(cu_seqlens: torch.Tensor, device) -> list[torch.Tensor]:
+def _layout(grid_thw: list[tuple[int, int, int]], merge: int,
+            window: int) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+    """The vision tower's token layout for images of these grids (HF's window index, cu_seqlens and position ids):
+    - the window order: the merged blocks (merge x merge patches) of each frame by windows of window x window
+      blocks (row by row; the windows at the right and bottom edges may be smaller), block by block inside;
+    - the boundaries, in patches, of the windows and of the frames (in window order too);
+    - each patch's (h, w) position, in the processor's order (block by block, the patches of a block in rows)."""
+    order, window_bounds, frame_bounds, pos = [], [0], [0], []
+    first, unit = 0, merge * merge
+    for t, h, w in grid_thw:
+        gh, gw = h // merge, w // merge
+        blocks = torch.arange(t * gh * gw).view(t, gh, gw) + first
+        for f in range(t):
+            for y in range(0, gh, window):
+                for x in range(0, gw, window):
+                    ids = blocks[f, y:y + window, x:x + window].flatten()
+                    order.append(ids)
+                    window_bounds.append(window_bounds[-1] + ids.numel() * unit)
+            frame_bounds.append(frame_bounds[-1] + h * w)
+        first += t * gh * gw
+        hh = torch.arange(h).view(gh, merge, 1, 1).expand(gh, merge, gw, merge).transpose(1, 2).flatten()
+        ww = torch.arange(w).view(1, 1, gw, merge).expand(gh, merge, gw, merge).transpose(1, 2).flatten()
+        pos.append(torch.stack([hh, ww], dim=-1).repeat(t, 1))
+    return torch.cat(order), window_bounds, frame_bounds, torch.cat(pos)
+
+
+def _segments(bounds: list[int], device) -> list[torch.Tensor]:
     """Segments given by their boundaries, as token indices grouped by length: one [n, L] tensor per length L."""
-    bounds = cu_seqlens.tolist()
     by_len: dict[int, list[int]] = {}
     for start, end in itertools.pairwise(bounds):
         if end > start:
