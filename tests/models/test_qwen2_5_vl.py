@@ -121,3 +121,31 @@ def test_compiled_decode_with_images_matches_hf(tiny_vl):
     assert runner.path_counts["decode_graph"] > 0
     for name, inputs in reqs.items():
         assert ours[name] == _hf_generate(hf, inputs), name
+
+
+def test_images_that_do_not_fit_the_prompt_are_refused(tiny_vl, tiny_llama):
+    """A request whose images do not match its pad tokens, or that carries images to a text-only model, ends
+    "invalid" (a 400 for its client); the scheduler goes on."""
+    import dataclasses
+
+    path, hf = tiny_vl
+    inputs = _inputs(path, "one_image")
+    ids, images = inputs["input_ids"][0].tolist(), image_inputs(inputs, hf.config.image_token_id)
+    sched = Scheduler(_runner(path), SchedulerConfig(max_running_requests=4))
+    params = SamplingParams(max_new_tokens=2, temperature=0.0)
+    sched.add_request("shifted", ids, params, images=[dataclasses.replace(images[0], offset=images[0].offset + 1)])
+    sched.add_request("extra pad", ids + [hf.config.image_token_id], params, images=images)
+    sched.add_request("fine", ids, params, images=images)
+    text_only = Scheduler(ModelRunner(RunnerConfig(model_path=str(tiny_llama[0]), max_running_requests=2,
+                                                   max_total_tokens=256, context_length=128)),
+                          SchedulerConfig(max_running_requests=2))
+    text_only.add_request("to text", [5, 6, 7], params, images=images)
+    done = {}
+    for s in (sched, text_only):
+        while s.has_work():
+            for o in s.step():
+                if o.finish_reason is not None:
+                    done[o.rid] = o.finish_reason
+    assert {rid: r.kind for rid, r in done.items()} == {"shifted": "invalid", "extra pad": "invalid",
+                                                          "fine": "length", "to text": "invalid"}
+    assert "no images" in done["to text"].message
