@@ -23,6 +23,7 @@ from model_executor.lora.layer import LoraBatch
 from model_executor.lora.manager import LoraConfig, LoraManager
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
+from model_executor.models.qwen2_5_vl import encoder_groups, max_image_patches
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from model_executor.sampling_flashinfer import create_flashinfer_sampler
 from model_executor.sampling_params import SamplingParams
@@ -85,6 +86,10 @@ class RunnerConfig:
     draft: bool = False
     # Multi-LoRA serving (model_executor/lora/): the adapters' pool and flags; None: off.
     lora: LoraConfig | None = None
+    # A vision-language model: the image processor's max pixels per image (--mm-max-pixels; None: the model
+    # folder's preprocessor_config.json). One vision-tower call takes images of at most one largest image's
+    # patches, and the GPU memory profile runs the tower on that many.
+    mm_max_pixels: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -153,9 +158,11 @@ class ModelRunner:
         logger.info("loaded %s (%s%s, %s) in %.1f s", config.model_path, self.dtype,
                     f", {self.quant.method} weights" if self.quant else "", self.device, self.load_seconds)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
+        self.image_patch_budget: int | None = None
         if getattr(self.model, "uses_mrope", False):  # each request row's M-RoPE decode offset
             self.model.mrope_deltas = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64,
                                                   device=self.device)
+            self.image_patch_budget = max_image_patches(config.model_path, config.mm_max_pixels)
         # The token each request row sampled last, kept on the device: a decode step reads its input ids
         # from here, so the next step can be launched before the previous one's tokens reach the host.
         self.last_token_ids = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=self.device)
@@ -317,12 +324,26 @@ class ModelRunner:
         self.sample(logits, params, [0] * bs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
+        if self.image_patch_budget:  # the vision tower on its largest call (it runs before the extend)
+            del logits
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.model.encode_images(*self._largest_image())
+            torch.cuda.synchronize(self.device)
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device) - base)
         self.req_to_token_pool.req_to_token[1 : bs + 1].zero_()
         self.req_to_token_pool.req_to_token_cpu[1 : bs + 1].zero_()
         del kv, fb, logits
         torch.cuda.empty_cache()
         logger.info("profiled an extend of %d tokens in %d requests: activation peak %.2f GiB", n, bs, peak / 2**30)
         return n, peak
+
+    def _largest_image(self) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """A square image of image_patch_budget patches at most (random pixels): the memory profile's."""
+        vc = self.model_config.hf_config["vision_config"]
+        merge = vc["spatial_merge_size"]
+        side = max(int(self.image_patch_budget ** 0.5) // merge * merge, merge)
+        dim = vc.get("in_channels", 3) * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+        return [torch.randn(side * side, dim)], [(1, side, side)]
 
     # ---- batches ------------------------------------------------------------------------------
     def build_batch(self, mode: ForwardMode, input_ids: list[int] | None, req_pool_indices: list[int],
@@ -437,8 +458,13 @@ class ModelRunner:
     @torch.inference_mode()
     def encode_images(self, pixels: list[torch.Tensor], grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """Each image's embeddings (a multimodal model's vision tower, one pass over all of them)."""
-        self.path_counts["vision_encoder"] += 1
-        return self.model.encode_images(pixels, grid_thw)
+        out: list[torch.Tensor | None] = [None] * len(pixels)
+        for group in encoder_groups(grid_thw, self.image_patch_budget):
+            self.path_counts["vision_encoder"] += 1
+            embeds = self.model.encode_images([pixels[i] for i in group], [grid_thw[i] for i in group])
+            for i, e in zip(group, embeds):
+                out[i] = e
+        return out
 
     def startup_phases(self) -> dict[str, float]:
         """Seconds of this runner's start-up phases that ran, in order: weights, the memory profile, each graph

@@ -22,7 +22,9 @@ checkpoints), `lm_head.*`.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -301,6 +303,34 @@ def _our_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
         elif name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
         yield name, tensor
+
+
+def max_image_patches(model_path: str, max_pixels: int | None = None) -> int | None:
+    """The most patches the image processor makes of one image: its max pixels (max_pixels, else the model
+    folder's preprocessor_config.json's) over a patch's; None when neither says."""
+    try:
+        pre = json.loads((Path(model_path) / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        pre = {}
+    max_pixels = max_pixels or pre.get("max_pixels") or (pre.get("size") or {}).get("longest_edge")
+    patch = int(pre.get("patch_size", 14))
+    return int(max_pixels) // (patch * patch) if max_pixels else None
+
+
+def encoder_groups(grids: Sequence[tuple[int, int, int]], budget: int | None) -> list[list[int]]:
+    """The images (indices, in order) of each vision-tower call: consecutive images of at most `budget` patches
+    together (an image larger than that alone); None: all in one call."""
+    if budget is None:
+        return [list(range(len(grids)))]
+    groups, size = [], budget + 1
+    for i, (t, h, w) in enumerate(grids):
+        n = t * h * w
+        if size + n > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
 
 
 def mrope_positions(input_ids: Sequence[int], images: Sequence[tuple[int, tuple[int, int, int]]],

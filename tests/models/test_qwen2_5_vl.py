@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.models.qwen2_5_vl import mrope_positions
+from model_executor.models.qwen2_5_vl import encoder_groups, max_image_patches, mrope_positions
 from model_executor.sampling_params import SamplingParams
 from runners.model_runner import ModelRunner, RunnerConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -60,7 +60,7 @@ def test_vision_tower_matches_hf(tiny_vl):
     runner = _runner(path)
     inputs = _inputs(path, "two_images")
     grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
-    ours = runner.encode_images([inputs["pixel_values"]], grids)
+    ours = runner.encode_images(list(inputs["pixel_values"].split([t * h * w for t, h, w in grids])), grids)
     with torch.no_grad():
         ref = hf.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
     assert [o.shape for o in ours] == [r.shape for r in ref]
@@ -149,3 +149,20 @@ def test_images_that_do_not_fit_the_prompt_are_refused(tiny_vl, tiny_llama):
     assert {rid: r.kind for rid, r in done.items()} == {"shifted": "invalid", "extra pad": "invalid",
                                                           "fine": "length", "to text": "invalid"}
     assert "no images" in done["to text"].message
+
+
+def test_vision_tower_calls_stay_within_one_largest_image(tiny_vl):
+    """--mm-max-pixels bounds one tower call's patches: images beyond it go in further calls, same embeddings."""
+    path, _ = tiny_vl
+    inputs = _inputs(path, "two_images")  # 16 and 80 patches
+    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
+    pixels = list(inputs["pixel_values"].split([t * h * w for t, h, w in grids]))
+    whole = _runner(path).encode_images(pixels, grids)
+    assert max_image_patches(str(path)) == 28 * 28 * 64 // 196  # the processor's own bound
+    runner = ModelRunner(RunnerConfig(model_path=str(path), max_running_requests=4, max_total_tokens=2048,
+                                      context_length=1024, mm_max_pixels=20 * 196))
+    split = runner.encode_images(pixels, grids)
+    assert runner.path_counts["vision_encoder"] == 2
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert encoder_groups([(1, 4, 4), (1, 2, 2), (1, 8, 8), (1, 2, 2)], 20) == [[0, 1], [2], [3]]
