@@ -2,7 +2,8 @@
 embeddings it holds between prefill chunks; and an extend batch's MultimodalBatch built from them.
 
 The vision encoder runs at extend time, once per image, for the images with tokens in the chunk whose
-embeddings the request does not hold yet: all of them in one call of the tower, across the batch. A chunk may end
+embeddings the request does not hold yet, across the batch, in one call of the tower (more where the model
+runner's patch budget says so). A chunk may end
 inside an image: the request keeps that image's embeddings until its last token is prefilled (a retracted
 request drops them and encodes again).
 
