@@ -17,6 +17,17 @@ if TYPE_CHECKING:
     from model_executor.prompt_logprobs import PromptLogprobPlan, PromptLogprobsOutput
 
 
+@dataclass
+class MultimodalBatch:
+    """An extend batch's multimodal inputs: positions [3, tokens] (t, h, w; a text token's are its position three
+    times), and the image embeddings [K, H] that replace the input embeddings of the K batch rows embed_rows (the
+    image pad tokens of this chunk; None: no image token in the chunk)."""
+
+    positions: torch.Tensor
+    embed_rows: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
+
+
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill of new tokens, possibly after a cached prefix
     DECODE = auto()  # exactly one new token per request
@@ -65,6 +76,9 @@ class ForwardBatch:
     # Extend only: logits of every token instead of each request's last (a speculative verify batch, whose
     # tokens are [last sampled token, drafts...] per request: the logits at each give the next token's).
     all_token_logits: bool = False
+    # Extend only, with a multimodal model: the batch's M-RoPE positions and image embeddings (None: every
+    # token's position is its text position, and no image token is in the batch).
+    mm: MultimodalBatch | None = None
     # The requests' LoRA adapters (model_executor/lora/layer.py: each token's pool slot); None: none uses one.
     lora: LoraBatch | None = None
 

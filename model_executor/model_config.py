@@ -10,6 +10,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
                            # Gemma 3's multimodal checkpoints: their text tower (models/gemma3.py)
                            "Gemma3ForConditionalGeneration", "GptOssForCausalLM",
+                           # Vision-language: images through the vision tower (models/qwen2_5_vl.py)
+                           "Qwen2_5_VLForConditionalGeneration",
                            # Embedding checkpoints (the backbone alone, no LM head) and rerankers with a
                            # classification head (model_executor/models/llama.py); served with --is-embedding.
                            "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
@@ -94,6 +96,10 @@ class ModelConfig:
     # never read (the runner sets this for --is-embedding); num_labels: a *ForSequenceClassification head's.
     embedding_only: bool = False
     num_labels: int = 0
+    # Vision-language models (Qwen2.5-VL): M-RoPE's split of the rotary dims among (t, h, w), and the token
+    # a prompt holds once per image embedding; empty / None for text-only models.
+    mrope_section: tuple[int, ...] = ()
+    image_token_id: int | None = None
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -116,6 +122,9 @@ class ModelConfig:
             )
         if arch.startswith("Gemma3"):
             cfg = _gemma3_text_config(arch, cfg)
+        mrope: tuple[int, ...] = ()
+        if arch == "Qwen2_5_VLForConditionalGeneration":
+            cfg, mrope = _qwen2_5_vl_text_config(cfg)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -182,6 +191,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             num_labels=_num_labels(arch, cfg),
+            mrope_section=mrope,
+            image_token_id=cfg.get("image_token_id") if mrope else None,
             hf_config=cfg,
         )
 
@@ -323,6 +334,27 @@ def _gemma3_text_config(arch: str, cfg: dict) -> dict:
     full["rope_theta"] = glob.get("rope_theta", 1_000_000.0)
     full["rope_scaling"] = glob if glob.get("rope_type", "default") != "default" else None
     return full
+
+
+def _qwen2_5_vl_text_config(cfg: dict) -> tuple[dict, tuple[int, ...]]:
+    """A Qwen2.5-VL config.json's text model at the top level (transformers 5 nests it in text_config; 4 has it
+    there already) with its vision_config and image token ids kept, and its mrope_section; the rope type
+    "mrope" / "default" is the plain table (M-RoPE only chooses the positions)."""
+    text = cfg.get("text_config") or {}
+    full = {**{k: v for k, v in cfg.items() if k != "text_config"}, **text}
+    full["architectures"] = cfg.get("architectures")
+    for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id", "video_token_id"):
+        if key in cfg:
+            full[key] = cfg[key]
+    rope = dict(full.get("rope_parameters") or full.get("rope_scaling") or {})
+    section = rope.get("mrope_section")
+    if not section or "vision_config" not in full:
+        raise ModelConfigError("a Qwen2.5-VL config.json needs rope mrope_section and vision_config")
+    if rope.get("rope_type", rope.get("type")) in ("mrope", "default", None):
+        full["rope_theta"] = rope.get("rope_theta", full.get("rope_theta"))
+        full["rope_scaling"] = None
+        full.pop("rope_parameters", None)
+    return full, tuple(int(n) for n in section)
 
 
 def _gemma3_fields(arch: str, cfg: dict) -> dict:

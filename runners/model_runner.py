@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from model_executor.distributed import parallel_state as ps
-from model_executor.forward_batch import ForwardBatch, ForwardMode
+from model_executor.forward_batch import ForwardBatch, ForwardMode, MultimodalBatch
 from model_executor.layers.attention import create_attention_backend, resolve_backend_name
 from model_executor.layers.quantization import QuantizationError, resolve_quant_config
 from model_executor.layers.quantization.config import FP8_KV_BACKENDS
@@ -23,6 +23,7 @@ from model_executor.lora.layer import LoraBatch
 from model_executor.lora.manager import LoraConfig, LoraManager
 from model_executor.memory_pool import KVCache, ReqToTokenPool, SlotAllocator
 from model_executor.model_config import ModelConfig
+from model_executor.models.qwen2_5_vl import encoder_groups, max_image_patches
 from model_executor.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from model_executor.sampling_flashinfer import create_flashinfer_sampler
 from model_executor.sampling_params import SamplingParams
@@ -92,6 +93,10 @@ class RunnerConfig:
     # An EAGLE-3 target: the layers whose outputs every forward also gives (ForwardBatch.aux_hidden_states),
     # set before the graphs are captured so that they give them too.
     aux_hidden_state_layers: tuple[int, ...] = ()
+    # A vision-language model: the image processor's max pixels per image (--mm-max-pixels; None: the model
+    # folder's preprocessor_config.json). One vision-tower call takes images of at most one largest image's
+    # patches, and the GPU memory profile runs the tower on that many.
+    mm_max_pixels: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -162,6 +167,11 @@ class ModelRunner:
         logger.info("loaded %s (%s%s, %s) in %.1f s", config.model_path, self.dtype,
                     f", {self.quant.method} weights" if self.quant else "", self.device, self.load_seconds)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
+        self.image_patch_budget: int | None = None
+        if getattr(self.model, "uses_mrope", False):  # each request row's M-RoPE decode offset
+            self.model.mrope_deltas = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64,
+                                                  device=self.device)
+            self.image_patch_budget = max_image_patches(config.model_path, config.mm_max_pixels)
         # The token each request row sampled last, kept on the device: a decode step reads its input ids
         # from here, so the next step can be launched before the previous one's tokens reach the host.
         self.last_token_ids = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=self.device)
@@ -374,6 +384,12 @@ class ModelRunner:
         self.sample(logits, params, [0] * bs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
+        if self.image_patch_budget:  # the vision tower on its largest call (it runs before the extend)
+            del logits
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.model.encode_images(*self._largest_image())
+            torch.cuda.synchronize(self.device)
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device) - base)
         self.req_to_token_pool.req_to_token[1 : bs + 1].zero_()
         self.req_to_token_pool.req_to_token_cpu[1 : bs + 1].zero_()
         del kv, fb, logits
@@ -381,16 +397,27 @@ class ModelRunner:
         logger.info("profiled an extend of %d tokens in %d requests: activation peak %.2f GiB", n, bs, peak / 2**30)
         return n, peak
 
+    def _largest_image(self) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """A square image of image_patch_budget patches at most (random pixels): the memory profile's."""
+        vc = self.model_config.hf_config["vision_config"]
+        merge = vc["spatial_merge_size"]
+        side = max(int(self.image_patch_budget ** 0.5) // merge * merge, merge)
+        dim = vc.get("in_channels", 3) * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+        return [torch.randn(side * side, dim)], [(1, side, side)]
+
     # ---- batches ------------------------------------------------------------------------------
     def build_batch(self, mode: ForwardMode, input_ids: list[int] | None, req_pool_indices: list[int],
                     seq_lens: list[int], out_cache_loc: torch.Tensor,
                     extend_seq_lens: list[int] | None = None, num_decode_tail: int = 0,
-                    lora_slots: list[int] | None = None) -> ForwardBatch:
+                    lora_slots: list[int] | None = None, mm: MultimodalBatch | None = None,
+                    mrope_deltas: list[int] | None = None) -> ForwardBatch:
         """An extend batch from host lists, or a decode batch; a decode batch also records its new slots in
         the request rows, and with input_ids None it reads each row's last sampled token on the device. In an
         extend batch, the last `num_decode_tail` requests take one decode step (one token each, whose id is
         read the same way; their entries in input_ids are placeholders). lora_slots: each request's LoRA pool slot
-        (LoraManager.prepare; 0: the base model)."""
+        (LoraManager.prepare; 0: the base model). An extend batch of a multimodal model: mm, its positions and
+        image embeddings (host tensors; None: a text batch), and each request's M-RoPE decode offset, kept in
+        the model for the request's row."""
         if mode.is_decode():
             fb = self._build_decode(input_ids, req_pool_indices, seq_lens, out_cache_loc)
             if lora_slots is not None:
@@ -402,6 +429,13 @@ class ModelRunner:
             device=self.device)
         if num_decode_tail:
             fb.input_ids[-num_decode_tail:] = self.last_token_ids[fb.req_pool_indices[-num_decode_tail:]]
+        if mrope_deltas is not None and getattr(self.model, "uses_mrope", False):
+            self.model.mrope_deltas[fb.req_pool_indices] = torch.tensor(mrope_deltas, dtype=torch.int64,
+                                                                        device=self.device)
+        if mm is not None:
+            dev = self.device
+            fb.mm = MultimodalBatch(mm.positions.to(dev), None if mm.embed_rows is None else mm.embed_rows.to(dev),
+                                    None if mm.embeds is None else mm.embeds.to(dev))
         if lora_slots is not None:
             fb.lora = LoraBatch.build(lora_slots, extend_seq_lens, self.device)
         return fb
@@ -465,6 +499,9 @@ class ModelRunner:
         """Runs the batch; returns float32 logits [bs, vocab] of each request's last token."""
         if fb.mode.is_decode():
             runners, graph_path, eager_path = (self.decode_graph_runner,), "decode_graph", "decode_eager"
+        elif fb.mm is not None:  # M-RoPE positions [3, tokens] and image embeddings: the graphs take neither
+            runners = ()
+            graph_path, eager_path = "extend_graph", "extend_eager"
         else:  # a whole graph where the batch fits one, else pieces
             runners = (self.full_extend_graph_runner, self.extend_graph_runner)
             graph_path, eager_path = "extend_graph", "extend_eager"
@@ -480,6 +517,17 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.batch = fb.lora
         return self.model(fb.input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def encode_images(self, pixels: list[torch.Tensor], grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Each image's embeddings (a multimodal model's vision tower, one pass over all of them)."""
+        out: list[torch.Tensor | None] = [None] * len(pixels)
+        for group in encoder_groups(grid_thw, self.image_patch_budget):
+            self.path_counts["vision_encoder"] += 1
+            embeds = self.model.encode_images([pixels[i] for i in group], [grid_thw[i] for i in group])
+            for i, e in zip(group, embeds):
+                out[i] = e
+        return out
 
     def startup_phases(self) -> dict[str, float]:
         """Seconds of this runner's start-up phases that ran, in order: weights, the memory profile, each graph

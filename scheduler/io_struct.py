@@ -29,6 +29,20 @@ class PoolingSpec:
         return self.kind in ("mean", "cls")
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, processed by the model's image processor in the HTTP process: its patches
+    (pixel_values, a float32 numpy array [patches, C * temporal_patch * patch * patch]), their grid (t, h, w),
+    where its num_tokens pad tokens start in the prompt, and a hash of its pixels (the prefix cache's key for
+    those tokens)."""
+
+    pixel_values: object
+    grid_thw: tuple[int, int, int]
+    offset: int
+    num_tokens: int
+    content_hash: int
+
+
 @dataclass
 class TokenizedGenerateReq:
     rid: str
@@ -36,6 +50,7 @@ class TokenizedGenerateReq:
     params: SamplingParams
     pooling: PoolingSpec | None = None  # a pooling request (params.max_new_tokens 0)
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    images: list[ImageInput] | None = None  # a multimodal prompt's images, in prompt order
     # Decoded prompt text is not needed by the scheduler; stop strings are checked on output tokens.
 
 

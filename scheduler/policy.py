@@ -14,6 +14,6 @@ def order_waiting(waiting: list[Req], policy: str, tree: RadixCache | None) -> l
         return waiting
     # Retracted requests keep their place at the front; the rest by matched prefix length, stable.
     def matched(req: Req) -> int:
-        return len(tree.match_prefix(req.fill_ids[:-1], req.lora_id)[0])
+        return len(tree.match_prefix(req.cache_key[:-1], req.lora_id)[0])
 
     return sorted(waiting, key=lambda r: (r.num_retractions == 0, -matched(r)))

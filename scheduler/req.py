@@ -64,6 +64,8 @@ class Req:
     # The LoRA adapter the request runs with (LoraManager's id; None: the base model). Also its prefix cache's
     # namespace: KV computed under one adapter is never reused under another.
     lora_id: int | None = None
+    # A prompt with images (scheduler/multimodal.py): positions, prefix-cache key, embeddings between chunks.
+    mm: object | None = None
     max_output: int = field(init=False)
     stop_ids: frozenset[int] = field(init=False)
 
@@ -79,6 +81,11 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Every token that must have KV before the next token is sampled."""
         return self.input_ids + self.output_ids
+
+    @property
+    def cache_key(self) -> list[int]:
+        """fill_ids as the prefix cache keys them: each image's pad tokens as its content's value."""
+        return self.fill_ids if self.mm is None else self.mm.cache_ids + self.output_ids
 
     @property
     def seq_len(self) -> int:

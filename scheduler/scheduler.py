@@ -44,11 +44,13 @@ from scheduler.grammar import GrammarCompilerPool, GrammarDeadEnd, GrammarManage
 from scheduler.io_struct import (
     DETOKENIZER_CONTEXT_TOKENS,
     FinishReason,
+    ImageInput,
     PoolingSpec,
     PromptLogprobs,
     SpecCounts,
     TokenLogprob,
 )
+from scheduler.multimodal import MmState, MultimodalError, build_mm_batch
 from scheduler.policy import order_waiting
 from scheduler.prompt_logprobs import LaunchedPromptLogprobs, plan_prompt_logprobs
 from scheduler.radix_cache import RadixCache
@@ -163,11 +165,13 @@ class Scheduler:
 
     # ---- requests in -----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams,
-                    pooling: PoolingSpec | None = None, lora_name: str | None = None) -> None:
+                    pooling: PoolingSpec | None = None, lora_name: str | None = None,
+                    images: list[ImageInput] | None = None) -> None:
         """pooling: a pooling request, which returns a vector instead of tokens (io_struct.PoolingSpec).
-        lora_name: the LoRA adapter it runs with (None: the base model)."""
+        lora_name: the LoRA adapter it runs with (None: the base model). images: a multimodal prompt's images
+        (their pad tokens are in input_ids)."""
         try:
-            self._add_request(rid, input_ids, params, pooling, lora_name)
+            self._add_request(rid, input_ids, params, pooling, lora_name, images)
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
             req = self.reqs.get(rid)
             if req is None:
@@ -177,7 +181,8 @@ class Scheduler:
             self._fail(req, exc)
 
     def _add_request(self, rid: str, input_ids: list[int], params: SamplingParams,
-                     pooling: PoolingSpec | None = None, lora_name: str | None = None) -> None:
+                     pooling: PoolingSpec | None = None, lora_name: str | None = None,
+                     images: list[ImageInput] | None = None) -> None:
         if params.top_k > self.runner.model_config.vocab_size:
             # Keeping the best k > vocab tokens keeps them all (top-k off); a k beyond int64 would also
             # overflow the sampler's tensor and take the whole scheduler down.
@@ -187,6 +192,8 @@ class Scheduler:
         req = Req(rid, list(input_ids), params)
         req.pooling = pooling
         lora_error = self._resolve_lora(req, lora_name)
+        if images and lora_error is None:
+            lora_error = self._attach_images(req, images)
         req.max_output = min(params.max_new_tokens, self.runner.context_len - len(req.input_ids))
         if not params.ignore_eos:
             req.stop_ids = req.stop_ids | self.eos_ids
@@ -200,6 +207,20 @@ class Scheduler:
             self._finish(req, FinishReason("length"))
         elif not self.grammars.defer(req):  # hook (a): a request with a grammar waits for its compilation
             self.waiting.append(req)
+
+    def _attach_images(self, req: Req, images: list[ImageInput]) -> str | None:
+        """Set the request's multimodal state; an error message when its images cannot be served."""
+        cfg = self.runner.model_config
+        if self.speculator is not None:
+            return "images are not served with speculative decoding"
+        if req.pooling is not None:
+            return "images are not served for pooling requests"
+        try:
+            req.mm = MmState.build(req.input_ids, images, cfg.image_token_id,
+                                   int(cfg.hf_config.get("vision_config", {}).get("spatial_merge_size", 2)))
+        except MultimodalError as e:
+            return str(e)
+        return None
 
     def _resolve_lora(self, req: Req, name: str | None) -> str | None:
         """Set the request's adapter id; an error message when it names one that is not loaded."""
@@ -416,12 +437,13 @@ class Scheduler:
     def _match(self, req: Req):
         if self.tree is None:
             return torch.empty(0, dtype=torch.int64), None
-        limit = len(req.fill_ids) - 1  # keep >= 1 token to compute logits from
+        key = req.cache_key
+        limit = len(key) - 1  # keep >= 1 token to compute logits from
         if req.prompt_logprob_next is not None:
             limit = min(limit, req.prompt_logprob_next)  # rows to score need their hidden states: no cache there
         if req.pooling is not None and req.pooling.needs_every_row:
             limit = 0
-        return self.tree.match_prefix(req.fill_ids[:limit], req.lora_id)
+        return self.tree.match_prefix(key[:limit], req.lora_id)
 
     def _lock(self, node) -> None:
         if node is not None:
@@ -477,9 +499,11 @@ class Scheduler:
                 req.kv_len += n
                 seq_lens.append(req.kv_len)
                 offset += n
+            mm = build_mm_batch(reqs, lens, start, decoding, self.runner.encode_images)
             fb = self.runner.build_batch(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
                                          out_loc, extend_seq_lens=lens, num_decode_tail=sum(decoding),
-                                         lora_slots=self._lora_slots(reqs))
+                                         lora_slots=self._lora_slots(reqs), mm=mm,
+                                         mrope_deltas=[r.mm.delta if r.mm is not None else 0 for r in reqs])
             scoring = plan_prompt_logprobs(reqs, lens, start, self.runner.device, self.runner.pin_memory)
             fb.prompt_logprob_plan = scoring.plan if scoring is not None else None
             pooling = [i for i, r in enumerate(reqs) if r.pooling is not None]
@@ -487,6 +511,10 @@ class Scheduler:
                 kinds = {reqs[i].pooling.kind for i in pooling}
                 fb.pooling_plan = PoolingPlan(sums="mean" in kinds, firsts="cls" in kinds)
             logits = self.runner.forward(fb)
+            if mm is not None:
+                for r in reqs:
+                    if r.mm is not None:
+                        r.mm.drop_done(r.kv_len)
             if self.speculator is not None and self.speculator.wants_hidden:
                 self._observe_hidden(reqs, start, lens, fb.aux_hidden_states)
             scored = scoring.launched(fb.prompt_logprobs) if scoring is not None else None
@@ -728,6 +756,8 @@ class Scheduler:
         req.num_retractions += 1  # a token of it still in flight is discarded when read
         req.num_sampled = len(req.output_ids)
         req.pool_sum = req.pool_first = None  # a pooling request prefills again from its first token
+        if req.mm is not None:
+            req.mm.embeds.clear()  # encoded again when its image tokens are prefilled again
         self.num_retractions += 1
         self.waiting.insert(0, req)
 
@@ -903,7 +933,7 @@ class Scheduler:
         slots = self.req_pool.slots(req.req_pool_idx, req.kv_len)
         if self.tree is not None:
             num_prefix = len(req.prefix_slots)
-            already = self.tree.insert(req.fill_ids[: req.kv_len], slots, req.lora_id)
+            already = self.tree.insert(req.cache_key[: req.kv_len], slots, req.lora_id)
             self.allocator.free(slots[num_prefix:already])  # duplicates of what the tree now holds
             self._unlock(req.last_node)
         else:

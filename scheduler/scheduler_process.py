@@ -253,7 +253,8 @@ class SchedulerLoop:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):
-            self.scheduler.add_request(msg.rid, msg.input_ids, msg.params, msg.pooling, msg.lora_name)
+            self.scheduler.add_request(msg.rid, msg.input_ids, msg.params, msg.pooling, msg.lora_name,
+                                          msg.images)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):

@@ -199,6 +199,15 @@ class ServerArgs:
     speculative_eagle_topk: int | None = _f(None, "STANDALONE / EAGLE3: draft tokens branched per "
                                                          "step; only 1 (a chain) is built")
     max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body accepted (413 above)")
+    # Images in prompts (vision-language models; server/multimodal.py, docs/vision.md).
+    limit_mm_per_prompt: str | None = _f(None, "most images one request may carry: image=N or JSON {\"image\": N} "
+                                               "(vLLM's flag; default: 8)")
+    mm_min_pixels: int | None = _f(None, "images are resized to at least this many pixels (default: the model's "
+                                         "preprocessor_config.json)")
+    mm_max_pixels: int | None = _f(None, "images are resized to at most this many pixels (default: the model's "
+                                         "preprocessor_config.json)")
+    disable_image_url_fetch: bool = _f(False, "refuse http(s) image URLs (data: URLs and file:// paths are still "
+                                              "read)")
 
     def validate(self) -> None:
         """Raise ArgsError (one line, naming the flag) for an invalid value."""
@@ -220,6 +229,16 @@ class ServerArgs:
         if full is not None and (not isinstance(full, int) or full < 0):
             raise ArgsError(f"--full-extend-graph-max-tokens must be a non-negative integer, got {full}")
         positive("max_request_bytes", self.max_request_bytes, allow_none=False)
+        positive("mm_min_pixels", self.mm_min_pixels)
+        positive("mm_max_pixels", self.mm_max_pixels)
+        if self.mm_min_pixels and self.mm_max_pixels and self.mm_min_pixels > self.mm_max_pixels:
+            raise ArgsError(f"--mm-min-pixels {self.mm_min_pixels} is more than --mm-max-pixels {self.mm_max_pixels}")
+        from server.multimodal import parse_image_limit
+
+        try:
+            parse_image_limit(self.limit_mm_per_prompt)
+        except ValueError as e:
+            raise ArgsError(f"--limit-mm-per-prompt: {e}") from None
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size", self.chunked_prefill_size)
         if not 0.0 < self.mem_fraction_static < 1.0:

@@ -279,7 +279,7 @@ def create_app(state: AppState) -> FastAPI:
 
     def model_card() -> ModelCard:
         return ModelCard(id=state.served_model_name, created=state.created, root=str(args.model_path),
-                         max_model_len=tm.context_len, capabilities=capabilities(args, chat_format, pooling))
+                         max_model_len=tm.context_len, capabilities=capabilities(args, chat_format, pooling, tm.images is not None))
 
     # ---- routes: health, info, models ------------------------------------------------------------
 
@@ -350,7 +350,7 @@ def create_app(state: AppState) -> FastAPI:
             "args": resolved,
             "served_model_name": state.served_model_name,
             "sampling_defaults": sampling,
-            "capabilities": capabilities(args, chat_format, pooling),
+            "capabilities": capabilities(args, chat_format, pooling, tm.images is not None),
             "scheduler_info": state.info,
             "startup": state.startup,
             "stats": await current_stats() if tm.healthy else None,
@@ -463,7 +463,7 @@ def create_app(state: AppState) -> FastAPI:
     return app
 
 
-def capabilities(args: ServerArgs, chat_format: ChatFormat, pooling=None) -> dict:
+def capabilities(args: ServerArgs, chat_format: ChatFormat, pooling=None, vision: bool = False) -> dict:
     """What this server implements beyond plain generation (in /v1/models and /server_info); a pooling server's
     task and endpoints."""
     if pooling is not None:
@@ -489,7 +489,9 @@ def capabilities(args: ServerArgs, chat_format: ChatFormat, pooling=None) -> dic
         "prompt_logprobs": ["echo with logprobs", "prompt_logprobs", "logprob_start_len"],
         "accepted_without_effect": ["user", "store", "metadata", "service_tier", "safety_identifier",
                                     "prompt_cache_key"],
-        "not_supported": ["best_of > n", "suffix", "image/audio content",
+        # image_url parts (chat), image blocks (/v1/messages), input_image (/v1/responses): docs/vision.md
+        "images": vision,
+        "not_supported": ["best_of > n", "suffix", "audio content" if vision else "image/audio content",
                           "functions/function_call (use tools)", "priority other than 0"],
     }
 

@@ -372,6 +372,10 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
                           log_requests=args.log_requests,
                           router=DpRouter(args.dp_size, args.dp_routing, metrics) if args.dp_size > 1 else None,
                           chat_template=load_chat_template(args.chat_template) if args.chat_template else None)
+    from server.multimodal import ImageProcessor, parse_image_limit
+
+    tm.images = ImageProcessor.load(args.model_path, tokenizer, parse_image_limit(args.limit_mm_per_prompt),
+                                    args.mm_min_pixels, args.mm_max_pixels, not args.disable_image_url_fetch)
     name = served_name(args)
     state = AppState(args=args, info=info, tokenizer_manager=tm, served_model_name=name,
                      pids={"http": os.getpid(), **{k: p.pid for k, p in procs.items()}})

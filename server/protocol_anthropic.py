@@ -3,8 +3,8 @@
 
 As in protocol.py, an unknown field is a 400 naming it. Accepted without effect: `metadata` (user_id),
 `service_tier`, and `cache_control` (top level and on blocks and tools: this server caches every prompt prefix
-by itself). Content blocks the server cannot use (image, document) pass validation so that serving_messages
-can refuse them by position with a clear message.
+by itself). Image and document blocks pass validation as they are: serving_messages reads a user message's
+image blocks (a vision-language model's input) and refuses the rest by position with a clear message.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ToolUseBlock(_Request):
 
 
 class UnsupportedBlock(BaseModel):
-    """A block this server cannot read (it serves text-only models): refused by serving_messages."""
+    """An image block (read by serving_messages in user messages) or a document block (refused there)."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["image", "document"]

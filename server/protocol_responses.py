@@ -132,6 +132,16 @@ class TextPart(_Request):
     logprobs: list | None = None
 
 
+class ImagePart(_Request):
+    """An input_image part (a vision-language model's input: docs/vision.md); file_id needs a Files API, which
+    this server has not."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, not used (as chat's detail)
+
+
 class RefusalPart(_Request):
     type: Literal["refusal"]
     refusal: str
@@ -179,6 +189,26 @@ def _text_of(parts: str | list[dict], param: str, allowed=("input_text", "output
     return "\n".join(texts)
 
 
+def _parts_with_images(parts: list[dict], param: str) -> list[dict]:
+    """A message's text and input_image parts, in order, as stored items keep them."""
+    out = []
+    for j, part in enumerate(parts):
+        where = f"{param}.{j}"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            image = _read(ImagePart, part, where)
+            if image.image_url is None:
+                raise ApiError(400, f"{where}.image_url: an input_image needs image_url (file_id: this server has no "
+                                    "Files API)", f"{where}.image_url")
+            out.append({"type": "input_image", "image_url": image.image_url, "detail": image.detail})
+        elif kind in ("input_text", "output_text"):
+            out.append({"type": "input_text", "text": _read(TextPart, part, where).text})
+        else:
+            raise ApiError(400, f"{where}.type: content parts of type {kind!r} are not supported here; only "
+                                "input_text and input_image", f"{where}.type")
+    return out
+
+
 def parse_input(value: str | list[dict]) -> list[dict]:
     """The request's input as items in OpenAI's shape: messages carry their text as one text part."""
     if isinstance(value, str):
@@ -195,7 +225,11 @@ def parse_input(value: str | list[dict]) -> list[dict]:
             raise ApiError(400, f"{where}.type: {hint}; input items are message, function_call, "
                                 "function_call_output or reasoning", f"{where}.type")
         item = _read(model, raw, where)
-        if isinstance(item, MessageItem):
+        if isinstance(item, MessageItem) and item.role != "assistant" and isinstance(item.content, list) and any(
+                isinstance(p, dict) and p.get("type") == "input_image" for p in item.content):
+            items.append({"type": "message", "role": item.role,
+                          "content": _parts_with_images(item.content, f"{where}.content")})
+        elif isinstance(item, MessageItem):
             allowed = ("input_text", "output_text", "refusal") if item.role == "assistant" else ("input_text",
                                                                                                "output_text")
             text = _text_of(item.content, f"{where}.content", allowed)

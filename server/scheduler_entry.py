@@ -66,6 +66,7 @@ def runner_config(args: ServerArgs, rank: SchedulerRank | None = None) -> Runner
     chunk = default_chunked_prefill_size(args)
     config = RunnerConfig(
         model_path=args.model_path,
+        mm_max_pixels=args.mm_max_pixels,
         device=device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,

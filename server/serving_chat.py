@@ -15,7 +15,9 @@ choice's text -> content, reasoning and tool calls, streamed or whole).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -26,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from model_executor.sampling_params import MAX_TOP_LOGPROBS, GrammarSpec
+from scheduler.io_struct import ImageInput
 from server.chat_tools import (
     ChatFormat,
     named_call_affixes,
@@ -33,6 +36,7 @@ from server.chat_tools import (
     prepare_tool_messages,
     tool_choice_grammar,
 )
+from server.multimodal import ImageRef
 from server.protocol import ApiError, ChatCompletionRequest, ChatMessage, NamedToolChoice
 from server.protocol_convert import (
     build_params,
@@ -68,19 +72,47 @@ def _arguments_for_template(arguments: str):
         return arguments
 
 
-def convert_messages(messages: list[ChatMessage]) -> list[dict]:
+IMAGE_DETAILS = ("auto", "low", "high")  # accepted; the image processor's own resizing decides the detail
+
+
+def image_part(part: dict, where: str) -> ImageRef:
+    """An OpenAI `image_url` content part's image (`{"url": ..., "detail": ...}`, or the URL alone)."""
+    spec = part.get("image_url")
+    if isinstance(spec, str):
+        spec = {"url": spec}
+    if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
+        raise ApiError(400, "an image_url part needs image_url.url, a string", where)
+    unknown = sorted(set(spec) - {"url", "detail"}) + sorted(set(part) - {"type", "image_url"})
+    if unknown:
+        raise ApiError(400, f"unknown fields in the image part: {', '.join(unknown)}", where)
+    if spec.get("detail") is not None and spec["detail"] not in IMAGE_DETAILS:
+        raise ApiError(400, f"image_url.detail must be one of {', '.join(IMAGE_DETAILS)}", where)
+    return ImageRef(spec["url"], where)
+
+
+def convert_messages(messages: list[ChatMessage], images: list[ImageRef] | None = None) -> list[dict]:
+    """OpenAI messages -> template dicts. Image parts are appended to `images` (in order) and become
+    {"type": "image"} parts of a content list; images None: an image part is a 400."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            parts = []
-            for part in content:
-                kind = part.get("type")
+            parts, texts, has_image = [], [], False
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                where = f"messages.{i}.content.{j}"
+                if kind == "image_url" and images is not None:
+                    images.append(image_part(part, where))
+                    parts.append({"type": "image"})
+                    has_image = True
+                    continue
                 if kind != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"content parts of type {kind!r} are not supported; only text",
-                                   f"messages.{i}.content")
-                parts.append(part["text"])
-            content = "\n".join(parts)
+                    supported = "text and image_url" if images is not None else "text"
+                    raise ApiError(400, f"content parts of type {kind!r} are not supported here; only {supported}",
+                                   where)
+                parts.append({"type": "text", "text": part["text"]})
+                texts.append(part["text"])
+            content = parts if has_image else "\n".join(texts)
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
@@ -101,16 +133,20 @@ def convert_messages(messages: list[ChatMessage]) -> list[dict]:
 
 async def encode_chat(ctx: ServingContext, messages: list[dict], tools: list[dict] | None = None,
                       template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False, param: str = "continue_final_message") -> list[int]:
+                      continue_final_message: bool = False, param: str = "continue_final_message",
+                      images: list[ImageRef] | None = None) -> tuple[list[int], list[ImageInput] | None]:
     """The prompt ids of chat messages (convert_messages' dicts) and tools (function definitions) through the
-    chat template, in duet's default tool format when the template renders no tools (chat_tools)."""
+    chat template, in duet's default tool format when the template renders no tools (chat_tools); with images
+    (convert_messages' refs), also the processed images, whose pad tokens the ids hold."""
     if continue_final_message and add_generation_prompt:
         raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
                             "add_generation_prompt to false to continue the last message)", param)
     messages, tools = prepare_tool_messages(ctx.chat_format, messages, tools)
-    return await ctx.tm.encode_chat_async(messages, tools=tools, template_kwargs=template_kwargs,
-                                          add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message)
+    kwargs = {"tools": tools, "template_kwargs": template_kwargs, "add_generation_prompt": add_generation_prompt,
+              "continue_final_message": continue_final_message}
+    if images:
+        return await asyncio.to_thread(functools.partial(ctx.tm.encode_chat_images, messages, images, **kwargs))
+    return await ctx.tm.encode_chat_async(messages, **kwargs), None
 
 
 @dataclass
@@ -317,15 +353,16 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatJ
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     check_n(req.n)
     check_priority(req.priority)
-    messages = convert_messages(req.messages)
+    images: list[ImageRef] = []
+    messages = convert_messages(req.messages, images)
     plan = _chat_plan(ctx, req)
     grammar, grammar_param = request_grammar(req, ctx.grammar_enabled)
     if plan.grammar is not None:
         if grammar is not None:
             raise ApiError(400, f"{grammar_param} cannot be combined with tool_choice {plan.mode}", grammar_param)
         grammar, grammar_param = plan.grammar, "tools"
-    input_ids = await encode_chat(ctx, messages, plan.tools, req.chat_template_kwargs, req.add_generation_prompt,
-                                  req.continue_final_message)
+    input_ids, image_inputs = await encode_chat(ctx, messages, plan.tools, req.chat_template_kwargs,
+                                                req.add_generation_prompt, req.continue_final_message, images=images)
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     elif req.max_tokens is not None:
@@ -349,7 +386,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatJ
     tm.check_length(len(input_ids), max_tokens, "messages", max_param)
     tm.check_alive()
     n = req.n
-    gen = [GenRequest(input_ids, p, grammar_param, lora_name=lora) for p in choices_params(params, n)]
+    gen = [GenRequest(input_ids, p, grammar_param, lora_name=lora, images=image_inputs)
+           for p in choices_params(params, n)]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     outs = [ChoiceOutput(plan, ctx.chat_format) for _ in range(n)]

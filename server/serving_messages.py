@@ -13,8 +13,9 @@ sets the template's `enable_thinking` (disabled: false), and the parser's reason
 block (`budget_tokens` must be below max_tokens and is not enforced beyond it).
 `tool_choice.disable_parallel_tool_use` keeps one call. A tool_result's `is_error` is rendered as
 "Error: <content>". Thinking blocks of earlier turns are not sent to the template (as chat's
-reasoning_content). A final assistant message (a prefill to continue) and image or document blocks are
-refused by name. usage.input_tokens counts the whole prompt, prefix-cached tokens included (what
+reasoning_content). Image blocks of user messages (base64 or url sources) are chat's image_url parts, for a
+vision-language model (docs/vision.md). A final assistant message (a prefill to continue), document blocks and
+images elsewhere are refused by name. usage.input_tokens counts the whole prompt, prefix-cached tokens included (what
 count_tokens returns).
 """
 
@@ -74,7 +75,26 @@ def _texts(blocks: list, where: str) -> str:
     return "\n".join(parts)
 
 
-def chat_messages(req: PromptFields) -> list[ChatMessage]:
+def _image_url(block: UnsupportedBlock, where: str) -> str:
+    """An image block's source as an image URL: base64 data as a data: URL, a url source as it is."""
+    source = getattr(block, "source", None)
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type")
+        if media not in IMAGE_MEDIA_TYPES:
+            raise ApiError(400, f"source.media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}", where)
+        return f"data:{media};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ApiError(400, "an image block needs source {type: base64, media_type, data} or {type: url, url}", where)
+
+
+# Anthropic's image media types
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
+def chat_messages(req: PromptFields, image_params: dict[str, str] | None = None) -> list[ChatMessage]:
+    """The chat messages of the request; image blocks become image_url parts, whose chat error params map to
+    the blocks' in image_params (chat's -> Anthropic's)."""
     out = []
     if req.system:
         out.append(ChatMessage(role="system", content=_texts(req.system, "system")))
@@ -88,13 +108,17 @@ def chat_messages(req: PromptFields) -> list[ChatMessage]:
         if i == last and m.role == "assistant":
             raise ApiError(400, "the last message is the assistant's: continuing a prefilled reply is not "
                                 "supported; end with a user message", f"{where}.role")
-        texts, calls, results = [], [], []
+        texts, calls, results, parts = [], [], [], []
         for j, b in enumerate(m.content):
             at = f"{where}.content.{j}"
+            if isinstance(b, UnsupportedBlock) and b.type == "image" and m.role == "user":
+                parts.append((at, {"type": "image_url", "image_url": {"url": _image_url(b, at)}}))
+                continue
             if isinstance(b, UnsupportedBlock):
                 raise _unsupported(b, at)
             if b.type == "text":
                 texts.append(b.text)
+                parts.append((at, {"type": "text", "text": b.text}))
             elif b.type == "tool_use":
                 if m.role != "assistant":
                     raise ApiError(400, "tool_use blocks belong in assistant messages", at)
@@ -113,7 +137,13 @@ def chat_messages(req: PromptFields) -> list[ChatMessage]:
             elif m.role != "assistant":  # thinking, redacted_thinking: not rendered (see the module's doc)
                 raise ApiError(400, f"{b.type} blocks belong in assistant messages", at)
         out.extend(results)  # tool results answer the assistant turn before them: ahead of the user's text
-        if results and not texts:
+        if results and not texts and len(parts) == len(texts):
+            continue
+        if len(parts) > len(texts):  # with images: the parts in order
+            for k, (at, part) in enumerate(parts):
+                if image_params is not None:
+                    image_params[f"messages.{len(out)}.content.{k}"] = at
+            out.append(ChatMessage(role=m.role, content=[part for _, part in parts], tool_calls=calls or None))
             continue
         out.append(ChatMessage(role=m.role, content="\n".join(texts), tool_calls=calls or None))
     return out
@@ -133,9 +163,9 @@ def _thinking(req: PromptFields) -> tuple[bool | None, bool]:
     return False, False
 
 
-def chat_request(req: PromptFields) -> ChatCompletionRequest:
-    """The chat request that renders the same prompt and samples as asked."""
-    fields: dict = {"model": req.model, "messages": chat_messages(req)}
+def chat_request(req: PromptFields, image_params: dict[str, str] | None = None) -> ChatCompletionRequest:
+    """The chat request that renders the same prompt and samples as asked (image_params: chat_messages')."""
+    fields: dict = {"model": req.model, "messages": chat_messages(req, image_params)}
     if req.tools:
         fields["tools"] = [ToolDefinition(function=FunctionDefinition(name=t.name, description=t.description,
                                                                       parameters=t.input_schema, strict=t.strict))
@@ -163,12 +193,14 @@ def chat_request(req: PromptFields) -> ChatCompletionRequest:
 
 
 async def _prepare(ctx: ServingContext, req: PromptFields) -> ChatJob:
-    chat = chat_request(req)
+    image_params: dict[str, str] = {}
+    chat = chat_request(req, image_params)
     try:
         job = await prepare_chat(ctx, chat)
     except ApiError as e:
-        if e.param in _PARAMS:
-            raise ApiError(e.status, e.message, _PARAMS[e.param], e.type) from None
+        param = _PARAMS.get(e.param) or image_params.get(e.param)
+        if param is not None:
+            raise ApiError(e.status, e.message, param, e.type) from None
         raise
     if req.thinking is not None and req.thinking.type != "disabled" and job.outs[0].fmt.reasoning_parser is None:
         raise ApiError(400, f"type {req.thinking.type!r} needs a reasoning parser: start the server with "

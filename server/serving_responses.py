@@ -2,7 +2,7 @@
 
 A Responses request becomes a chat request (`to_chat_request`): `instructions` a system message, input items
 chat messages (`function_call` items an assistant message's tool_calls, `function_call_output` items tool
-messages), function tools and `tool_choice` chat's, `text.format` a `response_format`, `max_output_tokens`
+messages, `input_image` parts chat's image_url parts: docs/vision.md), function tools and `tool_choice` chat's, `text.format` a `response_format`, `max_output_tokens`
 `max_completion_tokens`. serving_chat.prepare_chat makes it ready (the same prompt, sampling, grammars and
 tool-call parsing as /v1/chat/completions) and its ChoiceOutput turns the text into deltas; one path
 (`ResponseAssembler`) turns those deltas into output items and Responses events, streamed or not, so a streamed
@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -136,14 +136,27 @@ def _response_format(req: ResponsesRequest) -> dict | None:
                                                    "description": fmt.description, "strict": fmt.strict}}
 
 
-def items_to_messages(items: list[dict], first: int) -> list[dict]:
+def items_to_messages(items: list[dict], first: int, image_params: dict[str, str] | None = None,
+                      base: int = 0) -> list[dict]:
     """Conversation items -> chat messages. first: the index of the request's own input in items (errors
-    name `input.<i>`)."""
+    name `input.<i>`). image_params: filled with chat's param of each image part -> this API's (base: the
+    messages that will go before these)."""
     messages: list[dict] = []
     call_ids: set[str] = set()
     for i, item in enumerate(items):
         kind = item["type"]
-        if kind == "message":
+        if kind == "message" and any(p["type"] == "input_image" for p in item["content"]):
+            parts = []
+            for k, p in enumerate(item["content"]):
+                if p["type"] == "input_image":
+                    parts.append({"type": "image_url", "image_url": {"url": p["image_url"], "detail": p["detail"]}})
+                    if image_params is not None:
+                        image_params[f"messages.{base + len(messages)}.content.{k}"] = \
+                            f"input.{i - first}.content.{k}" if i >= first else "previous_response_id"
+                else:
+                    parts.append({"type": "text", "text": p["text"]})
+            messages.append({"role": item["role"], "content": parts})
+        elif kind == "message":
             messages.append({"role": item["role"], "content": item["content"][0]["text"]})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
@@ -170,6 +183,7 @@ class ResponsesPlan:
     items: list[dict]  # the conversation so far: earlier turns and this input
     tools: list[dict]  # echoed
     tool_choice: str | dict  # echoed
+    image_params: dict[str, str] = field(default_factory=dict)  # chat's param of an image part -> this API's
 
 
 def to_chat_request(ctx: ServingContext, store: ResponseStore, req: ResponsesRequest) -> ResponsesPlan:
@@ -179,7 +193,8 @@ def to_chat_request(ctx: ServingContext, store: ResponseStore, req: ResponsesReq
     history = store.get(req.previous_response_id, "previous_response_id").conversation \
         if req.previous_response_id is not None else []
     items = history + parse_input(req.input)
-    messages = items_to_messages(items, len(history))
+    image_params: dict[str, str] = {}
+    messages = items_to_messages(items, len(history), image_params, base=int(req.instructions is not None))
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions})
     if not messages:
@@ -199,7 +214,7 @@ def to_chat_request(ctx: ServingContext, store: ResponseStore, req: ResponsesReq
     except ValidationError as e:  # (what parse_* let through; named as chat names it)
         raise _renamed(validation_error(e, "request")) from None
     echoed_choice = choice.model_dump() if isinstance(choice, FunctionChoice) else choice
-    return ResponsesPlan(chat, items, [t.model_dump() for t in tools], echoed_choice)
+    return ResponsesPlan(chat, items, [t.model_dump() for t in tools], echoed_choice, image_params)
 
 
 # Chat's names in its errors -> this API's.
@@ -215,8 +230,10 @@ def _rename(text: str) -> str:
     return text
 
 
-def _renamed(e: ApiError) -> ApiError:
+def _renamed(e: ApiError, image_params: dict[str, str] | None = None) -> ApiError:
     param = e.param
+    if image_params and param in image_params:
+        return ApiError(e.status, f"{image_params[param]}: {e.message}", image_params[param], e.type)
     if param is not None:
         param = "input" if param.startswith(("messages", "request.messages")) else _rename(param)
     return ApiError(e.status, _rename(e.message), param, e.type)
@@ -414,7 +431,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     try:
         job = await prepare_chat(ctx, plan.chat)
     except ApiError as e:
-        raise _renamed(e) from None
+        raise _renamed(e, plan.image_params) from None
     out = job.outs[0]
     tokenizer = ctx.tm.tokenizer
     summarize = bool(req.reasoning and (req.reasoning.summary or req.reasoning.generate_summary))

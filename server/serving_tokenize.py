@@ -18,8 +18,9 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
         tokens = tm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         tools = [t.function.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        tokens = await encode_chat(ctx, convert_messages(req.messages), tools, req.chat_template_kwargs,
-                                   req.add_generation_prompt, req.continue_final_message)
+        images = []
+        tokens, _ = await encode_chat(ctx, convert_messages(req.messages, images), tools, req.chat_template_kwargs,
+                                      req.add_generation_prompt, req.continue_final_message, images=images)
     out = {"count": len(tokens), "max_model_len": tm.context_len, "tokens": tokens}
     if req.return_token_strs:
         out["token_strs"] = tm.tokenizer.convert_ids_to_tokens(tokens)

@@ -35,6 +35,7 @@ from scheduler.io_struct import (
     BatchStrOut,
     ControlReply,
     FinishReason,
+    ImageInput,
     PoolingSpec,
     PromptLogprobs,
     SpecCounts,
@@ -44,6 +45,7 @@ from scheduler.io_struct import (
 from scheduler.ipc import IpcPaths, bind_pull, connect_push
 from server.dp_router import DpRouter, merge_stats
 from server.metrics import ServerMetrics
+from server.multimodal import ImageProcessor, ImageRef
 from server.protocol import ApiError
 
 logger = logging.getLogger("duet.tokenizer_manager")
@@ -81,6 +83,7 @@ class GenRequest:
     constraint_param: str | None = None
     pooling: PoolingSpec | None = None  # a pooling request: its finishing chunk carries the vector
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    images: list[ImageInput] | None = None  # a multimodal prompt's images (their pad tokens are in input_ids)
 
 
 @dataclass
@@ -247,6 +250,8 @@ class TokenizerManager:
                  log_requests: bool = False, router: DpRouter | None = None, chat_template: str | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # --chat-template (its text); None: the tokenizer's
+        # A vision-language model's image processor (server/multimodal.py); None: a text-only model.
+        self.images: ImageProcessor | None = None
         self.log_requests = log_requests  # --log-requests: one INFO line at arrival and one at the end
         self.router = router  # --dp-size > 1: picks each request's replica
         self._replica_pushes: dict = {}  # replicas 1 and up; replica 0's socket is _push
@@ -317,6 +322,24 @@ class TokenizerManager:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     template_kwargs: dict | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:
+        text = self.render_chat(messages, tools, template_kwargs, add_generation_prompt, continue_final_message)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_chat_images(self, messages: list[dict], images: list[ImageRef],
+                           **kwargs) -> tuple[list[int], list[ImageInput]]:
+        """encode_chat for messages with image parts ({"type": "image"}, in the order of `images`): the prompt
+        with each image's pad tokens, and the images processed (blocking: fetches, decodes, resizes)."""
+        if self.images is None:
+            raise ApiError(400, "image content needs a vision-language model; this model is text-only",
+                           images[0].where)
+        self.images.check_count(images)
+        text = self.render_chat(messages, **kwargs)
+        loaded = self.images.load_images(images)
+        return self.images.expand(text, loaded, lambda t: self.tokenizer.encode(t, add_special_tokens=False))
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
         """Render the chat template as text, then encode it without adding special tokens again: the
         template already writes BOS where the model wants one (vLLM and SGLang do the same).
 
@@ -340,7 +363,7 @@ class TokenizerManager:
                                                       tokenize=False, chat_template=template, **extra)
         except Exception as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text
 
     async def encode_prompts_async(self, texts: list[str]) -> list[list[int]]:
         """encode_prompt for each text; off the event loop when they are long (see THREAD_TOKENIZE_CHARS)."""
@@ -349,7 +372,7 @@ class TokenizerManager:
         return await asyncio.to_thread(lambda: [self.encode_prompt(t) for t in texts])
 
     async def encode_chat_async(self, messages: list[dict], **kwargs) -> list[int]:
-        if sum(len(m.get("content") or "") for m in messages) < THREAD_TOKENIZE_CHARS:
+        if sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages) < THREAD_TOKENIZE_CHARS:
             return self.encode_chat(messages, **kwargs)
         return await asyncio.to_thread(functools.partial(self.encode_chat, messages, **kwargs))
 
@@ -454,7 +477,8 @@ class TokenizerManager:
                 st.replica = self.router.choose(r.input_ids) if self.router else 0
                 await self._socket(st.replica).send_pyobj(TokenizedGenerateReq(rid=st.rid, input_ids=r.input_ids,
                                                                                params=params, pooling=r.pooling,
-                                                                               lora_name=r.lora_name))
+                                                                               lora_name=r.lora_name,
+                                                                               images=r.images))
             remaining = len(states)
             while remaining:
                 items = await queue.get_all()

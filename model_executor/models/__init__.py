@@ -6,6 +6,7 @@ from model_executor.models.gpt_oss import GptOssForCausalLM
 from model_executor.models.llama import LlamaEmbeddingModel, LlamaForCausalLM, LlamaForSequenceClassification
 from model_executor.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from model_executor.models.phi3 import Phi3ForCausalLM
+from model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
 # Mistral, Qwen2 and Qwen3 share the Llama block; Qwen2's q/k/v bias comes from ModelConfig.attention_bias,
 # Qwen3's q/k norms from ModelConfig.qk_norm, the MoE layers from ModelConfig.moe_layers.
@@ -20,6 +21,7 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # the text tower
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # Pooling models (--is-embedding): a backbone-only embedding checkpoint, a reranker with a score head.
     "LlamaModel": LlamaEmbeddingModel,
     "MistralModel": LlamaEmbeddingModel,

@@ -104,24 +104,28 @@ class LlamaModel(nn.Module):
                  decoder_layer: Callable[[ModelConfig, int, RotaryEmbedding], nn.Module] = LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        served = cfg.served_context_len
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max(cfg.max_position_embeddings, served or 0),
-                                          cfg.rope_theta, cfg.rope_scaling,
-                                          original_max_position=cfg.max_position_embeddings, seq_len=served,
-                                          rotary_dim=int(cfg.head_dim * cfg.partial_rotary_factor))
+        self.rotary_emb = self.make_rotary(cfg)
         self.layers = nn.ModuleList(decoder_layer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The layers whose outputs forward also gives, in ascending order (set_aux_hidden_state_layers); empty:
         # none, and nothing is captured.
         self.aux_layer_ids: tuple[int, ...] = ()
 
+    def make_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
+        served = cfg.served_context_len
+        return RotaryEmbedding(cfg.head_dim, max(cfg.max_position_embeddings, served or 0), cfg.rope_theta,
+                               cfg.rope_scaling, original_max_position=cfg.max_position_embeddings, seq_len=served,
+                               rotary_dim=int(cfg.head_dim * cfg.partial_rotary_factor))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
-                lm_head: ParallelLMHead | None = None) -> torch.Tensor | PrenormedRow:
+                lm_head: ParallelLMHead | None = None,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor | PrenormedRow:
         """The final norm's output, [tokens, H]. With lm_head (a decode batch, for its logits only): at up to 16 rows
         where the small-M kernels fuse, a PrenormedRow of it instead, made in the last down projection's epilogue
         (the norm's own launch goes; the LM head's GEMV scales by 1 / rms). With aux_layer_ids, the residual
-        stream after each of those layers goes into fb.aux_hidden_states, side by side: [tokens, len * H]."""
-        hidden = self.embed_tokens(input_ids)
+        stream after each of those layers goes into fb.aux_hidden_states, side by side: [tokens, len * H].
+        input_embeds: the tokens' embeddings, given (a multimodal prompt's, images in them) instead of looked up."""
+        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual = None
         aux = []
         for i, layer in enumerate(self.layers):
@@ -159,10 +163,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.decoder_layer)
+        self.model = self.make_backbone(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:  # one tensor (weight_loader's materialization keeps the sharing)
             self.lm_head.tie(self.model.embed_tokens)
+
+    def make_backbone(self, cfg: ModelConfig) -> LlamaModel:
+        return LlamaModel(cfg, self.decoder_layer)
 
     def decoder_layer(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> nn.Module:
         return LlamaDecoderLayer(cfg, layer_id, rotary_emb)

@@ -541,7 +541,7 @@ def hostile_cases(model: str, vocab: int) -> list[tuple[str, str, object, set[in
         ("messages is a string", H, dict(chat, messages="hi"), {400}, "messages"),
         ("unknown role", H, dict(chat, messages=[{"role": "root", "content": "x"}]), {400}, None),
         ("image content part", H, dict(chat, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]), {400}, "messages.0.content"),
+            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]), {400}, "messages.0.content.0"),
         ("unknown model", C, dict(cmpl, model="gpt-4"), {404}, "model"),
         # ---- fields clients send, tools
         ("priority beyond int64", C, dict(cmpl, priority=2**70), {400}, "priority"),

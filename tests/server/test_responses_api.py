@@ -165,6 +165,8 @@ BAD = [
     ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, 400, "input.0.type"),
     ({"input": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}, 400, "input.1.role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input.0.content.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, 400,
      "input.0.content.0.type"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, 400, "input.0.call_id"),
     ({"input": []}, 400, "input"),

@@ -223,9 +223,9 @@ CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     ("/v1/chat/completions", dict(CHAT, modalities=["audio"]), "modalities.0"),
     ("/v1/chat/completions", dict(CHAT, reasoning_effort="low"), "reasoning_effort"),
     ("/v1/chat/completions", dict(CHAT, messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), "messages.0.content"),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), "messages.0.content.0"),
     ("/v1/chat/completions", dict(CHAT, messages=[{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]), "messages.0.content"),
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]), "messages.0.content.0"),
     ("/v1/chat/completions", dict(CHAT, response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}), "response_format.json_schema.schema"),
     ("/v1/chat/completions", dict(CHAT, tool_choice="required"), "tool_choice"),

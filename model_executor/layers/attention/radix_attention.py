@@ -58,7 +58,7 @@ class RadixAttention(nn.Module):
         # (tracing first: a traced token count compared with 1 would add a guard to the graph)
         if forward_context.is_active() or torch.compiler.is_compiling():
             return None
-        if (self.rotary_emb is None or self.rotary_emb.partial or self.qk_norm is not None
+        if (self.rotary_emb is None or self.rotary_emb.partial or self.qk_norm is not None or positions.dim() != 1
                 or positions.shape[0] > SMALL_M_FUSED_ROWS):
             return None
         target = fb.attn_backend.kv_store_target(self, fb)
