@@ -31,8 +31,8 @@ class Shape:
 
 SHAPES = {
     "qkv": Shape(8, 80, ((0, 64), (64, 32), (96, 32)), (8, 4, 2)),  # one K chunk, parts inside an output block
-    # 3 K chunks (256, 256, 88: ragged, not a multiple of the loop step), 96 s columns (two shrink blocks),
-    # parts of 100, 20 and 44 columns (blocks straddle both boundaries), ranks below R
+    # K in several chunks, a ragged last one (decode 4 x 128 + 88, extend 256 + 256 + 88), 96 s columns (two
+    # shrink blocks), parts of 100, 20 and 44 columns (output blocks straddle both boundaries), ranks below R
     "qkv_split_k": Shape(32, 600, ((0, 100), (100, 20), (120, 44)), (32, 5, 17)),
     "gate_up_split_k": Shape(16, 520, ((0, 72), (72, 200)), (3, 16, 9)),
     "down": Shape(16, 300, ((0, 136),), (16, 1, 8)),
@@ -122,13 +122,15 @@ def test_triton_kernels_match_torch(case, shape):
         assert_close(delta, torched)
 
 
-def test_decode_shapes_split_k():
-    """The shapes the split-K tests rely on: several K chunks, a ragged last one, more s columns than a block."""
-    assert kernels.split_chunk(7, 600) == 256  # 600 = 256 + 256 + 88
-    assert 600 % kernels.ROW_BLOCK_K != 0
+def test_split_k_shapes():
+    """The chunks the split-K tests rely on: several K chunks of several loop steps, a ragged last one."""
+    assert kernels.split_chunk(7, 600) == 128  # decode: 600 = 4 x 128 + 88 (a step of 64 and one of 24)
+    assert kernels.extend_chunk(6, 600) == 256  # extend: 600 = 256 + 256 + 88
     # A large decode batch takes longer chunks (fewer programs), a multiple of the loop step.
     chunk = kernels.split_chunk(256, 14336)
-    assert chunk > 256 and chunk % kernels.ROW_BLOCK_K == 0 and 256 * -(-14336 // chunk) <= 1024
+    assert chunk > 128 and chunk % kernels.ROW_BLOCK_K == 0 and 256 * -(-14336 // chunk) <= 1024
+    # A long extend has programs enough without a split.
+    assert kernels.extend_chunk(8192 // kernels.BLOCK_M, 4096) >= 4096
 
 
 @in_process
