@@ -21,7 +21,8 @@ a graph captured at a token count serves any split of it into requests). A block
 request boundaries; a block loops over the slots it holds, one tl.dot per slot over that slot's rows. Padding
 tokens have slot 0. K is split only until there are about EXTEND_PROGRAMS shrink programs (a long extend has
 enough without). Both extend kernels multiply in the input's dtype on the tensor cores (bf16 x bf16, float32
-accumulation); the expand rounds s to B's dtype for its dot, as the torch path's bf16 matmuls do.
+accumulation); the expand rounds s to B's dtype for its dot, as the torch path's bf16 matmuls do. (Triton's CPU
+interpreter, which runs them in the tests, gets the same products in float32: its bf16 tl.dot is wrong.)
 """
 
 from __future__ import annotations
@@ -110,8 +111,19 @@ def _row_expand(p_ptr, b_ptr, y_ptr, slots_ptr, R, n_splits, c0, e0, e1, e2, str
 
 
 @triton.jit
+def _dot(p, q, F32_DOT: tl.constexpr):
+    """p @ q, float32 accumulation: on the tensor cores in the operands' dtype (bf16 x bf16), or where F32_DOT
+    (Triton's CPU interpreter, whose bf16 tl.dot is wrong) in float32: the same products, bf16's are exact."""
+    if F32_DOT:
+        out = tl.dot(p.to(tl.float32), q.to(tl.float32))
+    else:
+        out = tl.dot(p, q)
+    return out
+
+
+@triton.jit
 def _tile_part(p_rows, row_ok, b_slot, cols, lo, hi, s_off, R, n_splits, stride_pk, stride_bn,
-               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, F32_DOT: tl.constexpr):
     """One part's contribution to a tile of rows x output columns `cols` (zero outside [lo, hi)): the rows'
     rank slice of s (the partials at row pointers `p_rows` summed over the splits) in B's dtype, times B, with
     float32 accumulation."""
@@ -123,33 +135,33 @@ def _tile_part(p_rows, row_ok, b_slot, cols, lo, hi, s_off, R, n_splits, stride_
                      other=0.0)
     in_part = (cols >= lo) & (cols < hi)
     b = tl.load(b_slot + cols[None, :] * stride_bn + rs[:, None], mask=in_part[None, :] & r_ok[:, None], other=0.0)
-    return tl.dot(s.to(b.dtype), b)
+    return _dot(s.to(b.dtype), b, F32_DOT)
 
 
 @triton.jit
 def _tile_parts(p_rows, row_ok, b_slot, n0, c0, e0, e1, e2, R, n_splits, stride_pk, stride_bn, NPARTS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, F32_DOT: tl.constexpr):
     """All parts' contributions to the tile of rows x columns [n0, n0 + BLOCK_N) (the parts it overlaps)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if n0 < e0:
         delta += _tile_part(p_rows, row_ok, b_slot, cols, c0, e0, 0, R, n_splits, stride_pk, stride_bn, BLOCK_M,
-                            BLOCK_R)
+                            BLOCK_R, F32_DOT)
     if NPARTS > 1:  # noqa: SIM102 (a constexpr test, then a runtime one: not one `and` in a kernel)
         if (n0 < e1) & (n0 + BLOCK_N > e0):
             delta += _tile_part(p_rows, row_ok, b_slot, cols, e0, e1, R, R, n_splits, stride_pk, stride_bn,
-                                BLOCK_M, BLOCK_R)
+                                BLOCK_M, BLOCK_R, F32_DOT)
     if NPARTS > 2:  # noqa: SIM102
         if n0 + BLOCK_N > e1:
             delta += _tile_part(p_rows, row_ok, b_slot, cols, e1, e2, 2 * R, R, n_splits, stride_pk, stride_bn,
-                                BLOCK_M, BLOCK_R)
+                                BLOCK_M, BLOCK_R, F32_DOT)
     return delta
 
 
 @triton.jit
 def _sgmv_shrink(x_ptr, a_ptr, p_ptr, scaling_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, K, N, n_splits,
                  stride_xm, stride_as, stride_an, stride_pm, stride_pk, CHUNK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (request, BLOCK_M of its tokens, column block x K chunk): the chunk's scaled partial s."""
     seg = tl.program_id(0)
     slot = tl.load(seg_slot_ptr + seg)
@@ -169,7 +181,7 @@ def _sgmv_shrink(x_ptr, a_ptr, p_ptr, scaling_ptr, seg_start_ptr, seg_len_ptr, s
                     mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
         a = tl.load(a_ptr + slot * stride_as + cols[None, :] * stride_an + ks[:, None],
                     mask=(cols < N)[None, :] & (ks < K)[:, None], other=0.0)
-        acc += tl.dot(x, a.to(x.dtype))
+        acc += _dot(x, a.to(x.dtype), F32_DOT)
     acc *= tl.load(scaling_ptr + slot)
     tl.store(p_ptr + (start + rows)[:, None] * stride_pm + split * stride_pk + cols[None, :], acc,
              mask=row_ok[:, None] & (cols < N)[None, :])
@@ -178,7 +190,7 @@ def _sgmv_shrink(x_ptr, a_ptr, p_ptr, scaling_ptr, seg_start_ptr, seg_len_ptr, s
 @triton.jit
 def _sgmv_expand(p_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, R, n_splits, c0, e0, e1, e2,
                  stride_pm, stride_pk, stride_bs, stride_bn, stride_ym, NPARTS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, F32_DOT: tl.constexpr):
     seg = tl.program_id(0)
     slot = tl.load(seg_slot_ptr + seg)
     length = tl.load(seg_len_ptr + seg)
@@ -191,7 +203,7 @@ def _sgmv_expand(p_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, 
     n0 = c0 + tl.program_id(2) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     delta = _tile_parts(p_ptr + (start + rows) * stride_pm, row_ok, b_ptr + slot * stride_bs, n0, c0, e0, e1, e2,
-                        R, n_splits, stride_pk, stride_bn, NPARTS, BLOCK_M, BLOCK_N, BLOCK_R)
+                        R, n_splits, stride_pk, stride_bn, NPARTS, BLOCK_M, BLOCK_N, BLOCK_R, F32_DOT)
     end = e2 if NPARTS > 2 else (e1 if NPARTS > 1 else e0)
     y_ptrs = y_ptr + (start + rows)[:, None] * stride_ym + cols[None, :]
     mask = row_ok[:, None] & (cols < end)[None, :]
@@ -202,7 +214,7 @@ def _sgmv_expand(p_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, 
 @triton.jit
 def _token_shrink(x_ptr, a_ptr, p_ptr, scaling_ptr, slots_ptr, T, K, N, n_splits, stride_xm, stride_as, stride_an,
                   stride_pm, stride_pk, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (BLOCK_M tokens, column block x K chunk): the chunk's scaled partial s of each token."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
@@ -224,7 +236,7 @@ def _token_shrink(x_ptr, a_ptr, p_ptr, scaling_ptr, slots_ptr, T, K, N, n_splits
                             other=0.0)
                 a = tl.load(a_ptr + slot * stride_as + cols[None, :] * stride_an + ks[:, None],
                             mask=(cols < N)[None, :] & (ks < K)[:, None], other=0.0)
-                acc += tl.dot(x, a.to(x.dtype))
+                acc += _dot(x, a.to(x.dtype), F32_DOT)
             out += acc * tl.load(scaling_ptr + slot)
     # Rows of slot 0 get zeros: the expand of a block that mixes them with adapters' rows reads them.
     tl.store(p_ptr + rows[:, None] * stride_pm + split * stride_pk + cols[None, :], out,
@@ -234,7 +246,7 @@ def _token_shrink(x_ptr, a_ptr, p_ptr, scaling_ptr, slots_ptr, T, K, N, n_splits
 @triton.jit
 def _token_expand(p_ptr, b_ptr, y_ptr, slots_ptr, T, R, n_splits, c0, e0, e1, e2, stride_pm, stride_pk, stride_bs,
                   stride_bn, stride_ym, NPARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+                  BLOCK_R: tl.constexpr, F32_DOT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
     slots = tl.load(slots_ptr + rows, mask=row_ok, other=0)
@@ -250,7 +262,7 @@ def _token_expand(p_ptr, b_ptr, y_ptr, slots_ptr, T, R, n_splits, c0, e0, e1, e2
         sel = slots == slot
         if tl.max(sel.to(tl.int32)) > 0:
             part = _tile_parts(p_rows, row_ok, b_ptr + slot * stride_bs, n0, c0, e0, e1, e2, R, n_splits, stride_pk,
-                               stride_bn, NPARTS, BLOCK_M, BLOCK_N, BLOCK_R)
+                               stride_bn, NPARTS, BLOCK_M, BLOCK_N, BLOCK_R, F32_DOT)
             delta += tl.where(sel[:, None], part, 0.0)
     end = e2 if NPARTS > 2 else (e1 if NPARTS > 1 else e0)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
@@ -313,6 +325,7 @@ def lora_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
     c0, e0, e1, e2 = _part_ends(out_slices)
     nparts, width = len(out_slices), e2 - c0
     block_r = max(16, triton.next_power_of_2(rank))
+    f32_dot = x.device.type == "cpu"  # the interpreter
     if batch.decode:
         slots = batch.token_slots
         chunk = split_chunk(T, K)
@@ -336,11 +349,12 @@ def lora_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
         partials = torch.empty(T, n_splits, n_s, dtype=torch.float32, device=x.device)
         _token_shrink[(m_blocks, n_blocks * n_splits)](
             x, a, partials, scaling, slots, T, K, n_s, n_splits, x.stride(0), a.stride(0), a.stride(1),
-            partials.stride(0), partials.stride(1), CHUNK=chunk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+            partials.stride(0), partials.stride(1), CHUNK=chunk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            F32_DOT=f32_dot)
         _token_expand[(m_blocks, triton.cdiv(width, EXPAND_N))](
             partials, b, y, slots, T, rank, n_splits, c0, e0, e1, e2, partials.stride(0), partials.stride(1),
             b.stride(0), b.stride(1), y.stride(0), NPARTS=nparts, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_N,
-            BLOCK_R=block_r)
+            BLOCK_R=block_r, F32_DOT=f32_dot)
         return
     nseg, m_blocks = batch.seg_slot.shape[0], triton.cdiv(batch.max_seg_len, BLOCK_M)
     chunk = extend_chunk(triton.cdiv(T, BLOCK_M) * n_blocks, K)
@@ -349,8 +363,8 @@ def lora_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
     _sgmv_shrink[(nseg, m_blocks, n_blocks * n_splits)](
         x, a, partials, scaling, batch.seg_start, batch.seg_len, batch.seg_slot, K, n_s, n_splits, x.stride(0),
         a.stride(0), a.stride(1), partials.stride(0), partials.stride(1), CHUNK=chunk, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, F32_DOT=f32_dot)
     _sgmv_expand[(nseg, m_blocks, triton.cdiv(width, EXPAND_N))](
         partials, b, y, batch.seg_start, batch.seg_len, batch.seg_slot, rank, n_splits, c0, e0, e1, e2,
         partials.stride(0), partials.stride(1), b.stride(0), b.stride(1), y.stride(0), NPARTS=nparts,
-        BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_N, BLOCK_R=block_r)
+        BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_N, BLOCK_R=block_r, F32_DOT=f32_dot)

@@ -154,6 +154,29 @@ def test_triton_token_block_kernels_read_only_the_slot_ids(case, shape):
     assert delta[rows_without_adapter(req_slots, lens)].abs().sum() == 0
 
 
+@in_process
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_kernels_bf16(case, graph):
+    """bfloat16 weights and activations, as served on a GPU: the extend kernels' dots take bf16 operands (s
+    rounded to B's dtype for the expand), the decode kernels' products float32. Against the float64 reference
+    of the same bf16 values; the outputs differ by the roundings of s and of y + update to bf16."""
+    req_slots, lens = CASES[case]
+    layer = make_layer("triton", SHAPES["qkv_split_k"])
+    layer.a, layer.b = layer.a.bfloat16(), layer.b.bfloat16()
+    batch = LoraBatch.build(req_slots, lens, DEVICE)
+    if graph:
+        batch = LoraBatch.of_graph(batch.token_slots, decode=lens is None)
+    n = batch.token_slots.shape[0]
+    x = torch.randn(n, layer.a.shape[2], generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
+    base = torch.randn(n, layer.b.shape[1], generator=torch.Generator().manual_seed(2)).bfloat16().to(DEVICE)
+    layer.state.batch = batch
+    delta = (layer.apply(x, base.clone()).float() - base.float()).cpu()
+    ref = reference(layer, x.float(), batch.token_slots.tolist())
+    torch.testing.assert_close(delta, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert delta[rows_without_adapter(req_slots, lens)].abs().sum() == 0
+
+
 def test_launcher_refuses_parts_it_cannot_run():
     with pytest.raises(ValueError, match="contiguous"):
         kernels._part_ends([(0, 64), (80, 32)])
