@@ -12,7 +12,7 @@ so every path is graph-safe. Rows of slot 0 (no adapter) return at once where a 
 shrink leaves their partials unwritten and expand never reads them.
 
 Decode rows (and decode graphs) run matrix-vector kernels: shrink programs (row, K chunk, s column block),
-chunks of 128 (longer for large batches); expand programs (row, 128 output columns).
+chunks of 128, one loop step (longer for large batches); expand programs (row, 128 output columns).
 
 Eager extend batches run SGMV: programs (request, BLOCK_M tokens of it, s column block x K chunk), the
 request's slot read once. Extend graphs run the token-block kernels: programs (BLOCK_M consecutive tokens,
@@ -278,15 +278,16 @@ BLOCK_N = 64  # extend: s columns per shrink program
 BLOCK_K = 64  # extend shrink: K elements per loop step
 EXPAND_N = 128  # extend expand: output columns per program
 EXTEND_PROGRAMS = 512  # extend shrink: K is split until about this many programs (a few per SM)
-ROW_BLOCK_K = 64  # decode shrink: K elements per loop step
+ROW_BLOCK_K = 128  # decode shrink: K elements per loop step
 ROW_EXPAND_N = 128  # decode expand: output columns per program
 MAX_PARTS = 3
 
 
 def split_chunk(rows: int, k: int) -> int:
-    """The decode shrink's K chunk per program: 128 (two loop steps; many programs even for one row), doubled
-    while rows x splits would exceed 1024 programs (large decode batches have parallelism of their own)."""
-    chunk = 2 * ROW_BLOCK_K
+    """The decode shrink's K chunk per program: one loop step (every load of a program in flight at once; many
+    programs even for one row), doubled while rows x splits would exceed 1024 programs (large decode batches have
+    parallelism of their own)."""
+    chunk = ROW_BLOCK_K
     while rows * triton.cdiv(k, chunk) > 1024 and chunk < k:
         chunk *= 2
     return chunk

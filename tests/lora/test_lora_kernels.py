@@ -123,14 +123,23 @@ def test_triton_kernels_match_torch(case, shape):
 
 
 def test_split_k_shapes():
-    """The chunks the split-K tests rely on: several K chunks of several loop steps, a ragged last one."""
-    assert kernels.split_chunk(7, 600) == 128  # decode: 600 = 4 x 128 + 88 (a step of 64 and one of 24)
-    assert kernels.extend_chunk(6, 600) == 256  # extend: 600 = 256 + 256 + 88
+    """The chunks the split-K tests rely on: several K chunks, a ragged last one."""
+    assert kernels.split_chunk(7, 600) == 128  # decode: 600 = 4 x 128 + 88
+    assert kernels.extend_chunk(6, 600) == 256  # extend: 600 = 256 + 256 + 88, 4 loop steps each
     # A large decode batch takes longer chunks (fewer programs), a multiple of the loop step.
     chunk = kernels.split_chunk(256, 14336)
     assert chunk > 128 and chunk % kernels.ROW_BLOCK_K == 0 and 256 * -(-14336 // chunk) <= 1024
     # A long extend has programs enough without a split.
     assert kernels.extend_chunk(8192 // kernels.BLOCK_M, 4096) >= 4096
+
+
+@in_process
+def test_triton_decode_chunks_of_several_steps(monkeypatch):
+    """Decode chunks of two loop steps (what a large batch gets): 600 = 256 + 256 + 88."""
+    monkeypatch.setattr(kernels, "split_chunk", lambda rows, k: 2 * kernels.ROW_BLOCK_K)
+    req_slots, lens = CASES["decode_mixed"]
+    delta, ref = run(make_layer("triton", SHAPES["qkv_split_k"]), req_slots, lens)
+    assert_close(delta, ref)
 
 
 @in_process
