@@ -8,8 +8,9 @@ chunk's scaled partial sums to a [T, splits, parts * R] float32 buffer (no atomi
 expand sums the partials of the rank slices it needs while loading them. The expand covers the layer's whole
 output (its parts are contiguous column ranges, at most three: q, k, v or gate, up): a block of output columns
 takes each part it overlaps from that part's rank slice of s. Chunks and buffer sizes depend only on the shapes,
-so every path is graph-safe. Rows of slot 0 (no adapter) return at once where a program holds no other row:
-shrink leaves their partials unwritten and expand never reads them.
+so every path is graph-safe. Programs whose rows are all slot 0 (no adapter) return at once: shrink leaves
+their partials unwritten and expand never reads them (a token block mixing them with adapters' rows gives them
+zero partials and leaves their y alone).
 
 Decode rows (and decode graphs) run matrix-vector kernels: shrink programs (row, K chunk, s column block),
 chunks of 128, one loop step (longer for large batches); expand programs (row, 128 output columns).
