@@ -157,6 +157,9 @@ def test_triton_kernels_match_torch_bf16(shape, kind):
         results[backend] = (layer.apply(x, y0.clone()).float() - y0.float())
     delta, ref = results["triton"], results["torch"]
     assert ref.abs().max() > 0.05
-    torch.testing.assert_close(delta, ref, rtol=3e-2, atol=3e-2)
+    # Each path rounds y0 + its update to bfloat16, so where the two updates straddle a rounding boundary the
+    # outputs differ by one bf16 step of y's magnitude (0.03125 for |y| in [4, 8)): allowed on top of 3e-2.
+    ulp = 2.0 ** (torch.floor(torch.log2((y0.float() + ref).abs().max())).item() - 7)
+    torch.testing.assert_close(delta, ref, rtol=3e-2, atol=3e-2 + ulp)
     base_rows = (batch.token_slots == 0).nonzero().squeeze(1)
     assert delta[base_rows].abs().max() == 0
