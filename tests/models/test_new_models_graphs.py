@@ -104,10 +104,14 @@ def make_runner(path, mode: str) -> ModelRunner:
                                       disable_cuda_graph=True, disable_piecewise_cuda_graph=True))
     if on_cpu:
         runner.attn_backend = TritonAttnBackend(runner)
-    if isinstance(runner.attn_backend, TritonAttnBackend):
-        # Requests longer than 8 tokens take the split decode kernel (and its merge, where the sinks join) at the
-        # sizes that can split, as requests over 128 tokens do with the default.
-        runner.attn_backend.single_stage_max_len = WINDOW
+    backend = runner.attn_backend
+    if isinstance(backend, TritonAttnBackend):
+        # Batches with a request over 8 tokens take the split decode kernel (and its merge, where the sinks
+        # join) at the sizes that can split, as requests over 128 tokens do with the default; in the interpreter
+        # a GPU of 8 SMs, so that sizes 2 and 4 split too (their merge is a second kernel, size 1's is fused).
+        backend.single_stage_max_len = WINDOW
+        if runner.device.type != "cuda":
+            backend.num_sms = 8
     return runner
 
 
