@@ -42,16 +42,18 @@ test_in_subprocess = triton_mode.subprocess_test(__file__, "-k", "cpu")
 MODELS = ["gemma3", "gpt_oss", "phi3", "mistral"]
 WINDOW = 8
 CONTEXT = 128  # (two decode splits at most: a request of over 64 tokens takes both)
-DECODE_SIZES = [1, 2, 4]
+DECODE_SIZES = [1, 4]
 EXTEND_LEVELS = [8, 32]
 FULL_MAX_REQUESTS = 3
 
-# mode: (device, backend, dtype, logits tolerance). The CPU mode runs the triton kernels on CUDA tensors where
-# CUDA is there (the stand-in capturer still replays them: the graph logic without real graphs).
+# mode: (device, backend, dtype, logits tolerance of a replay against eager, and of eager against torch_native).
+# The CPU mode runs the triton kernels on CUDA tensors where CUDA is there (the stand-in capturer still replays
+# them: the graph logic without real graphs). On the GPU a replay runs the GEMMs at the padded size and the
+# attention kernels' float32 dots in tf32x3; bfloat16 rounds both paths on their own.
 MODES = {
-    "cpu": (triton_mode.DEVICE, "triton", "float32", 1e-4),
-    "cuda_triton": ("cuda", "triton", "float32", 1e-3),
-    "cuda_flashinfer": ("cuda", "flashinfer", "bfloat16", 3e-2),
+    "cpu": (triton_mode.DEVICE, "triton", "float32", 1e-4, 1e-4),
+    "cuda_triton": ("cuda", "triton", "float32", 2e-3, 1e-2),
+    "cuda_flashinfer": ("cuda", "flashinfer", "bfloat16", 3e-2, 5e-2),
 }
 # flashinfer does not take attention sinks (the backend refuses gpt-oss: tests/models/test_gpt_oss.py)
 UNSUPPORTED = {("gpt_oss", "cuda_flashinfer")}
@@ -96,7 +98,7 @@ def _check_mode(mode: str) -> None:
 def make_runner(path, mode: str) -> ModelRunner:
     """The tiny model on the mode's device and backend, without graphs (the tests build the graph runners). The
     product refuses triton without CUDA, so on the CPU the triton backend is swapped in after loading."""
-    device, backend, dtype, _ = MODES[mode]
+    device, backend, dtype, _, _ = MODES[mode]
     on_cpu = device == "cpu"
     runner = ModelRunner(RunnerConfig(model_path=str(path), device=device, dtype=dtype,
                                       attention_backend="torch_native" if on_cpu else backend,
@@ -168,7 +170,7 @@ def assert_replay_equals_eager(runner, replay, fb, slots, tol: float, padding_sl
     untouched[real] = False
     if padding_slot:
         untouched[0] = False
-    kv_tol = 1e-5 if runner.dtype == torch.float32 else tol
+    kv_tol = min(tol, 1e-5) if runner.device.type == "cpu" else tol
     for i, (after, ref, before) in enumerate(zip(_kv(runner), kv_eager, kv_before)):
         _close(after[real], ref[real], kv_tol, f"K/V buffer {i}")
         assert torch.equal(after[untouched], before[untouched]), f"K/V buffer {i}: a slot outside the batch written"
@@ -191,7 +193,7 @@ def assert_eager_equals_reference(runner, fb, tol: float) -> None:
 
 # batch size -> prompt lengths: each longer than the window but one (so that its decode steps pass it); the
 # request of 70 tokens takes both splits in the global layers (the windowed ones keep 8 positions: one chunk)
-DECODE_PROMPTS = {1: [70], 2: [13, 21], 3: [19, 3, 12]}
+DECODE_PROMPTS = {1: [70], 3: [19, 3, 12], 4: [13, 21, 9, 30]}
 
 
 def _prefill(runner, prompt_lens: list[int], seed: int, decode_steps: int):
@@ -213,11 +215,11 @@ def _prefill(runner, prompt_lens: list[int], seed: int, decode_steps: int):
 @pytest.mark.parametrize("bs", sorted(DECODE_PROMPTS))
 @pytest.mark.parametrize("name,mode", CASES)
 def test_decode_replay_equals_eager(runners, name, mode, bs):
-    """Two decode steps of a batch at a captured size (1, 2) or padded to the next (3 -> 4), past the window;
-    batch size 1 takes the split kernel (two splits and their merge, where the sinks join)."""
+    """Two decode steps of a batch at a captured size (1, 4) or padded to one (3 -> 4), past the window, on the
+    split kernel (two splits and their merge, where the sinks join: fused into stage 1 at size 1, stage 2 above)."""
     _check_mode(mode)
     runner, graphs = runners(name, mode)
-    tol = MODES[mode][3]
+    tol, ref_tol = MODES[mode][3:]
     prompt_lens = DECODE_PROMPTS[bs]
     steps = 2
     rows, slots, last = _prefill(runner, prompt_lens, seed=bs, decode_steps=steps)
@@ -228,8 +230,8 @@ def test_decode_replay_equals_eager(runners, name, mode, bs):
             fb = runner.build_batch(ForwardMode.DECODE, last, rows, seq_lens, loc)
             assert graphs.can_run(fb)
             if step == 0:
-                assert_eager_equals_reference(runner, fb, tol)
-                if bs == 1 and isinstance(runner.attn_backend, TritonAttnBackend):
+                assert_eager_equals_reference(runner, fb, ref_tol)
+                if isinstance(runner.attn_backend, TritonAttnBackend):
                     assert runner.attn_backend.decode_splits(fb) > 1  # the split kernel and its merge
             assert_replay_equals_eager(runner, graphs.replay, fb, loc, tol, padding_slot=True)
             last = runner.forward_eager(fb).argmax(-1).tolist()
@@ -257,15 +259,15 @@ def test_extend_replay_equals_eager(checkpoint, name, mode, kind):
     """Extends past the window, on cached prefixes longer than it, at a level and padded to one."""
     _check_mode(mode)
     runner = make_runner(checkpoint(name), mode)
-    tol = MODES[mode][3]
+    tol, ref_tol = MODES[mode][3:]
     torch._dynamo.reset()
     graphs = _make_extend_runner(runner, kind, mode)
     for case, (ext, pre) in EXTEND_CASES.items():
         fb, rows = make_extend_batch(runner, ext, pre, seed=len(case))
         try:
             assert graphs.can_run(fb), case
-            if case == "mixed_with_prefixes":
-                assert_eager_equals_reference(runner, fb, tol)
+            if case == "mixed_with_prefixes" and kind == "piecewise":  # (eager is the same for both kinds)
+                assert_eager_equals_reference(runner, fb, ref_tol)
             assert_replay_equals_eager(runner, graphs.replay, fb, fb.out_cache_loc, tol, padding_slot=False)
         finally:
             release(runner, rows, fb)
