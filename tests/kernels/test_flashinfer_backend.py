@@ -167,3 +167,40 @@ def test_sliding_window_layers_plan_and_run_their_own_wrapper(monkeypatch, mode)
         k = torch.randn(n, KV_HEADS * HEAD_DIM, dtype=torch.bfloat16)
         backend.forward(q, k, k.clone(), layer, fb)
     assert ran == [wrappers[3, scale], wrappers[-1, scale]]
+
+
+def test_decode_graph_hooks_plan_every_windows_wrapper_at_replay(monkeypatch):
+    """Decode graphs: a capture makes one CUDA-graph wrapper per window and scale over the shared index buffers,
+    and each replay plans all of them again from the replayed batch (window_left, the scale and its lengths),
+    so that the windowed and the global layers both read the batch's KV; each layer runs its own."""
+    mod, calls = fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    pool = ReqToTokenPool(4, 32, "cpu")
+    config = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    scale = 24**-0.5
+    model = layers(windows=(4, None), scale=scale)
+    runner = types.SimpleNamespace(model_config=config, dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                                   device=torch.device("cpu"), req_to_token_pool=pool, model=model)
+    backend = FlashInferAttnBackend(runner)
+    kv = KVCache(64, LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu", None, None)
+    backend.init_cuda_graph_state(2)
+    fb = batch(ForwardMode.DECODE, backend, pool, kv)
+    backend.init_forward_metadata_capture_cuda_graph(fb)
+    graph_inits = [c for c in calls if c[:2] == ("decode", "init") and c[3].get("use_cuda_graph")]
+    assert len(graph_inits) == 2
+    assert all(c[3]["paged_kv_indices_buffer"] is backend.graph_indices for c in graph_inits)
+    wrappers = backend.graph_wrappers[2]
+    assert sorted(wrappers) == [(-1, scale), (3, scale)]
+    del calls[:]
+    backend.init_forward_metadata_replay_cuda_graph(fb)
+    plans = [c for c in calls if c[:2] == ("decode", "plan")]
+    assert sorted((p[3].get("window_left", -1), p[3]["sm_scale"]) for p in plans) == [(-1, scale), (3, scale)]
+    assert all(p[2][0].tolist() == [0, 10, 16] for p in plans)  # the replayed batch's lengths
+    ran = []
+    for w in wrappers.values():
+        w.run = lambda q, paged, _w=w, **kw: (ran.append(_w), kw["out"].zero_())
+    for layer in model:
+        q = torch.randn(2, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+        k = torch.randn(2, KV_HEADS * HEAD_DIM, dtype=torch.bfloat16)
+        backend.forward(q, k, k.clone(), layer, fb)
+    assert ran == [wrappers[3, scale], wrappers[-1, scale]]
