@@ -57,8 +57,6 @@ MODES = {
 }
 # flashinfer does not take attention sinks (the backend refuses gpt-oss: tests/models/test_gpt_oss.py)
 UNSUPPORTED = {("gpt_oss", "cuda_flashinfer")}
-
-
 PAIRS = [(model, mode) for mode in MODES for model in MODELS if (model, mode) not in UNSUPPORTED]
 
 
@@ -91,6 +89,8 @@ def checkpoint(tmp_path_factory):
 
 
 def _check_mode(mode: str) -> None:
+    if MODES[mode][1] == "flashinfer":
+        pytest.importorskip("flashinfer")  # (an optional extra, as in tests/kernels/test_flashinfer_gpu.py)
     if mode != "cpu":
         return
     if HAS_CUDA:
