@@ -19,12 +19,15 @@ Run on a GPU: pytest -m gpu tests/models/test_new_models_graphs.py
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from model_executor.forward_batch import ForwardMode
 from model_executor.layers.attention.torch_native import TorchNativeBackend
 from model_executor.layers.attention.triton_backend import TritonAttnBackend
+from runners import cuda_graph_runner, full_extend_graph_runner
 from runners.cuda_graph_runner import CudaGraphRunner
 from runners.full_extend_graph_runner import FullExtendGraphRunner
 from runners.graph_seam import StandInCapturer
@@ -125,6 +128,17 @@ def capturer_for(mode: str):
     return StandInCapturer() if mode == "cpu" else None  # None: the device's (CUDA graphs)
 
 
+@contextlib.contextmanager
+def warm_up_for(mode: str):
+    """The stand-in's capture runs the forward once as it is: the warm-up runs before it (for the allocator
+    and kernel compiles of a real capture) only cost interpreter time there, so the CPU mode skips them."""
+    with pytest.MonkeyPatch.context() as mp:
+        if mode == "cpu":
+            mp.setattr(cuda_graph_runner, "WARMUP_RUNS", 0)
+            mp.setattr(full_extend_graph_runner, "WARMUP_RUNS", 0)
+        yield
+
+
 @pytest.fixture(scope="module")
 def runners(checkpoint):
     """(model, mode) -> (runner, its decode graph runner), built once per module."""
@@ -133,7 +147,8 @@ def runners(checkpoint):
     def get(name: str, mode: str):
         if (name, mode) not in made:
             runner = make_runner(checkpoint(name), mode)
-            made[name, mode] = runner, CudaGraphRunner(runner, DECODE_SIZES, capturer=capturer_for(mode))
+            with warm_up_for(mode):
+                made[name, mode] = runner, CudaGraphRunner(runner, DECODE_SIZES, capturer=capturer_for(mode))
         return made[name, mode]
 
     yield get
@@ -255,7 +270,9 @@ EXTEND_CASES = {  # (new tokens per request, cached prefix per request)
 def _make_extend_runner(runner, kind: str, mode: str):
     if kind == "piecewise":
         return PiecewiseCudaGraphRunner(runner, EXTEND_LEVELS, capturer=capturer_for(mode))
-    return FullExtendGraphRunner(runner, EXTEND_LEVELS, max_requests=FULL_MAX_REQUESTS, capturer=capturer_for(mode))
+    with warm_up_for(mode):
+        return FullExtendGraphRunner(runner, EXTEND_LEVELS, max_requests=FULL_MAX_REQUESTS,
+                                     capturer=capturer_for(mode))
 
 
 @pytest.mark.parametrize("name,mode,kind", EXTEND_PARAMS)
