@@ -43,13 +43,19 @@ def fake_flashinfer() -> tuple[types.ModuleType, list]:
     return mod, calls
 
 
+def layers(windows=(None,) * LAYERS, scale: float = HEAD_DIM**-0.5) -> torch.nn.ModuleList:
+    """A stand-in model: its attention layers, of these windows, at this softmax scale."""
+    return torch.nn.ModuleList(RadixAttention(i, HEADS, KV_HEADS, HEAD_DIM, scale, sliding_window=w)
+                               for i, w in enumerate(windows))
+
+
 def make_backend(monkeypatch, kv_dtype: torch.dtype):
     mod, calls = fake_flashinfer()
     monkeypatch.setitem(sys.modules, "flashinfer", mod)
     pool = ReqToTokenPool(4, 32, "cpu")
     config = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
     runner = types.SimpleNamespace(model_config=config, dtype=torch.bfloat16, kv_dtype=kv_dtype,
-                                   device=torch.device("cpu"), req_to_token_pool=pool)
+                                   device=torch.device("cpu"), req_to_token_pool=pool, model=layers())
     backend = FlashInferAttnBackend(runner)
     fp8 = kv_dtype == FP8
     kv = KVCache(64, LAYERS, KV_HEADS, HEAD_DIM, kv_dtype, "cpu", K_SCALES if fp8 else None,
@@ -91,8 +97,7 @@ def test_plans_list_each_requests_slots_from_host_lengths(monkeypatch):
 
 def attend(backend, fb: ForwardBatch) -> None:
     n = fb.input_ids.shape[0]
-    for layer_id in range(LAYERS):
-        layer = RadixAttention(layer_id, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    for layer in layers():
         q = torch.randn(n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
         k = torch.randn(n, KV_HEADS * HEAD_DIM, dtype=torch.bfloat16)
         backend.forward(q, k, k.clone(), layer, fb)
@@ -132,31 +137,70 @@ def test_bf16_pool_plans_bf16_without_scales(monkeypatch, mode):
 
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
 def test_sliding_window_layers_plan_and_run_their_own_wrapper(monkeypatch, mode):
-    """A model with a window on layer 0 and full attention on layer 1: one wrapper per window, planned with
-    window_left = W - 1 (none for the full one), and each layer runs the wrapper of its window."""
+    """A model with a window on layer 0 and full attention on layer 1, at a softmax scale other than
+    1 / sqrt(head_dim) (Gemma 3's query_pre_attn_scalar): one wrapper per window, planned with window_left =
+    W - 1 (none for the full one) and the layers' scale, and each layer runs the wrapper of its window."""
     mod, calls = fake_flashinfer()
     monkeypatch.setitem(sys.modules, "flashinfer", mod)
     pool = ReqToTokenPool(4, 32, "cpu")
-    config = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                                   num_hidden_layers=LAYERS, sliding_window=4, sliding_window_layers=(0,))
+    config = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    scale = 24**-0.5
+    model = layers(windows=(4, None), scale=scale)
     runner = types.SimpleNamespace(model_config=config, dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
-                                   device=torch.device("cpu"), req_to_token_pool=pool)
+                                   device=torch.device("cpu"), req_to_token_pool=pool, model=model)
     backend = FlashInferAttnBackend(runner)
     kv = KVCache(64, LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu", None, None)
     kind = "decode" if mode.is_decode() else "prefill"
     wrappers = backend.decode_wrappers if mode.is_decode() else backend.prefill_wrappers
-    assert sorted(wrappers) == [-1, 3]
+    assert sorted(wrappers) == [(-1, scale), (3, scale)]
     fb = batch(mode, backend, pool, kv)
     backend.init_forward_metadata(fb)
     plans = [c for c in calls if c[:2] == (kind, "plan")]
     assert sorted(p[3].get("window_left", -1) for p in plans) == [-1, 3]
+    assert [p[3]["sm_scale"] for p in plans] == [scale, scale]
     ran = []
     for w in wrappers.values():
         w.run = lambda q, paged, _w=w, **kw: (ran.append(_w), kw["out"].zero_())
     n = fb.input_ids.shape[0]
-    for layer_id, window in ((0, 4), (1, None)):
-        layer = RadixAttention(layer_id, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, sliding_window=window)
+    for layer in model:
         q = torch.randn(n, HEADS * HEAD_DIM, dtype=torch.bfloat16)
         k = torch.randn(n, KV_HEADS * HEAD_DIM, dtype=torch.bfloat16)
         backend.forward(q, k, k.clone(), layer, fb)
-    assert ran == [wrappers[3], wrappers[-1]]
+    assert ran == [wrappers[3, scale], wrappers[-1, scale]]
+
+
+def test_decode_graph_hooks_plan_every_windows_wrapper_at_replay(monkeypatch):
+    """Decode graphs: a capture makes one CUDA-graph wrapper per window and scale over the shared index buffers,
+    and each replay plans all of them again from the replayed batch (window_left, the scale and its lengths),
+    so that the windowed and the global layers both read the batch's KV; each layer runs its own."""
+    mod, calls = fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    pool = ReqToTokenPool(4, 32, "cpu")
+    config = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    scale = 24**-0.5
+    model = layers(windows=(4, None), scale=scale)
+    runner = types.SimpleNamespace(model_config=config, dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                                   device=torch.device("cpu"), req_to_token_pool=pool, model=model)
+    backend = FlashInferAttnBackend(runner)
+    kv = KVCache(64, LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu", None, None)
+    backend.init_cuda_graph_state(2)
+    fb = batch(ForwardMode.DECODE, backend, pool, kv)
+    backend.init_forward_metadata_capture_cuda_graph(fb)
+    graph_inits = [c for c in calls if c[:2] == ("decode", "init") and c[3].get("use_cuda_graph")]
+    assert len(graph_inits) == 2
+    assert all(c[3]["paged_kv_indices_buffer"] is backend.graph_indices for c in graph_inits)
+    wrappers = backend.graph_wrappers[2]
+    assert sorted(wrappers) == [(-1, scale), (3, scale)]
+    del calls[:]
+    backend.init_forward_metadata_replay_cuda_graph(fb)
+    plans = [c for c in calls if c[:2] == ("decode", "plan")]
+    assert sorted((p[3].get("window_left", -1), p[3]["sm_scale"]) for p in plans) == [(-1, scale), (3, scale)]
+    assert all(p[2][0].tolist() == [0, 10, 16] for p in plans)  # the replayed batch's lengths
+    ran = []
+    for w in wrappers.values():
+        w.run = lambda q, paged, _w=w, **kw: (ran.append(_w), kw["out"].zero_())
+    for layer in model:
+        q = torch.randn(2, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+        k = torch.randn(2, KV_HEADS * HEAD_DIM, dtype=torch.bfloat16)
+        backend.forward(q, k, k.clone(), layer, fb)
+    assert ran == [wrappers[3, scale], wrappers[-1, scale]]

@@ -11,9 +11,11 @@ take bf16 queries over FP8 K/V; its Hopper (FA3) kernels need Q and K of one typ
 first and attends over the pool, so its tokens see each other's K/V as stored (rounded to FP8), where the
 triton backend's extend kernel reads them unrounded.
 
-Sliding windows: flashinfer takes a window at plan time (window_left = W - 1 keys before the query), so a model
-with windowed layers gets one wrapper per distinct window (Gemma 3: its local window and -1, none, for the
-global layers), each planned over the same KV indices, and each layer runs the wrapper of its window.
+Sliding windows and the softmax scale: flashinfer takes both at plan time (window_left = W - 1 keys before the
+query; sm_scale, 1 / sqrt(head_dim) when not given), so the backend keeps one wrapper per distinct (window,
+scale) of the model's attention layers (Gemma 3: its local window and -1, none, for the global layers, both at
+query_pre_attn_scalar ** -0.5), each planned over the same KV indices, and each layer runs the wrapper of its
+own window and scale.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.base import AttentionBackend, AttentionLayer
+from model_executor.layers.attention.radix_attention import attention_layers
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
@@ -49,16 +52,13 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=runner.device)
         # Tensor-core decode kernels pay off once several query heads share a KV head (SGLang's rule).
         self.decode_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
-        # The model's windows as flashinfer's window_left (-1: full attention), one wrapper pair each
-        window = getattr(cfg, "sliding_window", None)
-        windowed = set(getattr(cfg, "sliding_window_layers", ()))
-        self.window_lefts = sorted({window - 1 if i in windowed else -1 for i in range(cfg.num_hidden_layers)}
-                                   if window and windowed else {-1})
-        self.decode_wrappers = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores) for w in self.window_lefts}
-        self.prefill_wrappers = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2" if self.fp8_kv else "auto") for w in self.window_lefts}
-        self.graph_wrappers: dict[int, dict[int, object]] = {}  # batch size -> window_left -> wrapper
+        # The layers' (window_left, softmax scale) pairs (window_left -1: full attention), one wrapper pair each
+        self.plan_keys = sorted({self._plan_key(layer) for layer in attention_layers(runner.model).values()})
+        self.decode_wrappers = {key: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores) for key in self.plan_keys}
+        self.prefill_wrappers = {key: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2" if self.fp8_kv else "auto") for key in self.plan_keys}
+        self.graph_wrappers: dict[int, dict[tuple, object]] = {}  # batch size -> plan key -> wrapper
         self._decode = self.decode_wrappers
 
     # ---- metadata --------------------------------------------------------------------------------
@@ -77,19 +77,22 @@ class FlashInferAttnBackend(AttentionBackend):
         return indptr, self.req_to_token[rows, positions], last
 
     @staticmethod
-    def _window(window_left: int) -> dict:
-        """plan()'s window argument: none for full attention (the call stays as without windows)."""
-        return {} if window_left < 0 else {"window_left": window_left}
-
-    def _layer_window_left(self, layer: AttentionLayer) -> int:
+    def _plan_key(layer: AttentionLayer) -> tuple[int, float]:
+        """The wrapper a layer runs: (window_left, softmax scale)."""
         window = getattr(layer, "sliding_window", None)
-        return -1 if window is None else window - 1
+        return -1 if window is None else window - 1, layer.scaling
+
+    @staticmethod
+    def _plan_args(key: tuple[int, float]) -> dict:
+        """plan()'s window and scale arguments (no window argument for full attention)."""
+        window_left, sm_scale = key
+        return {"sm_scale": sm_scale} if window_left < 0 else {"window_left": window_left, "sm_scale": sm_scale}
 
     def _plan_decode(self, wrappers: dict, fb: ForwardBatch) -> None:
         indptr, indices, last = self._kv_indices(fb)
-        for window_left, wrapper in wrappers.items():
+        for key, wrapper in wrappers.items():
             wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
-                         q_data_type=self.dtype, kv_data_type=self.kv_dtype, **self._window(window_left))
+                         q_data_type=self.dtype, kv_data_type=self.kv_dtype, **self._plan_args(key))
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode.is_decode():
@@ -98,10 +101,9 @@ class FlashInferAttnBackend(AttentionBackend):
             return
         indptr, indices, last = self._kv_indices(fb)
         qo_indptr = torch.tensor([0, *accumulate(fb.extend_seq_lens_cpu)], dtype=torch.int32)
-        for window_left, wrapper in self.prefill_wrappers.items():
+        for key, wrapper in self.prefill_wrappers.items():
             wrapper.plan(qo_indptr, indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
-                         causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                         **self._window(window_left))
+                         causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, **self._plan_args(key))
 
     # ---- attention -------------------------------------------------------------------------------
     def _paged(self, fb: ForwardBatch, layer: AttentionLayer):
@@ -118,13 +120,13 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch,
                        out: torch.Tensor) -> None:
-        self._decode[self._layer_window_left(layer)].run(q, self._paged(fb, layer), out=out,
+        self._decode[self._plan_key(layer)].run(q, self._paged(fb, layer), out=out,
                                                          **self._scales(fb, layer))
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                        fb: ForwardBatch, out: torch.Tensor) -> None:
         fb.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        self.prefill_wrappers[self._layer_window_left(layer)].run(q, self._paged(fb, layer), out=out,
+        self.prefill_wrappers[self._plan_key(layer)].run(q, self._paged(fb, layer), out=out,
                                                                   **self._scales(fb, layer))
 
     # ---- graph hooks -----------------------------------------------------------------------------
@@ -151,11 +153,11 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch, variant=None) -> None:
         bs = fb.batch_size
-        # (the windows' wrappers plan the same indices into the same buffers)
-        wrappers = {w: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        # (the wrappers of each window and scale plan the same indices into the same buffers)
+        wrappers = {key: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.graph_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.graph_indices,
-            paged_kv_last_page_len_buffer=self.graph_last_page[:bs]) for w in self.window_lefts}
+            paged_kv_last_page_len_buffer=self.graph_last_page[:bs]) for key in self.plan_keys}
         self.graph_wrappers[bs] = wrappers
         self._decode = wrappers
         self._plan_decode(wrappers, fb)
