@@ -109,7 +109,7 @@ def test_default_path_and_strided_bias():
 def test_gpt_oss_moe_traces_as_one_graph():
     """With the biases and the clamped SwiGLU the experts are still one opaque op to dynamo (the CPU graph
     runner and the piecewise runner trace the backbone fullgraph)."""
-    x, w13, w2, weights, ids, b13, b2 = (t.cpu() for t in gpt_oss_moe(5, F32, seed=2))
+    x, w13, w2, _, _, b13, b2 = (t.cpu() for t in gpt_oss_moe(5, F32, seed=2))
 
     def moe(x, logits):
         w, i = select_experts(logits, TOP_K, renormalize=True)
