@@ -121,3 +121,19 @@ def test_gpt_oss_moe_traces_as_one_graph():
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, logits), moe(x, logits))
     torch._dynamo.reset()
+
+
+def test_bench_floor_counts_the_gpt_oss_experts_a_step_reads():
+    """bench_one_batch's floor counts gpt-oss's routed experts only (weights and biases), as Qwen3-MoE's."""
+    from benchmarks.bench_one_batch import step_read_bytes, weight_bytes
+    from model_executor.model_config import ModelConfig
+    from model_executor.weight_loader import build_model
+    from tests.models.test_gpt_oss import TINY_GPT_OSS
+
+    cfg = ModelConfig.from_dict(TINY_GPT_OSS)
+    model = build_model(cfg, torch.float32, "cpu")
+    h, i, experts, top_k, layers, vocab = 64, 32, 4, 2, 3, 320
+    per_expert = (2 * i * h + 2 * i + h * i + h) * 4
+    embedding_unread = (vocab - 1) * h * 4  # (untied: the step's token's row)
+    unread = layers * (experts - top_k) * per_expert
+    assert step_read_bytes(model, 1) == weight_bytes(model) - unread - embedding_unread

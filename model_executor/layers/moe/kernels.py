@@ -9,6 +9,8 @@
         SiLU-and-mul in the epilogue -> act [T*k, I]. Second: act @ w2[e].T times the routing weight ->
         [T*k, H]. Blocks past the padded total return at once.
     combine: the k rows of each token summed (torch, float32 accumulation).
+    gpt-oss (HAS_BIAS, SWIGLU, off for the other models): the experts' biases added in both GEMMs' epilogues,
+        the clamped SwiGLU in place of SiLU-and-mul.
 
 Up to a few tokens fused_experts_triton runs moe/small_batch.py instead (two GEMV kernels: no align, no
 combine); moe/tuning.py says which path at which token count.

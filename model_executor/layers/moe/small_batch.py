@@ -22,7 +22,8 @@ are those of the grouped kernel and of fused_moe.fused_experts_torch (gate and u
 SiLU rounded, the product rounded; the down projection rounded before the routing weight; the k weighted
 rows summed in float32 and rounded once). FP8 weights: per output row scales after the K loop, or one
 scale per SCALE_BN x SCALE_BK tile applied to each weight tile (rounded to x's dtype, as the reference
-dequantizes), as the grouped kernel's W_SCALE modes.
+dequantizes), as the grouped kernel's W_SCALE modes. gpt-oss: the experts' biases and its clamped SwiGLU
+(HAS_BIAS, SWIGLU: gate_up_epilogue, shared with the grouped kernel), compiled only where asked for.
 """
 
 from __future__ import annotations
