@@ -5,7 +5,7 @@ The floor counts the bytes a step really reads (step_read_bytes): every weight b
 the MoE experts (attention, MLPs, norms, routers, the LM head); of an embedding table that the head does not
 share, the rows of the batch's tokens (bs at most: a lookup reads nothing else); in each MoE layer, the
 experts the batch's tokens route to: top_k of them at bs=1, and E * (1 - (1 - top_k/E)^bs) at bs (the
-expected number of distinct experts under uniform routing), each expert's w13 and w2.
+expected number of distinct experts under uniform routing), each expert's w13 and w2 (and biases).
 
     python -m benchmarks.bench_one_batch --model llama-3.2-1b --batch-size 1 32 256 --input-len 512 --json out.json
     python -m benchmarks.bench_one_batch --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 ...
@@ -117,6 +117,7 @@ def step_read_bytes(model: torch.nn.Module, bs: int) -> int:
     """Weight bytes a decode step of bs tokens reads (see the module docstring)."""
     from model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from model_executor.layers.moe import FusedMoE
+    from model_executor.models.gpt_oss import GptOssExperts
 
     total = weight_bytes(model)
     heads = {m.weight.data_ptr() for m in model.modules() if isinstance(m, ParallelLMHead)}
@@ -125,8 +126,8 @@ def step_read_bytes(model: torch.nn.Module, bs: int) -> int:
             continue  # tied: the head reads the whole table
         table = emb.weight.numel() * emb.weight.element_size()
         total += min(bs, emb.weight.shape[0]) * (table // emb.weight.shape[0]) - table  # the tokens' rows
-    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
-        # w13 and w2 (and FP8 experts' scales: every tensor of the layer is indexed by expert first)
+    for moe in (m for m in model.modules() if isinstance(m, (FusedMoE, GptOssExperts))):
+        # w13 and w2 (and FP8 experts' scales, gpt-oss's biases: every tensor of the layer is indexed by expert first)
         own = (*moe.parameters(recurse=False), *moe.buffers(recurse=False))
         per_expert = sum(t.numel() * t.element_size() for t in own) // moe.num_experts
         distinct = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** bs)

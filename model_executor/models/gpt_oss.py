@@ -9,9 +9,10 @@ Its differences from the Llama block (llama.py) and the other MoE models (moe.py
 - each expert is gate_up (with bias) -> clamped SwiGLU: gate clamped above at swiglu_limit, up to
   +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate) -> down (with bias).
 
-The experts run in plain PyTorch (GptOssExperts.forward): eagerly a loop over the experts the batch routes to,
-inside a compiled or captured forward (decode graphs, extend pieces) every expert on every token, one expert
-at a time: the fused MoE kernels (layers/moe) have no biases or clamped SwiGLU yet.
+The experts run through the fused MoE path (layers/moe/fused_moe.fused_experts, as Qwen3-MoE and Mixtral):
+the router's softmax over all experts, top k, renormalized (the same weights as a softmax over the k logits),
+then the Triton kernels on CUDA (graph-safe: decode graphs and extend pieces) with the experts' biases and
+the clamped SwiGLU, the torch path on CPU; each step reads only the experts its tokens route to.
 
 Checkpoints: the bf16 / fp32 layout that transformers' save_pretrained writes. The experts' tensors are stacked
 over experts and stored input-major: `experts.gate_up_proj` [E, H, 2I] with the gate and up columns interleaved
@@ -40,6 +41,7 @@ from model_executor.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from model_executor.layers.moe import fused_experts, select_experts
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.quantization.base import quantization_context
 from model_executor.layers.rotary import RotaryEmbedding
@@ -155,38 +157,10 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]: the top-k experts' outputs, weighted by a softmax over their
-        logits. Eagerly, a loop over the experts the batch routes to; inside a traced or captured forward (the
-        decode graphs: a data-dependent loop cannot be traced), every expert over every token, weighted by zeros
-        where not routed."""
-        top, ids = torch.topk(router_logits, self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1)
-        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return self._forward_dense(x, torch.zeros_like(router_logits).scatter(1, ids, weights))
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            tokens, slot = torch.where(ids == e)
-            y = self._expert(x[tokens], self.w13_weight[e], self.w13_bias[e], self.w2_weight[e], self.w2_bias[e])
-            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
-        return out
-
-    def _forward_dense(self, x: torch.Tensor, dense_weights: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, one expert at a time (a loop of fixed length: traceable, and the
-        intermediates stay one expert's [T, 2I]), summed with dense_weights [T, E]."""
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            y = self._expert(x, self.w13_weight[e], self.w13_bias[e], self.w2_weight[e], self.w2_bias[e])
-            out += (y * dense_weights[:, e, None]).to(x.dtype)
-        return out
-
-    def _expert(self, x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor, w2: torch.Tensor,
-                b2: torch.Tensor) -> torch.Tensor:
-        """gate_up -> clamped SwiGLU -> down of one expert: x [T, H] -> [T, H]."""
-        h = torch.matmul(x, w13.transpose(-1, -2)) + b13
-        i = self.intermediate_size
-        gate = h[..., :i].clamp(max=self.limit)
-        up = h[..., i:].clamp(min=-self.limit, max=self.limit)
-        act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return torch.matmul(act, w2.transpose(-1, -2)) + b2
+        logits (HF takes it in the logits' dtype: the weights are rounded to x's dtype, round_weights)."""
+        weights, ids = select_experts(router_logits, self.top_k, renormalize=True)
+        return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids, round_weights=True,
+                             w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu=(self.alpha, self.limit))
 
 
 class GptOssMoE(nn.Module):

@@ -180,8 +180,9 @@ def test_model_on_the_triton_path_matches_hf(tmp_path, monkeypatch):
 
     calls = []
 
-    def triton_path(x, w13, w2, weights, ids, renormalize, round_weights, w13_scale, w2_scale, block_n, block_k):
-        assert w13_scale is None and not block_n
+    def triton_path(x, w13, w2, weights, ids, renormalize, round_weights, w13_scale, w2_scale, block_n, block_k,
+                    *gpt_oss_args):
+        assert w13_scale is None and not block_n and gpt_oss_args == (None,) * 4
         calls.append(x.shape[0])
         if x.shape[0] < 8:
             assert kernels.select_path(8, 2 * w2.shape[2], x.shape[1], x.shape[0], "cpu")[0] == "small_batch"

@@ -20,8 +20,8 @@ from tests.models.test_model_vs_hf import hf_last_logits, rel_err, run_prefill_a
 from tests.models.test_new_models_vs_hf import greedy
 from tests.triton_mode import DEVICE, in_process
 
-# (the triton-backend test, re-run with the interpreter on where triton came up compiled)
-test_in_subprocess = triton_mode.subprocess_test(__file__, "-k", "triton_backend")
+# (the Triton tests, re-run with the interpreter on where triton came up compiled)
+test_in_subprocess = triton_mode.subprocess_test(__file__, "-k", "triton_backend or triton_experts")
 
 WINDOW = 8
 VOCAB = 320
@@ -91,8 +91,8 @@ def test_logits_match_hf_shorter_and_longer_than_the_window(tiny):
 
 
 def test_compiled_decode_matches_hf(tiny):
-    """Decode through the CPU graph runner (inductor, one dynamic trace): the experts' traceable path, every
-    expert on every token, gives HF's logits too."""
+    """Decode through the CPU graph runner (inductor, one dynamic trace; the experts one opaque op in it) gives
+    HF's logits too."""
     path, hf_model = tiny
     runner = runner_for(path, cuda_graph_bs=(1, 2, 4))
     assert runner.decode_graph_runner is not None
@@ -149,6 +149,29 @@ def test_triton_backend_matches_hf(tiny):
     runner.attn_backend = TritonAttnBackend(runner)  # (the product refuses triton without CUDA)
     errors = run_prefill_and_decode(runner, hf_model, _prompts((5, 1, 19)), decode_steps=12)
     assert max(errors) < 1e-4, errors
+
+
+@triton_mode.interpreter_only
+def test_triton_experts_match_hf(tiny, monkeypatch):
+    """The experts on the fused MoE kernels (the interpreter on CPU tensors) with their biases and the clamped
+    SwiGLU: the prefill's 25 tokens on the grouped GEMMs, the decode steps' 3 on the small-batch GEMVs; HF's
+    logits throughout."""
+    from model_executor.layers.moe import fused_moe, kernels
+
+    calls = []
+
+    def triton_path(x, w13, w2, weights, ids, renormalize, round_weights, w13_scale, w2_scale, block_n, block_k,
+                    w13_bias, w2_bias, swiglu_alpha, swiglu_limit):
+        assert w13_bias is not None and w2_bias is not None and (swiglu_alpha, swiglu_limit) == (1.702, 0.5)
+        calls.append(x.shape[0])
+        return kernels.fused_experts_triton(x, w13, w2, weights, ids, renormalize, round_weights, w13_bias=w13_bias,
+                                            w2_bias=w2_bias, swiglu=(swiglu_alpha, swiglu_limit))
+
+    monkeypatch.setattr(fused_moe, "_fused_experts_impl", triton_path)
+    path, hf_model = tiny
+    errors = run_prefill_and_decode(runner_for(path), hf_model, _prompts((5, 1, 19)), decode_steps=2)
+    assert max(errors) < 1e-4, errors
+    assert 25 in calls and 3 in calls, calls
 
 
 def test_flashinfer_is_refused_for_sinks(tiny):

@@ -9,6 +9,8 @@
         SiLU-and-mul in the epilogue -> act [T*k, I]. Second: act @ w2[e].T times the routing weight ->
         [T*k, H]. Blocks past the padded total return at once.
     combine: the k rows of each token summed (torch, float32 accumulation).
+    gpt-oss (HAS_BIAS, SWIGLU, off for the other models): the experts' biases added in both GEMMs' epilogues,
+        the clamped SwiGLU in place of SiLU-and-mul.
 
 Up to a few tokens fused_experts_triton runs moe/small_batch.py instead (two GEMV kernels: no align, no
 combine); moe/tuning.py says which path at which token count.
@@ -123,12 +125,14 @@ def _align_torch(flat: torch.Tensor, block_m: int, num_experts: int, max_padded:
 
 @triton.jit
 def _fused_moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, total_ptr, b_scale_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, total_ptr, b_scale_ptr, bias_ptr,
     N, K, numel, max_padded,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn, stride_sk,
+    stride_bias_e, swiglu_alpha, swiglu_limit,
     A_ROWS_PER_ASSIGNMENT: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, WEIGHT_DTYPE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C[a, n] = (A[a // A_ROWS_PER_ASSIGNMENT] @ B[e].T)[n] for the sorted assignments a of expert e.
@@ -141,7 +145,11 @@ def _fused_moe_gemm_kernel(
     W_SCALE: B holds FP8 codes (weight-only: A stays in its dtype, each B tile is converted to A's dtype
     before the dot). 1: one scale per output row, b_scale[e, n], multiplied into the accumulator after the
     K loop (before the activation). 2: one scale per SCALE_BN x SCALE_BK tile, b_scale[e, n // SCALE_BN,
-    k // SCALE_BK], multiplied into each B tile (BLOCK_K divides SCALE_BK: one scale column per tile)."""
+    k // SCALE_BK], multiplied into each B tile (BLOCK_K divides SCALE_BK: one scale column per tile).
+
+    HAS_BIAS: bias[e, n] (bias[e, N + n] for up) added to the rounded GEMM output and rounded again, before
+    the activation and the routing weight. SWIGLU (GATED): gpt-oss's clamped SwiGLU instead of SiLU-and-mul
+    (small_batch.gate_up_epilogue)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_padded, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -195,10 +203,12 @@ def _fused_moe_gemm_kernel(
         if GATED:
             acc_up = acc_up * tl.load(s_up_ptrs, mask=n_mask, other=0.0)[None, :]
     out_dtype = c_ptr.dtype.element_ty
+    bias_ptrs = bias_ptr + expert * stride_bias_e + offs_n[None, :]
     if GATED:
-        gate = acc.to(out_dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
-        acc = act * acc_up.to(out_dtype).to(tl.float32)
+        acc = small_batch.gate_up_epilogue(acc, acc_up, bias_ptrs, bias_ptrs + N, n_mask[None, :], out_dtype,
+                                           HAS_BIAS, SWIGLU, swiglu_alpha, swiglu_limit)
+    elif HAS_BIAS:
+        acc = (acc.to(out_dtype).to(tl.float32) + tl.load(bias_ptrs, mask=n_mask[None, :], other=0.0).to(tl.float32))
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + assignment, mask=valid, other=0.0).to(tl.float32)
         if RENORMALIZE:
@@ -215,8 +225,10 @@ def _fused_moe_gemm_kernel(
 
 def _gemm(a, b, c, weights, sorted_ids, expert_ids, total, n, k, numel, rows_per_assignment, gated, mul_weight,
           config: dict, top_k: int = 1, renormalize: bool = False, weight_dtype: torch.dtype = torch.float32,
-          b_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
-    """b_scale: FP8 B's scales, [E, rows] per output row, or [E, rows / bn, K / bk] per tile with block=(bn, bk)."""
+          b_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None, bias: torch.Tensor | None = None,
+          swiglu: tuple[float, float] | None = None) -> None:
+    """b_scale: FP8 B's scales, [E, rows] per output row, or [E, rows / bn, K / bk] per tile with block=(bn, bk).
+    bias: [E, rows] (rows contiguous); swiglu: (alpha, limit) of the clamped SwiGLU (gated only)."""
     max_padded = sorted_ids.numel()
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if b_scale is None:
@@ -232,9 +244,10 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, total, n, k, numel, rows_per
             raise ValueError(f"BLOCK_K {bk} does not divide the weight scales' block {scale_bk}")
     grid = (triton.cdiv(max_padded, bm) * triton.cdiv(n, bn),)
     _fused_moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, total, scale,
+        a, b, c, weights, sorted_ids, expert_ids, total, scale, b if bias is None else bias,
         n, k, numel, max_padded,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1), *strides,
+        0 if bias is None else bias.stride(0), *(swiglu or (0.0, 0.0)),
         A_ROWS_PER_ASSIGNMENT=rows_per_assignment, GATED=gated, MUL_WEIGHT=mul_weight,
         W_SCALE=w_scale, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         # Triton's CPU interpreter computes bfloat16 tl.dot wrongly (garbage): it gets float32 operands
@@ -242,17 +255,28 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, total, n, k, numel, rows_per
         # float32 models (tests) get float32 products, not TF32, as torch's matmul (TF32 off by default)
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        WEIGHT_DTYPE=_TL_DTYPES[weight_dtype],
+        WEIGHT_DTYPE=_TL_DTYPES[weight_dtype], HAS_BIAS=bias is not None, SWIGLU=swiglu is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
+
+
+def _checked_bias(bias: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
+    """An expert bias with its rows contiguous (the kernels index bias[e, n] as e * stride + n)."""
+    if bias is None:
+        return None
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"expert bias of shape {tuple(bias.shape)}, expected {shape}")
+    return bias if bias.stride(-1) == 1 else bias.contiguous()
 
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, renormalize: bool = False, round_weights: bool = False,
                          config: dict | None = None, weight_dtype: torch.dtype | None = None,
                          w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                         block: tuple[int, int] | None = None, path: str | None = None) -> torch.Tensor:
+                         block: tuple[int, int] | None = None, path: str | None = None,
+                         w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                         swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """fused_moe.fused_experts on the Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     w13_scale, w2_scale: with FP8 w13 / w2, their scales (fused_moe.fused_experts says the layouts).
@@ -262,11 +286,15 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     path's block sizes (tuning's SMALL_KEYS or KEYS); None: the tuned table's, else the default.
 
     weight_dtype: what round_weights rounds the routing weights to (x's dtype unless given; a test picks
-    float16 with float32 activations, where the rounding stands far above the float32 noise)."""
+    float16 with float32 activations, where the rounding stands far above the float32 noise).
+
+    w13_bias [E, 2I], w2_bias [E, H]: the experts' biases (gpt-oss); swiglu: (alpha, limit) of gpt-oss's
+    clamped SwiGLU, None for SiLU-and-mul."""
     weight_dtype = (weight_dtype or x.dtype) if round_weights else torch.float32
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w2.shape[0], w2.shape[2]
+    w13_bias, w2_bias = _checked_bias(w13_bias, (num_experts, 2 * inter)), _checked_bias(w2_bias, (num_experts, hidden))
     numel = num_tokens * top_k
     if num_tokens == 0:
         return torch.empty_like(x)
@@ -279,18 +307,18 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     if path == "small_batch":
         config = config or get_small_config(num_experts, 2 * inter, hidden, num_tokens, str(x.device), table_dtype)
         return small_batch.fused_experts_small_batch(x, w13, w2, topk_weights, topk_ids, renormalize, weight_dtype,
-                                                     config, w13_scale, w2_scale, block)
+                                                     config, w13_scale, w2_scale, block, w13_bias, w2_bias, swiglu)
     if config is None:
         config = get_config(num_experts, 2 * inter, hidden, num_tokens, str(x.device), table_dtype)
     x = x if x.stride(-1) == 1 else x.contiguous()
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids.contiguous(), config["BLOCK_M"], num_experts)
     act = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
     _gemm(x, w13, act, topk_weights, sorted_ids, expert_ids, total, inter, hidden, numel, top_k, True, False, config,
-          b_scale=w13_scale, block=block)
+          b_scale=w13_scale, block=block, bias=w13_bias, swiglu=swiglu)
     down = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.contiguous()
     _gemm(act, w2, down, weights, sorted_ids, expert_ids, total, hidden, inter, numel, 1, False, True, config,
-          top_k, renormalize, weight_dtype, b_scale=w2_scale, block=block)
+          top_k, renormalize, weight_dtype, b_scale=w2_scale, block=block, bias=w2_bias)
     out = torch.empty_like(x)
     torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out

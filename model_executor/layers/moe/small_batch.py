@@ -22,7 +22,8 @@ are those of the grouped kernel and of fused_moe.fused_experts_torch (gate and u
 SiLU rounded, the product rounded; the down projection rounded before the routing weight; the k weighted
 rows summed in float32 and rounded once). FP8 weights: per output row scales after the K loop, or one
 scale per SCALE_BN x SCALE_BK tile applied to each weight tile (rounded to x's dtype, as the reference
-dequantizes), as the grouped kernel's W_SCALE modes.
+dequantizes), as the grouped kernel's W_SCALE modes. gpt-oss: the experts' biases and its clamped SwiGLU
+(HAS_BIAS, SWIGLU: gate_up_epilogue, shared with the grouped kernel), compiled only where asked for.
 """
 
 from __future__ import annotations
@@ -46,10 +47,34 @@ def _weight_tile(w_ptrs, s_ptrs, k0, mask, n_mask, X_DTYPE: tl.constexpr, W_SCAL
 
 
 @triton.jit
+def gate_up_epilogue(gate, up, gate_bias_ptrs, up_bias_ptrs, bias_mask, OUT_DTYPE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, swiglu_alpha, swiglu_limit):
+    """The gate and up GEMMs' float32 sums -> the activation (float32 holding OUT_DTYPE values), rounded
+    where fused_moe.fused_experts_torch rounds: gate and up to OUT_DTYPE, plus their biases (HAS_BIAS)
+    rounded again; then SiLU(gate) * up, or with SWIGLU gpt-oss's clamped SwiGLU: gate clamped above at
+    limit, up to +-limit, (up + 1) * gate * sigmoid(alpha * gate). Shared by the grouped and GEMV kernels."""
+    gate = gate.to(OUT_DTYPE).to(tl.float32)
+    up = up.to(OUT_DTYPE).to(tl.float32)
+    if HAS_BIAS:
+        gate = (gate + tl.load(gate_bias_ptrs, mask=bias_mask, other=0.0).to(tl.float32)).to(OUT_DTYPE)
+        up = (up + tl.load(up_bias_ptrs, mask=bias_mask, other=0.0).to(tl.float32)).to(OUT_DTYPE)
+        gate = gate.to(tl.float32)
+        up = up.to(tl.float32)
+    if SWIGLU:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        glu = (gate / (1.0 + tl.exp(-swiglu_alpha * gate))).to(OUT_DTYPE).to(tl.float32)
+        return glu * (up + 1.0).to(OUT_DTYPE).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32) * up
+
+
+@triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, act_ptr, ids_ptr, scale_ptr, N, K, num_experts,
-    stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, stride_sk,
+    x_ptr, w_ptr, act_ptr, ids_ptr, scale_ptr, bias_ptr, N, K, num_experts,
+    stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, stride_sk, stride_bias_e,
+    swiglu_alpha, swiglu_limit,
     TOP_K: tl.constexpr, W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """act[a, n] = silu(x[a // TOP_K] @ w[e, n].T) * (x[a // TOP_K] @ w[e, N + n].T), e = ids[a]; w is
@@ -86,17 +111,18 @@ def _gate_up_gemv_kernel(
     if W_SCALE == 1:
         gate = gate * tl.load(s_ptrs, mask=n_mask, other=0.0)
         up = up * tl.load(s_up_ptrs, mask=n_mask, other=0.0)
-    gate = gate.to(x_dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_dtype).to(tl.float32) * up.to(x_dtype).to(tl.float32)
+    bias_ptrs = bias_ptr + expert * stride_bias_e + offs_n
+    act = gate_up_epilogue(gate, up, bias_ptrs, bias_ptrs + N, n_mask, x_dtype, HAS_BIAS, SWIGLU, swiglu_alpha,
+                           swiglu_limit)
     tl.store(act_ptr + a.to(tl.int64) * stride_am + offs_n, act.to(x_dtype), mask=n_mask)
 
 
 @triton.jit
 def _down_gemv_combine_kernel(
-    act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, scale_ptr, N, K, num_experts,
-    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk,
+    act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, scale_ptr, bias_ptr, N, K, num_experts,
+    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk, stride_bias_e,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, WEIGHT_DTYPE: tl.constexpr,
-    W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """out[t, n] = sum over j of w[t, j] * (act[t*TOP_K + j] @ w2[e, n].T rounded), e = ids[t, j], summed in
@@ -135,11 +161,15 @@ def _down_gemv_combine_kernel(
     y = tl.sum(acc, axis=2)  # [TOP_K, BLOCK_N]
     if W_SCALE == 1:
         y = y * tl.load(s_ptrs, mask=jn_mask, other=0.0)
+    y = y.to(out_dtype).to(tl.float32)
+    if HAS_BIAS:  # each expert's bias, weighted with the rest of its output
+        bias = tl.load(bias_ptr + expert[:, None] * stride_bias_e + offs_n[None, :], mask=jn_mask, other=0.0)
+        y = (y + bias.to(tl.float32)).to(out_dtype).to(tl.float32)
     w = tl.load(weights_ptr + a, mask=j_mask, other=0.0).to(tl.float32)
     if RENORMALIZE:
         w = w / tl.sum(w)
     w = w.to(WEIGHT_DTYPE).to(tl.float32)
-    total = tl.sum(y.to(out_dtype).to(tl.float32) * w[:, None], axis=0)
+    total = tl.sum(y * w[:, None], axis=0)
     tl.store(out_ptr + t * stride_om + offs_n, total.to(out_dtype), mask=n_mask)
 
 
@@ -159,9 +189,12 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor, block: tuple[i
 def fused_experts_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                               topk_ids: torch.Tensor, renormalize: bool, weight_dtype: torch.dtype, config: dict,
                               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                              block: tuple[int, int] | None = None) -> torch.Tensor:
+                              block: tuple[int, int] | None = None, w13_bias: torch.Tensor | None = None,
+                              w2_bias: torch.Tensor | None = None,
+                              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """out [T, H] in x's dtype (kernels.fused_experts_triton validated the arguments; weight_dtype: what the
-    routing weights are rounded to, float32 for no rounding). config: moe/tuning.SMALL_KEYS."""
+    routing weights are rounded to, float32 for no rounding). config: moe/tuning.SMALL_KEYS. w13_bias [E, 2I],
+    w2_bias [E, H] (contiguous rows); swiglu: (alpha, limit) of the clamped SwiGLU, None for SiLU-and-mul."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
@@ -175,16 +208,19 @@ def fused_experts_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     mode, scale, strides, sbn, sbk, bk = _scale_args(w13_scale, w13, block, config["BLOCK_K"])
     bn = config["BLOCK_N"]
     _gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
-        x, w13, act, ids, scale, inter, hidden, w13.shape[0],
+        x, w13, act, ids, scale, w13 if w13_bias is None else w13_bias, inter, hidden, w13.shape[0],
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *strides,
-        TOP_K=top_k, W_SCALE=mode, SCALE_BN=sbn, SCALE_BK=sbk, BLOCK_N=bn, BLOCK_K=bk,
+        0 if w13_bias is None else w13_bias.stride(0), *(swiglu or (0.0, 0.0)),
+        TOP_K=top_k, W_SCALE=mode, SCALE_BN=sbn, SCALE_BK=sbk, HAS_BIAS=w13_bias is not None,
+        SWIGLU=swiglu is not None, BLOCK_N=bn, BLOCK_K=bk,
         NUM_STAGES=config["num_stages"], num_warps=config["num_warps"])
     mode, scale, strides, sbn, sbk, bk = _scale_args(w2_scale, w2, block, config["DOWN_BLOCK_K"])
     bn = config["DOWN_BLOCK_N"]
     _down_gemv_combine_kernel[(num_tokens, triton.cdiv(hidden, bn))](
-        act, w2, out, ids, weights, scale, hidden, inter, w2.shape[0],
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *strides,
+        act, w2, out, ids, weights, scale, w2 if w2_bias is None else w2_bias, hidden, inter, w2.shape[0],
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *strides, 0 if w2_bias is None else w2_bias.stride(0),
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         WEIGHT_DTYPE=_TL_DTYPES[weight_dtype], W_SCALE=mode, SCALE_BN=sbn, SCALE_BK=sbk,
+        HAS_BIAS=w2_bias is not None,
         BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=config["down_num_stages"], num_warps=config["down_num_warps"])
     return out
