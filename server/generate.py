@@ -123,14 +123,21 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model_path is None:
-        from model_executor.default_model import DefaultModelError, default_quantization, ensure_default_model
+        from model_executor.default_model import (
+            DefaultModelError,
+            default_dtype,
+            default_quantization,
+            ensure_default_model,
+        )
 
         try:
             args.model_path = str(ensure_default_model())
         except DefaultModelError as e:
             raise CliError(str(e), 1) from None
-        if args.quantization is None:  # the default model's own default, shared with the server
+        if args.quantization is None:  # the default model's own format, shared with the server
             args.quantization = default_quantization(args.device)
+        if args.dtype == "auto":
+            args.dtype = default_dtype(args.device)
     from server.model_source import (
         ModelSourceError,
         check_checkpoint_tensors,

@@ -211,10 +211,13 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
             changes["model_path"] = str(ensure_default_model())
         except DefaultModelError as e:
             raise LaunchError(str(e)) from None
-        if args.quantization is None:  # the default model's own default, shared with the offline CLI
-            from model_executor.default_model import default_quantization
+        from model_executor.default_model import default_dtype, default_quantization
 
-            changes["quantization"] = default_quantization(changes.get("device", args.device))
+        device = changes.get("device", args.device)
+        if args.quantization is None:  # the default model's own format, shared with the offline CLI
+            changes["quantization"] = default_quantization(device)
+        if args.dtype == "auto":
+            changes["dtype"] = default_dtype(device)
     from server.model_source import ModelSourceError, resolve_model_source
 
     try:  # a local, checked folder (hub ids are downloaded or taken from the cache) before any child starts

@@ -64,9 +64,9 @@ def test_whole_extend_graphs_default_to_512_tokens_and_go_with_the_pieces():
 
 def test_server_and_offline_cli_share_the_default_models_format(model_dir, monkeypatch):
     """No --model-path on a CPU: the server and `python -m server.generate` run the default model in the one
-    format model_executor/default_model.py names; an explicit --quantization wins in both, and a model the
-    user names keeps its own (None: the checkpoint's)."""
-    from model_executor.default_model import default_quantization
+    format model_executor/default_model.py names (dtype and quantization); an explicit --dtype or --quantization
+    wins in both, and a model the user names keeps its own (None / auto: the checkpoint's)."""
+    from model_executor.default_model import default_dtype, default_quantization
     from server import generate
     from server.launch_server import resolve_args
 
@@ -77,7 +77,10 @@ def test_server_and_offline_cli_share_the_default_models_format(model_dir, monke
     server, cli = resolve_args(ServerArgs(device="cpu")), offline()
     assert server.model_path == cli.model_path == str(model_dir)
     assert server.quantization == cli.quantization == default_quantization("cpu")
-    assert server.dtype == cli.dtype == "auto"
+    assert server.dtype == cli.dtype == default_dtype("cpu") == "bfloat16"
+    assert resolve_args(ServerArgs(device="cpu", dtype="float32")).dtype == offline("--dtype", "float32").dtype
+    assert offline("--dtype", "float32").dtype == "float32"  # an explicit --dtype wins
+    assert resolve_args(ServerArgs(device="cpu", model_path=str(model_dir))).dtype == "auto"  # a named model: its own
     for q in ("none", "int8", "int4"):
         assert resolve_args(ServerArgs(device="cpu", quantization=q)).quantization == q
         assert offline("--quantization", q).quantization == q

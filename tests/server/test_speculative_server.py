@@ -1,4 +1,4 @@
-"""Speculative decoding through the real server on the default model (CPU): greedy outputs equal the plain
+"""Speculative decoding through the real server on the default model (CPU, float32): greedy outputs equal the plain
 server's (quoting prompts, a stop string, json_schema, n = 2, logprobs), the counts in /generate's meta_info,
 /server_info and /metrics; the flags' one-line start-up errors."""
 
@@ -22,9 +22,22 @@ PARAGRAPH = ("The old mill by the river turned its wheel for two hundred years, 
 QUOTE = f"Repeat this paragraph word for word:\n\n{PARAGRAPH}"
 
 
+# Both servers in float32: there the verify pass and the decode step compute the same logits to rounding far below
+# any two tokens' gap, so greedy outputs are equal token for token. In bfloat16 (the CPU's default format, and a
+# GPU's) they round apart, as two batch shapes do, and an output may take the other of two near-tied tokens.
+FLOAT32 = ("--max-total-tokens", "8192", "--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def plain_server(model_dir):
+    srv = ServerProcess(*FLOAT32, fake=False, quick_start=True).wait_healthy(timeout=300)
+    yield srv
+    assert srv.stop() == 0, srv.output()[-3000:]
+
+
 @pytest.fixture(scope="module")
 def spec_server(model_dir):
-    srv = ServerProcess("--max-total-tokens", "8192", "--speculative-algorithm", "NGRAM", fake=False,
+    srv = ServerProcess(*FLOAT32, "--speculative-algorithm", "NGRAM", fake=False,
                         quick_start=True).wait_healthy(timeout=300)
     yield srv
     assert srv.stop() == 0, srv.output()[-3000:]
@@ -66,8 +79,8 @@ def requests_for(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def both(default_server, spec_server):
-    return requests_for(default_server.url), requests_for(spec_server.url)
+def both(plain_server, spec_server):
+    return requests_for(plain_server.url), requests_for(spec_server.url)
 
 
 def test_greedy_outputs_equal_the_plain_servers(both):
@@ -137,11 +150,11 @@ def generate_all(url: str, prompts: list[str], concurrency: int) -> list[list[in
 LOSSLESS_PROMPTS = int(os.environ.get("DUET_LOSSLESS_PROMPTS", "24"))
 
 
-def test_quoting_prompts_give_the_plain_servers_tokens(default_server, spec_server):
+def test_quoting_prompts_give_the_plain_servers_tokens(plain_server, spec_server):
     """Prompts through /generate, greedy, 16 tokens: the speculating server (4 in flight, so that every request
     may draft) returns the plain server's tokens, token for token."""
     prompts = lossless_prompts(LOSSLESS_PROMPTS)
-    plain = generate_all(default_server.url, prompts, 32)
+    plain = generate_all(plain_server.url, prompts, 32)
     before = httpx.get(f"{spec_server.url}/server_info", timeout=30).json()["stats"]
     spec = generate_all(spec_server.url, prompts, 4)
     after = httpx.get(f"{spec_server.url}/server_info", timeout=30).json()["stats"]
