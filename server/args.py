@@ -206,8 +206,9 @@ class ServerArgs:
                                          "preprocessor_config.json)")
     mm_max_pixels: int | None = _f(None, "images are resized to at most this many pixels (default: the model's "
                                          "preprocessor_config.json)")
-    disable_image_url_fetch: bool = _f(False, "refuse http(s) image URLs (data: URLs and file:// paths are still "
-                                              "read)")
+    disable_image_url_fetch: bool = _f(False, "refuse http(s) image URLs (data: URLs are still read)")
+    allowed_local_media_path: str | None = _f(None, "file:// image paths are read only from under this folder "
+                                                    "(vLLM's flag; default: file:// refused)")
 
     def validate(self) -> None:
         """Raise ArgsError (one line, naming the flag) for an invalid value."""
@@ -233,6 +234,8 @@ class ServerArgs:
         positive("mm_max_pixels", self.mm_max_pixels)
         if self.mm_min_pixels and self.mm_max_pixels and self.mm_min_pixels > self.mm_max_pixels:
             raise ArgsError(f"--mm-min-pixels {self.mm_min_pixels} is more than --mm-max-pixels {self.mm_max_pixels}")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ArgsError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a folder")
         from server.multimodal import parse_image_limit
 
         try:

@@ -378,7 +378,8 @@ def _serve(args: ServerArgs, ipc: IpcPaths, info: dict, tokenizer, procs: dict, 
     from server.multimodal import ImageProcessor, parse_image_limit
 
     tm.images = ImageProcessor.load(args.model_path, tokenizer, parse_image_limit(args.limit_mm_per_prompt),
-                                    args.mm_min_pixels, args.mm_max_pixels, not args.disable_image_url_fetch)
+                                    args.mm_min_pixels, args.mm_max_pixels, not args.disable_image_url_fetch,
+                                    args.allowed_local_media_path)
     name = served_name(args)
     state = AppState(args=args, info=info, tokenizer_manager=tm, served_model_name=name,
                      pids={"http": os.getpid(), **{k: p.pid for k, p in procs.items()}})

@@ -2,8 +2,8 @@
 the prompt's image tokens. Runs in the HTTP process (the tokenizer manager's); the scheduler gets each image's
 pixel values and grid, and the prompt with its pad tokens expanded (io_struct.ImageInput).
 
-An image is a `data:` URL (base64), a `file://` path, or an http(s) URL fetched with a timeout and a size cap
-(refused with --disable-image-url-fetch). The chat template writes each image as the model's vision tokens with
+An image is a `data:` URL (base64), a `file://` path under --allowed-local-media-path (refused without it), or
+an http(s) URL fetched with a timeout and a size cap (refused with --disable-image-url-fetch). The chat template writes each image as the model's vision tokens with
 one pad token; the pad token is then repeated once per embedding the vision tower gives the image
 (grid t * h * w / merge**2), as HF's processor does. Every failure is an ApiError(400) naming the part.
 """
@@ -72,17 +72,20 @@ class ImageProcessor:
     limits. `load` returns None for a text-only model."""
 
     def __init__(self, processor, image_token: str, image_token_id: int, merge: int, max_images: int,
-                 allow_url_fetch: bool):
+                 allow_url_fetch: bool, local_media_path: str | None = None):
         self.processor = processor
         self.image_token = image_token
         self.image_token_id = image_token_id
         self.merge = merge
         self.max_images = max_images
         self.allow_url_fetch = allow_url_fetch
+        # file:// images are read from under this folder only (None: refused)
+        self.local_media_path = Path(local_media_path).resolve() if local_media_path else None
 
     @classmethod
     def load(cls, model_path: str, tokenizer, max_images: int, min_pixels: int | None = None,
-             max_pixels: int | None = None, allow_url_fetch: bool = True) -> ImageProcessor | None:
+             max_pixels: int | None = None, allow_url_fetch: bool = True,
+             local_media_path: str | None = None) -> ImageProcessor | None:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
         arch = next((a for a in cfg.get("architectures") or [] if a in VISION_ARCHITECTURES), None)
         if arch is None:
@@ -98,7 +101,7 @@ class ImageProcessor:
         token = VISION_ARCHITECTURES[arch]
         token_id = cfg.get("image_token_id", tokenizer.convert_tokens_to_ids(token))
         merge = int(cfg.get("vision_config", {}).get("spatial_merge_size", 2))
-        return cls(processor, token, token_id, merge, max_images, allow_url_fetch)
+        return cls(processor, token, token_id, merge, max_images, allow_url_fetch, local_media_path)
 
     # ---- images in ------------------------------------------------------------------------------------
 
@@ -120,11 +123,7 @@ class ImageProcessor:
             except (binascii.Error, ValueError):
                 raise ApiError(400, "the data: image URL is not valid base64", ref.where) from None
         if scheme == "file":
-            path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path))
-            try:
-                return path.read_bytes()
-            except OSError as e:
-                raise ApiError(400, f"cannot read the image file {str(path)!r}: {e.strerror or e}", ref.where) from None
+            return self._read_local(Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)), ref.where)
         if scheme in ("http", "https"):
             if not self.allow_url_fetch:
                 raise ApiError(400, "http(s) image URLs are refused by this server (--disable-image-url-fetch); "
@@ -139,6 +138,24 @@ class ImageProcessor:
             return data
         raise ApiError(400, "an image URL must be a data: URL (base64), a file:// path or an http(s) URL",
                        ref.where)
+
+    def _read_local(self, path: Path, where: str) -> bytes:
+        """A file:// image: a regular file under --allowed-local-media-path (links resolved first), at most
+        URL_FETCH_MAX_BYTES."""
+        if self.local_media_path is None:
+            raise ApiError(400, "file:// image paths are refused by this server (start it with "
+                                "--allowed-local-media-path DIR to read images from DIR)", where)
+        try:
+            real = path.resolve(strict=True)
+            if not real.is_relative_to(self.local_media_path):
+                raise ApiError(400, f"the image file {str(path)!r} is not under --allowed-local-media-path", where)
+            if not real.is_file():
+                raise ApiError(400, f"the image path {str(path)!r} is not a regular file", where)
+            if real.stat().st_size > URL_FETCH_MAX_BYTES:
+                raise ApiError(400, f"the image file is larger than {URL_FETCH_MAX_BYTES} bytes", where)
+            return real.read_bytes()
+        except OSError as e:
+            raise ApiError(400, f"cannot read the image file {str(path)!r}: {e.strerror or e}", where) from None
 
     def decode(self, data: bytes, where: str):
         """A PIL image in RGB."""

@@ -29,10 +29,20 @@ def tiny_vl(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_vl):
+def media_dir(tmp_path_factory):
+    """The server's --allowed-local-media-path: one image, and a link that leads out of the folder."""
+    path = tmp_path_factory.mktemp("media")
+    (path / "cat.png").write_bytes(make_image(112, 84, 0))
+    (path / "escape.png").symlink_to("/etc/hostname")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vl, media_dir):
     path, _ = tiny_vl
     srv = ServerProcess("--max-total-tokens", "4096", "--limit-mm-per-prompt", f"image={IMAGE_LIMIT}",
-                        "--disable-image-url-fetch", "--chunked-prefill-size", "32", model_dir=path,
+                        "--disable-image-url-fetch", "--chunked-prefill-size", "32",
+                        "--allowed-local-media-path", str(media_dir), model_dir=path,
                         fake=False).wait_healthy(timeout=300)
     yield srv
     assert srv.stop() == 0, srv.output()[-3000:]
@@ -111,7 +121,8 @@ BAD_PARTS = {
     "unsupported scheme": ({"type": "image_url", "image_url": {"url": "ftp://host/x.png"}}, "data: URL"),
     "url fetch disabled": ({"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}},
                            "--disable-image-url-fetch"),
-    "missing file": ({"type": "image_url", "image_url": {"url": "file:///nonexistent/x.png"}}, "cannot read"),
+    "file outside the media folder": ({"type": "image_url", "image_url": {"url": "file:///dev/zero"}},
+                                      "not under --allowed-local-media-path"),
     "extreme aspect ratio": ({"type": "image_url", "image_url": {"url": data_url(make_image(3000, 10, 7))}},
                              "cannot be processed"),
     "unknown detail": ({"type": "image_url", "image_url": {"url": data_url(make_image(56, 56, 8)),
@@ -127,6 +138,19 @@ def test_bad_image_is_a_400_naming_the_part(server, case):
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == "messages.0.content.1" and words in err["message"], err
+
+
+def test_local_files_only_under_the_media_folder(server, media_dir):
+    """file:// reads a regular file under --allowed-local-media-path (the same tokens as its data: URL); a missing
+    file, a link leading out of the folder and the folder itself are 400s naming the part."""
+    assert token_ids(chat(server, [{"type": "image_url", "image_url": {"url": f"file://{media_dir}/cat.png"}}])) == \
+        token_ids(chat(server, [image_part(make_image(112, 84, 0))]))
+    for name, words in (("missing.png", "cannot read"), ("escape.png", "not under"), ("", "not a regular file")):
+        resp = chat(server, [{"type": "text", "text": "see"},
+                             {"type": "image_url", "image_url": {"url": f"file://{media_dir}/{name}"}}])
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "messages.0.content.1" and words in err["message"], err
 
 
 def test_too_many_images_and_too_many_pixels(server):
@@ -242,6 +266,6 @@ def test_bad_image_flags_are_refused():
     from server.args import ArgsError, ServerArgs
 
     for kwargs in ({"limit_mm_per_prompt": "video=2"}, {"mm_min_pixels": 0},
-                   {"mm_min_pixels": 5000, "mm_max_pixels": 4000}):
-        with pytest.raises(ArgsError, match="--(limit-mm-per-prompt|mm-min-pixels)"):
+                   {"mm_min_pixels": 5000, "mm_max_pixels": 4000}, {"allowed_local_media_path": "/nonexistent"}):
+        with pytest.raises(ArgsError, match="--(limit-mm-per-prompt|mm-min-pixels|allowed-local-media-path)"):
             ServerArgs(**kwargs).validate()
