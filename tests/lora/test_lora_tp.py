@@ -21,12 +21,10 @@ NAMES = [None, "a1", "a2", "a3", "a2"]  # the base and three adapters in each ba
 BASES = {"llama": TINY_LLAMA, "llama_one_kv_head": dict(TINY_LLAMA, num_key_value_heads=1), "qwen3": TINY_QWEN3}
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory) -> dict[str, tuple[str, dict]]:
-    """name -> (base folder, run_model's LoRA arguments)."""
-    root = tmp_path_factory.mktemp("lora-tp")
+def make_cases(root, bases: dict[str, dict] = BASES) -> dict[str, tuple[str, dict]]:
+    """name -> (base folder, run_model's LoRA arguments): a1 and a2 loaded at start-up, a3 at run time."""
     out = {}
-    for base, config in BASES.items():
+    for base, config in bases.items():
         hf = save_tiny_hf_model(root / base, config, seed=3)
         folders = {}
         for i, (name, kw) in enumerate(ADAPTERS.items()):
@@ -36,6 +34,11 @@ def cases(tmp_path_factory) -> dict[str, tuple[str, dict]]:
         out[base] = (str(root / base), {"lora": lora, "lora_names": NAMES, "late_loras": (("a3", folders["a3"]),),
                                         "prompts": PROMPTS, "max_running_requests": 16})
     return out
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, tuple[str, dict]]:
+    return make_cases(tmp_path_factory.mktemp("lora-tp"))
 
 
 @pytest.fixture(scope="module")
