@@ -329,7 +329,7 @@ class ServerArgs:
             raise ArgsError("--enable-lora without --lora-paths needs --max-lora-rank (the pool's rank)")
         if not adapters and targets is None:
             raise ArgsError("--enable-lora without --lora-paths needs --lora-target-modules")
-        refused = [(self.tp_size > 1, "--tp-size > 1"), (self.dp_size > 1, "--dp-size > 1"),
+        refused = [(self.dp_size > 1, "--dp-size > 1"),
                    (self.quantization not in (None, "none"), f"--quantization {self.quantization}"),
                    (self.is_embedding or self.is_reranker, "--is-embedding / --is-reranker"),
                    (self.speculative_algorithm is not None, "--speculative-algorithm")]

@@ -18,10 +18,15 @@ PROMPTS = [[5, 17, 42, 99, 123, 7, 250, 31, 64, 8], [200, 11, 3, 77, 150, 9]]
 DECODE_STEPS = 6
 
 
-def prefill_decode_logits(runner, prompts: list[list[int]] = PROMPTS, steps: int = DECODE_STEPS) -> list[torch.Tensor]:
-    """Logits of one extend batch of all prompts, then of `steps` greedy decode batches."""
+def prefill_decode_logits(runner, prompts: list[list[int]] = PROMPTS, steps: int = DECODE_STEPS,
+                          lora_names: list[str | None] | None = None) -> list[torch.Tensor]:
+    """Logits of one extend batch of all prompts, then of `steps` greedy decode batches. lora_names: each
+    prompt's LoRA adapter (None: the base model)."""
     from model_executor.forward_batch import ForwardMode
 
+    slots = None
+    if lora_names is not None:
+        slots = runner.lora.prepare([None if n is None else runner.lora.uid(n) for n in lora_names])
     rows = [runner.req_to_token_pool.alloc() for _ in prompts]
     seqs = [list(p) for p in prompts]
     loc = runner.allocator.alloc(sum(len(p) for p in prompts))
@@ -30,7 +35,7 @@ def prefill_decode_logits(runner, prompts: list[list[int]] = PROMPTS, steps: int
         runner.req_to_token_pool.write(row, 0, loc[start : start + len(p)])
         start += len(p)
     fb = runner.build_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [len(p) for p in prompts],
-                            loc, extend_seq_lens=[len(p) for p in prompts])
+                            loc, extend_seq_lens=[len(p) for p in prompts], lora_slots=slots)
     out = [runner.forward(fb)]
     for _ in range(steps):
         next_ids = out[-1].argmax(-1).tolist()
@@ -40,12 +45,12 @@ def prefill_decode_logits(runner, prompts: list[list[int]] = PROMPTS, steps: int
         for i, (row, s) in enumerate(zip(rows, seqs)):
             runner.req_to_token_pool.write(row, len(s) - 1, loc[i : i + 1])
         out.append(runner.forward(runner.build_batch(ForwardMode.DECODE, next_ids, rows, [len(s) for s in seqs],
-                                                     loc)))
+                                                     loc, lora_slots=slots)))
     return [t.cpu() for t in out]
 
 
 def greedy_tokens(runner, prompts: list[list[int]] = PROMPTS, max_new: int = 8,
-                  temperature: float = 0.0) -> list[list[int]]:
+                  temperature: float = 0.0, lora_names: list[str | None] | None = None) -> list[list[int]]:
     """Outputs through the real Scheduler (the sampler and its rank-0 broadcast included)."""
     from model_executor.sampling_params import SamplingParams
     from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -53,7 +58,8 @@ def greedy_tokens(runner, prompts: list[list[int]] = PROMPTS, max_new: int = 8,
     sched = Scheduler(runner, SchedulerConfig(max_running_requests=4))
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", list(p), SamplingParams(max_new_tokens=max_new, temperature=temperature,
-                                                         ignore_eos=True))
+                                                         ignore_eos=True),
+                          lora_name=None if lora_names is None else lora_names[i])
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while sched.has_work():
         for o in sched.step():
@@ -61,9 +67,32 @@ def greedy_tokens(runner, prompts: list[list[int]] = PROMPTS, max_new: int = 8,
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
+def load_lora_as_served(runner, name: str, path: str) -> list[str]:
+    """Load an adapter at run time the way POST /load_lora_adapter does: its LoadLoraReq arrives at rank 0's
+    inbox, which relays it to every rank of the group (BroadcastInbox), and each rank's scheduler loop loads it.
+    The adapters loaded on this rank after it."""
+    from model_executor.distributed import parallel_state as ps
+    from scheduler.io_struct import LoadLoraReq
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.scheduler_process import BroadcastInbox, SchedulerLoop, _NullSink
+
+    class Arrived:
+        def receive(self, wait_ms: int) -> list:
+            return [LoadLoraReq(rid="load", lora_name=name, lora_path=path)]
+
+    loop = SchedulerLoop(Scheduler(runner, SchedulerConfig(max_running_requests=4)),
+                         BroadcastInbox(Arrived() if ps.get_tp_rank() == 0 else None), _NullSink(), _NullSink())
+    for msg in loop.inbox.receive(0):
+        loop._handle(msg)
+    return runner.lora.names()
+
+
 def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | None = None,
-              prompts: list[list[int]] = PROMPTS, **overrides) -> dict:
-    """overrides: RunnerConfig fields (device "cuda" means this rank's GPU, cuda:tp_rank)."""
+              prompts: list[list[int]] = PROMPTS, lora_names: list[str | None] | None = None,
+              late_loras: tuple[tuple[str, str], ...] = (), **overrides) -> dict:
+    """overrides: RunnerConfig fields (device "cuda" means this rank's GPU, cuda:tp_rank). lora_names: each
+    prompt's LoRA adapter (overrides' lora: the adapters at start-up); late_loras: (name, folder) of adapters
+    loaded once the runner is up, as a server loads them at run time."""
     from model_executor.distributed import parallel_state as ps
     from runners.model_runner import ModelRunner, RunnerConfig
 
@@ -74,13 +103,16 @@ def run_model(path: str, tp_rank: int = 0, tp_size: int = 1, init_method: str | 
                                          **overrides}))
     _phase(tp_rank, "runner ready")
     try:
-        logits = prefill_decode_logits(runner, prompts)
+        loras = [load_lora_as_served(runner, name, folder) for name, folder in late_loras]
+        logits = prefill_decode_logits(runner, prompts, lora_names=lora_names)
         _phase(tp_rank, "prefill + decode logits")
-        tokens = greedy_tokens(runner, prompts)
+        tokens = greedy_tokens(runner, prompts, lora_names=lora_names)
         _phase(tp_rank, "greedy tokens")
         torch.manual_seed(1000 + tp_rank)  # unseeded sampling draws differently on each rank ...
-        sampled = greedy_tokens(runner, prompts, temperature=1.0)  # ... and rank 0's tokens must win everywhere
-        return {"logits": logits, "tokens": tokens, "sampled": sampled,
+        # ... and rank 0's tokens must win everywhere
+        sampled = greedy_tokens(runner, prompts, temperature=1.0, lora_names=lora_names)
+        return {"logits": logits, "tokens": tokens, "sampled": sampled, "loras_after_loads": loras,
+                "lora_pool_bytes": runner.lora.pool_bytes if runner.lora is not None else 0,
                 "kv_heads": runner.kv_cache.k_buffers[0].shape[1], "num_slots": runner.num_kv_slots,
                 "path_counts": dict(runner.path_counts), "one_shot_calls": ps.one_shot_calls(),
                 "add_norm_calls": ps.one_shot_calls(add_norm=True)}
@@ -93,26 +125,30 @@ def _phase(rank: int, what: str) -> None:
     print(f"[tp rank {rank}] {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
-def _rank_main(rank: int, size: int, paths: list[str], out_dir: str, overrides: dict, per_rank: dict) -> None:
+def _rank_main(rank: int, size: int, paths: list[str], out_dir: str, overrides: dict, per_rank: dict,
+               per_path: list[dict]) -> None:
     torch.set_num_threads(1)
     if os.environ.get("DUET_TEST_STACKS_AFTER"):  # a hang dumps every thread's stack of this rank, then exits
         faulthandler.dump_traceback_later(int(os.environ["DUET_TEST_STACKS_AFTER"]), exit=True)
     for i, path in enumerate(paths):
         init = f"file://{out_dir}/init-{i}"
-        result = run_model(path, rank, size, init, **{**overrides, **per_rank.get(rank, {})})
+        result = run_model(path, rank, size, init, **{**overrides, **per_path[i], **per_rank.get(rank, {})})
         torch.save(result, os.path.join(out_dir, f"result-{i}-rank{rank}.pt"))
     if str(overrides.get("device", "")).startswith("cuda"):
         _phase(rank, "results saved; exiting without NCCL teardown")
         os._exit(0)  # NCCL teardown after graph-captured collectives can hang (pytorch/pytorch#115388)
 
 
-def run_tp(paths: list[str], size: int = 2, per_rank: dict | None = None, **overrides) -> list[list[dict]]:
+def run_tp(paths: list[str], size: int = 2, per_rank: dict | None = None, per_path: list[dict] | None = None,
+           **overrides) -> list[list[dict]]:
     """Each model at tp `size` in spawned ranks (gloo on CPU, NCCL on CUDA); [model][rank] -> run_model's
-    result. per_rank: {rank: RunnerConfig overrides of that rank only}."""
+    result. per_rank: {rank: RunnerConfig overrides of that rank only}; per_path: run_model's arguments for
+    each model."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="duet-tp-") as d:
-        mp.spawn(_rank_main, args=(size, paths, d, overrides, per_rank or {}), nprocs=size, join=True)
+        mp.spawn(_rank_main, args=(size, paths, d, overrides, per_rank or {}, per_path or [{}] * len(paths)),
+                 nprocs=size, join=True)
         return [[torch.load(Path(d) / f"result-{i}-rank{r}.pt") for r in range(size)] for i in range(len(paths))]
 
 

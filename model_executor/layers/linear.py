@@ -81,6 +81,7 @@ class LinearBase(nn.Module):
                  tp_size: int | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        self.input_size = input_size  # this rank's
         self.output_size = output_size  # this rank's
         # The quantization method (layers/quantization) creates the parameters, stores each loaded shard
         # (quantizing it, for online quantization) and runs the GEMM; unquantized: weight, bias, F.linear.
@@ -95,6 +96,12 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         self._load(param, loaded)
+
+    def lora_shard(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (A, B) of a LoRA adapter's whole A [r, in] and B [out, r] for output part `part` (q, k, v;
+        gate, up), cut the way the weight is: no communication beyond the layer's own. ValueError naming the
+        shapes that fit when A and B do not."""
+        return _check_lora(a, b, self.input_size, self.output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
@@ -153,6 +160,13 @@ class LinearBase(nn.Module):
         return self.quant_method.apply_rope(self, h, rope, config), residual
 
 
+def _check_lora(a: torch.Tensor, b: torch.Tensor, in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b), or ValueError when A [r, in] and B [out, r] are not in_size in and out_size out."""
+    if a.shape[1] != in_size or b.shape[0] != out_size:
+        raise ValueError(f"({in_size} in, {out_size} out)")
+    return a, b
+
+
 def _add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(h), h) for h = x + residual (x without one)."""
     return (norm(x), x) if residual is None else norm(x, residual)
@@ -169,6 +183,16 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None):
         self._load(param, _shard(loaded, 0, self.tp_rank, self.tp_size))
+
+    def _part_rows(self, part: int) -> tuple[int, int, int]:
+        """Output part `part`'s (rows in the whole layer, this rank's first row of them, this rank's count)."""
+        return self.output_size * self.tp_size, self.tp_rank * self.output_size, self.output_size
+
+    def lora_shard(self, part, a, b):
+        """A whole, B cut by output rows (per part, as the weight: a rank's q heads, k and v heads, gate, up)."""
+        full, start, size = self._part_rows(part)
+        _check_lora(a, b, self.input_size, full)
+        return a, b.narrow(0, start, size)
 
 
 class RowParallelLinear(LinearBase):
@@ -188,9 +212,17 @@ class RowParallelLinear(LinearBase):
         dim = 1 if param.dim() == 2 else None
         self._load(param, loaded if dim is None else _shard(loaded, dim, self.tp_rank, self.tp_size))
 
+    def lora_shard(self, part, a, b):
+        """A cut by input columns (as the weight), B whole: each rank's update B (A_r x_r) is a partial sum that
+        forward adds before the all-reduce, which sums them to B (A x)."""
+        _check_lora(a, b, self.input_size * self.tp_size, self.output_size)
+        return a.narrow(1, self.tp_rank * self.input_size, self.input_size), b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ps.tensor_model_parallel_all_reduce(self.quant_method.apply(self, x))
-        return y if self.lora is None else self.lora.apply(x, y)
+        y = self.quant_method.apply(self, x)
+        if self.lora is not None:  # this rank's partial update, summed with the partial output
+            y = self.lora.apply(x, y)
+        return ps.tensor_model_parallel_all_reduce(y)
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """self(silu(gate) * up) for gate_up = [gate; up] where the method makes its input in the activation's
@@ -240,6 +272,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
         self._load(param, _shard(loaded, 0, self.tp_rank, self.tp_size), offset, size)
+
+    def _part_rows(self, part):
+        size = self.output_sizes[part]
+        return size * self.tp_size, self.tp_rank * size, size
 
     def forward_silu_and_mul(self, norm: RMSNorm, x: torch.Tensor | PrenormedRow,
                              residual: torch.Tensor | None) -> tuple[torch.Tensor | GateUp, torch.Tensor]:
@@ -292,6 +328,11 @@ class QKVParallelLinear(ColumnParallelLinear):
                              f"{tuple(loaded.shape)}")
         start = self.tp_rank * self.q_size if shard_id == "q" else self.kv_head_start * self.head_dim
         self._load(param, loaded.narrow(0, start, size), offset, size)
+
+    def _part_rows(self, part):
+        if part == 0:
+            return self.total_sizes["q"], self.tp_rank * self.q_size, self.q_size
+        return self.total_sizes["k"], self.kv_head_start * self.head_dim, self.kv_size
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -3,7 +3,10 @@
 Two tiers, as SGLang's: `load` reads an adapter into host memory (at most max_loaded adapters; each gets a uid
 that is never reused, so the prefix cache of a reloaded name starts empty); `prepare` puts a batch's adapters
 into the device pool's slots (max_per_batch of them, allocated once at start-up, padded to max_rank) and
-returns each one's slot. A slot goes to the least recently used adapter that the batch does not need and that is
+returns each one's slot. Under tensor parallelism every rank holds the whole adapter on the host and its own
+shards in its pool, cut as the layer's weight is (LinearBase.lora_shard): column-parallel qkv and gate_up take
+their rows of B (A whole), row-parallel o and down their columns of A (B whole) and add the update to the partial
+output before the layer's all-reduce, so LoRA adds no communication. A slot goes to the least recently used adapter that the batch does not need and that is
 not pinned. Slot 0 is "no adapter" (zeros). Copying an adapter into a slot writes into the pool's tensors in
 place, so a captured decode graph (which reads the pool and the slot ids at fixed addresses) never recaptures.
 """
@@ -91,7 +94,7 @@ class LoraManager:
                 if fused not in fused_targets:
                     continue
                 slices = _part_slices(mod, fused)
-                in_size = mod.weight.shape[1]
+                in_size = mod.input_size  # this rank's (row-parallel o and down: a share of the input)
                 a = torch.zeros(n, len(slices) * self.max_rank, in_size, dtype=dtype, device=device)
                 b = torch.zeros(n, sum(s for _, s in slices), self.max_rank, dtype=dtype, device=device)
                 mod.lora = LoraLayer(self, a, b, slices, self.max_rank)
@@ -119,11 +122,11 @@ class LoraManager:
                 raise LoraError(f"LoRA adapter {adapter.name!r}: layer {layer}, but the model has "
                                 f"{len(self.layers)} layers")
             fused, part = FUSED[module]
-            lora = self.layers[layer][fused].lora
-            _, size = lora.out_slices[part]
-            if a.shape[1] != lora.a.shape[2] or b.shape[0] != size:
+            try:
+                self.layers[layer][fused].lora_shard(part, a, b)
+            except ValueError as e:
                 raise LoraError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} A {tuple(a.shape)} B "
-                                f"{tuple(b.shape)} does not fit the model ({lora.a.shape[2]} in, {size} out)")
+                                f"{tuple(b.shape)} does not fit the model {e}") from None
 
     def _register(self, adapter: LoraAdapter, pinned: bool) -> int:
         self.check(adapter)
@@ -192,9 +195,11 @@ class LoraManager:
 
     def _copy_in(self, slot: int, adapter: LoraAdapter) -> None:
         self._clear(slot)
-        for (layer, module), (a, b) in adapter.weights.items():
+        for (layer, module), whole in adapter.weights.items():
             fused, part = FUSED[module]
-            lora = self.layers[layer][fused].lora
+            mod = self.layers[layer][fused]
+            a, b = mod.lora_shard(part, *whole)  # this tensor-parallel rank's shard (tp 1: all of it)
+            lora = mod.lora
             off, size = lora.out_slices[part]
             r0 = part * self.max_rank
             lora.a[slot, r0:r0 + adapter.rank].copy_(a)

@@ -21,13 +21,13 @@ def test_aliases_and_resolved_config(adapter):
     cfg = args.lora_config()
     assert cfg.paths == (("x", adapter),) and cfg.max_per_batch == 3 and cfg.max_rank == 0
     assert ServerArgs().lora_config() is None
+    ServerArgs(device="cpu", tp_size=2, lora_paths=(f"x={adapter}",)).validate()  # adapters are sharded too
 
 
 @pytest.mark.parametrize("kw, why", [
     ({"enable_lora": True}, "needs --max-lora-rank"),
     ({"enable_lora": True, "max_lora_rank": 8}, "needs --lora-target-modules"),
     ({"max_lora_rank": 2}, "rank 4 > --max-lora-rank 2"),
-    ({"tp_size": 2}, "--tp-size > 1"),
     ({"quantization": "int8"}, "--quantization int8"),
     ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm"),
     ({"max_loras_per_batch": 0}, "--max-loras-per-batch must be a positive integer"),

@@ -1,7 +1,7 @@
 """Multi-LoRA through the real server (CPU, a tiny random Llama, PEFT adapters): adapters picked by `model`
 (vLLM), "base:adapter" (SGLang) and `lora_path`, equal to PEFT's greedy output; /v1/models lists them with
 their parent; unknown adapters are 404s in the API's error shape; load and unload over HTTP, a bad adapter a 400
-while the server stays healthy."""
+while the server stays healthy; at --tp-size 2 (gloo ranks) too."""
 
 from __future__ import annotations
 
@@ -167,3 +167,22 @@ def test_unknown_adapter_on_responses_and_messages_is_a_404_in_their_shapes(serv
     assert r.status_code == 404, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
     assert "zz" in r.json()["error"]["message"]
+
+
+def test_tp2_server_serves_adapters_loaded_at_start_and_over_http(models):
+    """--tp-size 2 (two gloo ranks): each rank holds its shards; an adapter loaded over HTTP reaches both ranks
+    (rank 0 relays the load) and gives PEFT's greedy tokens, beside the base model and a start-up adapter."""
+    base, hf, adapters = models
+    srv = ServerProcess("--tp-size", "2", "--lora-paths", f"a1={adapters['a1'][0]}", "--max-lora-rank", "8",
+                        "--lora-target-modules", "all", model_dir=base, fake=False).wait_healthy()
+    try:
+        r = httpx.post(f"{srv.url}/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(adapters["a2"][0])})
+        assert r.status_code == 200, r.text
+        for name, model in (("a2", adapters["a2"][1]), ("a1", adapters["a1"][1]), (None, hf)):
+            body = {"lora_path": name} if name else {}
+            assert generate(srv, **body).json()["output_ids"] == reference(model), name
+        assert httpx.post(f"{srv.url}/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 200
+        assert generate(srv, lora_path="a2").status_code == 404
+        assert generate(srv, lora_path="a1").json()["output_ids"] == reference(adapters["a1"][1])
+    finally:
+        assert srv.stop() == 0
