@@ -14,16 +14,26 @@ from model_executor.lazy_slice import LazySlice
 from model_executor.model_config import ModelConfig
 from model_executor.weight_loader import load_model
 from tests.conftest import TINY_LLAMA, TINY_QWEN2, save_tiny_hf_model
-from tests.tp_utils import run_model, run_tp
+from tests.models.test_gpt_oss import TINY_GPT_OSS, save_tiny_gpt_oss
+from tests.models.test_sliding_window_models import TINY_GEMMA3, TINY_PHI3
+from tests.tp_utils import PROMPTS, run_model, run_tp
 
 TINY_LLAMA_ONE_KV = dict(TINY_LLAMA, num_key_value_heads=1)  # fewer KV heads than ranks: replicated
+TP_MODELS = ["llama", "qwen2_bias_tied", "llama_one_kv_head", "gemma3", "phi3", "gpt_oss"]
+# (the sliding-window models' window is 8 tokens: the first prompt exceeds it, and every sequence does once decoded)
+assert max(map(len, PROMPTS)) > TINY_GEMMA3["sliding_window"] == TINY_PHI3["sliding_window"] \
+    == TINY_GPT_OSS["sliding_window"]
 
 
 @pytest.fixture(scope="module")
 def tp_models(tmp_path_factory, tiny_llama, tiny_qwen2):
-    one_kv = tmp_path_factory.mktemp("tiny_llama_one_kv")
-    save_tiny_hf_model(one_kv, TINY_LLAMA_ONE_KV, seed=3)
-    return {"llama": str(tiny_llama[0]), "qwen2_bias_tied": str(tiny_qwen2[0]), "llama_one_kv_head": str(one_kv)}
+    paths = {"llama": str(tiny_llama[0]), "qwen2_bias_tied": str(tiny_qwen2[0])}
+    for name, config in (("llama_one_kv_head", TINY_LLAMA_ONE_KV), ("gemma3", TINY_GEMMA3), ("phi3", TINY_PHI3)):
+        paths[name] = str(tmp_path_factory.mktemp(name))
+        save_tiny_hf_model(paths[name], config, seed=3)
+    paths["gpt_oss"] = str(tmp_path_factory.mktemp("gpt_oss"))
+    save_tiny_gpt_oss(paths["gpt_oss"], seed=3)
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +42,7 @@ def tp2_results(tp_models):
     return dict(zip(tp_models, run_tp(list(tp_models.values()), size=2, per_rank={1: {"max_total_tokens": 200}})))
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_bias_tied", "llama_one_kv_head"])
+@pytest.mark.parametrize("name", TP_MODELS)
 def test_tp2_logits_and_greedy_tokens_equal_tp1(name, tp_models, tp2_results):
     one = run_model(tp_models[name])
     ranks = tp2_results[name]
