@@ -111,6 +111,40 @@ def test_weight_shards_gather_to_the_full_tensors(tmp_path, config):
         torch.testing.assert_close(r1[ours], full[ours], rtol=0, atol=0)
 
 
+def _gathered(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The tp 1 tensor the ranks' shards of parameter `name` make up (rank 0's where each rank holds it whole)."""
+    if ".qkv_proj." in name:
+        q, k, v = zip(*(_qkv_parts(p, cfg, len(parts)) for p in parts))
+        return torch.cat([*q, *k, *v])
+    if ".gate_up_proj." in name or ".w13_" in name:  # [gate; up] per rank, along dim 0 or (experts) dim 1
+        dim = 1 if ".w13_" in name else 0
+        gate, up = zip(*(p.chunk(2, dim=dim) for p in parts))
+        return torch.cat([*gate, *up], dim=dim)
+    if name.endswith(("o_proj.weight", "down_proj.weight", ".w2_weight")):  # split along their input
+        return torch.cat(parts, dim=-1)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight", ".sinks")):
+        return torch.cat(parts)
+    return parts[0]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3", "gpt_oss"])
+def test_fused_expert_and_sink_shards_gather_to_the_tp1_parameters(name, tp_models):
+    """Phi-3's fused checkpoint tensors cut into per-rank q/k/v and gate/up; gpt-oss's sinks with their heads,
+    its experts along the intermediate dimension (w2's bias on rank 0 only, so the all-reduce adds it once)."""
+    path = tp_models[name]
+    cfg = ModelConfig.from_pretrained(path)
+    (full,), ranks = _shards(path, 1), _shards(path, 2)
+    assert ranks[0].keys() == full.keys()
+    for param, want in full.items():
+        parts = [r[param] for r in ranks]
+        if param.endswith((".w2_bias", "o_proj.bias")):  # row-parallel biases: rank 0's, zeros elsewhere
+            torch.testing.assert_close(parts[1], torch.zeros_like(want), rtol=0, atol=0)
+        elif _gathered(param, parts, cfg) is parts[0]:  # whole on every rank
+            torch.testing.assert_close(parts[1], want, rtol=0, atol=0)
+        torch.testing.assert_close(_gathered(param, parts, cfg), want, rtol=0, atol=0,
+                                   msg=lambda m, param=param: f"{param}: {m}")
+
+
 def test_vocab_padding_rows_are_zero(tmp_path):
     """A vocabulary that does not split evenly: rank 1's block is padded, its padding row is zero."""
     from model_executor.layers.embedding import VocabParallelEmbedding
