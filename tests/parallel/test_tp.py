@@ -14,7 +14,7 @@ from model_executor.lazy_slice import LazySlice
 from model_executor.model_config import ModelConfig
 from model_executor.weight_loader import load_model
 from tests.conftest import TINY_LLAMA, TINY_QWEN2, save_tiny_hf_model
-from tests.models.test_gpt_oss import TINY_GPT_OSS, save_tiny_gpt_oss
+from tests.models.test_gpt_oss import TINY_GPT_OSS, save_tiny_gpt_oss, save_tiny_mxfp4_gpt_oss
 from tests.models.test_sliding_window_models import TINY_GEMMA3, TINY_PHI3
 from tests.tp_utils import PROMPTS, run_model, run_tp
 
@@ -127,11 +127,16 @@ def _gathered(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.T
     return parts[0]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "phi3", "gpt_oss"])
-def test_fused_expert_and_sink_shards_gather_to_the_tp1_parameters(name, tp_models):
+@pytest.mark.parametrize("name", ["gemma3", "phi3", "gpt_oss", "gpt_oss_mxfp4"])
+def test_fused_expert_and_sink_shards_gather_to_the_tp1_parameters(name, tp_models, tmp_path):
     """Phi-3's fused checkpoint tensors cut into per-rank q/k/v and gate/up; gpt-oss's sinks with their heads,
-    its experts along the intermediate dimension (w2's bias on rank 0 only, so the all-reduce adds it once)."""
-    path = tp_models[name]
+    its experts along the intermediate dimension (w2's bias on rank 0 only, so the all-reduce adds it once),
+    also from an MXFP4 checkpoint (dequantized, then sliced)."""
+    if name == "gpt_oss_mxfp4":
+        save_tiny_mxfp4_gpt_oss(tmp_path)
+        path = str(tmp_path)
+    else:
+        path = tp_models[name]
     cfg = ModelConfig.from_pretrained(path)
     (full,), ranks = _shards(path, 1), _shards(path, 2)
     assert ranks[0].keys() == full.keys()
