@@ -150,6 +150,15 @@ def test_fused_expert_and_sink_shards_gather_to_the_tp1_parameters(name, tp_mode
                                    msg=lambda m, param=param: f"{param}: {m}")
 
 
+def test_an_intermediate_size_that_does_not_split_is_refused_in_one_line():
+    from model_executor.weight_loader import check_tensor_parallel
+
+    cfg = ModelConfig.from_dict(dict(TINY_GPT_OSS, intermediate_size=30))
+    check_tensor_parallel(cfg, 2)
+    with pytest.raises(ValueError, match="^intermediate size 30 cannot be split over 4 tensor-parallel ranks$"):
+        check_tensor_parallel(cfg, 4)
+
+
 def test_vocab_padding_rows_are_zero(tmp_path):
     """A vocabulary that does not split evenly: rank 1's block is padded, its padding row is zero."""
     from model_executor.layers.embedding import VocabParallelEmbedding
