@@ -55,13 +55,16 @@ def _model_class(cfg: ModelConfig):
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
-    """ValueError (one line) unless the architecture shards and its heads split over tp_size ranks."""
+    """ValueError (one line) unless the architecture shards and its heads and MLP split over tp_size ranks."""
     if tp_size == 1:
         return
     if not getattr(_model_class(cfg), "supports_tensor_parallel", False):
         raise ValueError(f"{cfg.architecture} does not support tensor parallelism yet")
     ps.heads_per_rank(cfg.num_attention_heads, tp_size)
     ps.kv_heads_per_rank(cfg.num_key_value_heads, tp_size)
+    if cfg.intermediate_size % tp_size:  # (the MLP's, and gpt-oss's experts')
+        raise ValueError(f"intermediate size {cfg.intermediate_size} cannot be split over {tp_size} "
+                         f"tensor-parallel ranks")
 
 
 def build_meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,

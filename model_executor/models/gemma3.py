@@ -36,13 +36,14 @@ from model_executor.layers.linear import (
 )
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.lazy_slice import materialize
 from model_executor.model_config import ModelConfig
 from model_executor.models.llama import OwnBackboneForCausalLM
 
 
 def _gemma_norm_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
     """A Gemma norm's checkpoint weight w, stored as the 1 + w the norm multiplies by (computed in float32)."""
-    default_weight_loader(param, (1.0 + loaded.float()).to(param.dtype))
+    default_weight_loader(param, (1.0 + materialize(loaded).float()).to(param.dtype))
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -160,7 +161,9 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(OwnBackboneForCausalLM):
     """Loads through LlamaForCausalLM's mapping (q/k/v and gate/up into the fused layers)."""
 
-    supports_tensor_parallel = False  # (not tested sharded yet)
+    # Sharded as the Llama block: q/k/v heads and gate/up columns per rank; the per-head q/k norms, the norms
+    # around the blocks, the embedding scale and the soft cap (after the LM head's gather) are whole on every rank.
+    supports_tensor_parallel = True
     backbone_class = Gemma3Model
 
     def make_lm_head(self, cfg: ModelConfig) -> ParallelLMHead:

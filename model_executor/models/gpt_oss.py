@@ -14,6 +14,12 @@ the router's softmax over all experts, top k, renormalized (the same weights as 
 then the Triton kernels on CUDA (graph-safe: decode graphs and extend pieces) with the experts' biases and
 the clamped SwiGLU, the torch path on CPU; each step reads only the experts its tokens route to.
 
+Tensor parallelism: attention as the Llama block's (q/k/v heads and o_proj's input columns per rank, o_proj's
+bias added once), with each rank's sinks those of its query heads; every expert's intermediate dimension split
+over the ranks (w13's gate and up rows and their biases, w2's input columns), so each rank runs every expert on
+its slice and one all-reduce sums the MoE's output; w2's bias is held by rank 0 only (zeros elsewhere), so the
+sum adds it once. The router is whole on every rank: every rank routes each token to the same experts.
+
 Checkpoints: the bf16 / fp32 layout that transformers' save_pretrained writes. The experts' tensors are stacked
 over experts and stored input-major: `experts.gate_up_proj` [E, H, 2I] with the gate and up columns interleaved
 (gate 0, up 0, gate 1, ...), `experts.down_proj` [E, I, H], and their biases; they load into the [E, 2I, H]
@@ -32,6 +38,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from model_executor.distributed import parallel_state as ps
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention.radix_attention import RadixAttention
 from model_executor.layers.embedding import VocabParallelEmbedding
@@ -45,6 +52,7 @@ from model_executor.layers.moe import fused_experts, select_experts
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.quantization.base import quantization_context
 from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.lazy_slice import materialize
 from model_executor.model_config import CheckpointMismatchError, ModelConfig
 from model_executor.models.llama import OwnBackboneForCausalLM
 
@@ -87,8 +95,8 @@ def _dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
         pair[m.group(2)] = tensor
         if len(pair) == 2:
             del pending[m.group(1)]
-            try:
-                full = dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
+            try:  # (whole: the experts' loaders take each rank's slice of the dequantized tensor)
+                full = dequantize_mxfp4(materialize(pair["blocks"]), materialize(pair["scales"]), dtype)
             except ValueError as e:
                 raise CheckpointMismatchError(f"checkpoint tensor {name!r}: {e}") from None
             yield m.group(1), full.transpose(1, 2)
@@ -102,27 +110,6 @@ def _dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
 def _checked(param: torch.Tensor, loaded: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != shape:
         raise ValueError(f"expected {shape}")
-
-
-def _load_gate_up(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-    """[E, H, 2I] with interleaved gate / up columns -> [E, 2I, H]: the gate rows, then the up rows."""
-    e, two_i, h = param.shape
-    _checked(param, loaded, (e, h, two_i))
-    w = loaded.transpose(1, 2)
-    default_weight_loader(param, torch.cat([w[:, 0::2], w[:, 1::2]], dim=1))
-
-
-def _load_gate_up_bias(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-    """[E, 2I] interleaved -> [E, 2I]: the gate biases, then the up biases."""
-    _checked(param, loaded, tuple(param.shape))
-    default_weight_loader(param, torch.cat([loaded[:, 0::2], loaded[:, 1::2]], dim=1))
-
-
-def _load_down(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-    """[E, I, H] -> [E, H, I]."""
-    e, h, i = param.shape
-    _checked(param, loaded, (e, i, h))
-    default_weight_loader(param, loaded.transpose(1, 2))
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -140,24 +127,63 @@ class GptOssRMSNorm(RMSNorm):
 
 class GptOssExperts(nn.Module):
     """Every expert's weights, stacked: w13_weight [E, 2I, H] (gate rows, then up rows) and w13_bias [E, 2I];
-    w2_weight [E, H, I] and w2_bias [E, H]."""
+    w2_weight [E, H, I] and w2_bias [E, H]. Under tensor parallelism I is this rank's slice of the
+    intermediate dimension (units rank * I .. (rank + 1) * I of every expert)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.tp_rank, self.tp_size = ps.get_tp_rank(), ps.get_tp_size()
+        if i % self.tp_size:
+            raise ValueError(f"the experts' intermediate size {i} cannot be split over {self.tp_size} "
+                             f"tensor-parallel ranks")
+        i //= self.tp_size
         self.num_experts, self.top_k, self.intermediate_size = e, cfg.num_experts_per_tok, i
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
-        self.w13_weight.weight_loader = _load_gate_up
-        self.w13_bias.weight_loader = _load_gate_up_bias
-        self.w2_weight.weight_loader = _load_down
+        self.w13_weight.weight_loader = self._load_gate_up
+        self.w13_bias.weight_loader = self._load_gate_up_bias
+        self.w2_weight.weight_loader = self._load_down
+        self.w2_bias.weight_loader = self._load_down_bias
+
+    def _interleaved_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's units of a tensor whose `dim` interleaves gate and up (gate 0, up 0, gate 1, ...): one
+        contiguous run of 2I entries, read as such from a lazy slice."""
+        i = self.intermediate_size
+        return materialize(loaded.narrow(dim, 2 * i * self.tp_rank, 2 * i))
+
+    def _load_gate_up(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        """[E, H, 2I] with interleaved gate / up columns -> [E, 2I, H]: the gate rows, then the up rows."""
+        e, two_i, h = param.shape
+        _checked(param, loaded, (e, h, two_i * self.tp_size))
+        w = self._interleaved_slice(loaded, 2).transpose(1, 2)
+        default_weight_loader(param, torch.cat([w[:, 0::2], w[:, 1::2]], dim=1))
+
+    def _load_gate_up_bias(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        """[E, 2I] interleaved -> [E, 2I]: the gate biases, then the up biases."""
+        e, two_i = param.shape
+        _checked(param, loaded, (e, two_i * self.tp_size))
+        b = self._interleaved_slice(loaded, 1)
+        default_weight_loader(param, torch.cat([b[:, 0::2], b[:, 1::2]], dim=1))
+
+    def _load_down(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        """[E, I, H] -> [E, H, I]."""
+        e, h, i = param.shape
+        _checked(param, loaded, (e, i * self.tp_size, h))
+        default_weight_loader(param, materialize(loaded.narrow(1, i * self.tp_rank, i)).transpose(1, 2))
+
+    def _load_down_bias(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        """[E, H]: whole on rank 0, zeros on the others (the all-reduce after the experts adds it once)."""
+        _checked(param, loaded, tuple(param.shape))
+        default_weight_loader(param, materialize(loaded) if self.tp_rank == 0 else torch.zeros_like(param))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]: the top-k experts' outputs, weighted by a softmax over their
-        logits (HF takes it in the logits' dtype: the weights are rounded to x's dtype, round_weights)."""
+        logits (HF takes it in the logits' dtype: the weights are rounded to x's dtype, round_weights); under
+        tensor parallelism, this rank's part of the sum (the caller all-reduces)."""
         weights, ids = select_experts(router_logits, self.top_k, renormalize=True)
         return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids, round_weights=True,
                              w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu=(self.alpha, self.limit))
@@ -171,7 +197,7 @@ class GptOssMoE(nn.Module):
         self.experts = GptOssExperts(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.router(x))
+        return ps.tensor_model_parallel_all_reduce(self.experts(x, self.router(x)))
 
 
 class GptOssAttention(nn.Module):
@@ -184,6 +210,14 @@ class GptOssAttention(nn.Module):
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, hd**-0.5,
                                    rotary_emb=rotary_emb, sliding_window=cfg.layer_sliding_window(layer_id),
                                    sinks=True)
+        self.attn.sinks.weight_loader = self._load_sinks
+        self.head_start = ps.get_tp_rank() * self.qkv_proj.num_heads
+
+    def _load_sinks(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        """This rank's query heads' sinks (all of them at tp 1)."""
+        total = self.qkv_proj.total_sizes["q"] // self.qkv_proj.head_dim
+        _checked(param, loaded, (total,))
+        default_weight_loader(param, materialize(loaded.narrow(0, self.head_start, param.shape[0])))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -232,7 +266,7 @@ class GptOssModel(nn.Module):
 class GptOssForCausalLM(OwnBackboneForCausalLM):
     """Loads through LlamaForCausalLM's mapping (q/k/v into the fused projection) with the renames below."""
 
-    supports_tensor_parallel = False  # (the experts and sinks are not sharded yet)
+    supports_tensor_parallel = True  # (the experts, sinks and attention as the module's docstring says)
     backbone_class = GptOssModel
     # (the bias renames first: `gate_up_proj` is a prefix of `gate_up_proj_bias`)
     renames: ClassVar[tuple[tuple[str, str], ...]] = (

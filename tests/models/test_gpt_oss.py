@@ -190,15 +190,15 @@ def _mxfp4(shape, gen):
     return blocks, scales
 
 
-def test_mxfp4_checkpoint_matches_hf_on_the_dequantized_weights(tmp_path):
-    """The released MXFP4 layout (expert tensors as *_blocks / *_scales, quantization_config mxfp4) loads
-    dequantized: duet's logits equal HF's model holding transformers' own dequantization of the same bytes."""
+def save_tiny_mxfp4_gpt_oss(path, seed: int = 4):
+    """A tiny gpt-oss in the released MXFP4 layout (expert tensors as *_blocks / *_scales, quantization_config
+    mxfp4); returns HF's model holding transformers' own dequantization of the same bytes."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     cfg = dict(TINY_GPT_OSS, hidden_size=64, intermediate_size=64)  # (32-value blocks along both inputs)
-    hf_model = save_tiny_gpt_oss(tmp_path, cfg, seed=4)
-    tensors = load_file(tmp_path / "model.safetensors")
+    hf_model = save_tiny_gpt_oss(path, cfg, seed=seed)
+    tensors = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(0)
     e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
     for layer in range(cfg["num_hidden_layers"]):
@@ -210,13 +210,20 @@ def test_mxfp4_checkpoint_matches_hf_on_the_dequantized_weights(tmp_path):
             tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
             with torch.no_grad():
                 getattr(experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-    save_file(tensors, tmp_path / "model.safetensors")
-    config = json.loads((tmp_path / "config.json").read_text())
+    save_file(tensors, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4",
                                      "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                                 "model.embed_tokens", "lm_head"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    errors = run_prefill_and_decode(runner_for(tmp_path), hf_model.eval(), _prompts((5, 19)), decode_steps=3)
+    (path / "config.json").write_text(json.dumps(config))
+    return hf_model.eval()
+
+
+def test_mxfp4_checkpoint_matches_hf_on_the_dequantized_weights(tmp_path):
+    """The released MXFP4 layout loads dequantized: duet's logits equal HF's model holding transformers' own
+    dequantization of the same bytes."""
+    hf_model = save_tiny_mxfp4_gpt_oss(tmp_path)
+    errors = run_prefill_and_decode(runner_for(tmp_path), hf_model, _prompts((5, 19)), decode_steps=3)
     assert max(errors) < 1e-4, errors
 
 

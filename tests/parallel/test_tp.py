@@ -14,16 +14,26 @@ from model_executor.lazy_slice import LazySlice
 from model_executor.model_config import ModelConfig
 from model_executor.weight_loader import load_model
 from tests.conftest import TINY_LLAMA, TINY_QWEN2, save_tiny_hf_model
-from tests.tp_utils import run_model, run_tp
+from tests.models.test_gpt_oss import TINY_GPT_OSS, save_tiny_gpt_oss, save_tiny_mxfp4_gpt_oss
+from tests.models.test_sliding_window_models import TINY_GEMMA3, TINY_PHI3
+from tests.tp_utils import PROMPTS, run_model, run_tp
 
 TINY_LLAMA_ONE_KV = dict(TINY_LLAMA, num_key_value_heads=1)  # fewer KV heads than ranks: replicated
+TP_MODELS = ["llama", "qwen2_bias_tied", "llama_one_kv_head", "gemma3", "phi3", "gpt_oss"]
+# (the sliding-window models' window is 8 tokens: the first prompt exceeds it, and every sequence does once decoded)
+assert max(map(len, PROMPTS)) > TINY_GEMMA3["sliding_window"] == TINY_PHI3["sliding_window"] \
+    == TINY_GPT_OSS["sliding_window"]
 
 
 @pytest.fixture(scope="module")
 def tp_models(tmp_path_factory, tiny_llama, tiny_qwen2):
-    one_kv = tmp_path_factory.mktemp("tiny_llama_one_kv")
-    save_tiny_hf_model(one_kv, TINY_LLAMA_ONE_KV, seed=3)
-    return {"llama": str(tiny_llama[0]), "qwen2_bias_tied": str(tiny_qwen2[0]), "llama_one_kv_head": str(one_kv)}
+    paths = {"llama": str(tiny_llama[0]), "qwen2_bias_tied": str(tiny_qwen2[0])}
+    for name, config in (("llama_one_kv_head", TINY_LLAMA_ONE_KV), ("gemma3", TINY_GEMMA3), ("phi3", TINY_PHI3)):
+        paths[name] = str(tmp_path_factory.mktemp(name))
+        save_tiny_hf_model(paths[name], config, seed=3)
+    paths["gpt_oss"] = str(tmp_path_factory.mktemp("gpt_oss"))
+    save_tiny_gpt_oss(paths["gpt_oss"], seed=3)
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +42,7 @@ def tp2_results(tp_models):
     return dict(zip(tp_models, run_tp(list(tp_models.values()), size=2, per_rank={1: {"max_total_tokens": 200}})))
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_bias_tied", "llama_one_kv_head"])
+@pytest.mark.parametrize("name", TP_MODELS)
 def test_tp2_logits_and_greedy_tokens_equal_tp1(name, tp_models, tp2_results):
     one = run_model(tp_models[name])
     ranks = tp2_results[name]
@@ -99,6 +109,54 @@ def test_weight_shards_gather_to_the_full_tensors(tmp_path, config):
     for ours in (f"{layer}.input_layernorm.weight", "model.norm.weight"):
         torch.testing.assert_close(r0[ours], full[ours], rtol=0, atol=0)
         torch.testing.assert_close(r1[ours], full[ours], rtol=0, atol=0)
+
+
+def _gathered(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The tp 1 tensor the ranks' shards of parameter `name` make up (rank 0's where each rank holds it whole)."""
+    if ".qkv_proj." in name:
+        q, k, v = zip(*(_qkv_parts(p, cfg, len(parts)) for p in parts))
+        return torch.cat([*q, *k, *v])
+    if ".gate_up_proj." in name or ".w13_" in name:  # [gate; up] per rank, along dim 0 or (experts) dim 1
+        dim = 1 if ".w13_" in name else 0
+        gate, up = zip(*(p.chunk(2, dim=dim) for p in parts))
+        return torch.cat([*gate, *up], dim=dim)
+    if name.endswith(("o_proj.weight", "down_proj.weight", ".w2_weight")):  # split along their input
+        return torch.cat(parts, dim=-1)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight", ".sinks")):
+        return torch.cat(parts)
+    return parts[0]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3", "gpt_oss", "gpt_oss_mxfp4"])
+def test_fused_expert_and_sink_shards_gather_to_the_tp1_parameters(name, tp_models, tmp_path):
+    """Phi-3's fused checkpoint tensors cut into per-rank q/k/v and gate/up; gpt-oss's sinks with their heads,
+    its experts along the intermediate dimension (w2's bias on rank 0 only, so the all-reduce adds it once),
+    also from an MXFP4 checkpoint (dequantized, then sliced)."""
+    if name == "gpt_oss_mxfp4":
+        save_tiny_mxfp4_gpt_oss(tmp_path)
+        path = str(tmp_path)
+    else:
+        path = tp_models[name]
+    cfg = ModelConfig.from_pretrained(path)
+    (full,), ranks = _shards(path, 1), _shards(path, 2)
+    assert ranks[0].keys() == full.keys()
+    for param, want in full.items():
+        parts = [r[param] for r in ranks]
+        if param.endswith((".w2_bias", "o_proj.bias")):  # row-parallel biases: rank 0's, zeros elsewhere
+            torch.testing.assert_close(parts[1], torch.zeros_like(want), rtol=0, atol=0)
+        elif _gathered(param, parts, cfg) is parts[0]:  # whole on every rank
+            torch.testing.assert_close(parts[1], want, rtol=0, atol=0)
+        torch.testing.assert_close(_gathered(param, parts, cfg), want, rtol=0, atol=0,
+                                   msg=lambda m, param=param: f"{param}: {m}")
+
+
+def test_an_intermediate_size_that_does_not_split_is_refused_in_one_line():
+    from model_executor.weight_loader import check_tensor_parallel
+
+    cfg = ModelConfig.from_dict(dict(TINY_GPT_OSS, intermediate_size=30))
+    check_tensor_parallel(cfg, 2)
+    with pytest.raises(ValueError, match="^intermediate size 30 cannot be split over 4 tensor-parallel ranks$"):
+        check_tensor_parallel(cfg, 4)
 
 
 def test_vocab_padding_rows_are_zero(tmp_path):
