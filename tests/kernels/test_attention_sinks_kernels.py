@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests import triton_mode
+from tests.kernels.test_sliding_window_kernels import ref_window_attention
 from tests.kernels.test_triton_ops import _extend_case, make_pool, make_req_to_token
 from tests.triton_mode import DEVICE, in_process
 
@@ -21,21 +22,6 @@ if not triton_mode.RERUN_IN_SUBPROCESS:
 test_in_subprocess = triton_mode.subprocess_test(__file__)
 
 NO_WINDOW = 10**6
-
-
-def ref_sink_attention(q, k_buffer, v_buffer, slots, q_positions, sm_scale, window, sinks):
-    """q: [n, H, D] at q_positions; slots: [L] KV slots of positions 0..L-1; sinks [H]. fp32 [n, H, D]."""
-    group = q.shape[1] // k_buffer.shape[1]
-    k = k_buffer[slots.long()].float().repeat_interleave(group, dim=1)
-    v = v_buffer[slots.long()].float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * sm_scale
-    kv_pos = torch.arange(slots.numel(), device=q.device)[None, :]
-    q_pos = q_positions.to(q.device)[:, None]
-    visible = (kv_pos <= q_pos) & (kv_pos > q_pos - window)
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("hnl,lhd->nhd", probs, v)
 
 
 def _sinks(num_heads, gen):
@@ -61,7 +47,7 @@ def test_decode_with_sinks_matches_reference(window, num_kv_splits, fused):
         torch.tensor(seq_lens, dtype=torch.int32, device=q.device), ws.attn_logits, ws.attn_lse, num_kv_splits,
         1 / math.sqrt(head_dim), min_chunk=16, tile=(16, 4, 1), counters=ws.counters, fused_combine=fused,
         sliding_window=window, sinks=sinks)
-    ref = torch.cat([ref_sink_attention(q[b : b + 1], k_buf, v_buf, req_to_token[r, :n], torch.tensor([n - 1]),
+    ref = torch.cat([ref_window_attention(q[b : b + 1], k_buf, v_buf, req_to_token[r, :n], torch.tensor([n - 1]),
                                         1 / math.sqrt(head_dim), window or NO_WINDOW, sinks)
                      for b, (r, n) in enumerate(zip(rows, seq_lens))])
     torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
@@ -88,7 +74,7 @@ def test_extend_with_sinks_matches_reference(window, config):
         sinks=sinks)
     outs, start = [], 0
     for r, p, e in zip(rows, prefix_lens, extend_lens):
-        outs.append(ref_sink_attention(q[start : start + e], k_buf, v_buf, req_to_token[r, : p + e],
+        outs.append(ref_window_attention(q[start : start + e], k_buf, v_buf, req_to_token[r, : p + e],
                                        torch.arange(p, p + e), 1 / math.sqrt(64), window or NO_WINDOW, sinks))
         start += e
     torch.testing.assert_close(o, torch.cat(outs), atol=1e-4, rtol=1e-4)

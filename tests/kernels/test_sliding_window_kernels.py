@@ -20,8 +20,9 @@ if not triton_mode.RERUN_IN_SUBPROCESS:
 test_in_subprocess = triton_mode.subprocess_test(__file__)
 
 
-def ref_window_attention(q, k_buffer, v_buffer, slots, q_positions, sm_scale, window):
-    """q: [n, H, D] at q_positions; slots: [L] KV slots of positions 0..L-1. fp32 [n, H, D]."""
+def ref_window_attention(q, k_buffer, v_buffer, slots, q_positions, sm_scale, window, sinks=None):
+    """q: [n, H, D] at q_positions; slots: [L] KV slots of positions 0..L-1; sinks [H] or None (each head's
+    learned logit in the softmax's denominator only). fp32 [n, H, D]."""
     group = q.shape[1] // k_buffer.shape[1]
     k = k_buffer[slots.long()].float().repeat_interleave(group, dim=1)
     v = v_buffer[slots.long()].float().repeat_interleave(group, dim=1)
@@ -30,7 +31,11 @@ def ref_window_attention(q, k_buffer, v_buffer, slots, q_positions, sm_scale, wi
     q_pos = q_positions.to(q.device)[:, None]
     visible = (kv_pos <= q_pos) & (kv_pos > q_pos - window)
     scores = scores.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
+    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("hnl,lhd->nhd", probs, v)
 
 
 def decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, num_kv_splits, window, tile=None, fused=None):

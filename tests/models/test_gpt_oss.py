@@ -6,7 +6,6 @@ and a radix-cache hit; what duet does not read is refused in one line."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -235,28 +234,7 @@ def test_mxfp4_is_refused_for_other_architectures():
 
 
 def test_server_greedy_tokens_equal_hf(tmp_path, model_dir):
-    """launch_server on a tiny gpt-oss (the default model's tokenizer), prefilling in chunks of 4 tokens: a
-    10-token prompt's 12 greedy tokens equal HF's, and again when the prompt is served from the radix cache."""
-    import httpx
-
-    from tests.fake_scheduler import ServerProcess
-    from tests.models.test_loading import TOKENIZER_FILES
+    from tests.models.test_sliding_window_models import assert_server_gives_hf_tokens
 
     hf_model = save_tiny_gpt_oss(tmp_path, dict(TINY_GPT_OSS, vocab_size=49152), seed=3)
-    for name in TOKENIZER_FILES:
-        shutil.copy(model_dir / name, tmp_path / name)
-    prompt = [5, 17, 42, 99, 123, 7, 250, 31, 64, 8]
-    with torch.no_grad():
-        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    srv = ServerProcess("--chunked-prefill-size", "4", model_dir=tmp_path, fake=False).wait_healthy()
-    try:
-        for _ in range(2):
-            body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
-                                                             "ignore_eos": True}}
-            r = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            assert r.json()["output_ids"] == ref
-        assert r.json()["meta_info"]["cached_tokens"] > 0
-    finally:
-        assert srv.stop() == 0
+    assert_server_gives_hf_tokens(tmp_path, hf_model, model_dir)

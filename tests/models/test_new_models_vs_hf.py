@@ -45,17 +45,22 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_models(tmp_path_factory, configs: dict):
+    """get(name) -> (folder, HF model) of configs[name], saved once per module on first use."""
     made = {}
 
     def get(name):
         if name not in made:
             path = tmp_path_factory.mktemp(name)
-            made[name] = path, save_tiny_hf_model(path, CONFIGS[name], seed=len(name))
+            made[name] = path, save_tiny_hf_model(path, configs[name], seed=len(name))
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_models(tmp_path_factory, CONFIGS)
 
 
 def _prompts(n=(7, 1, 23)):

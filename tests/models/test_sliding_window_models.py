@@ -17,7 +17,7 @@ from model_executor.model_config import ModelConfig, ModelConfigError
 from runners.model_runner import ModelRunner, RunnerConfig
 from tests.conftest import save_tiny_hf_model
 from tests.models.test_model_vs_hf import hf_last_logits, rel_err, run_prefill_and_decode
-from tests.models.test_new_models_vs_hf import greedy
+from tests.models.test_new_models_vs_hf import greedy, tiny_models
 
 WINDOW = 8
 BASE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -43,15 +43,7 @@ CONTEXT = {"phi3": 32}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            path = tmp_path_factory.mktemp(name)
-            made[name] = path, save_tiny_hf_model(path, CONFIGS[name], seed=len(name))
-        return made[name]
-
-    return get
+    return tiny_models(tmp_path_factory, CONFIGS)
 
 
 def runner_for(path, context: int = 128) -> ModelRunner:
@@ -170,22 +162,22 @@ def test_phi3_fused_tensor_of_the_wrong_size_is_named(tiny, tmp_path):
         runner_for(tmp_path)
 
 
-def test_gemma3_server_greedy_tokens_equal_hf(tmp_path, model_dir):
-    """launch_server on a tiny Gemma 3 (the default model's tokenizer), prefilling in chunks of 4 tokens: a
-    10-token prompt's 12 greedy tokens equal HF's, and again when the prompt is served from the radix cache."""
+def assert_server_gives_hf_tokens(folder, hf_model, model_dir) -> None:
+    """launch_server on the tiny model saved in `folder` (the default model's tokenizer copied in), prefilling in
+    chunks of 4 tokens: a 10-token prompt's 12 greedy tokens equal HF's, and again when the prompt is served from
+    the radix cache."""
     import httpx
 
     from tests.fake_scheduler import ServerProcess
     from tests.models.test_loading import TOKENIZER_FILES
 
-    hf_model = save_tiny_hf_model(tmp_path, dict(TINY_GEMMA3, vocab_size=49152), seed=3)
     for name in TOKENIZER_FILES:
-        shutil.copy(model_dir / name, tmp_path / name)
+        shutil.copy(model_dir / name, folder / name)
     prompt = [5, 17, 42, 99, 123, 7, 250, 31, 64, 8]
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    srv = ServerProcess("--chunked-prefill-size", "4", model_dir=tmp_path, fake=False).wait_healthy()
+    srv = ServerProcess("--chunked-prefill-size", "4", model_dir=folder, fake=False).wait_healthy()
     try:
         for _ in range(2):
             body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
@@ -196,6 +188,11 @@ def test_gemma3_server_greedy_tokens_equal_hf(tmp_path, model_dir):
         assert r.json()["meta_info"]["cached_tokens"] > 0
     finally:
         assert srv.stop() == 0
+
+
+def test_gemma3_server_greedy_tokens_equal_hf(tmp_path, model_dir):
+    hf_model = save_tiny_hf_model(tmp_path, dict(TINY_GEMMA3, vocab_size=49152), seed=3)
+    assert_server_gives_hf_tokens(tmp_path, hf_model, model_dir)
 
 
 def test_gemma3_piecewise_stand_in_equals_eager(tiny):
