@@ -245,32 +245,29 @@ class ModelRunner:
             else:
                 logger.warning("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
         self._init_verify_graphs()
-        if self.aux_hidden_state_layers and not cfg.disable_piecewise_cuda_graph:
+        if cfg.disable_piecewise_cuda_graph or not cfg.piecewise_cuda_graph_tokens:
+            return
+        # (from the list itself, not the pieces' levels: those start at 2, and a one-token extend, a prompt cached
+        # but for its last token, takes a whole graph of one token, the GEMM rows eager runs)
+        full_levels = sorted({t for t in cfg.piecewise_cuda_graph_tokens if t <= cfg.full_extend_graph_max_tokens})
+        capturer = None
+        if self.aux_hidden_state_layers:
             # The pieces are traced: a forward's aux hidden states (a side output) do not come out of them.
-            full_levels = sorted({t for t in cfg.piecewise_cuda_graph_tokens if t <= cfg.full_extend_graph_max_tokens})
-            if full_levels and self.attn_backend.supports_extend_cuda_graph:
-                from runners.full_extend_graph_runner import FullExtendGraphRunner
-
-                self.full_extend_graph_runner = FullExtendGraphRunner(self, full_levels)
             logger.info("EAGLE-3 target: extends over %d tokens run eagerly (no piecewise pieces)",
                         cfg.full_extend_graph_max_tokens if full_levels else 0)
-            return
-        if not cfg.disable_piecewise_cuda_graph and cfg.piecewise_cuda_graph_tokens:
+        else:
             # Attention runs eagerly between the pieces, so every backend works here.
             from runners.piecewise_cuda_graph_runner import PiecewiseCudaGraphRunner
 
             self.extend_graph_runner = PiecewiseCudaGraphRunner(self, list(cfg.piecewise_cuda_graph_tokens))
-            # (from the list itself, not the pieces' levels: those start at 2, and a one-token extend, a prompt
-            # cached but for its last token, takes a whole graph of one token, the GEMM rows eager runs)
-            full_levels = sorted({t for t in cfg.piecewise_cuda_graph_tokens if t <= cfg.full_extend_graph_max_tokens})
-            if full_levels and self.attn_backend.supports_extend_cuda_graph:
-                from runners.full_extend_graph_runner import FullExtendGraphRunner
+            capturer = self.extend_graph_runner.capturer
+        if full_levels and self.attn_backend.supports_extend_cuda_graph:
+            from runners.full_extend_graph_runner import FullExtendGraphRunner
 
-                self.full_extend_graph_runner = FullExtendGraphRunner(self, full_levels,
-                                                                      capturer=self.extend_graph_runner.capturer)
-            elif full_levels:
-                logger.info("%s runs extend attention outside graphs: extends replay piecewise only",
-                            type(self.attn_backend).__name__)
+            self.full_extend_graph_runner = FullExtendGraphRunner(self, full_levels, capturer=capturer)
+        elif full_levels and self.extend_graph_runner is not None:
+            logger.info("%s runs extend attention outside graphs: extends replay piecewise only",
+                        type(self.attn_backend).__name__)
 
     def _init_verify_graphs(self) -> None:
         cfg = self.config

@@ -42,7 +42,6 @@ class VerifyGraphRunner(FullExtendGraphRunner):
     def static_batch(self, key: tuple[int, int]) -> ForwardBatch:
         fb = super().static_batch(key)
         fb.max_extend_len_bound = self.tokens_per_request  # no request extends by more
-        fb.all_token_logits = True
         return fb
 
     def key(self, fb: ForwardBatch) -> tuple[int, int]:

@@ -191,16 +191,16 @@ class Scheduler:
             params = dataclasses.replace(params, max_new_tokens=0, prompt_logprob_start=None, grammar=None)
         req = Req(rid, list(input_ids), params)
         req.pooling = pooling
-        lora_error = self._resolve_lora(req, lora_name)
-        if images and lora_error is None:
-            lora_error = self._attach_images(req, images)
+        invalid = self._resolve_lora(req, lora_name)
+        if images and invalid is None:
+            invalid = self._attach_images(req, images)
         req.max_output = min(params.max_new_tokens, self.runner.context_len - len(req.input_ids))
         if not params.ignore_eos:
             req.stop_ids = req.stop_ids | self.eos_ids
         self.reqs[rid] = req
         error = self._admission_error(req)
-        if lora_error is not None:
-            self._finish(req, FinishReason("invalid", message=lora_error))
+        if invalid is not None:
+            self._finish(req, FinishReason("invalid", message=invalid))
         elif error is not None:
             self._finish(req, FinishReason("error", message=error))
         elif params.max_new_tokens == 0 and pooling is None:
